@@ -1,0 +1,2 @@
+//! Run with: cargo run -p outbox-examples --bin transfer
+fn main() {}

@@ -1,0 +1,2 @@
+//! The `outbox` command (in progress).
+fn main() {}

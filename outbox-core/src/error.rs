@@ -1,0 +1,149 @@
+use crate::{InvalidMsgId, MsgId};
+
+/// A boxed error from a backend (database driver, broker client).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `outbox-core` and the backends built on its traits.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The event's id does not make a valid msg_id.
+    #[error(transparent)]
+    InvalidMsgId(#[from] InvalidMsgId),
+    /// The event could not be serialized to JSON.
+    #[error("cannot serialize event `{msg_id}`: {source}")]
+    Serialize {
+        /// The event's msg_id.
+        msg_id: MsgId,
+        /// serde's error.
+        source: serde_json::Error,
+    },
+    /// The serialized payload is over the configured limit.
+    #[error("event `{msg_id}` payload is {size} bytes; the limit is {limit}")]
+    PayloadTooLarge {
+        /// The event's msg_id.
+        msg_id: MsgId,
+        /// Serialized size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// A message with this msg_id is already in the outbox: the same business fact was
+    /// submitted twice. The first message is untouched.
+    #[error("duplicate msg_id `{0}`: this event was already emitted")]
+    Duplicate(MsgId),
+    /// The payload could not be decoded into the handler's event type.
+    #[error("cannot decode a `{event_type}` payload: {source}")]
+    Decode {
+        /// The message's event type.
+        event_type: String,
+        /// serde's error.
+        source: serde_json::Error,
+    },
+    /// No handler is registered for this event type.
+    #[error("no handler for event type `{0}`")]
+    UnknownEventType(String),
+    /// Two handlers were registered for one event type.
+    #[error("a handler for event type `{0}` is already registered")]
+    DuplicateHandler(String),
+    /// A handler returned an error or panicked.
+    #[error("handler failed: {0}")]
+    Handler(#[source] BoxError),
+    /// The database failed (connection, query, transaction).
+    #[error("store error: {0}")]
+    Store(#[source] BoxError),
+    /// The broker as a whole is unreachable or timed out. The relay backs off without
+    /// spending any message's retries.
+    #[error("broker unavailable: {0}")]
+    BrokerUnavailable(#[source] BoxError),
+    /// A stored status value that is not NEW, SENT or DEAD.
+    #[error("unknown outbox status value {0}")]
+    UnknownStatus(i16),
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+impl Error {
+    /// Wraps a database error.
+    pub fn store(e: impl Into<BoxError>) -> Self {
+        Self::Store(e.into())
+    }
+
+    /// Wraps a broker connection error or timeout.
+    pub fn broker_unavailable(e: impl Into<BoxError>) -> Self {
+        Self::BrokerUnavailable(e.into())
+    }
+
+    /// The same business fact was emitted twice.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Self::Duplicate(_))
+    }
+
+    /// A failure of the whole broker or database rather than of one message: retry
+    /// later, as a whole.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, Self::BrokerUnavailable(_) | Self::Store(_))
+    }
+
+    /// A message that can never be processed as it is (bad payload, no handler): it goes
+    /// to the dead-letter stream at once.
+    pub fn is_poison(&self) -> bool {
+        matches!(self, Self::Decode { .. } | Self::UnknownEventType(_))
+    }
+}
+
+/// The error a [`Handler`](crate::Handler) returns. Anything that implements
+/// `std::error::Error` converts with `?`; [`HandlerError::msg`] makes one from text.
+pub struct HandlerError(BoxError);
+
+impl HandlerError {
+    /// A handler error with a message.
+    pub fn msg(message: impl std::fmt::Display) -> Self {
+        Self(message.to_string().into())
+    }
+
+    /// The underlying error.
+    pub fn into_inner(self) -> BoxError {
+        self.0
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
+    fn from(e: E) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+impl std::fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl From<HandlerError> for Error {
+    fn from(e: HandlerError) -> Self {
+        Self::Handler(e.0)
+    }
+}
+
+impl From<HandlerError> for BoxError {
+    fn from(e: HandlerError) -> Self {
+        e.0
+    }
+}
+
+impl From<HandlerError> for Box<dyn std::error::Error> {
+    fn from(e: HandlerError) -> Self {
+        e.0
+    }
+}

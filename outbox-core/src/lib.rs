@@ -1,0 +1,152 @@
+//! Typed domain events with the transactional outbox pattern.
+//!
+//! An event is a serde struct with `#[derive(OutboxEvent)]`. Business code writes it to an
+//! `outbox` table in its own database transaction (`outbox-diesel`), a [`Relay`] moves
+//! committed rows to a broker (`outbox-redis`), and consumers apply each message exactly
+//! once in effect through typed [`Handler`]s that record `(consumer_group, msg_id)` in the
+//! handler's own transaction.
+//!
+//! # Example
+//!
+//! The whole pipeline with the in-memory database and broker (feature `memory`), as a
+//! handler's unit test would run it:
+//!
+//! ```
+//! use outbox_core::{Delivery, Dispatcher, Handler, HandlerError, MemoryBroker, MemoryDb, MemoryTx,
+//!                   OutboxEvent, Processed, Relay};
+//!
+//! #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
+//! struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+//!
+//! assert_eq!(OrderPaid::TOPIC, "order.paid");
+//! assert_eq!(OrderPaid::EVENT_TYPE, "OrderPaid");
+//! assert_eq!(OrderPaid::msg_id_for("order-42")?.as_str(), "order-42:OrderPaid");
+//!
+//! // The consumer's state: points per order.
+//! type Points = std::collections::BTreeMap<String, i64>;
+//! struct AwardPoints;
+//! impl Handler<OrderPaid> for AwardPoints {
+//!     type Conn = MemoryTx<Points>;
+//!     fn handle(&self, e: OrderPaid, tx: &mut MemoryTx<Points>, _: &Delivery) -> Result<(), HandlerError> {
+//!         tx.data().insert(e.order_id, e.amount_cents / 100);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! let orders = MemoryDb::new(());
+//! orders.transaction(|tx| tx.emit(OrderPaid { order_id: "order-42".into(), amount_cents: 1999 }))?;
+//!
+//! let broker = MemoryBroker::new();
+//! Relay::new(orders.clone(), broker.clone()).run_once().await?;
+//!
+//! let points = MemoryDb::new(Points::new());
+//! let mut dispatcher = Dispatcher::new();
+//! dispatcher.register::<OrderPaid, _>(AwardPoints)?;
+//! for envelope in broker.published("order.paid") {
+//!     let delivery = Delivery { envelope, delivery_count: 1, entry_id: None };
+//!     assert_eq!(dispatcher.consume(&points, "points", &delivery)?, Processed::Applied);
+//!     // A redelivery is recognised and skipped.
+//!     assert_eq!(dispatcher.consume(&points, "points", &delivery)?, Processed::Duplicate);
+//! }
+//! assert_eq!(points.read(|p| p["order-42"]), 19);
+//! # Ok::<_, outbox_core::Error>(()) })?;
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Features
+//!
+//! | feature  | default | what it gives |
+//! |----------|---------|---------------|
+//! | `derive` | yes     | `#[derive(OutboxEvent)]` |
+//! | `memory` | yes     | [`MemoryDb`] and [`MemoryBroker`] for unit tests without services |
+#![doc(test(attr(deny(warnings))))]
+
+mod dispatch;
+mod error;
+mod event;
+mod inbox;
+#[cfg(feature = "memory")]
+mod memory;
+mod message;
+mod msg_id;
+mod publish;
+mod relay;
+mod retry;
+mod store;
+
+pub use dispatch::{Delivery, Dispatcher, Handler, Prepared};
+pub use error::{BoxError, Error, HandlerError, Result};
+pub use event::OutboxEvent;
+pub use inbox::{Inbox, Processed};
+#[cfg(feature = "memory")]
+pub use memory::{MemoryBatch, MemoryBroker, MemoryDb, MemoryTx, OutboxRow};
+pub use message::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage};
+pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
+pub use publish::{PublishOutcomes, Publisher, Rejected};
+pub use relay::{BatchReport, Relay, RelayConfig};
+pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};
+pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
+
+/// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct or an enum with named fields.
+///
+/// # Attributes
+///
+/// On the type:
+///
+/// | attribute | meaning | default |
+/// |---|---|---|
+/// | `#[outbox(topic = "order.paid")]` | the stream topic, `[A-Za-z0-9._-]+` | type name split at case, dotted: `OrderPaid` → `order.paid` |
+/// | `#[outbox(name = "OrderPaid")]` | the event type name (structs; on enums, per variant) | the type (or variant) name |
+/// | `#[outbox(version = 2)]` | the payload's schema version | `1` |
+/// | `#[outbox(key = field)]` | the ordering key: messages sharing it are published in order | the business key |
+/// | `#[outbox(id = "{tenant}/{order_id}")]` | the business key as a template over fields | — |
+///
+/// On fields: `#[outbox(id)]` marks the business key; several marked fields join with `:`
+/// in field order. Exactly one of field ids and a template is required.
+///
+/// On enum variants: `topic`, `name`, `key` and `id` as above; each variant is its own event
+/// type and shares the enum's topic unless it sets one.
+///
+/// # What it generates
+///
+/// The [`OutboxEvent`](trait@OutboxEvent) impl, and for structs the inherent items
+/// `TOPIC`, `EVENT_TYPE` and `msg_id_for(id fields...)`, which builds the msg_id without an
+/// instance:
+///
+/// ```
+/// use outbox_core::OutboxEvent;
+///
+/// #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
+/// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+///
+/// let e = OrderPaid { order_id: "order-42".into(), amount_cents: 1999 };
+/// assert_eq!(OrderPaid::TOPIC, "order.paid");
+/// assert_eq!(OrderPaid::EVENT_TYPE, "OrderPaid");
+/// assert_eq!(e.msg_id().unwrap().as_str(), "order-42:OrderPaid");
+/// assert_eq!(OrderPaid::msg_id_for("order-42").unwrap().as_str(), "order-42:OrderPaid");
+///
+/// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+/// #[outbox(id = "{tenant}/{order_id}", topic = "billing", version = 2)]
+/// enum Billing {
+///     Invoiced { tenant: String, order_id: u64 },
+///     #[outbox(name = "Refund", topic = "refunds")]
+///     Refunded { tenant: String, order_id: u64 },
+/// }
+/// let r = Billing::Refunded { tenant: "acme".into(), order_id: 7 };
+/// assert_eq!(r.msg_id().unwrap().as_str(), "acme/7:Refund");
+/// assert_eq!(r.topic(), "refunds");
+/// assert_eq!(Billing::EVENT_TYPES, ["Invoiced", "Refund"]);
+/// ```
+///
+/// Mistakes are compile errors pointing at the attribute, all reported in one build.
+#[cfg(feature = "derive")]
+pub use outbox_derive::OutboxEvent;
+
+/// Paths used by the derive's generated code. Not public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use serde::{Serialize, de::DeserializeOwned};
+    pub use std::format;
+    pub use std::string::{String, ToString};
+}

@@ -1,0 +1,165 @@
+use std::fmt;
+
+/// Longest msg_id accepted, in bytes: the `VARCHAR(64)` of the `outbox` and `consumed_msg` tables.
+pub const MAX_MSG_ID_LEN: usize = 64;
+
+/// A validated message id: non-empty, at most [`MAX_MSG_ID_LEN`] bytes, no whitespace or
+/// control characters.
+///
+/// The same id is the publish-side dedup key (unique in the `outbox` table) and the
+/// consume-side idempotency key (`consumed_msg`), so it is built from the business key and
+/// the event name, e.g. `order-42:OrderPaid`. An id that does not fit is an error, never
+/// truncated: a truncated id could collide with another event's.
+///
+/// ```
+/// use outbox_core::MsgId;
+/// assert_eq!(MsgId::new("order-42:OrderPaid").unwrap().as_str(), "order-42:OrderPaid");
+/// assert!(MsgId::new("has space").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
+pub struct MsgId(String);
+
+/// Why a string is not a valid [`MsgId`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidMsgId {
+    /// The id is empty.
+    #[error("msg_id is empty")]
+    Empty,
+    /// The id is longer than [`MAX_MSG_ID_LEN`] bytes.
+    #[error("msg_id `{id}` is {len} bytes long; the limit is {MAX_MSG_ID_LEN}")]
+    TooLong {
+        /// The rejected id.
+        id: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The id contains whitespace or a control character.
+    #[error("msg_id {id:?} contains whitespace or a control character at byte {at}")]
+    BadChar {
+        /// The rejected id.
+        id: String,
+        /// Byte offset of the first offending character.
+        at: usize,
+    },
+}
+
+impl MsgId {
+    /// Validates `id` and wraps it.
+    pub fn new(id: impl Into<String>) -> Result<Self, InvalidMsgId> {
+        let id = id.into();
+        if id.is_empty() {
+            return Err(InvalidMsgId::Empty);
+        }
+        if id.len() > MAX_MSG_ID_LEN {
+            return Err(InvalidMsgId::TooLong { len: id.len(), id });
+        }
+        if let Some((at, _)) = id
+            .char_indices()
+            .find(|(_, c)| c.is_whitespace() || c.is_control())
+        {
+            return Err(InvalidMsgId::BadChar { id, at });
+        }
+        Ok(Self(id))
+    }
+
+    /// Builds the conventional id `{business_key}:{event_type}`.
+    pub fn from_parts(business_key: &str, event_type: &str) -> Result<Self, InvalidMsgId> {
+        Self::new(format!("{business_key}:{event_type}"))
+    }
+
+    /// The id as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The id as an owned string.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl fmt::Display for MsgId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for MsgId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for MsgId {
+    type Error = InvalidMsgId;
+    fn try_from(value: String) -> Result<Self, Self::Error> {
+        Self::new(value)
+    }
+}
+
+impl TryFrom<&str> for MsgId {
+    type Error = InvalidMsgId;
+    fn try_from(value: &str) -> Result<Self, Self::Error> {
+        Self::new(value)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MsgId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::new(s).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_business_ids() {
+        let id = MsgId::from_parts("order-42", "OrderPaid").unwrap();
+        assert_eq!(id.as_str(), "order-42:OrderPaid");
+        assert_eq!(id.to_string(), "order-42:OrderPaid");
+        assert!(MsgId::new("租户/订单-1:已支付").is_ok());
+    }
+
+    #[test]
+    fn rejects_empty_long_and_blank() {
+        assert_eq!(MsgId::new(""), Err(InvalidMsgId::Empty));
+        let long = "x".repeat(MAX_MSG_ID_LEN + 1);
+        assert!(matches!(
+            MsgId::new(long),
+            Err(InvalidMsgId::TooLong { len: 65, .. })
+        ));
+        assert!(MsgId::new("x".repeat(MAX_MSG_ID_LEN)).is_ok());
+        assert!(matches!(
+            MsgId::new("a b"),
+            Err(InvalidMsgId::BadChar { at: 1, .. })
+        ));
+        assert!(matches!(
+            MsgId::new("a\tb"),
+            Err(InvalidMsgId::BadChar { .. })
+        ));
+        assert!(matches!(
+            MsgId::new("ab\u{7}"),
+            Err(InvalidMsgId::BadChar { at: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn multibyte_length_counts_bytes() {
+        // 22 three-byte characters = 66 bytes: over the column's limit.
+        assert!(matches!(
+            MsgId::new("订".repeat(22)),
+            Err(InvalidMsgId::TooLong { len: 66, .. })
+        ));
+    }
+
+    #[test]
+    fn deserialize_validates() {
+        assert!(serde_json::from_str::<MsgId>("\"ok:Id\"").is_ok());
+        assert!(serde_json::from_str::<MsgId>("\"not ok\"").is_err());
+    }
+}

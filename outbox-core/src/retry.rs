@@ -1,0 +1,172 @@
+use std::time::Duration;
+
+/// How a message that fails on its own is retried: exponential backoff with jitter and a
+/// cap, then dead-lettered after `max_attempts` failed attempts.
+///
+/// Broker or database outages never consume these attempts (they back the relay off as a
+/// whole), so a long outage dead-letters nothing.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_core::{RetryDecision, RetryPolicy};
+///
+/// let policy = RetryPolicy { jitter: 0.0, ..RetryPolicy::default() };
+/// assert_eq!(policy.decide(1, 0.5), RetryDecision::RetryAfter(Duration::from_secs(1)));
+/// assert_eq!(policy.decide(3, 0.5), RetryDecision::RetryAfter(Duration::from_secs(4)));
+/// assert_eq!(policy.decide(policy.max_attempts, 0.5), RetryDecision::Dead);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Failed attempts after which the message becomes DEAD (default 10).
+    pub max_attempts: u32,
+    /// Delay after the first failure (default 1 s); doubles with each further failure.
+    pub base_delay: Duration,
+    /// Upper bound on any delay (default 5 min).
+    pub max_delay: Duration,
+    /// Relative jitter in `0.0..=1.0` (default 0.2): a delay `d` becomes a uniform pick in
+    /// `d·(1−jitter) ..= d·(1+jitter)`, still capped, so failing messages do not retry in
+    /// lock-step.
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 10,
+            base_delay: Duration::from_secs(1),
+            max_delay: Duration::from_secs(300),
+            jitter: 0.2,
+        }
+    }
+}
+
+/// What to do with a message after a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryDecision {
+    /// Try again after this delay.
+    RetryAfter(Duration),
+    /// The limit is reached: mark it DEAD.
+    Dead,
+}
+
+impl RetryPolicy {
+    /// Decides after the `failed_attempts`-th failure (1 for the first). `unit` is a
+    /// uniform sample from `0.0..1.0` that drives the jitter; passing it in keeps this
+    /// function pure and testable.
+    pub fn decide(&self, failed_attempts: u32, unit: f64) -> RetryDecision {
+        if failed_attempts >= self.max_attempts {
+            RetryDecision::Dead
+        } else {
+            RetryDecision::RetryAfter(self.delay(failed_attempts, unit))
+        }
+    }
+
+    /// [`decide`](Self::decide) with a random jitter sample.
+    pub fn decide_now(&self, failed_attempts: u32) -> RetryDecision {
+        self.decide(failed_attempts, fastrand::f64())
+    }
+
+    /// The backoff after the `failed_attempts`-th failure, before the limit is considered.
+    pub fn delay(&self, failed_attempts: u32, unit: f64) -> Duration {
+        let exp = failed_attempts.saturating_sub(1).min(62);
+        let raw = self.base_delay.as_secs_f64() * (1u64 << exp) as f64;
+        let capped = raw.min(self.max_delay.as_secs_f64());
+        let jitter = self.jitter.clamp(0.0, 1.0);
+        let factor = 1.0 - jitter + 2.0 * jitter * unit.clamp(0.0, 1.0);
+        Duration::from_secs_f64((capped * factor).min(self.max_delay.as_secs_f64()))
+    }
+}
+
+/// Bounded exponential backoff for outages of the broker or database, which pause the
+/// whole relay (or consumer) and never touch per-message retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutageBackoff {
+    /// First pause (default 100 ms).
+    pub min: Duration,
+    /// Longest pause (default 30 s).
+    pub max: Duration,
+}
+
+impl Default for OutageBackoff {
+    fn default() -> Self {
+        Self {
+            min: Duration::from_millis(100),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl OutageBackoff {
+    /// The pause after `consecutive` outages in a row (1 for the first).
+    pub fn pause(&self, consecutive: u32) -> Duration {
+        let exp = consecutive.saturating_sub(1).min(30);
+        self.min.saturating_mul(1u32 << exp).min(self.max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_jitter() -> RetryPolicy {
+        RetryPolicy {
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        }
+    }
+
+    #[test]
+    fn doubles_from_base_then_caps() {
+        let p = no_jitter();
+        let secs: Vec<u64> = (1..=10).map(|n| p.delay(n, 0.0).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]);
+        assert_eq!(
+            p.delay(u32::MAX, 0.0),
+            p.max_delay,
+            "huge attempt counts must not overflow"
+        );
+    }
+
+    #[test]
+    fn dead_exactly_at_the_limit() {
+        let p = RetryPolicy {
+            max_attempts: 3,
+            ..no_jitter()
+        };
+        assert!(matches!(p.decide(1, 0.0), RetryDecision::RetryAfter(_)));
+        assert!(matches!(p.decide(2, 0.0), RetryDecision::RetryAfter(_)));
+        assert_eq!(p.decide(3, 0.0), RetryDecision::Dead);
+        assert_eq!(p.decide(4, 0.0), RetryDecision::Dead);
+    }
+
+    #[test]
+    fn jitter_spreads_within_bounds_and_respects_cap() {
+        let p = RetryPolicy {
+            jitter: 0.5,
+            ..RetryPolicy::default()
+        };
+        assert_eq!(p.delay(3, 0.0), Duration::from_secs(2));
+        assert_eq!(p.delay(3, 1.0), Duration::from_secs(6));
+        assert_eq!(p.delay(3, 0.5), Duration::from_secs(4));
+        assert_eq!(
+            p.delay(20, 1.0),
+            p.max_delay,
+            "jitter never exceeds the cap"
+        );
+        for _ in 0..1000 {
+            let d = p.delay(2, fastrand::f64());
+            assert!(
+                d >= Duration::from_secs(1) && d <= Duration::from_secs(3),
+                "{d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn outage_backoff_is_bounded() {
+        let b = OutageBackoff::default();
+        assert_eq!(b.pause(1), Duration::from_millis(100));
+        assert_eq!(b.pause(2), Duration::from_millis(200));
+        assert_eq!(b.pause(100), Duration::from_secs(30));
+    }
+}

@@ -1,0 +1,65 @@
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::{Error, StoredMessage};
+
+/// What happened to a claimed batch, applied by [`ClaimedBatch::complete`] in one
+/// transaction with the claim.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Row ids published: mark SENT.
+    pub sent: Vec<i64>,
+    /// Rows that failed and will be retried: `retries + 1`, this `next_retry_at`, this error.
+    pub retry: Vec<(i64, DateTime<Utc>, String)>,
+    /// Rows that failed for the last time: `retries + 1`, DEAD, this error.
+    pub dead: Vec<(i64, String)>,
+}
+
+impl BatchOutcome {
+    /// Whether there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.sent.is_empty() && self.retry.is_empty() && self.dead.is_empty()
+    }
+}
+
+/// The numbers an operator alerts on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// NEW rows whose `next_retry_at` has come.
+    pub due: u64,
+    /// Age of the oldest due NEW row (by `created_at`), if any.
+    pub oldest_due_age: Option<Duration>,
+    /// DEAD rows waiting for an operator.
+    pub dead: u64,
+}
+
+/// The relay's side of the outbox table.
+pub trait RelayStore: Send + Sync {
+    /// A claimed batch; dropping it without [`ClaimedBatch::complete`] releases the rows
+    /// untouched.
+    type Batch: ClaimedBatch;
+
+    /// Claims up to `limit` due NEW rows in id order. Claimed rows are invisible to other
+    /// claimers until the batch is completed or dropped.
+    fn claim(&self, limit: usize) -> impl Future<Output = Result<Self::Batch, Error>> + Send;
+
+    /// Waits until new rows may be due, or `timeout` passes. The default sleeps;
+    /// PostgreSQL overrides it with LISTEN so a commit wakes the relay at once.
+    fn wait_for_work(&self, timeout: Duration) -> impl Future<Output = ()> + Send {
+        tokio::time::sleep(timeout)
+    }
+
+    /// Backlog statistics.
+    fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send;
+}
+
+/// Rows claimed by [`RelayStore::claim`].
+pub trait ClaimedBatch: Send {
+    /// The claimed messages, in id order.
+    fn messages(&self) -> &[StoredMessage];
+
+    /// Writes the outcome and releases the claim, atomically.
+    fn complete(self, outcome: BatchOutcome) -> impl Future<Output = Result<(), Error>> + Send;
+}

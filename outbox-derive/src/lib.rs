@@ -1,0 +1,16 @@
+//! `#[derive(OutboxEvent)]`: an implementation detail of `outbox-core`, which re-exports it
+//! and documents its attributes. Depend on `outbox-core` instead of this crate.
+
+mod ast;
+mod attr;
+mod case;
+mod expand;
+
+use proc_macro::TokenStream;
+
+/// Derives `outbox_core::OutboxEvent`; see the re-export in `outbox-core` for the attributes.
+#[proc_macro_derive(OutboxEvent, attributes(outbox))]
+pub fn derive_outbox_event(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::derive(&input).into()
+}
