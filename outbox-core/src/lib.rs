@@ -62,6 +62,10 @@
 //! | `memory` | yes     | [`MemoryDb`] and [`MemoryBroker`] for unit tests without services |
 #![doc(test(attr(deny(warnings))))]
 
+// Lets the derive's `::outbox_core::` paths resolve in this crate's own unit tests.
+#[cfg(test)]
+extern crate self as outbox_core;
+
 mod dispatch;
 mod error;
 mod event;

@@ -227,3 +227,123 @@ enum Idle {
     Poll,
     Outage(Duration),
 }
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use super::*;
+    use crate::{MemoryBroker, MemoryDb, OutboxEvent, Status};
+
+    #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Ping {
+        #[outbox(id)]
+        n: u32,
+    }
+
+    fn db_with(n: u32) -> MemoryDb<()> {
+        let db = MemoryDb::new(());
+        for i in 0..n {
+            db.transaction(|tx| tx.emit(Ping { n: i })).unwrap();
+        }
+        db
+    }
+
+    fn config(max_attempts: u32, batch_size: usize) -> RelayConfig {
+        let retry = RetryPolicy { max_attempts, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
+        RelayConfig { batch_size, retry, ..RelayConfig::default() }
+    }
+
+    #[tokio::test]
+    async fn publishes_in_id_order_one_batch_at_a_time() {
+        let db = db_with(5);
+        let broker = MemoryBroker::new();
+        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(3, 2)).unwrap();
+        let sent: Vec<usize> = [relay.run_once().await, relay.run_once().await, relay.run_once().await, relay.run_once().await]
+            .into_iter()
+            .map(|r| r.unwrap().sent)
+            .collect();
+        assert_eq!(sent, [2, 2, 1, 0]);
+        let ids: Vec<String> = broker.published("ping").iter().map(|e| e.msg_id.to_string()).collect();
+        assert_eq!(ids, ["0:Ping", "1:Ping", "2:Ping", "3:Ping", "4:Ping"]);
+        assert!(db.rows().iter().all(|r| r.status == Status::Sent));
+    }
+
+    #[tokio::test]
+    async fn outage_spends_no_retries_and_kills_nothing() {
+        let db = db_with(3);
+        let broker = MemoryBroker::new();
+        broker.set_down(true);
+        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(1, 10)).unwrap();
+        for _ in 0..5 {
+            let err = relay.run_once().await.unwrap_err();
+            assert!(err.is_outage(), "{err}");
+        }
+        assert!(db.rows().iter().all(|r| r.status == Status::New && r.retries == 0));
+        broker.set_down(false);
+        assert_eq!(relay.run_once().await.unwrap().sent, 3, "released rows are claimable again");
+    }
+
+    #[tokio::test]
+    async fn rejected_messages_retry_then_die_with_their_error() {
+        let db = db_with(2);
+        let broker = MemoryBroker::new();
+        broker.reject_next(4); // both messages fail twice
+        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(2, 10)).unwrap();
+        let first = relay.run_once().await.unwrap();
+        assert_eq!((first.retried, first.dead, first.sent), (2, 0, 0));
+        let second = relay.run_once().await.unwrap();
+        assert_eq!((second.retried, second.dead, second.sent), (0, 2, 0));
+        let rows = db.rows();
+        assert!(rows.iter().all(|r| r.status == Status::Dead && r.retries == 2));
+        assert_eq!(rows[0].last_error.as_deref(), Some("injected failure"));
+        assert_eq!(relay.run_once().await.unwrap().claimed, 0, "DEAD rows are never claimed");
+        assert_eq!(relay.store().backlog().await.unwrap().dead, 2);
+    }
+
+    #[tokio::test]
+    async fn retry_waits_for_its_backoff() {
+        let db = db_with(1);
+        let broker = MemoryBroker::new();
+        broker.reject_next(1);
+        let hour = Duration::from_secs(3600);
+        let retry = RetryPolicy { base_delay: hour, max_delay: hour, ..RetryPolicy::default() };
+        let relay = Relay::new(db.clone(), broker).with_config(RelayConfig { retry, ..RelayConfig::default() }).unwrap();
+        assert_eq!(relay.run_once().await.unwrap().retried, 1);
+        assert_eq!(relay.run_once().await.unwrap().claimed, 0, "not due for an hour");
+        assert!(db.rows()[0].next_retry_at > chrono::Utc::now() + chrono::Duration::minutes(30));
+    }
+
+    #[test]
+    fn zero_batch_size_is_a_config_error() {
+        let relay = Relay::new(MemoryDb::new(()), MemoryBroker::new());
+        let err = relay.with_config(RelayConfig { batch_size: 0, ..RelayConfig::default() }).unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn run_until_drains_wakes_on_commit_and_stops() {
+        let db = db_with(1200);
+        let broker = MemoryBroker::new();
+        // A poll interval far longer than the test: only the wake-up can deliver the late
+        // message in time.
+        let cfg = RelayConfig { poll_interval: Duration::from_secs(3600), ..RelayConfig::default() };
+        let relay = Relay::new(db.clone(), broker.clone()).with_config(cfg).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await });
+        wait_until(|| broker.published("ping").len() == 1200).await;
+        db.transaction(|tx| tx.emit(Ping { n: 5000 })).unwrap();
+        wait_until(|| broker.published("ping").len() == 1201).await;
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), task).await.expect("relay stops on signal").unwrap();
+        assert!(db.rows().iter().all(|r| r.status == Status::Sent));
+    }
+
+    async fn wait_until(done: impl Fn() -> bool) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !done() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("condition not reached within 30 s");
+    }
+}
