@@ -22,6 +22,9 @@ pub struct RelayConfig {
     pub retry: RetryPolicy,
     /// Pauses while the broker or database is down.
     pub outage_backoff: OutageBackoff,
+    /// How often [`Relay::run_until`] reads the backlog into the `outbox_backlog_*`
+    /// gauges (default 10 s).
+    pub backlog_interval: Duration,
 }
 
 impl Default for RelayConfig {
@@ -31,6 +34,7 @@ impl Default for RelayConfig {
             poll_interval: Duration::from_secs(1),
             retry: RetryPolicy::default(),
             outage_backoff: OutageBackoff::default(),
+            backlog_interval: Duration::from_secs(10),
         }
     }
 }
@@ -184,28 +188,40 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     }
 
     /// Runs until `shutdown` completes. The batch in hand is always finished; the signal
-    /// is observed between batches and while waiting. Outages are logged and backed off;
-    /// this returns only on shutdown.
-    pub async fn run_until(&self, shutdown: impl Future<Output = ()>) {
+    /// is observed between batches and while waiting.
+    ///
+    /// Outages of the broker or database ([`Error::is_outage`]) are logged and backed off
+    /// without end; any other error (a misconfiguration, a store held by another relay)
+    /// stops the relay and is returned.
+    pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut outages = 0u32;
+        let mut backlog_due = Instant::now(); // read it on the first turn
         loop {
-            let pause = match self.run_once().await {
+            if Instant::now() >= backlog_due {
+                backlog_due = Instant::now() + self.config.backlog_interval;
+                self.record_backlog().await;
+            }
+            let idle = match self.run_once().await {
                 Ok(report) => {
                     outages = 0;
                     // A busy relay claims again at once; an idle one waits for work.
                     (report.claimed == 0).then_some(Idle::Poll)
                 }
-                Err(e) => {
+                Err(e) if e.is_outage() => {
                     outages = outages.saturating_add(1);
                     let pause = self.config.outage_backoff.pause(outages);
                     tracing::warn!(error = %e, ?pause, "relay paused after an outage");
                     metrics::counter!("outbox_relay_outages_total").increment(1);
                     Some(Idle::Outage(pause))
                 }
+                Err(e) => {
+                    tracing::error!(error = %e, "relay stopped by an error");
+                    return Err(e);
+                }
             };
             let wait = async {
-                match pause {
+                match idle {
                     None => {}
                     Some(Idle::Poll) => self.store.wait_for_work(self.config.poll_interval).await,
                     Some(Idle::Outage(pause)) => tokio::time::sleep(pause).await,
@@ -215,10 +231,22 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 biased;
                 () = &mut shutdown => {
                     tracing::info!("relay stopped");
-                    return;
+                    return Ok(());
                 }
                 () = wait => {}
             }
+        }
+    }
+
+    async fn record_backlog(&self) {
+        match self.store.backlog().await {
+            Ok(b) => {
+                metrics::gauge!("outbox_backlog_due").set(b.due as f64);
+                let age = b.oldest_due_age.unwrap_or_default().as_secs_f64();
+                metrics::gauge!("outbox_backlog_oldest_due_seconds").set(age);
+                metrics::gauge!("outbox_backlog_dead").set(b.dead as f64);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot read the outbox backlog"),
         }
     }
 }
@@ -248,21 +276,41 @@ mod tests {
     }
 
     fn config(max_attempts: u32, batch_size: usize) -> RelayConfig {
-        let retry = RetryPolicy { max_attempts, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
-        RelayConfig { batch_size, retry, ..RelayConfig::default() }
+        let retry = RetryPolicy {
+            max_attempts,
+            base_delay: Duration::ZERO,
+            jitter: 0.0,
+            ..RetryPolicy::default()
+        };
+        RelayConfig {
+            batch_size,
+            retry,
+            ..RelayConfig::default()
+        }
     }
 
     #[tokio::test]
     async fn publishes_in_id_order_one_batch_at_a_time() {
         let db = db_with(5);
         let broker = MemoryBroker::new();
-        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(3, 2)).unwrap();
-        let sent: Vec<usize> = [relay.run_once().await, relay.run_once().await, relay.run_once().await, relay.run_once().await]
-            .into_iter()
-            .map(|r| r.unwrap().sent)
-            .collect();
+        let relay = Relay::new(db.clone(), broker.clone())
+            .with_config(config(3, 2))
+            .unwrap();
+        let sent: Vec<usize> = [
+            relay.run_once().await,
+            relay.run_once().await,
+            relay.run_once().await,
+            relay.run_once().await,
+        ]
+        .into_iter()
+        .map(|r| r.unwrap().sent)
+        .collect();
         assert_eq!(sent, [2, 2, 1, 0]);
-        let ids: Vec<String> = broker.published("ping").iter().map(|e| e.msg_id.to_string()).collect();
+        let ids: Vec<String> = broker
+            .published("ping")
+            .iter()
+            .map(|e| e.msg_id.to_string())
+            .collect();
         assert_eq!(ids, ["0:Ping", "1:Ping", "2:Ping", "3:Ping", "4:Ping"]);
         assert!(db.rows().iter().all(|r| r.status == Status::Sent));
     }
@@ -272,14 +320,24 @@ mod tests {
         let db = db_with(3);
         let broker = MemoryBroker::new();
         broker.set_down(true);
-        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(1, 10)).unwrap();
+        let relay = Relay::new(db.clone(), broker.clone())
+            .with_config(config(1, 10))
+            .unwrap();
         for _ in 0..5 {
             let err = relay.run_once().await.unwrap_err();
             assert!(err.is_outage(), "{err}");
         }
-        assert!(db.rows().iter().all(|r| r.status == Status::New && r.retries == 0));
+        assert!(
+            db.rows()
+                .iter()
+                .all(|r| r.status == Status::New && r.retries == 0)
+        );
         broker.set_down(false);
-        assert_eq!(relay.run_once().await.unwrap().sent, 3, "released rows are claimable again");
+        assert_eq!(
+            relay.run_once().await.unwrap().sent,
+            3,
+            "released rows are claimable again"
+        );
     }
 
     #[tokio::test]
@@ -287,15 +345,24 @@ mod tests {
         let db = db_with(2);
         let broker = MemoryBroker::new();
         broker.reject_next(4); // both messages fail twice
-        let relay = Relay::new(db.clone(), broker.clone()).with_config(config(2, 10)).unwrap();
+        let relay = Relay::new(db.clone(), broker.clone())
+            .with_config(config(2, 10))
+            .unwrap();
         let first = relay.run_once().await.unwrap();
         assert_eq!((first.retried, first.dead, first.sent), (2, 0, 0));
         let second = relay.run_once().await.unwrap();
         assert_eq!((second.retried, second.dead, second.sent), (0, 2, 0));
         let rows = db.rows();
-        assert!(rows.iter().all(|r| r.status == Status::Dead && r.retries == 2));
+        assert!(
+            rows.iter()
+                .all(|r| r.status == Status::Dead && r.retries == 2)
+        );
         assert_eq!(rows[0].last_error.as_deref(), Some("injected failure"));
-        assert_eq!(relay.run_once().await.unwrap().claimed, 0, "DEAD rows are never claimed");
+        assert_eq!(
+            relay.run_once().await.unwrap().claimed,
+            0,
+            "DEAD rows are never claimed"
+        );
         assert_eq!(relay.store().backlog().await.unwrap().dead, 2);
     }
 
@@ -305,17 +372,35 @@ mod tests {
         let broker = MemoryBroker::new();
         broker.reject_next(1);
         let hour = Duration::from_secs(3600);
-        let retry = RetryPolicy { base_delay: hour, max_delay: hour, ..RetryPolicy::default() };
-        let relay = Relay::new(db.clone(), broker).with_config(RelayConfig { retry, ..RelayConfig::default() }).unwrap();
+        let retry = RetryPolicy {
+            base_delay: hour,
+            max_delay: hour,
+            ..RetryPolicy::default()
+        };
+        let relay = Relay::new(db.clone(), broker)
+            .with_config(RelayConfig {
+                retry,
+                ..RelayConfig::default()
+            })
+            .unwrap();
         assert_eq!(relay.run_once().await.unwrap().retried, 1);
-        assert_eq!(relay.run_once().await.unwrap().claimed, 0, "not due for an hour");
+        assert_eq!(
+            relay.run_once().await.unwrap().claimed,
+            0,
+            "not due for an hour"
+        );
         assert!(db.rows()[0].next_retry_at > chrono::Utc::now() + chrono::Duration::minutes(30));
     }
 
     #[test]
     fn zero_batch_size_is_a_config_error() {
         let relay = Relay::new(MemoryDb::new(()), MemoryBroker::new());
-        let err = relay.with_config(RelayConfig { batch_size: 0, ..RelayConfig::default() }).unwrap_err();
+        let err = relay
+            .with_config(RelayConfig {
+                batch_size: 0,
+                ..RelayConfig::default()
+            })
+            .unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err}");
     }
 
@@ -325,15 +410,27 @@ mod tests {
         let broker = MemoryBroker::new();
         // A poll interval far longer than the test: only the wake-up can deliver the late
         // message in time.
-        let cfg = RelayConfig { poll_interval: Duration::from_secs(3600), ..RelayConfig::default() };
-        let relay = Relay::new(db.clone(), broker.clone()).with_config(cfg).unwrap();
+        let cfg = RelayConfig {
+            poll_interval: Duration::from_secs(3600),
+            ..RelayConfig::default()
+        };
+        let relay = Relay::new(db.clone(), broker.clone())
+            .with_config(cfg)
+            .unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await });
+        let task =
+            tokio::spawn(
+                async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await },
+            );
         wait_until(|| broker.published("ping").len() == 1200).await;
         db.transaction(|tx| tx.emit(Ping { n: 5000 })).unwrap();
         wait_until(|| broker.published("ping").len() == 1201).await;
         stop.send(()).unwrap();
-        tokio::time::timeout(Duration::from_secs(30), task).await.expect("relay stops on signal").unwrap();
+        tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("relay stops on signal")
+            .unwrap()
+            .unwrap();
         assert!(db.rows().iter().all(|r| r.status == Status::Sent));
     }
 
