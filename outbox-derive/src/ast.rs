@@ -1,6 +1,7 @@
 //! The validated model of an event type, built from the parsed attributes.
 
 use proc_macro2::Span;
+use syn::ext::IdentExt as _;
 use syn::{Data, DeriveInput, Fields, GenericParam, Ident, spanned::Spanned as _};
 
 use crate::attr::{self, ContainerAttrs, Ctxt, Place};
@@ -19,6 +20,8 @@ pub(crate) struct Variant {
     /// The enum variant; `None` for a struct.
     pub(crate) ident: Option<Ident>,
     pub(crate) name: String,
+    /// Where the name comes from: `#[outbox(name = "...")]` or the variant's identifier.
+    pub(crate) name_span: Span,
     pub(crate) topic: String,
     pub(crate) id: Id,
     pub(crate) key: Option<Ident>,
@@ -35,13 +38,15 @@ impl<'a> Event<'a> {
         let cx = Ctxt::default();
         check_generics(&cx, input);
         let top = attr::container(&cx, &input.attrs, Place::Container);
-        let type_name = input.ident.to_string();
+        let type_name = input.ident.unraw().to_string();
         let default_topic = top
             .topic
             .as_ref()
             .map_or_else(|| case::dotted(&type_name), |t| t.value.clone());
-        if let Some(t) = &top.topic {
-            check_name(&cx, &t.value, t.span, "topic");
+        match &top.topic {
+            Some(t) => check_name(&cx, &t.value, t.span, "topic", false),
+            // Only reachable with non-ASCII identifiers.
+            None => check_name(&cx, &default_topic, input.ident.span(), "topic", true),
         }
         let version = top.version.as_ref().map_or(1, |v| v.value);
         let (variants, is_enum) = match &input.data {
@@ -71,7 +76,7 @@ impl<'a> Event<'a> {
                 let variants = e.variants.iter().filter_map(|v| {
                     let own = attr::container(&cx, &v.attrs, Place::Variant);
                     if let Some(t) = &own.topic {
-                        check_name(&cx, &t.value, t.span, "topic");
+                        check_name(&cx, &t.value, t.span, "topic", false);
                     }
                     let topic = own
                         .topic
@@ -84,11 +89,13 @@ impl<'a> Event<'a> {
                         v.ident.span(),
                         &own,
                         &top,
-                        &v.ident.to_string(),
+                        &v.ident.unraw().to_string(),
                         &topic,
                     )
                 });
-                (variants.collect(), true)
+                let variants: Vec<Variant> = variants.collect();
+                check_unique_names(&cx, &variants);
+                (variants, true)
             }
             Data::Union(u) => {
                 cx.error(u.union_token.span, "#[derive(OutboxEvent)] does not support unions\nhelp: use a struct with named fields");
@@ -118,68 +125,112 @@ fn variant(
     default_name: &str,
     topic: &str,
 ) -> Option<Variant> {
-    let Fields::Named(named) = fields else {
-        let what = if ident.is_some() {
-            "tuple and unit variants"
-        } else {
-            "tuple and unit structs"
-        };
-        cx.error(fields.span().join(span).unwrap_or(span), format!(
-            "#[derive(OutboxEvent)] does not support {what}: the id is built from named fields\nhelp: use named fields, e.g. `{{ #[outbox(id)] order_id: String }}`"
-        ));
-        return None;
+    let what = if ident.is_some() { "variant" } else { "struct" };
+    let shown = match ident {
+        Some(_) => default_name.to_owned(),
+        None => format!("struct {default_name}"),
+    };
+    let named = match fields {
+        Fields::Named(named) => named,
+        Fields::Unnamed(unnamed) => {
+            cx.error(unnamed.paren_token.span.join(), format!(
+                "#[derive(OutboxEvent)] does not support tuple {what}s: the id is built from named fields\n\
+                 help: name the fields, e.g. `{shown} {{ #[outbox(id)] order_id: String }}`"
+            ));
+            return None;
+        }
+        Fields::Unit => {
+            cx.error(span, format!(
+                "#[derive(OutboxEvent)] does not support unit {what}s: an event needs a field for its id\n\
+                 help: add named fields, e.g. `{shown} {{ #[outbox(id)] order_id: String }}`"
+            ));
+            return None;
+        }
     };
     let names: Vec<Ident> = named.named.iter().filter_map(|f| f.ident.clone()).collect();
-    let id_fields: Vec<(Ident, Span)> = named
+    let id_fields: Vec<Ident> = named
         .named
         .iter()
         .filter_map(|f| {
-            attr::field_is_id(cx, &f.attrs).map(|s| (f.ident.clone().expect("named field"), s))
+            attr::field_is_id(cx, &f.attrs).map(|_| f.ident.clone().expect("named field"))
         })
         .collect();
-    let name = own
-        .name
-        .as_ref()
-        .map_or_else(|| default_name.to_owned(), |n| n.value.clone());
-    if let Some(n) = &own.name {
-        check_name(cx, &n.value, n.span, "name");
-    }
-    let template = own.id_template.as_ref().or(top.id_template.as_ref());
+    let (name, name_span) = match &own.name {
+        Some(n) => {
+            check_name(cx, &n.value, n.span, "name", false);
+            (n.value.clone(), n.span)
+        }
+        None => {
+            // Only reachable with non-ASCII identifiers.
+            check_name(cx, default_name, span, "name", true);
+            (default_name.to_owned(), span)
+        }
+    };
+    let of = match ident {
+        Some(v) => format!("variant `{v}`"),
+        None => "this event".to_owned(),
+    };
+    let field_list = names
+        .iter()
+        .map(|f| format!("`{}`", f.unraw()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    // A variant's own template or id fields replace the enum's template.
+    let template = match (&own.id_template, id_fields.is_empty()) {
+        (Some(t), _) => Some(t),
+        (None, true) => top.id_template.as_ref(),
+        (None, false) => None,
+    };
     let id = match (template, id_fields.is_empty()) {
-        (Some(t), true) => parse_template(cx, t, &names)?,
+        (Some(t), true) => parse_template(cx, t, &names, &of, &field_list)?,
         (Some(t), false) => {
-            cx.error(t.span, "an id template and #[outbox(id)] fields both define the id\nhelp: keep one of them");
+            cx.error(
+                t.span,
+                "an id template and #[outbox(id)] fields both define the id\n\
+                 help: keep either the template or the #[outbox(id)] fields",
+            );
             return None;
         }
         (None, false) => Id {
             format: vec!["{}"; id_fields.len()].join(":"),
-            args: id_fields.into_iter().map(|(f, _)| f).collect(),
+            args: id_fields,
         },
+        (None, true) if own.misplaced_id || top.misplaced_id => return None,
         (None, true) => {
             cx.error(span, "no msg_id: mark the business key with #[outbox(id)]\nhelp: `#[outbox(id)] order_id: String`, or `#[outbox(id = \"{tenant}/{order_id}\")]` on the type");
             return None;
         }
     };
     let key = own.key.as_ref().or(top.key.as_ref()).cloned();
-    if let Some(k) = &key {
-        if !names.contains(k) {
-            cx.error(
-                k.span(),
-                format!("#[outbox(key = {k})] names no field of this event"),
-            );
-        }
+    if let Some(k) = &key
+        && !names.iter().any(|f| f.unraw() == k.unraw())
+    {
+        cx.error(
+            k.span(),
+            format!(
+                "#[outbox(key = {k})] names no field of {of}\nhelp: the fields are {field_list}"
+            ),
+        );
     }
     Some(Variant {
         ident: ident.cloned(),
         name,
+        name_span,
         topic: topic.to_owned(),
         id,
         key,
     })
 }
 
-/// `"{tenant}/{order_id}"` → format `"{}/{}"` with args `tenant, order_id`.
-fn parse_template(cx: &Ctxt, t: &attr::Spanned<String>, fields: &[Ident]) -> Option<Id> {
+/// `"{tenant}/{order_id}"` → format `"{}/{}"` with args `tenant, order_id`. `of` names the
+/// event in messages ("this event", "variant `Paid`"); `field_list` lists its fields.
+fn parse_template(
+    cx: &Ctxt,
+    t: &attr::Spanned<String>,
+    fields: &[Ident],
+    of: &str,
+    field_list: &str,
+) -> Option<Id> {
     let mut format = String::new();
     let mut args = Vec::new();
     let mut rest = t.value.as_str();
@@ -195,17 +246,27 @@ fn parse_template(cx: &Ctxt, t: &attr::Spanned<String>, fields: &[Ident]) -> Opt
             rest = tail;
             continue;
         }
-        let Some(close) = after.find('}').filter(|_| after.starts_with('{')) else {
+        let close = after
+            .find('}')
+            .filter(|&close| after.starts_with('{') && !after[1..close].contains('{'));
+        let Some(close) = close else {
             cx.error(t.span, "unbalanced brace in id template\nhelp: write fields as `{field}`, literal braces as `{{` and `}}`");
             return None;
         };
         let field = &after[1..close];
-        match fields.iter().find(|f| *f == field) {
+        match fields.iter().find(|f| f.unraw() == field) {
             Some(f) => args.push(f.clone()),
+            None if field.is_empty() => {
+                cx.error(
+                    t.span,
+                    format!("id template has an empty `{{}}`\nhelp: name a field inside the braces; the fields of {of} are {field_list}"),
+                );
+                ok = false;
+            }
             None => {
                 cx.error(
                     t.span,
-                    format!("id template names `{field}`, which is not a field of this event"),
+                    format!("id template names `{field}`, which is not a field of {of}\nhelp: the fields are {field_list}"),
                 );
                 ok = false;
             }
@@ -225,31 +286,78 @@ fn parse_template(cx: &Ctxt, t: &attr::Spanned<String>, fields: &[Ident]) -> Opt
 }
 
 /// Topics and event names travel in stream keys and msg_ids: keep them to `[A-Za-z0-9._-]`.
-fn check_name(cx: &Ctxt, value: &str, span: Span, what: &str) {
+/// `derived` is set when the value comes from an identifier rather than an attribute.
+fn check_name(cx: &Ctxt, value: &str, span: Span, what: &str, derived: bool) {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let example = if what == "topic" {
+        "order.paid"
+    } else {
+        "OrderPaid"
+    };
     if value.is_empty() {
         cx.error(
             span,
-            format!("#[outbox({what})] is empty\nhelp: e.g. `#[outbox({what} = \"order.paid\")]`"),
+            format!("#[outbox({what})] is empty\nhelp: e.g. `#[outbox({what} = \"{example}\")]`"),
         );
-    } else if let Some(c) = value
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
+    } else if let Some(c) = value.chars().find(|&c| !allowed(c)) {
+        // The suggestion: bad characters become word breaks in a topic and vanish in a name.
+        let fixed: String = if what == "topic" {
+            value
+                .split(|c: char| c == '.' || !allowed(c))
+                .filter(|w| !w.is_empty())
+                .collect::<Vec<_>>()
+                .join(".")
+        } else {
+            value.chars().filter(|&c| allowed(c)).collect()
+        };
+        let fixed = if fixed.is_empty() { example } else { &fixed };
+        let subject = if derived {
+            format!("the {what} `{value}`, taken from the identifier,")
+        } else {
+            format!("#[outbox({what})]")
+        };
         cx.error(
             span,
-            format!("#[outbox({what})] contains {c:?}; only `A-Z a-z 0-9 . _ -` are allowed"),
+            format!(
+                "{subject} contains {c:?}; only `A-Z a-z 0-9 . _ -` are allowed\n\
+                 help: `#[outbox({what} = \"{fixed}\")]`"
+            ),
         );
     }
 }
 
-/// Events must be `DeserializeOwned + 'static`: lifetimes cannot be supported, nor const
-/// generics in the generated `msg_id_for`; type parameters are fine.
+/// Two variants with one event type would share msg_ids and handlers.
+fn check_unique_names(cx: &Ctxt, variants: &[Variant]) {
+    for (i, v) in variants.iter().enumerate() {
+        if let Some(first) = variants[..i].iter().find(|w| w.name == v.name) {
+            let (a, b) = (
+                first.ident.as_ref().expect("enum variant"),
+                v.ident.as_ref().expect("enum variant"),
+            );
+            cx.error(
+                v.name_span,
+                format!(
+                    "duplicate event type `{}`: variants `{a}` and `{b}` would share msg_ids and handlers\n\
+                     help: give one of them its own `#[outbox(name = \"...\")]`",
+                    v.name
+                ),
+            );
+        }
+    }
+}
+
+/// Events must be `DeserializeOwned + 'static`, so they cannot borrow; type parameters are
+/// fine.
 fn check_generics(cx: &Ctxt, input: &DeriveInput) {
     for param in &input.generics.params {
         match param {
             GenericParam::Type(_) => {}
             GenericParam::Lifetime(l) => cx.error(l.lifetime.span(), "event types cannot borrow: lifetime parameters are not supported\nhelp: use owned fields (`String`, not `&str`)"),
-            GenericParam::Const(c) => cx.error(c.ident.span(), "const generic parameters are not supported on events"),
+            GenericParam::Const(c) => cx.error(c.span(), format!(
+                "const generic parameters are not supported on events\n\
+                 help: make `{}` a field, or give the event a type parameter instead",
+                c.ident
+            )),
         }
     }
 }

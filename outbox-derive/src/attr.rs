@@ -3,8 +3,11 @@
 
 use std::cell::RefCell;
 
-use proc_macro2::Span;
-use syn::{Attribute, Ident, LitInt, LitStr};
+use proc_macro2::{Span, TokenStream, TokenTree};
+use quote::ToTokens as _;
+use syn::meta::ParseNestedMeta;
+use syn::spanned::Spanned as _;
+use syn::{Attribute, Ident, LitInt, LitStr, Path, Token};
 
 /// Collects errors instead of stopping at the first one (as serde's `internals::Ctxt`).
 #[derive(Default)]
@@ -48,6 +51,8 @@ pub(crate) struct ContainerAttrs {
     pub(crate) version: Option<Spanned<u32>>,
     pub(crate) key: Option<Ident>,
     pub(crate) id_template: Option<Spanned<String>>,
+    /// A bare `#[outbox(id)]` was written here; already reported, so "no msg_id" is not.
+    pub(crate) misplaced_id: bool,
 }
 
 /// Where an attribute is written, which decides what it may contain.
@@ -64,61 +69,154 @@ const VARIANT_HELP: &str =
 
 fn set_once<T>(cx: &Ctxt, slot: &mut Option<T>, value: T, span: Span, what: &str) {
     if slot.is_some() {
-        cx.error(span, format!("duplicate #[outbox({what})] attribute"));
+        cx.error(
+            span,
+            format!("duplicate #[outbox({what})] attribute\nhelp: remove this `{what}`; each attribute is given once"),
+        );
     } else {
         *slot = Some(value);
     }
+}
+
+/// The value of one `#[outbox(...)]` item.
+enum Value {
+    /// A bare `word`.
+    None,
+    /// `word(...)`: a list, which no outbox attribute takes.
+    List(TokenStream),
+    /// `word = tokens`, the tokens up to the next top-level `,`.
+    Eq(TokenStream),
+}
+
+/// Consumes the item's value whatever its shape, so that one bad item never hides the
+/// items after it (a plain `TokenStream` parse would swallow them all).
+fn value(meta: &ParseNestedMeta<'_>) -> syn::Result<Value> {
+    if meta.input.peek(syn::token::Paren) {
+        let group: TokenTree = meta.input.parse()?;
+        return Ok(Value::List(group.into()));
+    }
+    if !meta.input.peek(Token![=]) {
+        return Ok(Value::None);
+    }
+    let input = meta.value()?;
+    let mut tokens = TokenStream::new();
+    while !input.is_empty() && !input.peek(Token![,]) {
+        tokens.extend([input.parse::<TokenTree>()?]);
+    }
+    Ok(Value::Eq(tokens))
+}
+
+impl Value {
+    /// Parses `= <T>`; on anything else records `msg` at the value (or at `path`) and
+    /// returns `None`.
+    fn parse<T: syn::parse::Parse>(self, cx: &Ctxt, path: &Path, msg: &str) -> Option<T> {
+        match self {
+            Self::Eq(tokens) => match syn::parse2::<T>(tokens.clone()) {
+                Ok(v) => Some(v),
+                Err(_) if tokens.is_empty() => {
+                    cx.error(path.span(), msg);
+                    None
+                }
+                Err(_) => {
+                    cx.push(syn::Error::new_spanned(tokens, msg));
+                    None
+                }
+            },
+            Self::List(tokens) => {
+                cx.push(syn::Error::new_spanned(tokens, msg));
+                None
+            }
+            Self::None => {
+                cx.error(path.span(), msg);
+                None
+            }
+        }
+    }
+}
+
+fn path_string(path: &Path) -> String {
+    path.to_token_stream().to_string().replace(' ', "")
+}
+
+fn string(cx: &Ctxt, path: &Path, value: Value, msg: &str) -> Option<Spanned<String>> {
+    let lit: LitStr = value.parse(cx, path, msg)?;
+    Some(Spanned {
+        value: lit.value(),
+        span: lit.span(),
+    })
 }
 
 pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute], place: Place) -> ContainerAttrs {
     let mut out = ContainerAttrs::default();
     for attr in outbox_attrs(attrs) {
         let parsed = attr.parse_nested_meta(|meta| {
-            let span = meta.path.get_ident().map_or_else(Span::call_site, Ident::span);
-            if meta.path.is_ident("topic") {
-                let lit: LitStr = meta.value()?.parse()?;
-                let value = Spanned { value: lit.value(), span: lit.span() };
-                set_once(cx, &mut out.topic, value, span, "topic");
-            } else if meta.path.is_ident("name") {
-                let lit: LitStr = meta.value()?.parse()?;
-                let value = Spanned { value: lit.value(), span: lit.span() };
-                set_once(cx, &mut out.name, value, span, "name");
-            } else if meta.path.is_ident("version") && place == Place::Container {
-                let lit: LitInt = meta.value()?.parse()?;
-                match lit.base10_parse::<u32>() {
-                    Ok(v) if v >= 1 => {
-                        let value = Spanned { value: v, span: lit.span() };
-                        set_once(cx, &mut out.version, value, span, "version");
-                    }
-                    _ => cx.error(
-                        lit.span(),
-                        "#[outbox(version)] must be an integer from 1 to 4294967295\n\
-                         help: write `#[outbox(version = 2)]`",
-                    ),
+            let path = &meta.path;
+            let span = path.span();
+            let value = value(&meta)?;
+            if path.is_ident("topic") {
+                let msg = "#[outbox(topic)] expects a string\nhelp: `#[outbox(topic = \"order.paid\")]`";
+                if let Some(v) = string(cx, path, value, msg) {
+                    set_once(cx, &mut out.topic, v, span, "topic");
                 }
-            } else if meta.path.is_ident("key") {
-                let field: Ident = meta.value()?.parse()?;
-                set_once(cx, &mut out.key, field, span, "key");
-            } else if meta.path.is_ident("id") {
-                let Ok(value) = meta.value() else {
+            } else if path.is_ident("name") {
+                let msg = "#[outbox(name)] expects a string\nhelp: `#[outbox(name = \"OrderPaid\")]`";
+                if let Some(v) = string(cx, path, value, msg) {
+                    set_once(cx, &mut out.name, v, span, "name");
+                }
+            } else if path.is_ident("version") && place == Place::Container {
+                let msg = "#[outbox(version)] must be an integer from 1 to 4294967295\n\
+                           help: `#[outbox(version = 2)]`";
+                let lit: Option<LitInt> = value.parse(cx, path, msg);
+                match lit.map(|l| (l.base10_parse::<u32>(), l.span())) {
+                    Some((Ok(v), span)) if v >= 1 => {
+                        set_once(cx, &mut out.version, Spanned { value: v, span }, path.span(), "version");
+                    }
+                    Some((_, span)) => cx.error(span, msg),
+                    None => {}
+                }
+            } else if path.is_ident("version") {
+                cx.error(
+                    span,
+                    "#[outbox(version)] belongs on the enum: its variants share one payload schema\n\
+                     help: move `version = N` to the enum's #[outbox(...)]",
+                );
+            } else if path.is_ident("key") {
+                if let Value::Eq(tokens) = &value
+                    && let Ok(lit) = syn::parse2::<LitStr>(tokens.clone())
+                {
+                        cx.error(
+                            lit.span(),
+                            format!(
+                                "#[outbox(key)] takes a field name, not a string\n\
+                                 help: `#[outbox(key = {})]`",
+                                lit.value()
+                            ),
+                        );
+                        return Ok(());
+                }
+                let msg = "#[outbox(key)] expects a field name\nhelp: `#[outbox(key = customer_id)]`";
+                if let Some(field) = value.parse::<Ident>(cx, path, msg) {
+                    set_once(cx, &mut out.key, field, span, "key");
+                }
+            } else if path.is_ident("id") {
+                if let Value::None = value {
+                    out.misplaced_id = true;
                     cx.error(
                         span,
                         "#[outbox(id)] without a template belongs on a field\n\
                          help: mark the field, or write `#[outbox(id = \"{tenant}/{order_id}\")]` here",
                     );
                     return Ok(());
-                };
-                let lit: LitStr = value.parse()?;
-                let value = Spanned { value: lit.value(), span: lit.span() };
-                set_once(cx, &mut out.id_template, value, span, "id");
+                }
+                let msg = "#[outbox(id)] on a type expects a template string\n\
+                           help: `#[outbox(id = \"{tenant}/{order_id}\")]`";
+                if let Some(v) = string(cx, path, value, msg) {
+                    set_once(cx, &mut out.id_template, v, span, "id");
+                }
             } else {
                 let help = if place == Place::Container { CONTAINER_HELP } else { VARIANT_HELP };
-                let path = meta.path.get_ident().map_or_else(|| "?".to_owned(), Ident::to_string);
-                // Consume a possible `= value` so parsing goes on to the next item.
-                if meta.input.peek(syn::Token![=]) {
-                    let _: proc_macro2::TokenStream = meta.value()?.parse()?;
-                }
-                cx.error(span, format!("unknown outbox attribute `{path}`\nhelp: {help}"));
+                let name = path_string(path);
+                cx.error(span, format!("unknown outbox attribute `{name}`\nhelp: {help}"));
             }
             Ok(())
         });
@@ -134,17 +232,24 @@ pub(crate) fn field_is_id(cx: &Ctxt, attrs: &[Attribute]) -> Option<Span> {
     let mut id = None;
     for attr in outbox_attrs(attrs) {
         let parsed = attr.parse_nested_meta(|meta| {
-            let span = meta.path.get_ident().map_or_else(Span::call_site, Ident::span);
+            let span = meta.path.span();
+            let value = value(&meta)?;
             if meta.path.is_ident("id") {
+                // Still counts as the id, so the mistake does not also cause "no msg_id".
+                if !matches!(value, Value::None) {
+                    cx.error(
+                        span,
+                        "#[outbox(id)] on a field takes no value\n\
+                         help: write `#[outbox(id)]`, or put a template on the type: \
+                         `#[outbox(id = \"{tenant}/{order_id}\")]`",
+                    );
+                }
                 set_once(cx, &mut id, span, span, "id");
             } else {
-                let path = meta.path.get_ident().map_or_else(|| "?".to_owned(), Ident::to_string);
-                if meta.input.peek(syn::Token![=]) {
-                    let _: proc_macro2::TokenStream = meta.value()?.parse()?;
-                }
+                let name = path_string(&meta.path);
                 cx.error(
                     span,
-                    format!("unknown outbox field attribute `{path}`\nhelp: fields take only `#[outbox(id)]`"),
+                    format!("unknown outbox field attribute `{name}`\nhelp: fields take only `#[outbox(id)]`"),
                 );
             }
             Ok(())

@@ -3,7 +3,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, quote_spanned};
-use syn::DeriveInput;
+use syn::{Data, DeriveInput, Generics, parse_quote};
 
 use crate::ast::{Event, Variant};
 
@@ -20,11 +20,25 @@ pub(crate) fn derive(input: &DeriveInput) -> TokenStream {
     }
 }
 
+/// The generics of the trait impl: the type's own, plus what the trait requires of `Self`
+/// when the type is generic (so the impl states it rather than failing inside).
+fn impl_generics(input: &DeriveInput) -> Generics {
+    let mut generics = input.generics.clone();
+    if !generics.params.is_empty() {
+        generics.make_where_clause().predicates.push(parse_quote! {
+            Self: ::outbox_core::__private::Serialize
+                + ::outbox_core::__private::DeserializeOwned
+                + ::core::marker::Send + 'static
+        });
+    }
+    generics
+}
+
 fn expand(event: &Event<'_>) -> TokenStream {
     let input = event.input;
     let ident = &input.ident;
-    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    let bounds = event_bounds(input);
+    let generics = impl_generics(input);
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     let event_types = event.variants.iter().map(|v| &v.name);
     let mut topics: Vec<&str> = Vec::new();
     for v in &event.variants {
@@ -40,7 +54,7 @@ fn expand(event: &Event<'_>) -> TokenStream {
     let inherent = (!event.is_enum).then(|| inherent_items(event));
     quote! {
         #[automatically_derived]
-        impl #impl_generics ::outbox_core::OutboxEvent for #ident #ty_generics #where_clause #bounds {
+        impl #impl_generics ::outbox_core::OutboxEvent for #ident #ty_generics #where_clause {
             const EVENT_TYPES: &'static [&'static str] = &[#(#event_types),*];
             const TOPICS: &'static [&'static str] = &[#(#topics),*];
             const SCHEMA_VERSION: u32 = #version;
@@ -78,7 +92,7 @@ fn pattern(v: &Variant, bind: &[&syn::Ident]) -> TokenStream {
     quote!(#path { #(#bind,)* .. })
 }
 
-fn unique<'a>(fields: &'a [syn::Ident]) -> Vec<&'a syn::Ident> {
+fn unique(fields: &[syn::Ident]) -> Vec<&syn::Ident> {
     let mut out: Vec<&syn::Ident> = Vec::new();
     for f in fields {
         if !out.contains(&f) {
@@ -158,28 +172,34 @@ fn inherent_items(event: &Event<'_>) -> TokenStream {
     }
 }
 
-/// Generic events get `Self: Serialize + DeserializeOwned + Send + 'static` so the impl
-/// states what the trait needs rather than failing inside it.
-fn event_bounds(input: &DeriveInput) -> Option<TokenStream> {
-    if input.generics.params.is_empty() {
+/// A stub impl, so that code using the event reports the derive's errors only. Not for
+/// unions and borrowing or const-generic types: an impl for them would fail on its own.
+fn fallback(input: &DeriveInput) -> Option<TokenStream> {
+    let unsupported = matches!(input.data, Data::Union(_))
+        || input.generics.lifetimes().next().is_some()
+        || input.generics.const_params().next().is_some();
+    if unsupported {
         return None;
     }
-    let lead = if input.generics.where_clause.is_some() {
-        quote!(,)
-    } else {
-        quote!(where)
-    };
+    let (ident, vis) = (&input.ident, &input.vis);
+    let generics = impl_generics(input);
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+    // `msg_id_for` cannot be stubbed: its parameters come from the attributes in error.
+    let inherent = matches!(input.data, Data::Struct(_)).then(|| {
+        let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+        quote! {
+            #[automatically_derived]
+            impl #impl_generics #ident #ty_generics #where_clause {
+                /// Not generated: `#[derive(OutboxEvent)]` failed.
+                #vis const TOPIC: &'static str = "";
+                /// Not generated: `#[derive(OutboxEvent)]` failed.
+                #vis const EVENT_TYPE: &'static str = "";
+            }
+        }
+    });
     Some(quote! {
-        #lead Self: ::outbox_core::__private::Serialize
-            + ::outbox_core::__private::DeserializeOwned
-            + ::core::marker::Send + 'static
-    })
-}
+        #inherent
 
-fn fallback(input: &DeriveInput) -> TokenStream {
-    let ident = &input.ident;
-    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    quote! {
         #[automatically_derived]
         impl #impl_generics ::outbox_core::OutboxEvent for #ident #ty_generics #where_clause {
             const EVENT_TYPES: &'static [&'static str] = &[];
@@ -189,7 +209,7 @@ fn fallback(input: &DeriveInput) -> TokenStream {
             fn event_type(&self) -> &'static str { ::core::unreachable!() }
             fn business_key(&self) -> ::outbox_core::__private::String { ::core::unreachable!() }
         }
-    }
+    })
 }
 
 #[cfg(test)]
@@ -266,5 +286,54 @@ mod tests {
         let out = expand_str(r#"#[outbox(topic = "", colour = "red")] struct A { x: String }"#);
         assert_eq!(out.matches("compile_error").count(), 3, "{out}");
         assert!(out.contains("unreachable"), "stub impl expected: {out}");
+    }
+
+    #[test]
+    fn a_bad_item_does_not_hide_the_next() {
+        let out = expand_str(
+            r#"#[outbox(colour = "red", topic = "", version = x)] struct A { #[outbox(id = "x", skip(y))] a: String }"#,
+        );
+        for msg in [
+            "unknown outbox attribute `colour`",
+            "#[outbox(topic)] is empty",
+            "#[outbox(version)] must be an integer",
+            "#[outbox(id)] on a field takes no value",
+            "unknown outbox field attribute `skip`",
+        ] {
+            assert!(out.contains(msg), "missing {msg:?}: {out}");
+        }
+        assert_eq!(out.matches("compile_error").count(), 5, "{out}");
+    }
+
+    #[test]
+    fn generic_bounds_extend_an_existing_where_clause() {
+        let out = expand_str("struct A<T> where T: Clone, { #[outbox(id)] id: String, t: T }");
+        assert!(!out.contains(", ,"), "{out}");
+        assert!(
+            out.contains("where T : Clone , Self : :: outbox_core :: __private :: Serialize"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn no_stub_impl_where_it_would_fail_on_its_own() {
+        for src in [
+            "union U { #[outbox(id)] a: u64 }",
+            "struct A<'a> { #[outbox(id)] id: &'a str }",
+            "struct A<const N: usize> { #[outbox(id)] id: String }",
+        ] {
+            let out = expand_str(src);
+            assert_eq!(out.matches("compile_error").count(), 1, "{out}");
+            assert!(!out.contains("impl"), "{src}: {out}");
+        }
+    }
+
+    #[test]
+    fn variant_field_ids_replace_the_enum_template() {
+        let out = expand_str(
+            r#"#[outbox(id = "{a}")] enum E { X { a: String }, Y { a: String, #[outbox(id)] b: u8 } }"#,
+        );
+        assert!(!out.contains("compile_error"), "{out}");
+        assert!(out.contains("Self :: Y { b , .. }"), "{out}");
     }
 }

@@ -1,0 +1,419 @@
+//! What `#[derive(OutboxEvent)]` promises: topics, event types, msg_ids, ordering keys and
+//! payloads, checked against concrete values.
+
+use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, InvalidMsgId, OutboxEvent};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+struct OrderPaid {
+    #[outbox(id)]
+    order_id: String,
+    amount_cents: i64,
+}
+
+fn paid(order_id: &str) -> OrderPaid {
+    OrderPaid {
+        order_id: order_id.into(),
+        amount_cents: 1999,
+    }
+}
+
+#[test]
+fn single_id_field() {
+    assert_eq!(OrderPaid::TOPIC, "order.paid");
+    assert_eq!(OrderPaid::EVENT_TYPE, "OrderPaid");
+    assert_eq!(<OrderPaid as OutboxEvent>::TOPICS, ["order.paid"]);
+    assert_eq!(<OrderPaid as OutboxEvent>::EVENT_TYPES, ["OrderPaid"]);
+    assert_eq!(<OrderPaid as OutboxEvent>::SCHEMA_VERSION, 1);
+
+    let e = paid("order-42");
+    assert_eq!(e.topic(), "order.paid");
+    assert_eq!(e.event_type(), "OrderPaid");
+    assert_eq!(e.business_key(), "order-42");
+    assert_eq!(e.msg_id().unwrap().as_str(), "order-42:OrderPaid");
+    assert_eq!(
+        OrderPaid::msg_id_for("order-42").unwrap(),
+        e.msg_id().unwrap()
+    );
+}
+
+/// Id fields are joined with `:` in the order the fields are declared, whatever their types.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+struct LineShipped {
+    #[outbox(id)]
+    tenant: String,
+    sku: String,
+    #[outbox(id)]
+    order_no: u64,
+    #[outbox(id)]
+    line: u16,
+}
+
+#[test]
+fn several_id_fields_join_with_colon_in_field_order() {
+    let e = LineShipped {
+        tenant: "acme".into(),
+        sku: "SKU-1".into(),
+        order_no: 1001,
+        line: 3,
+    };
+    assert_eq!(e.business_key(), "acme:1001:3");
+    assert_eq!(e.msg_id().unwrap().as_str(), "acme:1001:3:LineShipped");
+    // `msg_id_for` takes the id fields in the same order, each as any `Display` value.
+    assert_eq!(
+        LineShipped::msg_id_for("acme", 1001_u64, 3).unwrap(),
+        e.msg_id().unwrap()
+    );
+    assert_eq!(
+        LineShipped::msg_id_for(String::from("acme"), "1001", 'x')
+            .unwrap()
+            .as_str(),
+        "acme:1001:x:LineShipped"
+    );
+}
+
+/// A template may use literal braces and name a field twice; `msg_id_for` takes each field once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(id = "{{{tenant}}}/{order_id}/{tenant}")]
+struct Templated {
+    tenant: String,
+    order_id: u64,
+    note: String,
+}
+
+#[test]
+fn template_with_literal_braces() {
+    let e = Templated {
+        tenant: "acme".into(),
+        order_id: 7,
+        note: String::new(),
+    };
+    assert_eq!(e.business_key(), "{acme}/7/acme");
+    assert_eq!(e.msg_id().unwrap().as_str(), "{acme}/7/acme:Templated");
+    assert_eq!(
+        Templated::msg_id_for("acme", 7).unwrap(),
+        e.msg_id().unwrap()
+    );
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(topic = "billing.v2", name = "InvoiceIssued", version = 3, key = customer)]
+struct Invoice {
+    #[outbox(id)]
+    invoice_no: u64,
+    customer: String,
+}
+
+#[test]
+fn topic_name_version_and_key_attributes() {
+    assert_eq!(Invoice::TOPIC, "billing.v2");
+    assert_eq!(Invoice::EVENT_TYPE, "InvoiceIssued");
+    assert_eq!(<Invoice as OutboxEvent>::TOPICS, ["billing.v2"]);
+    assert_eq!(<Invoice as OutboxEvent>::EVENT_TYPES, ["InvoiceIssued"]);
+    assert_eq!(<Invoice as OutboxEvent>::SCHEMA_VERSION, 3);
+
+    let e = Invoice {
+        invoice_no: 17,
+        customer: "cust-1".into(),
+    };
+    assert_eq!(e.topic(), "billing.v2");
+    assert_eq!(e.event_type(), "InvoiceIssued");
+    assert_eq!(e.business_key(), "17");
+    assert_eq!(e.msg_id().unwrap().as_str(), "17:InvoiceIssued");
+    assert_eq!(
+        Invoice::msg_id_for(17).unwrap().as_str(),
+        "17:InvoiceIssued"
+    );
+    // `key = customer`: messages of one customer keep their order, whatever the invoice.
+    assert_eq!(e.ordering_key(), "cust-1");
+}
+
+#[test]
+fn ordering_key_defaults_to_business_key() {
+    let e = paid("order-42");
+    assert_eq!(e.ordering_key(), "order-42");
+    let e = LineShipped {
+        tenant: "acme".into(),
+        sku: String::new(),
+        order_no: 1,
+        line: 2,
+    };
+    assert_eq!(e.ordering_key(), "acme:1:2");
+}
+
+/// Each variant is its own event type; variants share the enum's topic unless they set one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(topic = "orders", version = 2)]
+enum OrderEvent {
+    Placed {
+        #[outbox(id)]
+        order_id: String,
+        total_cents: i64,
+    },
+    #[outbox(topic = "refunds")]
+    Refunded {
+        #[outbox(id)]
+        order_id: String,
+        #[outbox(id)]
+        refund_no: u32,
+    },
+    #[outbox(name = "OrderCancelledV2")]
+    Cancelled {
+        #[outbox(id)]
+        order_id: String,
+        reason: String,
+    },
+}
+
+#[test]
+fn enum_variants_are_event_types() {
+    assert_eq!(
+        <OrderEvent as OutboxEvent>::EVENT_TYPES,
+        ["Placed", "Refunded", "OrderCancelledV2"]
+    );
+    assert_eq!(<OrderEvent as OutboxEvent>::TOPICS, ["orders", "refunds"]);
+    assert_eq!(<OrderEvent as OutboxEvent>::SCHEMA_VERSION, 2);
+
+    let placed = OrderEvent::Placed {
+        order_id: "o-1".into(),
+        total_cents: 500,
+    };
+    assert_eq!(placed.topic(), "orders");
+    assert_eq!(placed.event_type(), "Placed");
+    assert_eq!(placed.msg_id().unwrap().as_str(), "o-1:Placed");
+    assert_eq!(placed.ordering_key(), "o-1");
+
+    let refunded = OrderEvent::Refunded {
+        order_id: "o-1".into(),
+        refund_no: 2,
+    };
+    assert_eq!(refunded.topic(), "refunds");
+    assert_eq!(refunded.event_type(), "Refunded");
+    assert_eq!(refunded.msg_id().unwrap().as_str(), "o-1:2:Refunded");
+
+    let cancelled = OrderEvent::Cancelled {
+        order_id: "o-1".into(),
+        reason: "late".into(),
+    };
+    assert_eq!(cancelled.topic(), "orders");
+    assert_eq!(cancelled.event_type(), "OrderCancelledV2");
+    assert_eq!(cancelled.msg_id().unwrap().as_str(), "o-1:OrderCancelledV2");
+}
+
+/// The enum's template and key apply to every variant; a variant may bring its own id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(id = "{tenant}/{order_id}", key = tenant)]
+enum TenantOrder {
+    Opened {
+        tenant: String,
+        order_id: u64,
+    },
+    #[outbox(id = "{tenant}")]
+    Closed {
+        tenant: String,
+        order_id: u64,
+    },
+    Moved {
+        tenant: String,
+        order_id: u64,
+        #[outbox(id)]
+        move_no: u32,
+    },
+}
+
+#[test]
+fn enum_template_and_key_are_inherited() {
+    // No topic attribute: the enum's name, dotted.
+    assert_eq!(<TenantOrder as OutboxEvent>::TOPICS, ["tenant.order"]);
+    let opened = TenantOrder::Opened {
+        tenant: "acme".into(),
+        order_id: 7,
+    };
+    assert_eq!(opened.topic(), "tenant.order");
+    assert_eq!(opened.msg_id().unwrap().as_str(), "acme/7:Opened");
+    assert_eq!(opened.ordering_key(), "acme");
+
+    let closed = TenantOrder::Closed {
+        tenant: "acme".into(),
+        order_id: 7,
+    };
+    assert_eq!(closed.msg_id().unwrap().as_str(), "acme:Closed");
+    assert_eq!(closed.ordering_key(), "acme");
+
+    let moved = TenantOrder::Moved {
+        tenant: "acme".into(),
+        order_id: 7,
+        move_no: 4,
+    };
+    assert_eq!(moved.msg_id().unwrap().as_str(), "4:Moved");
+    assert_eq!(moved.ordering_key(), "acme");
+}
+
+/// A variant's `key` overrides the enum's default, the business key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+enum AccountEvent {
+    #[outbox(key = account)]
+    Debited {
+        #[outbox(id)]
+        transfer_id: String,
+        account: String,
+    },
+    Closed {
+        #[outbox(id)]
+        account: String,
+    },
+}
+
+#[test]
+fn variant_key_overrides_ordering_key() {
+    let debited = AccountEvent::Debited {
+        transfer_id: "t-1".into(),
+        account: "alice".into(),
+    };
+    assert_eq!(debited.business_key(), "t-1");
+    assert_eq!(debited.ordering_key(), "alice");
+    let closed = AccountEvent::Closed {
+        account: "bob".into(),
+    };
+    assert_eq!(closed.ordering_key(), "bob");
+    assert_eq!(<AccountEvent as OutboxEvent>::TOPICS, ["account.event"]);
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Payload {
+    sku: String,
+    qty: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+struct Wrapped<T> {
+    #[outbox(id)]
+    id: String,
+    inner: T,
+}
+
+/// A where clause with a trailing comma must survive the bounds the derive adds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(topic = "tagged")]
+struct Tagged<T>
+where
+    T: Clone,
+{
+    #[outbox(id)]
+    id: u64,
+    tag: T,
+}
+
+#[test]
+fn generic_events() {
+    assert_eq!(Wrapped::<Payload>::TOPIC, "wrapped");
+    assert_eq!(Wrapped::<Payload>::EVENT_TYPE, "Wrapped");
+    assert_eq!(
+        Wrapped::<Payload>::msg_id_for("w-1").unwrap().as_str(),
+        "w-1:Wrapped"
+    );
+    let e = Wrapped {
+        id: "w-1".into(),
+        inner: Payload {
+            sku: "SKU-1".into(),
+            qty: 2,
+        },
+    };
+    assert_eq!(e.msg_id().unwrap().as_str(), "w-1:Wrapped");
+    let envelope = Envelope::from_event(&e, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+    assert_eq!(envelope.decode::<Wrapped<Payload>>().unwrap(), e);
+
+    let t = Tagged {
+        id: 9,
+        tag: vec!["a".to_owned()],
+    };
+    assert_eq!(t.topic(), "tagged");
+    assert_eq!(t.msg_id().unwrap().as_str(), "9:Tagged");
+}
+
+#[test]
+fn invalid_msg_id_is_an_error_not_a_panic_or_truncation() {
+    let spaced = paid("order 42");
+    assert!(matches!(
+        spaced.msg_id(),
+        Err(InvalidMsgId::BadChar { at: 5, .. })
+    ));
+    assert!(matches!(
+        OrderPaid::msg_id_for("order 42"),
+        Err(InvalidMsgId::BadChar { at: 5, .. })
+    ));
+
+    // 60 bytes of id + ":OrderPaid" = 70 bytes, over the 64-byte limit.
+    let long = "x".repeat(60);
+    match paid(&long).msg_id() {
+        Err(InvalidMsgId::TooLong { id, len }) => {
+            assert_eq!(len, 70);
+            assert_eq!(id, format!("{long}:OrderPaid"));
+        }
+        other => panic!("expected TooLong, got {other:?}"),
+    }
+    assert!(matches!(
+        OrderPaid::msg_id_for(&long),
+        Err(InvalidMsgId::TooLong { len: 70, .. })
+    ));
+
+    // The envelope refuses the event instead of storing a bad or cut id.
+    assert!(matches!(
+        Envelope::from_event(&paid(&long), DEFAULT_MAX_PAYLOAD_BYTES),
+        Err(Error::InvalidMsgId(InvalidMsgId::TooLong { len: 70, .. }))
+    ));
+}
+
+#[test]
+fn envelope_round_trip() {
+    let e = paid("order-42");
+    let envelope = Envelope::from_event(&e, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+    assert_eq!(envelope.msg_id.as_str(), "order-42:OrderPaid");
+    assert_eq!(envelope.topic, "order.paid");
+    assert_eq!(envelope.event_type, "OrderPaid");
+    assert_eq!(envelope.key, "order-42");
+    assert_eq!(envelope.schema_version, 1);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&envelope.payload).unwrap(),
+        serde_json::json!({ "order_id": "order-42", "amount_cents": 1999 })
+    );
+    assert_eq!(envelope.decode::<OrderPaid>().unwrap(), e);
+
+    let invoice = Invoice {
+        invoice_no: 17,
+        customer: "cust-1".into(),
+    };
+    let envelope = Envelope::from_event(&invoice, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+    assert_eq!(envelope.key, "cust-1");
+    assert_eq!(envelope.schema_version, 3);
+    assert_eq!(envelope.decode::<Invoice>().unwrap(), invoice);
+
+    let refunded = OrderEvent::Refunded {
+        order_id: "o-1".into(),
+        refund_no: 2,
+    };
+    let envelope = Envelope::from_event(&refunded, DEFAULT_MAX_PAYLOAD_BYTES).unwrap();
+    assert_eq!(envelope.topic, "refunds");
+    assert_eq!(envelope.event_type, "Refunded");
+    assert_eq!(envelope.schema_version, 2);
+    assert_eq!(envelope.decode::<OrderEvent>().unwrap(), refunded);
+}
+
+/// The consts are usable in const contexts and through a generic bound.
+#[test]
+fn consts_through_the_trait() {
+    const TOPIC: &str = OrderPaid::TOPIC;
+    fn topics<E: OutboxEvent>() -> &'static [&'static str] {
+        E::TOPICS
+    }
+    fn event_types<E: OutboxEvent>() -> &'static [&'static str] {
+        E::EVENT_TYPES
+    }
+    assert_eq!(TOPIC, "order.paid");
+    assert_eq!(topics::<OrderEvent>(), ["orders", "refunds"]);
+    assert_eq!(
+        event_types::<OrderEvent>(),
+        ["Placed", "Refunded", "OrderCancelledV2"]
+    );
+    assert_eq!(topics::<Wrapped<u8>>(), ["wrapped"]);
+}

@@ -1,0 +1,11 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(id = "{order_id}")]
+enum OrderEvent {
+    Paid { order_id: String },
+    #[outbox(name = "Paid")]
+    PaidAgain { order_id: String },
+}
+
+fn main() {}

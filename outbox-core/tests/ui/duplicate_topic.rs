@@ -1,0 +1,10 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(topic = "orders", topic = "payments")]
+struct OrderPaid {
+    #[outbox(id)]
+    order_id: String,
+}
+
+fn main() {}

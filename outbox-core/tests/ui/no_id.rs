@@ -1,0 +1,9 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+struct OrderPaid {
+    order_id: String,
+    amount_cents: i64,
+}
+
+fn main() {}

@@ -1,0 +1,11 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(id = "{tenant}/{order_id}")]
+struct OrderPaid {
+    tenant: String,
+    #[outbox(id)]
+    order_id: String,
+}
+
+fn main() {}

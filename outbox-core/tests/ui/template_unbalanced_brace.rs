@@ -1,0 +1,10 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(id = "{tenant}/{order_id")]
+struct OrderPaid {
+    tenant: String,
+    order_id: String,
+}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use outbox_core::OutboxEvent;
+
+#[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+struct OrderPaid(#[outbox(id)] String, i64);
+
+fn main() {}
