@@ -109,8 +109,9 @@ pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
 /// On fields: `#[outbox(id)]` marks the business key; several marked fields join with `:`
 /// in field order. Exactly one of field ids and a template is required.
 ///
-/// On enum variants: `topic`, `name`, `key` and `id` as above; each variant is its own event
-/// type and shares the enum's topic unless it sets one.
+/// On enum variants: `topic`, `name`, `key` and `id` as above, and `#[outbox(id)]` fields,
+/// which replace the enum's id template for that variant. Each variant is its own event
+/// type (two variants may not share a name) and shares the enum's topic unless it sets one.
 ///
 /// # What it generates
 ///

@@ -116,11 +116,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let started = Instant::now();
         let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
         let report = self.batch().instrument(span).await;
-        if let Ok(r) = &report {
-            if r.claimed > 0 {
-                metrics::histogram!("outbox_relay_batch_seconds")
-                    .record(started.elapsed().as_secs_f64());
-            }
+        if let Ok(r) = &report
+            && r.claimed > 0
+        {
+            metrics::histogram!("outbox_relay_batch_seconds")
+                .record(started.elapsed().as_secs_f64());
         }
         report
     }
