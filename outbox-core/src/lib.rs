@@ -59,7 +59,7 @@
 //! | feature  | default | what it gives |
 //! |----------|---------|---------------|
 //! | `derive` | yes     | `#[derive(OutboxEvent)]` |
-//! | `memory` | yes     | [`MemoryDb`] and [`MemoryBroker`] for unit tests without services |
+//! | `memory` | yes     | [`MemoryDb`], [`MemoryBroker`] and [`FlakyPublisher`] for tests without services |
 #![doc(test(attr(deny(warnings))))]
 
 // Lets the derive's `::outbox_core::` paths resolve in this crate's own unit tests.
@@ -69,6 +69,8 @@ extern crate self as outbox_core;
 mod dispatch;
 mod error;
 mod event;
+#[cfg(feature = "memory")]
+mod flaky;
 mod inbox;
 #[cfg(feature = "memory")]
 mod memory;
@@ -82,6 +84,8 @@ mod store;
 pub use dispatch::{Delivery, Dispatcher, Handler, Prepared};
 pub use error::{BoxError, Error, HandlerError, Result};
 pub use event::OutboxEvent;
+#[cfg(feature = "memory")]
+pub use flaky::{FailAs, FlakyPublisher};
 pub use inbox::{Inbox, Processed};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBatch, MemoryBroker, MemoryDb, MemoryTx, OutboxRow};

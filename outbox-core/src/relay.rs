@@ -434,6 +434,38 @@ mod tests {
         assert!(db.rows().iter().all(|r| r.status == Status::Sent));
     }
 
+    #[tokio::test]
+    async fn random_outages_delay_but_lose_and_reorder_nothing() {
+        let db = db_with(300);
+        let flaky =
+            crate::FlakyPublisher::new(MemoryBroker::new(), crate::FailAs::Outage).fail_ratio(0.3);
+        let relay = Relay::new(db.clone(), flaky)
+            .with_config(config(1, 7))
+            .unwrap();
+        let mut rounds = 0;
+        while db.rows().iter().any(|r| r.status == Status::New) {
+            rounds += 1;
+            assert!(rounds < 10_000, "the relay makes progress");
+            let _ = relay.run_once().await;
+        }
+        let published: Vec<String> = relay
+            .publisher
+            .inner()
+            .published("ping")
+            .iter()
+            .map(|e| e.msg_id.to_string())
+            .collect();
+        let expected: Vec<String> = (0..300).map(|n| format!("{n}:Ping")).collect();
+        assert_eq!(published, expected, "every message once, in order");
+        assert!(relay.publisher.failures() > 0, "failures were injected");
+        assert!(
+            db.rows()
+                .iter()
+                .all(|r| r.status == Status::Sent && r.retries == 0),
+            "outages spend no retries"
+        );
+    }
+
     async fn wait_until(done: impl Fn() -> bool) {
         tokio::time::timeout(Duration::from_secs(30), async {
             while !done() {
