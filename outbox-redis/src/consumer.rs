@@ -1,0 +1,999 @@
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::{
+    Delivery, Dispatcher, Handler, Inbox, OutageBackoff, OutboxEvent, Prepared, Processed,
+};
+use redis::aio::MultiplexedConnection;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
+use redis::{Client, IntoConnectionInfo, RedisResult};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tracing::Instrument as _;
+
+use crate::conn::Connector;
+use crate::entry::{envelope_from_fields, value_bytes};
+use crate::error::is_outage;
+use crate::publisher::DEFAULT_STREAM_PREFIX;
+use crate::trim::{TrimReport, trim_acknowledged};
+use crate::{Error, Result};
+
+/// Where a newly created consumer group starts reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StartFrom {
+    /// From the first entry still in the stream (`0`): nothing published before the
+    /// group's first start is lost. The default.
+    #[default]
+    Beginning,
+    /// From entries added after the group is created (`$`).
+    End,
+}
+
+/// Consumer settings; `Default` gives the values documented on each field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsumerConfig {
+    /// Prepended to each topic to name its stream (default `outbox:`, as the publisher's).
+    pub stream_prefix: String,
+    /// This process's consumer name within the group (default `None`: a name unique per
+    /// process, `<hostname>-<pid>-<random>`). Set it only to something unique per process.
+    pub consumer_name: Option<String>,
+    /// Where a group that does not exist yet starts (default [`StartFrom::Beginning`]).
+    pub start_from: StartFrom,
+    /// How long one `XREADGROUP ... BLOCK` waits for new entries (default 2 s). The read
+    /// connection's response timeout is this plus [`response_timeout`](Self::response_timeout),
+    /// so blocking reads are never cut short by the client.
+    pub block: Duration,
+    /// Most entries read per stream and call (default 64).
+    pub read_count: usize,
+    /// Most messages processed at once (default 16); with a database inbox, at most the
+    /// pool's size is useful.
+    pub max_in_flight: usize,
+    /// How long an entry stays unacknowledged before it is claimed again and retried
+    /// (default 30 s). This is also how long a crashed consumer's entries wait. Keep it
+    /// well above the slowest handler.
+    pub min_idle: Duration,
+    /// How often pending entries are looked for with `XAUTOCLAIM` (default 5 s).
+    pub claim_interval: Duration,
+    /// Deliveries after which a failing message is dead-lettered (default 5). The handler
+    /// runs at most this many times; its error on the last one is the recorded reason.
+    pub max_deliveries: u64,
+    /// Appended to a stream's name to name its dead-letter stream (default `:dead`).
+    pub dead_letter_suffix: String,
+    /// Acknowledge and count entries whose event type has no handler, instead of
+    /// dead-lettering them (default `false`). Useful when several consumer groups share
+    /// a topic and each handles only some of its types.
+    pub ignore_unknown_types: bool,
+    /// How long opening a connection may take (default 2 s).
+    pub connect_timeout: Duration,
+    /// Response timeout of every command except the blocking read (default 5 s).
+    pub response_timeout: Duration,
+    /// Pauses after Redis or the idempotency store fails as a whole.
+    pub outage_backoff: OutageBackoff,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            stream_prefix: DEFAULT_STREAM_PREFIX.to_owned(),
+            consumer_name: None,
+            start_from: StartFrom::Beginning,
+            block: Duration::from_secs(2),
+            read_count: 64,
+            max_in_flight: 16,
+            min_idle: Duration::from_secs(30),
+            claim_interval: Duration::from_secs(5),
+            max_deliveries: 5,
+            dead_letter_suffix: ":dead".to_owned(),
+            ignore_unknown_types: false,
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(5),
+            outage_backoff: OutageBackoff::default(),
+        }
+    }
+}
+
+impl ConsumerConfig {
+    fn validate(&self) -> Result<()> {
+        let fail = |m: &str| Err(Error::Config(m.to_owned()));
+        if self.block < Duration::from_millis(1) {
+            // BLOCK 0 would wait forever and never see a shutdown.
+            return fail("block must be at least 1 ms");
+        }
+        if self.read_count == 0 {
+            return fail("read_count must be at least 1");
+        }
+        if self.max_in_flight == 0 {
+            return fail("max_in_flight must be at least 1");
+        }
+        if self.max_deliveries == 0 {
+            return fail("max_deliveries must be at least 1");
+        }
+        if self.min_idle < Duration::from_millis(1) {
+            return fail("min_idle must be at least 1 ms");
+        }
+        if self.claim_interval.is_zero() {
+            return fail("claim_interval must not be zero");
+        }
+        if self.dead_letter_suffix.is_empty() {
+            return fail("dead_letter_suffix must not be empty");
+        }
+        if self.consumer_name.as_deref() == Some("") {
+            return fail("consumer_name must not be empty");
+        }
+        Ok(())
+    }
+}
+
+/// Counts of what a [`Consumer`] did since it was built. Each count is also a metric.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Messages whose handler ran and committed (`outbox_consumer_consumed_total`).
+    pub consumed: u64,
+    /// Messages recognised as already applied and acked without running the handler
+    /// (`outbox_consumer_duplicates_total`).
+    pub duplicates: u64,
+    /// Failed attempts: handler errors and panics, and store outages
+    /// (`outbox_consumer_failures_total`).
+    pub failures: u64,
+    /// Entries copied to a dead-letter stream (`outbox_consumer_dead_lettered_total`).
+    pub dead_lettered: u64,
+    /// Entries of unhandled types acked without processing, when
+    /// [`ignore_unknown_types`](ConsumerConfig::ignore_unknown_types) is set
+    /// (`outbox_consumer_ignored_total`).
+    pub ignored: u64,
+    /// Entries taken over with `XAUTOCLAIM` (`outbox_consumer_reclaimed_total`).
+    pub reclaimed: u64,
+    /// Failed reads, claims and acks: Redis errors the runner backed off from
+    /// (`outbox_consumer_redis_errors_total`).
+    pub redis_errors: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    consumed: AtomicU64,
+    duplicates: AtomicU64,
+    failures: AtomicU64,
+    dead_lettered: AtomicU64,
+    ignored: AtomicU64,
+    reclaimed: AtomicU64,
+    redis_errors: AtomicU64,
+}
+
+#[derive(Clone, Copy)]
+enum Count {
+    Consumed,
+    Duplicate,
+    Failure,
+    DeadLettered,
+    Ignored,
+    Reclaimed,
+    RedisError,
+}
+
+/// Marks a [`ConsumerBuilder`] that has no idempotency store yet; see
+/// [`ConsumerBuilder::idempotency`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoInbox;
+
+/// Builds a [`Consumer`]: register handlers, give the idempotency store, then
+/// [`build`](Self::build). `C` is the handlers' connection type, which must be the
+/// store's [`Inbox::Conn`].
+pub struct ConsumerBuilder<C, I = NoInbox> {
+    client: RedisResult<Client>,
+    group: String,
+    dispatcher: Dispatcher<C>,
+    error: Option<outbox_core::Error>,
+    inbox: I,
+    config: ConsumerConfig,
+}
+
+impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("group", &self.group)
+            .field("dispatcher", &self.dispatcher)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: 'static, I> ConsumerBuilder<C, I> {
+    /// Routes the event types of `E` to `handler`. Registering one event type twice is
+    /// reported by [`build`](Self::build).
+    pub fn handle<E, H>(mut self, handler: H) -> Self
+    where
+        E: OutboxEvent,
+        H: Handler<E, Conn = C>,
+    {
+        if let Err(e) = self.dispatcher.register::<E, H>(handler) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
+    /// The idempotency store: records `(group, msg_id)` in the handler's transaction.
+    /// Any [`Inbox`] whose connection is the handlers' (an `outbox-diesel` store over a
+    /// pool, or [`outbox_core::MemoryDb`] in tests).
+    pub fn idempotency<J: Inbox<Conn = C>>(self, store: J) -> ConsumerBuilder<C, J> {
+        ConsumerBuilder {
+            client: self.client,
+            group: self.group,
+            dispatcher: self.dispatcher,
+            error: self.error,
+            inbox: store,
+            config: self.config,
+        }
+    }
+
+    /// Replaces the whole configuration.
+    pub fn config(mut self, config: ConsumerConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets the consumer name (default: unique per process).
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.config.consumer_name = Some(name.into());
+        self
+    }
+
+    /// Sets the stream prefix (default `outbox:`); it must match the publisher's.
+    pub fn stream_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.stream_prefix = prefix.into();
+        self
+    }
+}
+
+impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
+    /// Checks the configuration and the Redis address (without connecting) and builds
+    /// the consumer. Fails on an invalid setting, a handler registered twice, or no
+    /// handler at all.
+    pub fn build(self) -> Result<Consumer<I, C>> {
+        if let Some(e) = self.error {
+            return Err(e.into());
+        }
+        self.config.validate()?;
+        if self.group.is_empty() {
+            return Err(Error::Config(
+                "the consumer group name must not be empty".into(),
+            ));
+        }
+        if self.dispatcher.topics().is_empty() {
+            return Err(Error::Config("register at least one handler".into()));
+        }
+        let client = self.client?;
+        let config = self.config;
+        let streams = self
+            .dispatcher
+            .topics()
+            .iter()
+            .map(|t| Arc::<str>::from(format!("{}{t}", config.stream_prefix)))
+            .collect();
+        let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
+        let reader = Connector::new(
+            client.clone(),
+            config.connect_timeout,
+            config.block + config.response_timeout,
+        );
+        let commands = Connector::new(client, config.connect_timeout, config.response_timeout);
+        Ok(Consumer {
+            inner: Arc::new(Inner {
+                group: self.group,
+                consumer_name,
+                streams,
+                dispatcher: self.dispatcher,
+                inbox: Arc::new(self.inbox),
+                config,
+                reader,
+                commands,
+                counters: Counters::default(),
+            }),
+        })
+    }
+}
+
+fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    format!("{host}-{}-{:08x}", std::process::id(), fastrand::u32(..))
+}
+
+/// Reads a consumer group's streams and applies each message exactly once in effect
+/// through typed [`Handler`]s.
+///
+/// Per entry: the event type picks the handler and the payload is decoded into its type;
+/// then, on a blocking thread, the idempotency store opens a transaction, records
+/// `(group, msg_id)` and runs the handler with the transaction's connection; after the
+/// commit the entry is acknowledged (`XACK`). A message already recorded is acknowledged
+/// without running the handler, and counted as a duplicate.
+///
+/// - A handler error or panic rolls the transaction back and leaves the entry pending.
+///   After [`min_idle`](ConsumerConfig::min_idle) it is claimed again (`XAUTOCLAIM`, by
+///   this consumer or another one of the group; this also takes over the entries of
+///   consumers that crashed) and retried. When it fails on its
+///   [`max_deliveries`](ConsumerConfig::max_deliveries)-th delivery it is copied to the
+///   dead-letter stream with the reason and then acknowledged.
+/// - An entry that cannot be decoded, or whose type has no handler, goes to the
+///   dead-letter stream at once (or is acknowledged and counted, with
+///   [`ignore_unknown_types`](ConsumerConfig::ignore_unknown_types)).
+/// - An outage of the idempotency store does not count as a delivery: the entry's
+///   delivery count is set back, so a long database outage dead-letters nothing.
+///
+/// Dead-letter entries (`<stream>:dead` by default) carry `reason`, `delivery_count`,
+/// `group`, `stream` and `entry_id`, followed by the original entry's fields.
+///
+/// Handlers that do I/O outside the database (an HTTP call, an e-mail) are allowed, but
+/// such a side effect is only as idempotent as its own target: a crash after the call
+/// and before the commit repeats it.
+pub struct Consumer<I, C = <I as Inbox>::Conn> {
+    inner: Arc<Inner<I, C>>,
+}
+
+impl<I, C> Clone for Consumer<I, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<I, C> std::fmt::Debug for Consumer<I, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("group", &self.inner.group)
+            .field("consumer_name", &self.inner.consumer_name)
+            .field("streams", &self.inner.streams)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer<NoInbox, ()> {
+    /// Starts building a consumer of group `group` on the Redis at `redis` (a URL such as
+    /// `redis://127.0.0.1:6379`; it is checked by [`build`](ConsumerBuilder::build)).
+    pub fn builder<C: 'static>(
+        redis: impl IntoConnectionInfo,
+        group: impl Into<String>,
+    ) -> ConsumerBuilder<C, NoInbox> {
+        ConsumerBuilder {
+            client: Client::open(redis),
+            group: group.into(),
+            dispatcher: Dispatcher::new(),
+            error: None,
+            inbox: NoInbox,
+            config: ConsumerConfig::default(),
+        }
+    }
+}
+
+struct Inner<I, C> {
+    group: String,
+    consumer_name: String,
+    streams: Vec<Arc<str>>,
+    dispatcher: Dispatcher<C>,
+    inbox: Arc<I>,
+    config: ConsumerConfig,
+    /// Only for `XREADGROUP ... BLOCK`: a blocked connection holds up every command
+    /// queued behind it, and its response timeout must exceed the block time.
+    reader: Connector,
+    commands: Connector,
+    counters: Counters,
+}
+
+/// One entry to process, read or claimed.
+struct Job {
+    stream: Arc<str>,
+    entry: StreamId,
+    delivery_count: u64,
+}
+
+/// How a job ended, reported to the run loop.
+struct Done {
+    stream: Arc<str>,
+    entry_id: String,
+    /// Redis or the store failed as a whole: back off.
+    outage: bool,
+}
+
+enum Attempt {
+    Processed(Processed),
+    Failed { reason: String, outage: bool },
+}
+
+impl<I, C> Consumer<I, C>
+where
+    I: Inbox<Conn = C>,
+    C: 'static,
+{
+    /// The consumer group.
+    pub fn group(&self) -> &str {
+        &self.inner.group
+    }
+
+    /// This process's consumer name in the group.
+    pub fn consumer_name(&self) -> &str {
+        &self.inner.consumer_name
+    }
+
+    /// The streams read: the prefix plus each handled topic.
+    pub fn streams(&self) -> impl Iterator<Item = &str> {
+        self.inner.streams.iter().map(|s| &**s)
+    }
+
+    /// The dead-letter stream of `stream`.
+    pub fn dead_letter_stream(&self, stream: &str) -> String {
+        format!("{stream}{}", self.inner.config.dead_letter_suffix)
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.inner.config
+    }
+
+    /// What this consumer has done so far.
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerStats {
+            consumed: get(&c.consumed),
+            duplicates: get(&c.duplicates),
+            failures: get(&c.failures),
+            dead_lettered: get(&c.dead_lettered),
+            ignored: get(&c.ignored),
+            reclaimed: get(&c.reclaimed),
+            redis_errors: get(&c.redis_errors),
+        }
+    }
+
+    /// Creates the group on each stream (and the stream, `MKSTREAM`) if it does not
+    /// exist. Idempotent; [`run_until`](Self::run_until) calls it first.
+    pub async fn ensure_groups(&self) -> Result<()> {
+        let inner = &self.inner;
+        let start = match inner.config.start_from {
+            StartFrom::Beginning => "0",
+            StartFrom::End => "$",
+        };
+        let mut conn = inner.commands.get().await?;
+        for stream in &inner.streams {
+            let created: RedisResult<()> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&**stream)
+                .arg(&inner.group)
+                .arg(start)
+                .arg("MKSTREAM")
+                .query_async(&mut conn)
+                .await;
+            match created {
+                Ok(()) => {
+                    tracing::info!(stream = &**stream, group = %inner.group, start, "consumer group created")
+                }
+                Err(e) if e.code() == Some("BUSYGROUP") => {}
+                Err(e) => {
+                    inner.commands.check(&e).await;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Trims each of this consumer's streams to what some group still needs; see
+    /// [`trim_acknowledged`].
+    pub async fn trim_acknowledged(&self) -> Result<Vec<TrimReport>> {
+        let mut conn = self.inner.commands.get().await?;
+        let mut reports = Vec::with_capacity(self.inner.streams.len());
+        for stream in &self.inner.streams {
+            reports.push(trim_acknowledged(&mut conn, stream).await?);
+        }
+        Ok(reports)
+    }
+
+    /// Runs until `shutdown` completes: creates the groups, then reads, claims and
+    /// processes entries.
+    ///
+    /// Fails only if the groups cannot be created (Redis unreachable at start, wrong
+    /// type at a stream's key). Later outages of Redis or the store are logged, counted
+    /// and backed off from, and never end the run.
+    ///
+    /// On shutdown it stops reading, lets the messages in flight finish and acknowledges
+    /// them, then returns. Entries handed to a read that the shutdown cut short stay
+    /// pending and are claimed again after `min_idle`. Dropping the future instead
+    /// abandons the messages in flight the same way: nothing is lost, and their
+    /// transactions decide whether a redelivery is a duplicate.
+    pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        self.ensure_groups().await?;
+        let inner = &self.inner;
+        let span = tracing::info_span!("outbox.consumer", group = %inner.group, consumer = %inner.consumer_name);
+        let mut shutdown = std::pin::pin!(shutdown);
+        let permits = Arc::new(Semaphore::new(inner.config.max_in_flight));
+        let mut tasks: JoinSet<Done> = JoinSet::new();
+        let mut in_flight: HashSet<(Arc<str>, String)> = HashSet::new();
+        let mut next_claim = Instant::now();
+        let mut outages = 0u32;
+        tracing::info!(parent: &span, streams = ?inner.streams, "consumer started");
+        loop {
+            while let Some(done) = tasks.try_join_next() {
+                self.finished(done, &mut in_flight, &mut outages);
+            }
+            if outages > 0 {
+                let pause = inner.config.outage_backoff.pause(outages);
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = tokio::time::sleep(pause) => {}
+                }
+            }
+            let free = inner.config.max_in_flight.saturating_sub(tasks.len());
+            if free == 0 {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    Some(done) = tasks.join_next() => self.finished(done, &mut in_flight, &mut outages),
+                }
+                continue;
+            }
+            let claiming = Instant::now() >= next_claim;
+            let step = async {
+                if claiming {
+                    self.claim(free, &in_flight).await
+                } else {
+                    self.read(free).await
+                }
+            };
+            let jobs = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                jobs = step.instrument(span.clone()) => jobs,
+            };
+            if claiming {
+                next_claim = Instant::now() + inner.config.claim_interval;
+            }
+            match jobs {
+                Ok(jobs) => {
+                    if !claiming {
+                        outages = 0;
+                    }
+                    for job in jobs {
+                        if !in_flight.insert((Arc::clone(&job.stream), job.entry.id.clone())) {
+                            // Claimed back while this consumer still works on it.
+                            continue;
+                        }
+                        let this = self.clone();
+                        let permits = Arc::clone(&permits);
+                        tasks.spawn(
+                            async move {
+                                let _permit = permits.acquire_owned().await;
+                                this.process(job).await
+                            }
+                            .instrument(span.clone()),
+                        );
+                    }
+                }
+                Err(e) => {
+                    self.count(Count::RedisError, None);
+                    if e.code() == Some("NOGROUP") {
+                        // The stream or group was deleted under us: recreate it.
+                        tracing::warn!(parent: &span, error = %e, "consumer group missing; recreating it");
+                        if let Err(e) = self.ensure_groups().await {
+                            tracing::warn!(parent: &span, error = %e, "cannot recreate consumer groups");
+                            outages = outages.saturating_add(1);
+                        }
+                    } else {
+                        tracing::warn!(parent: &span, error = %e, "redis read failed; backing off");
+                        outages = outages.saturating_add(1);
+                    }
+                }
+            }
+        }
+        tracing::info!(parent: &span, in_flight = tasks.len(), "consumer stopping");
+        while let Some(done) = tasks.join_next().await {
+            self.finished(done, &mut in_flight, &mut outages);
+        }
+        tracing::info!(parent: &span, "consumer stopped");
+        Ok(())
+    }
+
+    fn finished(
+        &self,
+        done: Result<Done, tokio::task::JoinError>,
+        in_flight: &mut HashSet<(Arc<str>, String)>,
+        outages: &mut u32,
+    ) {
+        match done {
+            Ok(done) => {
+                in_flight.remove(&(done.stream, done.entry_id));
+                if done.outage {
+                    *outages = outages.saturating_add(1);
+                }
+            }
+            // `process` catches handler panics; this is a bug in the runner itself. The
+            // entry stays pending and is claimed again.
+            Err(e) => tracing::error!(error = %e, "consumer task failed"),
+        }
+    }
+
+    fn count(&self, what: Count, stream: Option<&str>) {
+        let c = &self.inner.counters;
+        let (atomic, name) = match what {
+            Count::Consumed => (&c.consumed, "outbox_consumer_consumed_total"),
+            Count::Duplicate => (&c.duplicates, "outbox_consumer_duplicates_total"),
+            Count::Failure => (&c.failures, "outbox_consumer_failures_total"),
+            Count::DeadLettered => (&c.dead_lettered, "outbox_consumer_dead_lettered_total"),
+            Count::Ignored => (&c.ignored, "outbox_consumer_ignored_total"),
+            Count::Reclaimed => (&c.reclaimed, "outbox_consumer_reclaimed_total"),
+            Count::RedisError => (&c.redis_errors, "outbox_consumer_redis_errors_total"),
+        };
+        atomic.fetch_add(1, Ordering::Relaxed);
+        let group = self.inner.group.clone();
+        match stream {
+            Some(stream) => {
+                metrics::counter!(name, "group" => group, "stream" => stream.to_owned())
+                    .increment(1);
+            }
+            None => metrics::counter!(name, "group" => group).increment(1),
+        }
+    }
+
+    /// New entries: `XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s... > ...`.
+    async fn read(&self, free: usize) -> RedisResult<Vec<Job>> {
+        let inner = &self.inner;
+        let count = free.min(inner.config.read_count);
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&inner.group)
+            .arg(&inner.consumer_name)
+            .arg("COUNT")
+            .arg(count)
+            .arg("BLOCK")
+            .arg(duration_ms(inner.config.block))
+            .arg("STREAMS");
+        for stream in &inner.streams {
+            cmd.arg(&**stream);
+        }
+        for _ in &inner.streams {
+            cmd.arg(">");
+        }
+        let mut conn = inner.reader.get().await?;
+        let reply: Option<StreamReadReply> = match cmd.query_async(&mut conn).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                inner.reader.check(&e).await;
+                return Err(e);
+            }
+        };
+        let mut jobs = Vec::new();
+        for key in reply.map(|r| r.keys).unwrap_or_default() {
+            let Some(stream) = inner.streams.iter().find(|s| ***s == *key.key) else {
+                continue;
+            };
+            jobs.extend(key.ids.into_iter().map(|entry| Job {
+                stream: Arc::clone(stream),
+                entry,
+                delivery_count: 1,
+            }));
+        }
+        Ok(jobs)
+    }
+
+    /// Entries idle longer than `min_idle` in the group, whoever held them:
+    /// `XAUTOCLAIM`, then their delivery counts from `XPENDING`.
+    async fn claim(
+        &self,
+        free: usize,
+        in_flight: &HashSet<(Arc<str>, String)>,
+    ) -> RedisResult<Vec<Job>> {
+        let inner = &self.inner;
+        let mut conn = inner.commands.get().await?;
+        let result = self.claim_on(&mut conn, free, in_flight).await;
+        if let Err(e) = &result {
+            inner.commands.check(e).await;
+        }
+        result
+    }
+
+    async fn claim_on(
+        &self,
+        conn: &mut MultiplexedConnection,
+        free: usize,
+        in_flight: &HashSet<(Arc<str>, String)>,
+    ) -> RedisResult<Vec<Job>> {
+        let inner = &self.inner;
+        let mut jobs: Vec<Job> = Vec::new();
+        for stream in &inner.streams {
+            let mut cursor = "0-0".to_owned();
+            // Each call scans a bounded part of the pending list; a few calls per round
+            // keep one round short while a long list is still covered over time.
+            for _ in 0..8 {
+                let budget = free.saturating_sub(jobs.len());
+                if budget == 0 {
+                    return Ok(jobs);
+                }
+                let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+                    .arg(&**stream)
+                    .arg(&inner.group)
+                    .arg(&inner.consumer_name)
+                    .arg(duration_ms(inner.config.min_idle))
+                    .arg(&cursor)
+                    .arg("COUNT")
+                    .arg(budget)
+                    .query_async(&mut *conn)
+                    .await?;
+                if !reply.deleted_ids.is_empty() {
+                    tracing::warn!(stream = &**stream, deleted = ?reply.deleted_ids, "pending entries were deleted from the stream before being processed");
+                }
+                if !reply.claimed.is_empty() {
+                    let counts =
+                        delivery_counts(conn, stream, &inner.group, &reply.claimed).await?;
+                    for (entry, count) in reply.claimed.into_iter().zip(counts) {
+                        let mine = in_flight.contains(&(Arc::clone(stream), entry.id.clone()));
+                        if !mine {
+                            self.count(Count::Reclaimed, Some(stream));
+                            tracing::info!(stream = &**stream, entry_id = %entry.id, delivery_count = count, "pending entry claimed");
+                        }
+                        jobs.push(Job {
+                            stream: Arc::clone(stream),
+                            entry,
+                            delivery_count: count,
+                        });
+                    }
+                }
+                if reply.next_stream_id == "0-0" {
+                    break;
+                }
+                cursor = reply.next_stream_id;
+            }
+        }
+        Ok(jobs)
+    }
+
+    /// Processes one entry to the end: dead-letter, ack, or leave pending.
+    async fn process(self, job: Job) -> Done {
+        let span = tracing::info_span!(
+            "outbox.consume",
+            stream = &*job.stream,
+            entry_id = %job.entry.id,
+            delivery_count = job.delivery_count,
+            msg_id = tracing::field::Empty,
+            event_type = tracing::field::Empty,
+        );
+        let outage = self.process_inner(&job).instrument(span).await;
+        Done {
+            stream: job.stream,
+            entry_id: job.entry.id,
+            outage,
+        }
+    }
+
+    /// Returns whether Redis or the store failed as a whole.
+    async fn process_inner(&self, job: &Job) -> bool {
+        let inner = &self.inner;
+        let topic = job
+            .stream
+            .strip_prefix(&*inner.config.stream_prefix)
+            .unwrap_or(&job.stream);
+        let envelope = match envelope_from_fields(&job.entry.map, topic) {
+            Ok(envelope) => envelope,
+            Err(e) => return self.dead_letter(job, &e.to_string()).await,
+        };
+        let span = tracing::Span::current();
+        span.record("msg_id", envelope.msg_id.as_str());
+        span.record("event_type", envelope.event_type.as_str());
+        let prepared = match inner.dispatcher.prepare(&envelope) {
+            Ok(prepared) => prepared,
+            Err(outbox_core::Error::UnknownEventType(t)) if inner.config.ignore_unknown_types => {
+                tracing::debug!(event_type = %t, "no handler for this event type; acknowledged");
+                self.count(Count::Ignored, Some(&job.stream));
+                return self.ack(job).await;
+            }
+            Err(e) => return self.dead_letter(job, &e.to_string()).await,
+        };
+        let delivery = Delivery {
+            envelope,
+            delivery_count: job.delivery_count,
+            entry_id: Some(job.entry.id.clone()),
+        };
+        match self.attempt(prepared, delivery).await {
+            Attempt::Processed(Processed::Applied) => {
+                self.count(Count::Consumed, Some(&job.stream));
+                self.ack(job).await
+            }
+            Attempt::Processed(Processed::Duplicate) => {
+                tracing::debug!("duplicate message acknowledged without running the handler");
+                self.count(Count::Duplicate, Some(&job.stream));
+                self.ack(job).await
+            }
+            Attempt::Failed { reason, outage } => {
+                self.count(Count::Failure, Some(&job.stream));
+                if outage {
+                    tracing::warn!(%reason, "idempotency store unavailable; the message will be retried");
+                    self.uncount_delivery(job).await;
+                    true
+                } else if job.delivery_count >= inner.config.max_deliveries {
+                    tracing::warn!(%reason, "handler failed on its last delivery");
+                    self.dead_letter(job, &reason).await
+                } else {
+                    tracing::warn!(%reason, "handler failed; the message will be retried");
+                    false
+                }
+            }
+        }
+    }
+
+    /// Runs the dedup transaction on a blocking thread; a panic is a failure.
+    async fn attempt(&self, prepared: Prepared<C>, delivery: Delivery) -> Attempt {
+        let inbox = Arc::clone(&self.inner.inbox);
+        let group = self.inner.group.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            inbox.process(&group, &delivery.envelope.msg_id, |conn| {
+                prepared.run(conn, &delivery)
+            })
+        })
+        .await;
+        match joined {
+            Ok(Ok(processed)) => Attempt::Processed(processed),
+            Ok(Err(e)) => Attempt::Failed {
+                outage: e.is_outage(),
+                reason: e.to_string(),
+            },
+            Err(e) => Attempt::Failed {
+                reason: match e.try_into_panic() {
+                    Ok(panic) => format!("handler panicked: {}", panic_message(&*panic)),
+                    Err(e) => format!("handler task failed: {e}"),
+                },
+                outage: false,
+            },
+        }
+    }
+
+    /// `XACK`; returns whether Redis failed.
+    async fn ack(&self, job: &Job) -> bool {
+        let inner = &self.inner;
+        let acked: RedisResult<i64> = async {
+            let mut conn = inner.commands.get().await?;
+            redis::cmd("XACK")
+                .arg(&*job.stream)
+                .arg(&inner.group)
+                .arg(&job.entry.id)
+                .query_async(&mut conn)
+                .await
+        }
+        .await;
+        self.redis_done(
+            acked,
+            "ack failed; the entry stays pending and is claimed again",
+        )
+        .await
+    }
+
+    /// Copies the entry to the dead-letter stream and acks it, in one transaction.
+    /// Returns whether Redis failed.
+    async fn dead_letter(&self, job: &Job, reason: &str) -> bool {
+        let inner = &self.inner;
+        let dead = self.dead_letter_stream(&job.stream);
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let xadd = pipe
+            .cmd("XADD")
+            .arg(&dead)
+            .arg("*")
+            .arg("reason")
+            .arg(reason)
+            .arg("delivery_count")
+            .arg(job.delivery_count)
+            .arg("group")
+            .arg(&inner.group)
+            .arg("stream")
+            .arg(&*job.stream)
+            .arg("entry_id")
+            .arg(&job.entry.id);
+        let mut fields: Vec<_> = job
+            .entry
+            .map
+            .iter()
+            .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
+            .collect();
+        fields.sort_by(|a, b| a.0.cmp(b.0));
+        for (field, value) in fields {
+            xadd.arg(field).arg(value_bytes(value));
+        }
+        xadd.ignore();
+        pipe.cmd("XACK")
+            .arg(&*job.stream)
+            .arg(&inner.group)
+            .arg(&job.entry.id)
+            .ignore();
+        let written: RedisResult<()> = async {
+            let mut conn = inner.commands.get().await?;
+            pipe.query_async(&mut conn).await
+        }
+        .await;
+        let failed = self
+            .redis_done(written, "dead-lettering failed; the entry stays pending")
+            .await;
+        if !failed {
+            tracing::warn!(dead_letter_stream = %dead, %reason, "entry dead-lettered");
+            self.count(Count::DeadLettered, Some(&job.stream));
+        }
+        failed
+    }
+
+    /// After a store outage: sets the entry's delivery count back, so that outages never
+    /// bring a message closer to the dead-letter stream. Best effort.
+    async fn uncount_delivery(&self, job: &Job) {
+        let inner = &self.inner;
+        let reset: RedisResult<redis::Value> = async {
+            let mut conn = inner.commands.get().await?;
+            redis::cmd("XCLAIM")
+                .arg(&*job.stream)
+                .arg(&inner.group)
+                .arg(&inner.consumer_name)
+                .arg(0)
+                .arg(&job.entry.id)
+                .arg("RETRYCOUNT")
+                .arg(job.delivery_count.saturating_sub(1))
+                .arg("JUSTID")
+                .query_async(&mut conn)
+                .await
+        }
+        .await;
+        self.redis_done(reset, "cannot reset the delivery count")
+            .await;
+    }
+
+    async fn redis_done<T>(&self, result: RedisResult<T>, what: &str) -> bool {
+        match result {
+            Ok(_) => false,
+            Err(e) => {
+                self.inner.commands.check(&e).await;
+                self.count(Count::RedisError, None);
+                tracing::warn!(error = %e, "{what}");
+                is_outage(&e)
+            }
+        }
+    }
+}
+
+/// Fields a dead-letter entry sets before the original entry's fields.
+const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
+
+/// The delivery count of each of `entries` (pending in `group`), in order, with one
+/// pipelined `XPENDING <stream> <group> <id> <id> 1` per entry.
+async fn delivery_counts(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    group: &str,
+    entries: &[StreamId],
+) -> RedisResult<Vec<u64>> {
+    let mut pipe = redis::pipe();
+    for entry in entries {
+        pipe.cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .arg(&entry.id)
+            .arg(&entry.id)
+            .arg(1);
+    }
+    let replies: Vec<StreamPendingCountReply> = pipe.query_async(conn).await?;
+    Ok(replies
+        .into_iter()
+        .map(|r| r.ids.first().map_or(1, |p| p.times_delivered as u64))
+        .collect())
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("non-text panic payload")
+}

@@ -1,0 +1,193 @@
+use std::collections::HashMap;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use outbox_core::{Envelope, Headers, MsgId};
+use redis::Value;
+
+use crate::{Error, Result};
+
+/// Names of the fields of a stream entry, as [`entry_fields`] writes them.
+///
+/// | field | value |
+/// |---|---|
+/// | `msg_id` | the msg_id, the consumer's idempotency key |
+/// | `topic` | the topic (the stream is the prefix + the topic) |
+/// | `type` | the event type, which picks the handler |
+/// | `version` | the payload's schema version, decimal |
+/// | `key` | the ordering key |
+/// | `payload` | the event as JSON |
+/// | `headers` | a JSON object of string headers |
+/// | `created_at` | RFC 3339 time of the emit, UTC |
+pub const ENTRY_FIELDS: [&str; 8] = [
+    "msg_id",
+    "topic",
+    "type",
+    "version",
+    "key",
+    "payload",
+    "headers",
+    "created_at",
+];
+
+/// The field/value pairs of the stream entry that carries `envelope`, in
+/// [`ENTRY_FIELDS`] order.
+pub fn entry_fields(envelope: &Envelope) -> [(&'static str, String); 8] {
+    let headers = serde_json::to_string(&envelope.headers).unwrap_or_else(|_| "{}".to_owned());
+    [
+        ("msg_id", envelope.msg_id.as_str().to_owned()),
+        ("topic", envelope.topic.clone()),
+        ("type", envelope.event_type.clone()),
+        ("version", envelope.schema_version.to_string()),
+        ("key", envelope.key.clone()),
+        ("payload", envelope.payload.clone()),
+        ("headers", headers),
+        (
+            "created_at",
+            envelope
+                .created_at
+                .to_rfc3339_opts(SecondsFormat::Micros, true),
+        ),
+    ]
+}
+
+fn text(fields: &HashMap<String, Value>, name: &str) -> Result<Option<String>> {
+    match fields.get(name) {
+        None => Ok(None),
+        Some(v) => redis::from_redis_value_ref::<String>(v)
+            .map(Some)
+            .map_err(|e| Error::MalformedEntry(format!("field `{name}` is not text: {e}"))),
+    }
+}
+
+fn required(fields: &HashMap<String, Value>, name: &str) -> Result<String> {
+    text(fields, name)?.ok_or_else(|| Error::MalformedEntry(format!("missing field `{name}`")))
+}
+
+/// Rebuilds the envelope from a stream entry's fields.
+///
+/// `msg_id`, `type`, `version` and `payload` are required. The others have defaults, so
+/// entries written by other producers work too: `topic` defaults to `default_topic`,
+/// `key` to the msg_id's business key, `headers` to none and `created_at` to now.
+pub fn envelope_from_fields(
+    fields: &HashMap<String, Value>,
+    default_topic: &str,
+) -> Result<Envelope> {
+    let msg_id = required(fields, "msg_id")?;
+    let msg_id =
+        MsgId::new(msg_id).map_err(|e| Error::MalformedEntry(format!("field `msg_id`: {e}")))?;
+    let event_type = required(fields, "type")?;
+    let version = required(fields, "version")?;
+    let schema_version = version.parse().map_err(|_| {
+        Error::MalformedEntry(format!("field `version` is not a number: {version:?}"))
+    })?;
+    let payload = required(fields, "payload")?;
+    let topic = text(fields, "topic")?.unwrap_or_else(|| default_topic.to_owned());
+    let key = match text(fields, "key")? {
+        Some(key) => key,
+        None => msg_id
+            .as_str()
+            .rsplit_once(':')
+            .map_or(msg_id.as_str(), |(k, _)| k)
+            .to_owned(),
+    };
+    let headers: Headers = match text(fields, "headers")? {
+        Some(h) => serde_json::from_str(&h)
+            .map_err(|e| Error::MalformedEntry(format!("field `headers`: {e}")))?,
+        None => Headers::new(),
+    };
+    let created_at = match text(fields, "created_at")? {
+        Some(t) => DateTime::parse_from_rfc3339(&t)
+            .map_err(|e| Error::MalformedEntry(format!("field `created_at`: {e}")))?
+            .with_timezone(&Utc),
+        None => Utc::now(),
+    };
+    Ok(Envelope {
+        msg_id,
+        topic,
+        event_type,
+        key,
+        schema_version,
+        payload,
+        headers,
+        created_at,
+    })
+}
+
+/// A field value as bytes, for copying an entry verbatim.
+pub(crate) fn value_bytes(v: &Value) -> Vec<u8> {
+    redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_else(|_| format!("{v:?}").into_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn envelope() -> Envelope {
+        Envelope {
+            msg_id: MsgId::new("order-42:OrderPaid").unwrap(),
+            topic: "order.paid".into(),
+            event_type: "OrderPaid".into(),
+            key: "order-42".into(),
+            schema_version: 3,
+            payload: r#"{"order_id":"order-42"}"#.into(),
+            headers: Headers::from([("traceparent".to_owned(), "00-abc".to_owned())]),
+            created_at: DateTime::parse_from_rfc3339("2025-01-02T03:04:05.123456Z")
+                .unwrap()
+                .with_timezone(&Utc),
+        }
+    }
+
+    fn as_map(fields: &[(&str, String)]) -> HashMap<String, Value> {
+        fields
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Value::BulkString(v.clone().into_bytes())))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips() {
+        let e = envelope();
+        let fields = entry_fields(&e);
+        assert_eq!(fields.clone().map(|(k, _)| k), ENTRY_FIELDS);
+        assert_eq!(envelope_from_fields(&as_map(&fields), "other").unwrap(), e);
+    }
+
+    #[test]
+    fn optional_fields_default() {
+        let fields = as_map(&[
+            ("msg_id", "order-7:OrderPaid".into()),
+            ("type", "OrderPaid".into()),
+            ("version", "1".into()),
+            ("payload", "{}".into()),
+        ]);
+        let e = envelope_from_fields(&fields, "order.paid").unwrap();
+        assert_eq!(e.topic, "order.paid");
+        assert_eq!(e.key, "order-7");
+        assert!(e.headers.is_empty());
+    }
+
+    #[test]
+    fn missing_or_bad_fields_are_malformed() {
+        let mut fields = as_map(&entry_fields(&envelope()));
+        fields.remove("payload");
+        let err = envelope_from_fields(&fields, "t").unwrap_err();
+        assert!(err.is_malformed_entry(), "{err}");
+        assert!(err.to_string().contains("payload"));
+
+        let mut fields = as_map(&entry_fields(&envelope()));
+        fields.insert("version".into(), Value::BulkString(b"two".to_vec()));
+        assert!(
+            envelope_from_fields(&fields, "t")
+                .unwrap_err()
+                .is_malformed_entry()
+        );
+
+        let mut fields = as_map(&entry_fields(&envelope()));
+        fields.insert("msg_id".into(), Value::BulkString(b"has space".to_vec()));
+        assert!(
+            envelope_from_fields(&fields, "t")
+                .unwrap_err()
+                .is_malformed_entry()
+        );
+    }
+}

@@ -1,0 +1,79 @@
+use redis::RedisError;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `outbox-redis`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Redis failed: connection refused or dropped, a timeout, or an error reply.
+    #[error("redis: {0}")]
+    Redis(#[from] RedisError),
+    /// An `outbox-core` error: a duplicate handler registration, the idempotency store
+    /// failing, and the like.
+    #[error(transparent)]
+    Core(#[from] outbox_core::Error),
+    /// A configuration value is out of range or missing.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A stream entry lacks a field the envelope needs, or a field does not parse.
+    #[error("malformed stream entry: {0}")]
+    MalformedEntry(String),
+}
+
+impl Error {
+    /// Whether Redis (or the idempotency store) was unreachable or timed out, rather
+    /// than refusing something: retry later, as a whole.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Self::Redis(e) => is_outage(e),
+            Self::Core(e) => e.is_outage(),
+            _ => false,
+        }
+    }
+
+    /// Whether this is a configuration mistake (fix the code or settings, do not retry).
+    pub fn is_config(&self) -> bool {
+        matches!(self, Self::Config(_))
+            || matches!(self, Self::Redis(e) if e.kind() == redis::ErrorKind::InvalidClientConfig)
+    }
+
+    /// Whether this is a malformed stream entry.
+    pub fn is_malformed_entry(&self) -> bool {
+        matches!(self, Self::MalformedEntry(_))
+    }
+}
+
+/// Server error codes that mean "this server cannot take writes right now", whatever
+/// the command: they are outages, never a message's own failure.
+const OUTAGE_CODES: &[&str] = &[
+    "OOM",
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "MISCONF",
+    "BUSY",
+    "NOREPLICAS",
+];
+
+/// Whether `e` is a failure of the connection or of the server as a whole.
+pub(crate) fn is_outage(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+        || e.code().is_some_and(|c| OUTAGE_CODES.contains(&c))
+}
+
+/// Whether the connection that produced `e` should be replaced.
+pub(crate) fn breaks_connection(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+}
