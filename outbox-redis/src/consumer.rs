@@ -55,10 +55,13 @@ pub struct ConsumerConfig {
     /// (default 30 s). This is also how long a crashed consumer's entries wait. Keep it
     /// well above the slowest handler.
     pub min_idle: Duration,
-    /// How often pending entries are looked for with `XAUTOCLAIM` (default 5 s).
+    /// How often pending entries are looked for with `XAUTOCLAIM` (default 5 s); at
+    /// most once per read, so a long [`block`](Self::block) spaces claims out too.
     pub claim_interval: Duration,
     /// Deliveries after which a failing message is dead-lettered (default 5). The handler
     /// runs at most this many times; its error on the last one is the recorded reason.
+    /// An entry claimed with a higher delivery count (its consumers crashed or stalled
+    /// while handling it) is dead-lettered without running the handler again.
     pub max_deliveries: u64,
     /// Appended to a stream's name to name its dead-letter stream (default `:dead`).
     pub dead_letter_suffix: String,
@@ -452,7 +455,8 @@ where
     }
 
     /// Creates the group on each stream (and the stream, `MKSTREAM`) if it does not
-    /// exist. Idempotent; [`run_until`](Self::run_until) calls it first.
+    /// exist, and registers this consumer in it (`XGROUP CREATECONSUMER`). Idempotent;
+    /// [`run_until`](Self::run_until) calls it first.
     pub async fn ensure_groups(&self) -> Result<()> {
         let inner = &self.inner;
         let start = match inner.config.start_from {
@@ -478,6 +482,19 @@ where
                     inner.commands.check(&e).await;
                     return Err(e.into());
                 }
+            }
+            // Registers the consumer at once, so that `XINFO CONSUMERS` lists it before
+            // its first delivery.
+            let registered: RedisResult<redis::Value> = redis::cmd("XGROUP")
+                .arg("CREATECONSUMER")
+                .arg(&**stream)
+                .arg(&inner.group)
+                .arg(&inner.consumer_name)
+                .query_async(&mut conn)
+                .await;
+            if let Err(e) = registered {
+                inner.commands.check(&e).await;
+                return Err(e.into());
             }
         }
         Ok(())
@@ -777,6 +794,15 @@ where
             .stream
             .strip_prefix(&*inner.config.stream_prefix)
             .unwrap_or(&job.stream);
+        if job.delivery_count > inner.config.max_deliveries {
+            // Delivered past the limit without an outcome: its consumers crashed or
+            // stalled past `min_idle` each time. Trying again could crash this one too.
+            let reason = format!(
+                "delivery limit exceeded: delivered {} times (limit {}) without being processed",
+                job.delivery_count, inner.config.max_deliveries
+            );
+            return self.dead_letter(job, &reason).await;
+        }
         let envelope = match envelope_from_fields(&job.entry.map, topic) {
             Ok(envelope) => envelope,
             Err(e) => return self.dead_letter(job, &e.to_string()).await,

@@ -45,7 +45,7 @@ pub fn entry_fields(envelope: &Envelope) -> [(&'static str, String); 8] {
             "created_at",
             envelope
                 .created_at
-                .to_rfc3339_opts(SecondsFormat::Micros, true),
+                .to_rfc3339_opts(SecondsFormat::AutoSi, true),
         ),
     ]
 }
