@@ -77,13 +77,17 @@
 //! One entry per message, with the fields of [`ENTRY_FIELDS`]: `msg_id`, `topic`, `type`,
 //! `version`, `key`, `payload` (the event's JSON), `headers` (a JSON object) and
 //! `created_at`. Dead-letter entries (`<stream>:dead`) add `reason`, `delivery_count`,
-//! `group`, `stream` and `entry_id` in front of the original fields.
+//! `group`, `stream` and `entry_id` in front of the original fields (an original field
+//! with one of those names is not copied).
 //!
 //! # Redis versions
 //!
-//! Redis 6.2 or later: the consumer uses `XAUTOCLAIM` and [`trim_acknowledged`] uses
-//! `XTRIM ... MINID`, both new in 6.2. Redis 7 is what the tests run against; on 7.0+
-//! `XAUTOCLAIM` also clears pending entries whose stream entry was deleted.
+//! Redis 6.2 or later. New in 6.2 and used here: `XAUTOCLAIM` (reclaiming idle
+//! entries), `XGROUP CREATECONSUMER` (registering the consumer at start) and
+//! `XTRIM ... MINID` ([`trim_acknowledged`]). Everything else (`XADD`, `XREADGROUP`,
+//! `XACK`, `XPENDING` with a range, `XCLAIM ... RETRYCOUNT`, `XINFO GROUPS`) is Redis 5.
+//! The tests run against Redis 7.0; from 7.0 on `XAUTOCLAIM` also drops pending entries
+//! whose stream entry was deleted, which 6.2 leaves in the pending list.
 //!
 //! Redis Cluster is not supported yet: the publisher pipelines commands for several
 //! topics (several slots) on one connection, and the consumer reads all its streams in

@@ -9,7 +9,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{HandlerError, MemoryDb};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use outbox_core::{HandlerError, Inbox, MemoryDb, MemoryTx, MsgId, Processed};
 use outbox_redis::redis::{self, AsyncConnectionConfig};
 use outbox_redis::{Consumer, ConsumerConfig, StartFrom};
 
@@ -293,6 +295,63 @@ async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_runni
     assert!(field(&dead.ids[0], "reason").contains("delivery limit exceeded"));
     assert_eq!(field(&dead.ids[0], "delivery_count"), "3");
     assert_eq!(pending_count(&mut conn, &stream, &group).await, 0);
+    cleanup(&prefix).await;
+}
+
+/// The in-memory inbox, down for the next `outages` transactions.
+struct FlakyInbox {
+    db: MemoryDb<Applied>,
+    outages: AtomicUsize,
+}
+
+impl Inbox for FlakyInbox {
+    type Conn = MemoryTx<Applied>;
+
+    fn process<F>(&self, group: &str, msg_id: &MsgId, handle: F) -> outbox_core::Result<Processed>
+    where
+        F: FnOnce(&mut MemoryTx<Applied>) -> Result<(), HandlerError>,
+    {
+        let down = self
+            .outages
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if down {
+            return Err(outbox_core::Error::store("connection refused"));
+        }
+        self.db.process(group, msg_id, handle)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_does_not_spend_deliveries() {
+    let prefix = unique_prefix();
+    let stream = format!("{prefix}order.paid");
+    publish(&prefix, [paid(1)]).await;
+    let db = MemoryDb::new(Applied::new());
+    let handler = Recorder::ok();
+    let inbox = FlakyInbox {
+        db: db.clone(),
+        outages: AtomicUsize::new(4),
+    };
+    let c = Consumer::builder(redis_url(), unique_group("outage"))
+        .handle::<OrderPaid, _>(handler.clone())
+        .idempotency(inbox)
+        .config(ConsumerConfig {
+            max_deliveries: 2,
+            ..fast_config(&prefix)
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(&c);
+    eventually("applied after the outage", || c.stats().consumed == 1).await;
+    running.stop().await;
+    let stats = c.stats();
+    assert_eq!((stats.failures, stats.dead_lettered), (4, 0), "{stats:?}");
+    // Four deliveries failed on the outage, yet the handler saw a first delivery.
+    assert_eq!(handler.deliveries.lock().unwrap()["order-1"], [1]);
+    assert!(all_applied_once(&db, 1));
+    let mut conn = conn().await;
+    assert_eq!(pending_count(&mut conn, &stream, c.group()).await, 0);
     cleanup(&prefix).await;
 }
 

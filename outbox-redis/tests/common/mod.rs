@@ -204,6 +204,10 @@ pub(crate) fn fast_config(prefix: &str) -> ConsumerConfig {
         block: Duration::from_millis(200),
         min_idle: Duration::from_millis(300),
         claim_interval: Duration::from_millis(100),
+        outage_backoff: outbox_core::OutageBackoff {
+            min: Duration::from_millis(10),
+            max: Duration::from_millis(100),
+        },
         ..ConsumerConfig::default()
     }
 }
@@ -229,7 +233,10 @@ pub(crate) struct Running {
 }
 
 impl Running {
-    pub(crate) fn start(consumer: &Consumer<MemoryDb<Applied>>) -> Self {
+    pub(crate) fn start<I>(consumer: &Consumer<I>) -> Self
+    where
+        I: outbox_core::Inbox<Conn = MemoryTx<Applied>>,
+    {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let consumer = consumer.clone();
         let task = tokio::spawn(async move {
