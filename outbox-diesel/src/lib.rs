@@ -1,1 +1,159 @@
-//! outbox-diesel (in progress).
+//! Transactional outbox on diesel: emit typed events in your own transaction, and the
+//! relay's and consumers' stores, on PostgreSQL, MySQL/MariaDB and SQLite.
+//!
+//! - [`Emit`] adds `emit` to diesel connections: the message row is written by your
+//!   transaction, so it exists iff your business rows commit.
+//! - [`migrate`] (or the SQL files under `migrations/<backend>/`) creates the tables;
+//!   [`schema`] has their `table!` definitions.
+//! - [`PgRelayStore`], [`MysqlRelayStore`] and [`SqliteRelayStore`] implement
+//!   [`outbox_core::RelayStore`] for the [`outbox_core::Relay`].
+//! - [`PgInbox`], [`MysqlInbox`] and [`SqliteInbox`] implement [`outbox_core::Inbox`]:
+//!   the consumer's `(consumer_group, msg_id)` record in the handler's transaction.
+//! - Operations: [`backlog`], [`dead_letters`], [`find_message`], [`redrive`],
+//!   [`purge_dead`], [`purge_sent`], [`purge_consumed`].
+//!
+//! # Example
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use diesel::prelude::*;
+//! use outbox_core::OutboxEvent;
+//! use outbox_diesel::Emit;
+//!
+//! diesel::table! { accounts (id) { id -> Text, balance -> BigInt } }
+//! use accounts::dsl::{accounts, balance};
+//!
+//! #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+//! struct AccountTransferred {
+//!     #[outbox(id)]
+//!     transfer_id: String,
+//!     from: String,
+//!     to: String,
+//!     amount: i64,
+//! }
+//!
+//! let mut conn = PgConnection::establish("postgres://postgres@127.0.0.1:5432/test")?;
+//! outbox_diesel::migrate(&mut conn)?;
+//!
+//! conn.transaction(|c| {
+//!     diesel::update(accounts.find("alice")).set(balance.eq(balance - 100)).execute(c)?;
+//!     diesel::update(accounts.find("bob")).set(balance.eq(balance + 100)).execute(c)?;
+//!     c.emit(AccountTransferred { transfer_id: "t-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 })?;
+//!     Ok::<_, diesel::result::Error>(())
+//! })?;
+//!
+//! // The same fact again is recognised, and nothing is written.
+//! let again = conn.transaction(|c| {
+//!     c.emit(AccountTransferred { transfer_id: "t-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 })?;
+//!     Ok::<_, diesel::result::Error>(())
+//! });
+//! assert!(again.is_err_and(|e| outbox_diesel::is_duplicate(&e)));
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "postgres"))]
+//! # fn main() {}
+//! ```
+//!
+//! The relay, on a pool, publishing to any [`outbox_core::Publisher`]:
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn run(publisher: outbox_core::MemoryBroker) -> Result<(), Box<dyn std::error::Error>> {
+//! let store = outbox_diesel::PgRelayStore::connect("postgres://postgres@127.0.0.1:5432/test", 4)?;
+//! let relay = outbox_core::Relay::new(store, publisher);
+//! relay.run_until(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! # Ok(())
+//! # }
+//! # fn main() {}
+//! ```
+//!
+//! # Errors and transactions
+//!
+//! Every emit error leaves your transaction usable: nothing was written, and `?` rolls
+//! back as usual. On PostgreSQL a failing statement would abort the transaction, so a
+//! duplicate msg_id is detected with `ON CONFLICT (msg_id) DO NOTHING` and "0 rows";
+//! MySQL and SQLite roll back only the failing statement. [`Error`] converts into
+//! [`diesel::result::Error`] (a duplicate becomes a `UniqueViolation` on
+//! [`MSG_ID_CONSTRAINT`]; test it with [`is_duplicate`]) and into
+//! [`outbox_core::Error`].
+//!
+//! # Wake-up on PostgreSQL
+//!
+//! Emit can `NOTIFY` the relay inside your transaction (delivered at commit):
+//! [`Notify::WhenRelayIdle`] (the default) notifies only while a relay is parked waiting
+//! for work, decided inside the INSERT statement, so a busy system pays nothing;
+//! [`Notify::Always`] and [`Notify::Never`] are the alternatives (see [`EmitOptions`]).
+//!
+//! # Features
+//!
+//! | feature    | default | what it gives |
+//! |------------|---------|---------------|
+//! | `postgres` | yes     | `PgConnection` support, [`PgRelayStore`] with LISTEN/NOTIFY, [`PgInbox`] (libpq) |
+//! | `mysql`    | yes     | `MysqlConnection` support, [`MysqlRelayStore`], [`MysqlInbox`] (libmysqlclient) |
+//! | `sqlite`   | yes     | `SqliteConnection` support, [`SqliteRelayStore`] (one relay per database), [`SqliteInbox`] (libsqlite3) |
+#![doc(test(attr(deny(warnings))))]
+
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+compile_error!("outbox-diesel needs at least one of the features `postgres`, `mysql`, `sqlite`");
+
+mod backend;
+mod conn;
+mod emit;
+mod error;
+mod inbox;
+#[cfg(feature = "postgres")]
+mod listen;
+mod migrate;
+mod ops;
+mod relay;
+pub mod schema;
+#[cfg(feature = "sqlite")]
+mod sqlite_relay;
+
+pub use conn::OutboxConnection;
+pub use emit::{Emit, EmitOptions, Notify};
+pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate};
+pub use inbox::DieselInbox;
+#[cfg(feature = "postgres")]
+pub use listen::PgRelayStore;
+pub use migrate::{MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate};
+pub use ops::{
+    OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
+    purge_sent, redrive, redrive_all,
+};
+pub use relay::LockedBatch;
+#[cfg(feature = "mysql")]
+pub use relay::MysqlRelayStore;
+#[cfg(feature = "sqlite")]
+pub use sqlite_relay::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
+
+/// The default PostgreSQL `NOTIFY` channel: `outbox`.
+pub const DEFAULT_CHANNEL: &str = "outbox";
+
+/// An r2d2 pool of PostgreSQL connections.
+#[cfg(feature = "postgres")]
+pub type PgPool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::PgConnection>>;
+/// An r2d2 pool of MySQL / MariaDB connections.
+#[cfg(feature = "mysql")]
+pub type MysqlPool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::MysqlConnection>>;
+/// An r2d2 pool of SQLite connections (build it with [`sqlite_pool`]).
+#[cfg(feature = "sqlite")]
+pub type SqlitePool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::SqliteConnection>>;
+
+/// The consumer's idempotency store on PostgreSQL; handlers get `&mut PgConnection`.
+#[cfg(feature = "postgres")]
+pub type PgInbox = DieselInbox<diesel::PgConnection>;
+/// The consumer's idempotency store on MySQL / MariaDB; handlers get `&mut MysqlConnection`.
+#[cfg(feature = "mysql")]
+pub type MysqlInbox = DieselInbox<diesel::MysqlConnection>;
+/// The consumer's idempotency store on SQLite; handlers get `&mut SqliteConnection`.
+#[cfg(feature = "sqlite")]
+pub type SqliteInbox = DieselInbox<diesel::SqliteConnection>;
+
+/// The batch type of [`PgRelayStore`].
+#[cfg(feature = "postgres")]
+pub type PgBatch = LockedBatch<diesel::PgConnection>;
+/// The batch type of [`MysqlRelayStore`].
+#[cfg(feature = "mysql")]
+pub type MysqlBatch = LockedBatch<diesel::MysqlConnection>;

@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS consumed_msg;
+DROP TABLE IF EXISTS outbox;

@@ -1,0 +1,47 @@
+-- outbox tables for PostgreSQL (outbox-diesel). Idempotent: safe to run again.
+-- Copy this directory into your diesel migrations, or call `outbox_diesel::migrate`.
+
+-- Serialises concurrent runs (several relays starting at once); released at commit.
+SELECT pg_advisory_xact_lock(7362291004541029);
+
+CREATE TABLE IF NOT EXISTS outbox (
+    id             BIGSERIAL    PRIMARY KEY,
+    msg_id         VARCHAR(64)  NOT NULL,            -- business-built, global dedup key
+    topic          VARCHAR(128) NOT NULL,
+    event_type     VARCHAR(128) NOT NULL,
+    msg_key        VARCHAR(255) NOT NULL,            -- ordering key
+    schema_version INT          NOT NULL DEFAULT 1,
+    payload        JSONB        NOT NULL,            -- the whole event
+    headers        JSONB        NOT NULL DEFAULT '{}',
+    status         SMALLINT     NOT NULL DEFAULT 0,  -- 0 NEW / 1 SENT / 2 DEAD
+    retries        INT          NOT NULL DEFAULT 0,
+    next_retry_at  TIMESTAMPTZ  NOT NULL DEFAULT now(),
+    created_at     TIMESTAMPTZ  NOT NULL DEFAULT now(),
+    sent_at        TIMESTAMPTZ,
+    last_error     TEXT,
+    CONSTRAINT outbox_msg_id_key UNIQUE (msg_id)
+);
+
+-- Holds NEW rows only: the id-ordered claim walks it and never sees SENT rows.
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE status = 0;
+-- Per-key order probe ("is there an older NEW row of this key?") over NEW rows only.
+CREATE INDEX IF NOT EXISTS outbox_pending_key ON outbox (msg_key, id) WHERE status = 0;
+-- Dead letters for operators; small by construction.
+CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (id) WHERE status = 2;
+
+CREATE TABLE IF NOT EXISTS consumed_msg (
+    consumer_group VARCHAR(64) NOT NULL,
+    msg_id         VARCHAR(64) NOT NULL,
+    consumed_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, msg_id)
+);
+-- Retention: purge rows older than the redelivery horizon in bounded batches.
+CREATE INDEX IF NOT EXISTS consumed_msg_consumed_at ON consumed_msg (consumed_at);
+
+-- One row. A relay about to wait for work sets idle_until; emit sends NOTIFY only while
+-- it is in the future (see `Notify::WhenRelayIdle`), so a busy system pays nothing.
+CREATE TABLE IF NOT EXISTS outbox_relay_state (
+    singleton  BOOLEAN     PRIMARY KEY DEFAULT TRUE CHECK (singleton),
+    idle_until TIMESTAMPTZ
+);
+INSERT INTO outbox_relay_state (singleton) VALUES (TRUE) ON CONFLICT DO NOTHING;

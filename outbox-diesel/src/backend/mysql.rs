@@ -1,0 +1,217 @@
+use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager};
+use diesel::mysql::Mysql;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::result::{DatabaseErrorKind, QueryResult};
+use diesel::sql_types::{Integer, Text};
+use diesel::{MysqlConnection, RunQueryDsl};
+use outbox_core::{Envelope, MsgId};
+
+use super::{Dialect, MsgIdRow, Row, chunks};
+use crate::{EmitOptions, Error, OutboxConnection, Result};
+
+pub(super) const DIALECT: Dialect = Dialect {
+    // Timestamps as Unix microseconds, independent of the session time zone.
+    columns: "id, msg_id, topic, event_type, msg_key, schema_version, payload, headers, \
+              status, retries, \
+              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', next_retry_at) AS next_retry_us, \
+              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', created_at) AS created_us, \
+              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', sent_at) AS sent_us, last_error",
+    now: "UTC_TIMESTAMP(6)",
+    ph: "?",
+    lock: " FOR UPDATE SKIP LOCKED",
+    backlog: "SELECT \
+        (SELECT COUNT(*) FROM outbox WHERE status = 0 AND next_retry_at <= UTC_TIMESTAMP(6)) AS due, \
+        (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) \
+           FROM outbox WHERE status = 0 AND next_retry_at <= UTC_TIMESTAMP(6)) AS oldest_us, \
+        (SELECT COUNT(*) FROM outbox WHERE status = 2) AS dead",
+    ts: |t| format!("'{}'", t.format("%Y-%m-%d %H:%M:%S%.6f")),
+    ago: |us| format!("(UTC_TIMESTAMP(6) - INTERVAL {us} MICROSECOND)"),
+    // MySQL has DELETE .. ORDER BY .. LIMIT (and no LIMIT in IN subqueries).
+    delete_limited: |table, filter, order, n| {
+        format!("DELETE FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}")
+    },
+};
+
+/// `INSERT INTO outbox .. VALUES (..)[, (..)]`, timestamps from the server's UTC clock.
+/// Cached when it holds one row.
+///
+/// No `INSERT IGNORE` (it also turns truncation and other errors into warnings) and no
+/// `ON DUPLICATE KEY UPDATE id = id` (diesel connects with CLIENT_FOUND_ROWS, so a
+/// duplicate would report 1 row, not 0): a plain INSERT, whose duplicate-key error InnoDB
+/// rolls back as a statement, leaving the caller's transaction intact.
+struct Insert<'a> {
+    rows: &'a [Row<'a>],
+}
+
+impl QueryId for Insert<'_> {
+    type QueryId = Insert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Mysql> for Insert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        if self.rows.len() != 1 {
+            out.unsafe_to_cache_prepared();
+        }
+        out.push_sql(
+            "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
+             headers, next_retry_at, created_at) VALUES ",
+        );
+        for (i, r) in self.rows.iter().enumerate() {
+            out.push_sql(if i == 0 { "(" } else { ", (" });
+            out.push_bind_param::<Text, str>(r.msg_id)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.topic)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.event_type)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.key)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Integer, i32>(&r.schema_version)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.payload)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(&r.headers)?;
+            out.push_sql(", UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))");
+        }
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for Insert<'_> {}
+
+/// The msg_id MySQL names in "Duplicate entry 'x' for key ..", if it is one of `rows`.
+fn named_duplicate<'a>(message: &str, rows: &[Row<'a>]) -> Option<&'a str> {
+    let rest = message.strip_prefix("Duplicate entry '")?;
+    let end = rest.rfind("' for key")?;
+    let named = &rest[..end];
+    rows.iter().map(|r| r.msg_id).find(|id| *id == named)
+}
+
+fn msg_ids_in(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
+    let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
+    let mut done: Vec<&str> = Vec::new();
+    for chunk in chunks(&rows) {
+        match (Insert { rows: chunk }).execute(conn) {
+            Ok(_) => done.extend(chunk.iter().map(|r| r.msg_id)),
+            Err(diesel::result::Error::DatabaseError(DatabaseErrorKind::UniqueViolation, info)) => {
+                let dup = match chunk {
+                    [one] => Some(one.msg_id),
+                    _ => named_duplicate(info.message(), chunk),
+                };
+                let dup = match dup {
+                    Some(d) => d.to_owned(),
+                    None => {
+                        let mut q = diesel::sql_query(format!(
+                            "SELECT msg_id FROM outbox WHERE msg_id IN ({}) LIMIT 1",
+                            msg_ids_in(chunk.len())
+                        ))
+                        .into_boxed::<Mysql>();
+                        for r in chunk {
+                            q = q.bind::<Text, _>(r.msg_id);
+                        }
+                        q.load::<MsgIdRow>(conn)?
+                            .pop()
+                            .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id)
+                    }
+                };
+                // The failed statement was rolled back by InnoDB; take back the earlier
+                // chunks of this call so that it is all or nothing.
+                if !done.is_empty() {
+                    let mut q = diesel::sql_query(format!(
+                        "DELETE FROM outbox WHERE msg_id IN ({})",
+                        msg_ids_in(done.len())
+                    ))
+                    .into_boxed::<Mysql>();
+                    for id in &done {
+                        q = q.bind::<Text, _>(*id);
+                    }
+                    q.execute(conn)?;
+                }
+                return Err(Error::Duplicate(MsgId::new(dup)?));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// `INSERT IGNORE INTO consumed_msg ..`: 0 rows when already consumed, no error, so the
+/// consumer's transaction goes on. The inputs are validated first (msg_id and group
+/// lengths), so IGNORE has nothing else to hide.
+struct ConsumedInsert<'a> {
+    group: &'a str,
+    msg_id: &'a str,
+}
+
+impl QueryId for ConsumedInsert<'_> {
+    type QueryId = ConsumedInsert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Mysql> for ConsumedInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        out.push_sql(
+            "INSERT IGNORE INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (",
+        );
+        out.push_bind_param::<Text, str>(self.group)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(self.msg_id)?;
+        out.push_sql(", UTC_TIMESTAMP(6))");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
+
+impl OutboxConnection for MysqlConnection {
+    const __MIGRATION: &'static str = crate::migrate::MYSQL_UP;
+
+    fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+        insert(self, envelopes)
+    }
+
+    fn __begin_claim(&mut self) -> Result<()> {
+        // READ COMMITTED for the claim: InnoDB then takes no gap locks, so a claim that
+        // reaches the end of the NEW rows does not block emitters' inserts while the
+        // batch is being published. Applies to the next transaction only.
+        self.batch_execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")?;
+        Ok(AnsiTransactionManager::begin_transaction(self)?)
+    }
+
+    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+        Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    super::common_methods!(DIALECT);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::borrow::Cow;
+
+    #[test]
+    fn names_the_duplicate_from_the_message() {
+        let row = |msg_id| Row {
+            msg_id,
+            topic: "t",
+            event_type: "E",
+            key: "k",
+            schema_version: 1,
+            payload: "{}",
+            headers: Cow::Borrowed("{}"),
+        };
+        let rows = [row("a:E"), row("it's:E")];
+        let m = "Duplicate entry 'it's:E' for key 'outbox_msg_id_key'";
+        assert_eq!(named_duplicate(m, &rows), Some("it's:E"));
+        assert_eq!(
+            named_duplicate("Duplicate entry 'zz' for key 'x'", &rows),
+            None
+        );
+    }
+}

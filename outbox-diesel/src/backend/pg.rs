@@ -1,0 +1,257 @@
+use std::collections::HashSet;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::result::QueryResult;
+use diesel::sql_types::{BigInt, Integer, Nullable, Text};
+use diesel::{PgConnection, RunQueryDsl};
+use outbox_core::{Envelope, MsgId};
+
+use super::{Dialect, Row, chunks, in_list};
+use crate::{EmitOptions, Error, Notify, OutboxConnection, Result};
+
+/// How far past its wait timeout a parked relay still counts as idle, so that a NOTIFY
+/// sent just before it re-parks is not lost.
+pub(crate) const NOTIFY_IDLE_SLACK: Duration = Duration::from_secs(1);
+
+pub(super) const DIALECT: Dialect = Dialect {
+    columns: "id, msg_id, topic, event_type, msg_key, schema_version, \
+              payload::text AS payload, headers::text AS headers, status, retries, \
+              (extract(epoch FROM next_retry_at) * 1000000)::bigint AS next_retry_us, \
+              (extract(epoch FROM created_at) * 1000000)::bigint AS created_us, \
+              (extract(epoch FROM sent_at) * 1000000)::bigint AS sent_us, last_error",
+    now: "now()",
+    ph: "$1",
+    lock: " FOR UPDATE SKIP LOCKED",
+    backlog: "SELECT \
+        (SELECT count(*) FROM outbox WHERE status = 0 AND next_retry_at <= now()) AS due, \
+        (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
+           FROM outbox WHERE status = 0 AND next_retry_at <= now()) AS oldest_us, \
+        (SELECT count(*) FROM outbox WHERE status = 2) AS dead",
+    ts: |t| format!("'{}'::timestamptz", t.format("%Y-%m-%d %H:%M:%S%.6f+00")),
+    ago: |us| format!("(now() - interval '{us} microseconds')"),
+    delete_limited: |table, filter, order, n| {
+        format!(
+            "DELETE FROM {table} WHERE ctid = ANY(ARRAY(\
+             SELECT ctid FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}))"
+        )
+    },
+};
+
+const INSERT_HEAD: &str = "INSERT INTO outbox \
+    (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
+
+fn push_values<'b>(rows: &'b [Row<'_>], out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+    for (i, r) in rows.iter().enumerate() {
+        out.push_sql(if i == 0 { "(" } else { ", (" });
+        out.push_bind_param::<Text, str>(r.msg_id)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(r.topic)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(r.event_type)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(r.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Integer, i32>(&r.schema_version)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(r.payload)?;
+        out.push_sql("::jsonb, ");
+        out.push_bind_param::<Text, str>(&r.headers)?;
+        out.push_sql("::jsonb)");
+    }
+    Ok(())
+}
+
+/// The hot path: one row, no NOTIFY. A plain `INSERT .. ON CONFLICT (msg_id) DO NOTHING`,
+/// prepared once per connection (static query id). `ON CONFLICT` turns a duplicate into
+/// "0 rows" instead of an error, which on PostgreSQL would abort the caller's transaction.
+struct PlainInsert<'a> {
+    row: &'a Row<'a>,
+}
+
+impl QueryId for PlainInsert<'_> {
+    type QueryId = PlainInsert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for PlainInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(INSERT_HEAD);
+        push_values(std::slice::from_ref(self.row), &mut out)?;
+        out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for PlainInsert<'_> {}
+
+/// NOTIFY variants, as types so that each SQL text has its own static query id.
+trait Mode: 'static {
+    /// The `notified` column: before the channel bind (if any).
+    const HEAD: &'static str;
+    /// After the channel bind; `None`: no bind.
+    const TAIL: Option<&'static str>;
+}
+struct NoNotify;
+struct Always;
+struct WhenIdle;
+impl Mode for NoNotify {
+    const HEAD: &'static str = "NULL::text";
+    const TAIL: Option<&'static str> = None;
+}
+impl Mode for Always {
+    const HEAD: &'static str = "pg_notify(";
+    const TAIL: Option<&'static str> = Some(", '')::text");
+}
+impl Mode for WhenIdle {
+    const HEAD: &'static str = "(SELECT pg_notify(";
+    const TAIL: Option<&'static str> =
+        Some(", '')::text FROM outbox_relay_state WHERE idle_until > now())");
+}
+
+/// `WITH ins AS (INSERT .. ON CONFLICT DO NOTHING RETURNING id, msg_id) SELECT id, msg_id,
+/// <notify> FROM ins`: one statement that also reports which rows were inserted. The
+/// NOTIFY expression is evaluated only for inserted rows, so a duplicate notifies
+/// nobody; repeated notifications in one transaction are folded into one by PostgreSQL.
+/// Cached when it holds one row.
+struct Insert<'a, M> {
+    rows: &'a [Row<'a>],
+    channel: &'a str,
+    mode: PhantomData<M>,
+}
+
+impl<M: Mode> QueryId for Insert<'_, M> {
+    type QueryId = Insert<'static, M>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<M: Mode> Query for Insert<'_, M> {
+    type SqlType = (BigInt, Text, Nullable<Text>);
+}
+
+impl<M: Mode> QueryFragment<Pg> for Insert<'_, M> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        if self.rows.len() != 1 {
+            // The text depends on the row count: never cache it.
+            out.unsafe_to_cache_prepared();
+        }
+        out.push_sql("WITH ins AS (");
+        out.push_sql(INSERT_HEAD);
+        push_values(self.rows, &mut out)?;
+        out.push_sql(" ON CONFLICT (msg_id) DO NOTHING RETURNING id, msg_id) SELECT id, msg_id, ");
+        out.push_sql(M::HEAD);
+        if let Some(tail) = M::TAIL {
+            out.push_bind_param::<Text, str>(self.channel)?;
+            out.push_sql(tail);
+        }
+        out.push_sql(" AS notified FROM ins");
+        Ok(())
+    }
+}
+
+impl<Conn, M> RunQueryDsl<Conn> for Insert<'_, M> {}
+
+type Inserted = (i64, String, Option<String>);
+
+fn load_chunk(
+    conn: &mut PgConnection,
+    notify: Notify,
+    rows: &[Row<'_>],
+    channel: &str,
+) -> QueryResult<Vec<Inserted>> {
+    fn q<M: Mode>(
+        conn: &mut PgConnection,
+        rows: &[Row<'_>],
+        channel: &str,
+    ) -> QueryResult<Vec<Inserted>> {
+        Insert::<M> {
+            rows,
+            channel,
+            mode: PhantomData,
+        }
+        .load(conn)
+    }
+    match notify {
+        Notify::Never => q::<NoNotify>(conn, rows, channel),
+        Notify::Always => q::<Always>(conn, rows, channel),
+        Notify::WhenRelayIdle => q::<WhenIdle>(conn, rows, channel),
+    }
+}
+
+fn insert(conn: &mut PgConnection, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+    let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
+    if let ([row], Notify::Never) = (rows.as_slice(), options.notify) {
+        return match (PlainInsert { row }).execute(conn)? {
+            0 => Err(Error::Duplicate(envelopes[0].msg_id.clone())),
+            _ => Ok(()),
+        };
+    }
+    let mut inserted = Vec::new();
+    for chunk in chunks(&rows) {
+        let got = load_chunk(conn, options.notify, chunk, &options.channel)?;
+        inserted.extend(got.iter().map(|r| r.0));
+        if got.len() < chunk.len() {
+            let got: HashSet<&str> = got.iter().map(|r| r.1.as_str()).collect();
+            let dup = chunk
+                .iter()
+                .find(|r| !got.contains(r.msg_id))
+                .map_or(chunk[0].msg_id, |r| r.msg_id);
+            // All or nothing, without aborting the caller's transaction: take back the
+            // rows this call did insert.
+            if !inserted.is_empty() {
+                diesel::sql_query(format!(
+                    "DELETE FROM outbox WHERE id IN ({})",
+                    in_list(&inserted)
+                ))
+                .execute(conn)?;
+            }
+            return Err(Error::Duplicate(MsgId::new(dup)?));
+        }
+    }
+    Ok(())
+}
+
+/// `INSERT INTO consumed_msg .. ON CONFLICT DO NOTHING`, prepared once per connection.
+struct ConsumedInsert<'a> {
+    group: &'a str,
+    msg_id: &'a str,
+}
+
+impl QueryId for ConsumedInsert<'_> {
+    type QueryId = ConsumedInsert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for ConsumedInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO consumed_msg (consumer_group, msg_id) VALUES (");
+        out.push_bind_param::<Text, str>(self.group)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(self.msg_id)?;
+        out.push_sql(") ON CONFLICT DO NOTHING");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
+
+impl OutboxConnection for PgConnection {
+    const __MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
+
+    fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+        insert(self, options, envelopes)
+    }
+
+    fn __begin_claim(&mut self) -> Result<()> {
+        Ok(AnsiTransactionManager::begin_transaction(self)?)
+    }
+
+    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+        Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    super::common_methods!(DIALECT);
+}

@@ -1,0 +1,271 @@
+use std::time::Duration;
+
+use diesel::connection::AnsiTransactionManager;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::result::{DatabaseErrorKind, QueryResult};
+use diesel::sql_types::{Bool, Integer, Text};
+use diesel::sqlite::Sqlite;
+use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl, SqliteConnection};
+use outbox_core::{Envelope, MsgId};
+
+use super::{Dialect, MsgIdRow, Row, chunks};
+use crate::{EmitOptions, Error, OutboxConnection, Result};
+
+/// The database clock as the tables store it: UTC text with milliseconds, whose text
+/// order is time order.
+macro_rules! now {
+    () => {
+        "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+    };
+}
+
+/// Unix microseconds of a stored timestamp (NULL stays NULL).
+macro_rules! us {
+    ($col:literal) => {
+        concat!(
+            "(CAST(strftime('%s', ",
+            $col,
+            ") AS INTEGER) * 1000000 + CAST(substr(",
+            $col,
+            ", 21, 3) AS INTEGER) * 1000)"
+        )
+    };
+}
+
+pub(super) const DIALECT: Dialect = Dialect {
+    columns: concat!(
+        "id, msg_id, topic, event_type, msg_key, schema_version, payload, headers, status, retries, ",
+        us!("next_retry_at"),
+        " AS next_retry_us, ",
+        us!("created_at"),
+        " AS created_us, ",
+        us!("sent_at"),
+        " AS sent_us, last_error"
+    ),
+    now: now!(),
+    ph: "?",
+    // No row locks: one relay per database, enforced by the lease.
+    lock: "",
+    backlog: concat!(
+        "SELECT (SELECT count(*) FROM outbox WHERE status = 0 AND next_retry_at <= ",
+        now!(),
+        ") AS due, (SELECT CAST((julianday('now') - julianday(min(created_at))) * 86400000000.0 AS INTEGER) \
+         FROM outbox WHERE status = 0 AND next_retry_at <= ",
+        now!(),
+        ") AS oldest_us, (SELECT count(*) FROM outbox WHERE status = 2) AS dead"
+    ),
+    ts: |t| format!("'{}'", t.format("%Y-%m-%d %H:%M:%S%.3f")),
+    ago: |us| {
+        format!(
+            "strftime('%Y-%m-%d %H:%M:%f', 'now', '-{}.{:06} seconds')",
+            us / 1_000_000,
+            us % 1_000_000
+        )
+    },
+    delete_limited: |table, filter, order, n| {
+        format!(
+            "DELETE FROM {table} WHERE rowid IN \
+             (SELECT rowid FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n})"
+        )
+    },
+};
+
+/// One row: `INSERT .. ON CONFLICT (msg_id) DO NOTHING` (0 rows on a duplicate), cached.
+/// Several rows: a plain multi-row INSERT, which SQLite aborts as a statement on a
+/// duplicate, so the call is all or nothing and the transaction stays usable.
+struct Insert<'a> {
+    rows: &'a [Row<'a>],
+}
+
+impl QueryId for Insert<'_> {
+    type QueryId = Insert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Sqlite> for Insert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Sqlite>) -> QueryResult<()> {
+        if self.rows.len() != 1 {
+            out.unsafe_to_cache_prepared();
+        }
+        out.push_sql(
+            "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
+             headers, next_retry_at, created_at) VALUES ",
+        );
+        for (i, r) in self.rows.iter().enumerate() {
+            out.push_sql(if i == 0 { "(" } else { ", (" });
+            out.push_bind_param::<Text, str>(r.msg_id)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.topic)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.event_type)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.key)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Integer, i32>(&r.schema_version)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(r.payload)?;
+            out.push_sql(", ");
+            out.push_bind_param::<Text, str>(&r.headers)?;
+            out.push_sql(concat!(", ", now!(), ", ", now!(), ")"));
+        }
+        if self.rows.len() == 1 {
+            out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
+        }
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for Insert<'_> {}
+
+fn placeholders(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
+    let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
+    if let [row] = rows.as_slice() {
+        return match (Insert { rows: &rows }).execute(conn)? {
+            0 => Err(Error::Duplicate(MsgId::new(row.msg_id)?)),
+            _ => Ok(()),
+        };
+    }
+    let mut done: Vec<&str> = Vec::new();
+    for chunk in chunks(&rows) {
+        match (Insert { rows: chunk }).execute(conn) {
+            Ok(_) => done.extend(chunk.iter().map(|r| r.msg_id)),
+            Err(diesel::result::Error::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => {
+                // One writer at a time in SQLite: what is there now is what conflicted.
+                let mut q = diesel::sql_query(format!(
+                    "SELECT msg_id FROM outbox WHERE msg_id IN ({}) LIMIT 1",
+                    placeholders(chunk.len())
+                ))
+                .into_boxed::<Sqlite>();
+                for r in chunk {
+                    q = q.bind::<Text, _>(r.msg_id);
+                }
+                let dup = q
+                    .load::<MsgIdRow>(conn)?
+                    .pop()
+                    .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id);
+                if !done.is_empty() {
+                    let mut q = diesel::sql_query(format!(
+                        "DELETE FROM outbox WHERE msg_id IN ({})",
+                        placeholders(done.len())
+                    ))
+                    .into_boxed::<Sqlite>();
+                    for id in &done {
+                        q = q.bind::<Text, _>(*id);
+                    }
+                    q.execute(conn)?;
+                }
+                return Err(Error::Duplicate(MsgId::new(dup)?));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// `INSERT INTO consumed_msg .. ON CONFLICT DO NOTHING`, cached.
+struct ConsumedInsert<'a> {
+    group: &'a str,
+    msg_id: &'a str,
+}
+
+impl QueryId for ConsumedInsert<'_> {
+    type QueryId = ConsumedInsert<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Sqlite> for ConsumedInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Sqlite>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (");
+        out.push_bind_param::<Text, str>(self.group)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(self.msg_id)?;
+        out.push_sql(concat!(", ", now!(), ") ON CONFLICT DO NOTHING"));
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
+
+impl OutboxConnection for SqliteConnection {
+    const __MIGRATION: &'static str = crate::migrate::SQLITE_UP;
+
+    fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+        insert(self, envelopes)
+    }
+
+    fn __begin_claim(&mut self) -> Result<()> {
+        Ok(AnsiTransactionManager::begin_transaction_sql(
+            self,
+            "BEGIN IMMEDIATE",
+        )?)
+    }
+
+    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+        Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    super::common_methods!(DIALECT);
+}
+
+#[derive(QueryableByName)]
+struct LeaseRow {
+    #[diesel(sql_type = Text)]
+    owner: String,
+    #[diesel(sql_type = Text)]
+    heartbeat_at: String,
+    #[diesel(sql_type = Bool)]
+    fresh: bool,
+}
+
+/// Takes or renews the single relay lease, inside the caller's immediate transaction.
+///
+/// `held`: whether `owner` believes it holds the lease (renewal). A fresh lease of
+/// another owner is [`Error::RelayAlreadyRunning`] when taking and [`Error::LeaseLost`]
+/// when renewing; an expired one (its holder crashed or stalled) is taken over.
+pub(crate) fn lease(
+    conn: &mut SqliteConnection,
+    owner: &str,
+    ttl: Duration,
+    held: bool,
+) -> Result<()> {
+    let current = diesel::sql_query(format!(
+        "SELECT owner, heartbeat_at, heartbeat_at >= {} AS fresh \
+         FROM outbox_relay_lease WHERE singleton = 1",
+        (DIALECT.ago)(i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX))
+    ))
+    .get_result::<LeaseRow>(conn)
+    .optional()?;
+    if let Some(row) = current {
+        if row.owner != owner && row.fresh {
+            return Err(if held {
+                Error::LeaseLost { owner: row.owner }
+            } else {
+                Error::RelayAlreadyRunning {
+                    owner: row.owner,
+                    heartbeat_at: row.heartbeat_at,
+                }
+            });
+        }
+    }
+    diesel::sql_query(concat!(
+        "INSERT INTO outbox_relay_lease (singleton, owner, heartbeat_at) VALUES (1, ?, ",
+        now!(),
+        ") ON CONFLICT (singleton) DO UPDATE SET owner = excluded.owner, \
+         heartbeat_at = excluded.heartbeat_at"
+    ))
+    .bind::<Text, _>(owner)
+    .execute(conn)?;
+    Ok(())
+}
+
+/// Gives the lease up if `owner` holds it.
+pub(crate) fn release(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
+    diesel::sql_query("DELETE FROM outbox_relay_lease WHERE owner = ?")
+        .bind::<Text, _>(owner)
+        .execute(conn)?;
+    Ok(())
+}

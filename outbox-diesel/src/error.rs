@@ -1,0 +1,286 @@
+use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
+use outbox_core::{BoxError, InvalidMsgId, MsgId};
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The name of the unique constraint on `outbox.msg_id`, reported by a duplicate emit.
+pub const MSG_ID_CONSTRAINT: &str = "outbox_msg_id_key";
+
+/// Everything that can go wrong in `outbox-diesel`.
+///
+/// It converts into [`diesel::result::Error`] so that `?` works inside an ordinary
+/// `conn.transaction(|c| ..)` closure; [`is_duplicate`] recognises a duplicate emit after
+/// that conversion. It also converts into [`outbox_core::Error`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A message with this msg_id is already in the outbox (or twice in one
+    /// [`emit_all`](crate::Emit::emit_all)): the same business fact was submitted twice.
+    /// Nothing was written and the first message is untouched; the transaction is still
+    /// usable.
+    #[error("duplicate msg_id `{0}`: this event was already emitted")]
+    Duplicate(MsgId),
+    /// The event's id does not make a valid msg_id.
+    #[error(transparent)]
+    InvalidMsgId(#[from] InvalidMsgId),
+    /// The event could not be serialized to JSON.
+    #[error("cannot serialize event `{msg_id}`: {source}")]
+    Serialize {
+        /// The event's msg_id.
+        msg_id: MsgId,
+        /// serde's error.
+        source: serde_json::Error,
+    },
+    /// The serialized payload is over the configured limit
+    /// ([`EmitOptions::max_payload_bytes`](crate::EmitOptions::max_payload_bytes)).
+    #[error("event `{msg_id}` payload is {size} bytes; the limit is {limit}")]
+    PayloadTooLarge {
+        /// The event's msg_id.
+        msg_id: MsgId,
+        /// Serialized size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// A text field is longer than its column.
+    #[error("event `{msg_id}`: {field} is {len} characters; the column holds {limit}")]
+    FieldTooLong {
+        /// The event's msg_id.
+        msg_id: MsgId,
+        /// The field: `topic`, `event_type`, `key` or `consumer_group`.
+        field: &'static str,
+        /// Its length in characters.
+        len: usize,
+        /// The column's limit.
+        limit: usize,
+    },
+    /// A query or transaction failed.
+    #[error("database error: {0}")]
+    Database(#[from] diesel::result::Error),
+    /// A connection could not be established.
+    #[error("cannot connect: {0}")]
+    Connection(#[from] diesel::ConnectionError),
+    /// No pooled connection could be obtained in time.
+    #[error("connection pool: {0}")]
+    Pool(#[from] diesel::r2d2::PoolError),
+    /// Another relay holds this SQLite database. SQLite has no row locks, so one relay
+    /// runs per database file; a second one gets this error until the holder stops or its
+    /// lease expires.
+    #[error(
+        "another relay ({owner}) holds the outbox of this SQLite database (last heartbeat {heartbeat_at}); one relay per database"
+    )]
+    RelayAlreadyRunning {
+        /// The holder's owner token.
+        owner: String,
+        /// The holder's last heartbeat (UTC).
+        heartbeat_at: String,
+    },
+    /// This relay's SQLite lease was taken over by another relay (it stalled past the
+    /// lease time). Stop this relay.
+    #[error("this relay's lease on the SQLite outbox was taken over by {owner}")]
+    LeaseLost {
+        /// The new holder's owner token.
+        owner: String,
+    },
+    /// A stored row holds a value this crate cannot read (unknown status, bad headers).
+    #[error("corrupt outbox row {id}: {reason}")]
+    CorruptRow {
+        /// The row id.
+        id: i64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A blocking database task panicked or was cancelled.
+    #[error("database task failed: {0}")]
+    Task(String),
+    /// An error from `outbox-core` with no more specific variant here.
+    #[error(transparent)]
+    Core(outbox_core::Error),
+}
+
+impl Error {
+    /// The same business fact was emitted twice ([`Error::Duplicate`]).
+    pub fn is_duplicate(&self) -> bool {
+        match self {
+            Self::Duplicate(_) => true,
+            Self::Database(e) => is_duplicate(e),
+            _ => false,
+        }
+    }
+
+    /// The event itself is unusable (bad msg_id, unserializable, too large, field too
+    /// long): retrying will not help.
+    pub fn is_invalid_event(&self) -> bool {
+        matches!(
+            self,
+            Self::InvalidMsgId(_)
+                | Self::Serialize { .. }
+                | Self::PayloadTooLarge { .. }
+                | Self::FieldTooLong { .. }
+        )
+    }
+
+    /// A second relay on one SQLite database ([`Error::RelayAlreadyRunning`] or
+    /// [`Error::LeaseLost`]).
+    pub fn is_relay_conflict(&self) -> bool {
+        matches!(
+            self,
+            Self::RelayAlreadyRunning { .. } | Self::LeaseLost { .. }
+        )
+    }
+
+    /// Recovers this crate's error from a [`diesel::result::Error`] produced by the
+    /// conversion `From<Error> for diesel::result::Error`, if it carried one.
+    pub fn from_diesel_ref(e: &diesel::result::Error) -> Option<&Self> {
+        match e {
+            diesel::result::Error::SerializationError(inner) => inner.downcast_ref::<Self>(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn from_core(e: outbox_core::Error) -> Self {
+        match e {
+            outbox_core::Error::InvalidMsgId(e) => Self::InvalidMsgId(e),
+            outbox_core::Error::Serialize { msg_id, source } => Self::Serialize { msg_id, source },
+            outbox_core::Error::PayloadTooLarge {
+                msg_id,
+                size,
+                limit,
+            } => Self::PayloadTooLarge {
+                msg_id,
+                size,
+                limit,
+            },
+            outbox_core::Error::Duplicate(id) => Self::Duplicate(id),
+            other => Self::Core(other),
+        }
+    }
+}
+
+/// Whether a diesel error reports a duplicate msg_id in the outbox: what
+/// [`Emit::emit`](crate::Emit::emit) returns, converted by `?` into
+/// [`diesel::result::Error`], when the same business fact is emitted twice.
+///
+/// ```
+/// use diesel::result::Error as DieselError;
+/// let e: DieselError = outbox_diesel::Error::Duplicate("order-42:OrderPaid".try_into()?).into();
+/// assert!(outbox_diesel::is_duplicate(&e));
+/// assert!(!outbox_diesel::is_duplicate(&DieselError::NotFound));
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
+pub fn is_duplicate(e: &diesel::result::Error) -> bool {
+    match e {
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
+            info.constraint_name() == Some(MSG_ID_CONSTRAINT)
+        }
+        other => Error::from_diesel_ref(other).is_some_and(Error::is_duplicate),
+    }
+}
+
+/// The details of a duplicate emit as diesel sees them: a unique violation of
+/// [`MSG_ID_CONSTRAINT`] on `outbox.msg_id`.
+#[derive(Debug)]
+struct DuplicateInfo {
+    message: String,
+}
+
+impl DatabaseErrorInformation for DuplicateInfo {
+    fn message(&self) -> &str {
+        &self.message
+    }
+    fn details(&self) -> Option<&str> {
+        None
+    }
+    fn hint(&self) -> Option<&str> {
+        None
+    }
+    fn table_name(&self) -> Option<&str> {
+        Some("outbox")
+    }
+    fn column_name(&self) -> Option<&str> {
+        Some("msg_id")
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        Some(MSG_ID_CONSTRAINT)
+    }
+    fn statement_position(&self) -> Option<i32> {
+        None
+    }
+}
+
+impl From<Error> for diesel::result::Error {
+    /// A duplicate becomes a `UniqueViolation` on [`MSG_ID_CONSTRAINT`]; a database error
+    /// is passed through; anything else is carried in a `SerializationError`
+    /// (recover it with [`Error::from_diesel_ref`]).
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Duplicate(_) => diesel::result::Error::DatabaseError(
+                DatabaseErrorKind::UniqueViolation,
+                Box::new(DuplicateInfo {
+                    message: e.to_string(),
+                }),
+            ),
+            Error::Database(e) => e,
+            other => diesel::result::Error::SerializationError(Box::new(other)),
+        }
+    }
+}
+
+impl From<Error> for outbox_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Duplicate(id) => Self::Duplicate(id),
+            Error::InvalidMsgId(e) => Self::InvalidMsgId(e),
+            Error::Serialize { msg_id, source } => Self::Serialize { msg_id, source },
+            Error::PayloadTooLarge {
+                msg_id,
+                size,
+                limit,
+            } => Self::PayloadTooLarge {
+                msg_id,
+                size,
+                limit,
+            },
+            Error::Core(e) => e,
+            other => Self::Store(Box::new(other) as BoxError),
+        }
+    }
+}
+
+impl From<outbox_core::Error> for Error {
+    fn from(e: outbox_core::Error) -> Self {
+        Self::from_core(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conversions_keep_the_kind() {
+        let id = MsgId::new("a:B").unwrap();
+        let d: diesel::result::Error = Error::Duplicate(id.clone()).into();
+        assert!(is_duplicate(&d));
+        let e = Error::Database(d);
+        assert!(e.is_duplicate());
+
+        let big: diesel::result::Error = Error::PayloadTooLarge {
+            msg_id: id.clone(),
+            size: 2,
+            limit: 1,
+        }
+        .into();
+        assert!(!is_duplicate(&big));
+        assert!(matches!(
+            Error::from_diesel_ref(&big),
+            Some(Error::PayloadTooLarge { size: 2, .. })
+        ));
+
+        let core: outbox_core::Error = Error::Duplicate(id).into();
+        assert!(core.is_duplicate());
+        let store: outbox_core::Error = Error::Task("boom".into()).into();
+        assert!(store.is_outage());
+    }
+}

@@ -1,0 +1,51 @@
+use crate::{OutboxConnection, Result};
+
+/// A shipped migration: the SQL of one backend's `up.sql` and `down.sql`, the same text
+/// as the files under `outbox-diesel/migrations/<backend>/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migration {
+    /// The directory name of the migration (diesel's `<version>_<name>` form).
+    pub name: &'static str,
+    /// Creates the tables and indexes. Idempotent.
+    pub up: &'static str,
+    /// Drops them.
+    pub down: &'static str,
+}
+
+pub(crate) const POSTGRES_UP: &str =
+    include_str!("../migrations/postgres/2025-01-01-000000_outbox/up.sql");
+pub(crate) const MYSQL_UP: &str =
+    include_str!("../migrations/mysql/2025-01-01-000000_outbox/up.sql");
+pub(crate) const SQLITE_UP: &str =
+    include_str!("../migrations/sqlite/2025-01-01-000000_outbox/up.sql");
+
+/// The PostgreSQL migration (`migrations/postgres/`).
+pub const POSTGRES_MIGRATION: Migration = Migration {
+    name: "2025-01-01-000000_outbox",
+    up: POSTGRES_UP,
+    down: include_str!("../migrations/postgres/2025-01-01-000000_outbox/down.sql"),
+};
+
+/// The MySQL / MariaDB migration (`migrations/mysql/`).
+pub const MYSQL_MIGRATION: Migration = Migration {
+    name: "2025-01-01-000000_outbox",
+    up: MYSQL_UP,
+    down: include_str!("../migrations/mysql/2025-01-01-000000_outbox/down.sql"),
+};
+
+/// The SQLite migration (`migrations/sqlite/`).
+pub const SQLITE_MIGRATION: Migration = Migration {
+    name: "2025-01-01-000000_outbox",
+    up: SQLITE_UP,
+    down: include_str!("../migrations/sqlite/2025-01-01-000000_outbox/down.sql"),
+};
+
+/// Creates the outbox tables and indexes on `conn`'s database (PostgreSQL: in the first
+/// schema of the `search_path`) if they do not exist yet. Safe to run at every start.
+///
+/// The same SQL ships as plain files under `migrations/<backend>/` for users who
+/// prefer to copy them into their own diesel migrations.
+pub fn migrate<C: OutboxConnection>(conn: &mut C) -> Result<()> {
+    conn.batch_execute(C::__MIGRATION)?;
+    Ok(())
+}
