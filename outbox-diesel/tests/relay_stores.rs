@@ -1,0 +1,361 @@
+//! Relay-store behaviour that differs per backend: row locks between concurrent claimers
+//! (PostgreSQL, MariaDB), the claim's index (EXPLAIN with many SENT rows), the SQLite
+//! single-relay lease, and the PostgreSQL LISTEN/NOTIFY wake-up.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Backend, Lite, My, Pg, exec, runtime};
+use diesel::connection::SimpleConnection as _;
+use diesel::sql_types::Text;
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
+use outbox_diesel::{Emit, EmitOptions, Notify, OutboxConnection, SqliteRelayStore};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+struct Pinged {
+    #[outbox(id)]
+    n: u32,
+}
+
+fn ids(batch: &impl ClaimedBatch) -> Vec<i64> {
+    batch.messages().iter().map(|m| m.id).collect()
+}
+
+async fn claim_skips_locked_rows<B: Backend>()
+where
+    B::Store: RelayStore,
+{
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.emit_all((1..=10).map(|n| Pinged { n })).unwrap();
+    let all: Vec<i64> = outbox_diesel::list_messages(&mut conn, None, 0, 100)
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    let store = B::store(&db);
+
+    // A row locked by someone else's transaction (a plain SELECT .. FOR UPDATE).
+    let mut other = B::connect(&db);
+    other
+        .batch_execute(&format!(
+            "BEGIN; SELECT id FROM outbox WHERE id = {} FOR UPDATE;",
+            all[0]
+        ))
+        .unwrap();
+
+    let a = store.claim(3).await.unwrap();
+    assert_eq!(
+        ids(&a),
+        all[1..4],
+        "skips the row locked by the other transaction"
+    );
+    let b = store.claim(3).await.unwrap();
+    assert_eq!(
+        ids(&b),
+        all[4..7],
+        "a second claimer skips the first one's rows"
+    );
+    other.batch_execute("ROLLBACK").unwrap();
+
+    // Dropping a batch releases its rows untouched.
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = store.claim(10).await.unwrap();
+    let want: Vec<i64> = all[..4].iter().chain(&all[7..]).copied().collect();
+    assert_eq!(ids(&c), want, "released rows and the rest, but not b's");
+
+    b.complete(BatchOutcome {
+        sent: all[4..7].to_vec(),
+        ..BatchOutcome::default()
+    })
+    .await
+    .unwrap();
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let d = store.claim(100).await.unwrap();
+    assert_eq!(d.messages().len(), 7, "SENT rows are never claimed again");
+    let backlog = store.backlog().await.unwrap();
+    assert_eq!(backlog.due, 7);
+}
+
+#[test]
+fn pg_claim_skips_rows_locked_by_a_concurrent_claimer() {
+    runtime().block_on(claim_skips_locked_rows::<Pg>());
+}
+
+#[test]
+fn mysql_claim_skips_rows_locked_by_a_concurrent_claimer() {
+    runtime().block_on(claim_skips_locked_rows::<My>());
+}
+
+#[derive(QueryableByName)]
+struct PlanLine {
+    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+    line: String,
+}
+
+#[test]
+fn pg_claim_does_not_scan_sent_rows() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    exec(
+        &mut c,
+        "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
+         SELECT 's-' || g || ':E', 't', 'E', 's-' || g, '{}'::jsonb, 1, now()
+         FROM generate_series(1, 20000) g;",
+    );
+    c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
+    exec(&mut c, "ANALYZE outbox;");
+    let sql = <PgConnection as OutboxConnection>::__claim_sql(100);
+    let plan: Vec<String> = diesel::sql_query(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
+        .load::<PlanLine>(&mut c)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.line)
+        .collect();
+    let text = plan.join("\n");
+    println!("{text}");
+    assert!(
+        text.contains("outbox_pending"),
+        "the claim uses the NEW-only index:\n{text}"
+    );
+    assert!(!text.contains("Seq Scan"), "no table scan:\n{text}");
+    for line in &plan {
+        if let Some(n) = line.trim().strip_prefix("Rows Removed by Filter: ") {
+            assert!(
+                n.parse::<u64>().unwrap() < 100,
+                "filtered SENT rows:\n{text}"
+            );
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct JsonPlan {
+    #[diesel(sql_type = Text, column_name = "ANALYZE")]
+    plan: String,
+}
+
+#[test]
+fn mysql_claim_does_not_scan_sent_rows() {
+    let db = My::create();
+    let mut c = My::connect(&db);
+    exec(
+        &mut c,
+        "SET SESSION max_recursive_iterations = 100000;
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, headers, status,
+                             next_retry_at, created_at, sent_at)
+         WITH RECURSIVE seq (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < 20000)
+         SELECT CONCAT('s-', n, ':E'), 't', 'E', CONCAT('s-', n), '{}', '{}', 1,
+                UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq;",
+    );
+    c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
+    exec(&mut c, "ANALYZE TABLE outbox;");
+    let sql = <diesel::MysqlConnection as OutboxConnection>::__claim_sql(100);
+    let plan = diesel::sql_query(format!("ANALYZE FORMAT=JSON {sql}"))
+        .get_result::<JsonPlan>(&mut c)
+        .unwrap()
+        .plan;
+    println!("{plan}");
+    let json: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    let table = find_key(&json, "table").expect("a table access in the plan");
+    let key = table["key"].as_str().unwrap_or("none");
+    assert!(
+        key == "outbox_claim" || key == "outbox_status_next_retry",
+        "the claim uses a status-led index, not {key}:\n{plan}"
+    );
+    let examined = table["r_rows"].as_f64().unwrap();
+    assert!(
+        examined <= 60.0,
+        "examined {examined} rows: SENT rows were scanned\n{plan}"
+    );
+}
+
+fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => m
+            .get(key)
+            .or_else(|| m.values().find_map(|x| find_key(x, key))),
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_key(x, key)),
+        _ => None,
+    }
+}
+
+#[test]
+fn sqlite_second_relay_gets_a_clear_error() {
+    let db = Lite::create();
+    let first = SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap();
+    let err = SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap_err();
+    assert!(err.is_relay_conflict(), "{err}");
+    match &err {
+        outbox_diesel::Error::RelayAlreadyRunning { owner, .. } => {
+            assert_eq!(owner, first.owner())
+        }
+        other => panic!("expected RelayAlreadyRunning, got {other}"),
+    }
+    assert!(err.to_string().contains("one relay per database"), "{err}");
+    // The holder keeps working; once it stops, another relay may start.
+    runtime().block_on(async { first.claim(10).await.unwrap() });
+    drop(first);
+    SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap();
+}
+
+#[test]
+fn sqlite_expired_lease_is_taken_over_and_the_stale_relay_stops() {
+    let db = Lite::create();
+    let ttl = Duration::from_millis(300);
+    let stale = SqliteRelayStore::with_lease_ttl(Lite::pool(&db, 2), ttl).unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    let fresh = SqliteRelayStore::with_lease_ttl(Lite::pool(&db, 2), ttl).unwrap();
+    runtime().block_on(async {
+        let e = stale.claim(10).await.unwrap_err();
+        let outbox_core::Error::Store(inner) = &e else {
+            panic!("expected a store error, got {e}");
+        };
+        let inner = inner.downcast_ref::<outbox_diesel::Error>().unwrap();
+        assert!(
+            matches!(inner, outbox_diesel::Error::LeaseLost { owner } if owner == fresh.owner()),
+            "{inner}"
+        );
+        fresh.claim(10).await.unwrap();
+    });
+}
+
+/// A connection listening on the test's channel.
+fn listener(db: &common::TestDb) -> PgConnection {
+    let mut l = Pg::connect(db);
+    l.batch_execute(&format!("LISTEN \"{}\"", db.name)).unwrap();
+    l
+}
+
+fn notifications(l: &mut PgConnection) -> usize {
+    l.notifications_iter().map(Result::unwrap).count()
+}
+
+#[test]
+fn pg_emit_notifies_only_while_a_relay_is_idle() {
+    let db = Pg::create();
+    let mut l = listener(&db);
+    let mut c = Pg::connect(&db);
+    let idle = EmitOptions::new().channel(db.name.clone());
+    c.transaction(|c| c.emit_with(&idle, Pinged { n: 1 }).map(drop))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(notifications(&mut l), 0, "no relay parked: no NOTIFY");
+
+    exec(
+        &mut c,
+        "UPDATE outbox_relay_state SET idle_until = now() + interval '1 minute'",
+    );
+    // Nothing before commit, nothing after a rollback.
+    c.transaction(|c| {
+        c.emit_with(&idle, Pinged { n: 3 })?;
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(notifications(&mut l), 0, "NOTIFY is delivered at commit");
+        Err::<(), _>(diesel::result::Error::RollbackTransaction)
+    })
+    .unwrap_err();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        notifications(&mut l),
+        0,
+        "a rolled-back emit notifies nobody"
+    );
+    c.transaction(|c| c.emit_with(&idle, Pinged { n: 2 }).map(drop))
+        .unwrap();
+    // A duplicate inserts nothing, so it notifies nobody.
+    let _ = c.transaction(|c| c.emit_with(&idle, Pinged { n: 2 }).map(drop));
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        notifications(&mut l),
+        1,
+        "exactly one NOTIFY, from the committed emit"
+    );
+
+    let never = idle.clone().notify(Notify::Never);
+    c.emit_with(&never, Pinged { n: 4 }).unwrap();
+    let always = idle.clone().notify(Notify::Always);
+    exec(&mut c, "UPDATE outbox_relay_state SET idle_until = NULL");
+    c.emit_all_with(&always, (5..8).map(|n| Pinged { n }))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        notifications(&mut l),
+        1,
+        "Never sends none; Always one per transaction"
+    );
+}
+
+async fn timed_wait(db: &common::TestDb, notify: Notify) -> Duration {
+    let store = Pg::store(db);
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(3)).await;
+        started.elapsed()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut c = Pg::connect(db);
+    let opts = EmitOptions::new().channel(db.name.clone()).notify(notify);
+    c.transaction(|c| {
+        c.emit_with(
+            &opts,
+            Pinged {
+                n: fastrand::u32(..),
+            },
+        )
+        .map(drop)
+    })
+    .unwrap();
+    waiter.await.unwrap()
+}
+
+#[test]
+fn pg_idle_relay_wakes_at_commit() {
+    let db = Pg::create();
+    runtime().block_on(async {
+        let woke = timed_wait(&db, Notify::WhenRelayIdle).await;
+        assert!(woke < Duration::from_millis(1500), "woke after {woke:?}");
+        let mut c = Pg::connect(&db);
+        let marked = Pg::scalar(
+            &mut c,
+            "SELECT COUNT(*) AS n FROM outbox_relay_state WHERE idle_until > now()",
+        );
+        assert_eq!(marked, 0, "a woken relay is busy: emitters stop notifying");
+
+        // With work already due, waiting returns at once.
+        let store = Pg::store(&db);
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(3)).await;
+        assert!(started.elapsed() < Duration::from_secs(1));
+        exec(&mut c, "UPDATE outbox SET status = 1");
+
+        // Without NOTIFY the relay sleeps out its poll interval.
+        let slept = timed_wait(&db, Notify::Never).await;
+        assert!(slept >= Duration::from_millis(2900), "woke after {slept:?}");
+    });
+}
+
+#[test]
+fn pg_wait_without_listener_or_with_a_dead_one_polls() {
+    let db = Pg::create();
+    runtime().block_on(async {
+        let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1));
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_millis(300)).await;
+        assert!(started.elapsed() >= Duration::from_millis(290));
+
+        let broken = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1))
+            .with_listener("postgres://nobody@127.0.0.1:1/none");
+        let started = Instant::now();
+        broken.wait_for_work(Duration::from_millis(300)).await;
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(290) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
+    });
+}
