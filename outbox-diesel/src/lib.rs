@@ -22,7 +22,7 @@
 //! use outbox_diesel::Emit;
 //!
 //! diesel::table! { accounts (id) { id -> Text, balance -> BigInt } }
-//! use accounts::dsl::{accounts, balance};
+//! use accounts::{balance, table as accounts_table};
 //!
 //! #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
 //! struct AccountTransferred {
@@ -37,8 +37,8 @@
 //! outbox_diesel::migrate(&mut conn)?;
 //!
 //! conn.transaction(|c| {
-//!     diesel::update(accounts.find("alice")).set(balance.eq(balance - 100)).execute(c)?;
-//!     diesel::update(accounts.find("bob")).set(balance.eq(balance + 100)).execute(c)?;
+//!     diesel::update(accounts_table.find("alice")).set(balance.eq(balance - 100)).execute(c)?;
+//!     diesel::update(accounts_table.find("bob")).set(balance.eq(balance + 100)).execute(c)?;
 //!     c.emit(AccountTransferred { transfer_id: "t-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 })?;
 //!     Ok::<_, diesel::result::Error>(())
 //! })?;
@@ -62,9 +62,13 @@
 //! # async fn run(publisher: outbox_core::MemoryBroker) -> Result<(), Box<dyn std::error::Error>> {
 //! let store = outbox_diesel::PgRelayStore::connect("postgres://postgres@127.0.0.1:5432/test", 4)?;
 //! let relay = outbox_core::Relay::new(store, publisher);
-//! relay.run_until(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! // Runs until the shutdown future completes (here: a minute), finishing the batch in hand.
+//! relay.run_until(tokio::time::sleep(std::time::Duration::from_secs(60))).await?;
 //! # Ok(())
 //! # }
+//! # #[cfg(feature = "postgres")]
+//! # fn main() { let _ = run; }
+//! # #[cfg(not(feature = "postgres"))]
 //! # fn main() {}
 //! ```
 //!

@@ -199,9 +199,7 @@ fn emit_all_writes_every_event_in_order<B: Backend>() {
     let events: Vec<_> = (0..1500)
         .map(|i| transfer(&format!("b-{i:04}"), i))
         .collect();
-    let ids = conn
-        .transaction(|c| Ok::<_, Error>(c.emit_all(events)?))
-        .unwrap();
+    let ids = conn.transaction(|c| c.emit_all::<_, _>(events)).unwrap();
     assert_eq!(ids.len(), 1500);
     let rows = outbox_diesel::list_messages(&mut conn, Some(Status::New), 0, 2000).unwrap();
     let got: Vec<&str> = rows.iter().map(|r| r.envelope.msg_id.as_str()).collect();
@@ -213,7 +211,7 @@ fn emit_all_writes_every_event_in_order<B: Backend>() {
         .chain([transfer("b-0000", 0)])
         .collect();
     let e = conn
-        .transaction(|c| Ok::<_, Error>(c.emit_all(events)?))
+        .transaction(|c| c.emit_all::<_, _>(events))
         .unwrap_err();
     assert!(e.is_duplicate());
     assert_eq!(outbox_rows::<B>(&mut conn), 1500);

@@ -239,17 +239,18 @@ pub(crate) fn lease(
     ))
     .get_result::<LeaseRow>(conn)
     .optional()?;
-    if let Some(row) = current {
-        if row.owner != owner && row.fresh {
-            return Err(if held {
-                Error::LeaseLost { owner: row.owner }
-            } else {
-                Error::RelayAlreadyRunning {
-                    owner: row.owner,
-                    heartbeat_at: row.heartbeat_at,
-                }
-            });
-        }
+    if let Some(row) = current
+        && row.owner != owner
+        && row.fresh
+    {
+        return Err(if held {
+            Error::LeaseLost { owner: row.owner }
+        } else {
+            Error::RelayAlreadyRunning {
+                owner: row.owner,
+                heartbeat_at: row.heartbeat_at,
+            }
+        });
     }
     diesel::sql_query(concat!(
         "INSERT INTO outbox_relay_lease (singleton, owner, heartbeat_at) VALUES (1, ?, ",
