@@ -1,0 +1,211 @@
+//! The command line, as clap parses it.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::backend::BackendKind;
+
+const AFTER_HELP: &str = "\
+The database is chosen by the URL scheme: postgres:// or postgresql:// (PostgreSQL),
+mysql:// (MySQL / MariaDB), sqlite://PATH, sqlite:PATH or a file path ending in .db or
+.sqlite (SQLite). Durations are written like 30s, 5m, 7d or \"1h 30m\".
+
+Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=outbox_core=debug) to change the level.
+Exit codes: 0 success, 1 failure, 2 usage error.";
+
+/// Operate a transactional outbox: create its tables, run the relay that publishes
+/// committed messages to Redis Streams, watch the backlog, handle dead letters and purge
+/// old rows.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about, long_about = None, after_help = AFTER_HELP)]
+pub(crate) struct Cli {
+    /// Database URL: postgres://…, mysql://…, sqlite://PATH or a .db/.sqlite file.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        global = true,
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub(crate) database_url: Option<String>,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create the outbox tables and indexes if they are missing (safe to run again).
+    Migrate(MigrateArgs),
+    /// Show the backlog: due NEW messages, the age of the oldest one, DEAD messages.
+    Status(StatusArgs),
+    /// Publish committed messages to Redis Streams until SIGINT or SIGTERM.
+    Relay(Box<RelayArgs>),
+    /// List, inspect, re-drive and purge dead letters (DEAD messages).
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Delete published messages and consumer dedup records past their retention.
+    #[command(subcommand)]
+    Purge(PurgeCommand),
+}
+
+/// `outbox migrate`.
+#[derive(Debug, Args)]
+pub(crate) struct MigrateArgs {
+    /// Print the SQL instead of running it (for review, or to copy into your own migrations).
+    #[arg(long)]
+    pub(crate) print: bool,
+    /// With --print: the backend whose SQL to print, instead of the database URL's.
+    #[arg(long, value_enum, requires = "print")]
+    pub(crate) backend: Option<BackendKind>,
+    /// With --print: print the SQL that drops the tables instead.
+    #[arg(long, requires = "print")]
+    pub(crate) down: bool,
+}
+
+/// `outbox status`.
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    /// Print JSON: {"due": N, "oldest_due_age_seconds": S or null, "dead": N}.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `outbox relay`.
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) redis_url: String,
+    /// Messages claimed and published per round trip.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) batch_size: u32,
+    /// Longest wait for new messages while idle (PostgreSQL wakes the relay at commit).
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) poll_interval: Duration,
+    /// Failed attempts after which a message is dead-lettered (outages never count).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) max_attempts: u32,
+    /// Prefix of stream names: topic `order.paid` goes to `<PREFIX>order.paid`.
+    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
+    pub(crate) stream_prefix: String,
+    /// Approximate cap on each stream's length (XADD MAXLEN ~ N); a safety bound only.
+    #[arg(long, value_name = "N")]
+    pub(crate) max_stream_len: Option<usize>,
+    /// Database connections in the relay's pool.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) pool_size: u32,
+    /// Run `outbox migrate` before starting.
+    #[arg(long)]
+    pub(crate) migrate: bool,
+    /// Serve Prometheus metrics (backlog, published, failures, batch timings) at
+    /// http://ADDR/metrics.
+    #[cfg(feature = "metrics")]
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// `outbox dead …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum DeadCommand {
+    /// List DEAD messages in id order.
+    List(DeadListArgs),
+    /// Show one message (any status) with its error, headers and payload.
+    Show(DeadShowArgs),
+    /// Put DEAD messages back to NEW with their retries reset, due now.
+    Redrive(Selection),
+    /// Delete DEAD messages.
+    Purge(Selection),
+}
+
+/// `outbox dead list`.
+#[derive(Debug, Args)]
+pub(crate) struct DeadListArgs {
+    /// At most this many messages.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) limit: u32,
+    /// Only messages with a row id above this one (to page: the last id shown).
+    #[arg(long, default_value_t = 0, value_name = "ID")]
+    pub(crate) after: i64,
+    /// Print a JSON array of messages.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `outbox dead show`.
+#[derive(Debug, Args)]
+pub(crate) struct DeadShowArgs {
+    /// The message's row id or msg_id.
+    #[arg(value_name = "ID|MSG_ID")]
+    pub(crate) target: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// Which DEAD messages a re-drive or purge acts on: listed ones, or all.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub(crate) struct Selection {
+    /// Row ids or msg_ids. Messages that are not DEAD are left alone (with a warning).
+    #[arg(value_name = "ID|MSG_ID")]
+    pub(crate) targets: Vec<String>,
+    /// Every DEAD message.
+    #[arg(long)]
+    pub(crate) all: bool,
+}
+
+/// `outbox purge …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum PurgeCommand {
+    /// Delete SENT messages published longer ago than --older-than (NEW and DEAD are kept).
+    Sent(PurgeArgs),
+    /// Delete consumer dedup records (consumed_msg) older than --older-than. Choose it
+    /// well beyond the broker's redelivery horizon.
+    Consumed(PurgeArgs),
+}
+
+/// Retention and batch size of a purge.
+#[derive(Debug, Args)]
+pub(crate) struct PurgeArgs {
+    /// Retention, e.g. 7d or 36h.
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) older_than: Duration,
+    /// Rows deleted per statement; each batch commits on its own, so locks stay short.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) batch_size: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn selection_needs_ids_or_all_but_not_both() {
+        let parse =
+            |args: &[&str]| Cli::try_parse_from(["outbox", "dead", "redrive"].iter().chain(args));
+        assert!(parse(&[]).is_err());
+        assert!(parse(&["1", "--all"]).is_err());
+        assert!(parse(&["1", "a:B"]).is_ok());
+        assert!(parse(&["--all"]).is_ok());
+    }
+
+    #[test]
+    fn durations_are_human() {
+        let cli = Cli::try_parse_from(["outbox", "purge", "sent", "--older-than", "7d"]).unwrap();
+        let Command::Purge(PurgeCommand::Sent(args)) = cli.command else {
+            panic!("parsed as {:?}", cli.command);
+        };
+        assert_eq!(args.older_than, Duration::from_secs(7 * 86_400));
+        assert!(Cli::try_parse_from(["outbox", "purge", "sent", "--older-than", "7x"]).is_err());
+    }
+}

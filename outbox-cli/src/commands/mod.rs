@@ -1,0 +1,30 @@
+//! One module per command group; [`run`] dispatches.
+
+mod dead;
+mod migrate;
+mod purge;
+mod relay;
+mod status;
+
+use std::io::Write;
+
+use crate::args::{Cli, Command};
+use crate::backend::Database;
+use crate::error::CliError;
+
+/// Runs the parsed command line, writing results to `out`.
+pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
+    let url = cli.database_url.as_deref();
+    match cli.command {
+        Command::Migrate(args) => migrate::run(url, &args, out),
+        Command::Status(args) => status::run(&database(url)?, &args, out),
+        Command::Relay(args) => relay::run(&database(url)?, &args),
+        Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
+        Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
+    }
+}
+
+/// The database named by `--database-url` / `DATABASE_URL`.
+fn database(url: Option<&str>) -> Result<Database, CliError> {
+    Database::parse(url.ok_or(CliError::MissingDatabaseUrl)?)
+}

@@ -1,0 +1,162 @@
+//! `outbox relay`: the relay engine of `outbox-core` over the backend's relay store and
+//! the Redis Streams publisher, until SIGINT or SIGTERM.
+
+use std::future::Future;
+use std::time::Duration;
+
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use diesel::{MysqlConnection, PgConnection};
+use outbox_core::{Relay, RelayConfig, RelayStore, RetryPolicy};
+use outbox_diesel::{MysqlRelayStore, PgRelayStore, SqliteRelayStore};
+use outbox_redis::{PublisherConfig, RedisPublisher};
+use tokio::runtime::Runtime;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::args::RelayArgs;
+use crate::backend::{BackendKind, Database, redact, with_conn};
+use crate::error::CliError;
+
+/// How long the pool waits for a connection before reporting the database down.
+const POOL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long blocking database work may take to finish once the relay has stopped.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs the relay until a signal; returns the error that stopped it otherwise.
+pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
+    // One plain connection first: an unreachable database fails at once, not after the
+    // pool's timeout, and --migrate runs on it.
+    let mut conn = db.connect(args.migrate)?;
+    if args.migrate {
+        with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
+    }
+    drop(conn);
+    let publisher = publisher(args)?;
+    let config = config(args);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    tracing::info!(
+        backend = %db.kind,
+        database = %db.display(),
+        redis = %redact(&args.redis_url),
+        stream_prefix = %args.stream_prefix,
+        batch_size = args.batch_size,
+        poll_interval = ?args.poll_interval,
+        max_attempts = args.max_attempts,
+        "starting the relay"
+    );
+    let result = match db.kind {
+        BackendKind::Postgres => {
+            let store = PgRelayStore::new(pool::<PgConnection>(db, args.pool_size)?)
+                .with_listener(db.target.clone());
+            serve(&runtime, store, publisher, config, args)
+        }
+        BackendKind::Mysql => {
+            let store = MysqlRelayStore::new(pool::<MysqlConnection>(db, args.pool_size)?);
+            serve(&runtime, store, publisher, config, args)
+        }
+        BackendKind::Sqlite => {
+            let pool = outbox_diesel::sqlite_pool(&db.target, args.pool_size)
+                .map_err(|source| pool_error(db, source))?;
+            let store = SqliteRelayStore::new(pool).map_err(|e| CliError::RelayStart(e.into()))?;
+            serve(&runtime, store, publisher, config, args)
+        }
+    };
+    runtime.shutdown_timeout(SHUTDOWN_GRACE);
+    result
+}
+
+/// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
+/// on return (which gives up the SQLite relay lease).
+fn serve<S: RelayStore>(
+    runtime: &Runtime,
+    store: S,
+    publisher: RedisPublisher,
+    config: RelayConfig,
+    args: &RelayArgs,
+) -> Result<(), CliError> {
+    let relay = Relay::new(store, publisher)
+        .with_config(config)
+        .map_err(CliError::RelayStart)?;
+    runtime.block_on(async {
+        #[cfg(feature = "metrics")]
+        if let Some(addr) = args.metrics_addr {
+            serve_metrics(addr)?;
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = args;
+        let shutdown = shutdown_signal().map_err(CliError::Runtime)?;
+        tracing::info!("relay running; stop it with SIGINT or SIGTERM");
+        relay.run_until(shutdown).await.map_err(CliError::Relay)
+    })
+}
+
+fn publisher(args: &RelayArgs) -> Result<RedisPublisher, CliError> {
+    let config = PublisherConfig {
+        stream_prefix: args.stream_prefix.clone(),
+        max_len: args.max_stream_len,
+        ..PublisherConfig::default()
+    };
+    RedisPublisher::with_config(args.redis_url.as_str(), config).map_err(|source| {
+        CliError::RedisUrl {
+            url: redact(&args.redis_url),
+            source,
+        }
+    })
+}
+
+fn config(args: &RelayArgs) -> RelayConfig {
+    RelayConfig {
+        batch_size: args.batch_size as usize,
+        poll_interval: args.poll_interval,
+        retry: RetryPolicy {
+            max_attempts: args.max_attempts,
+            ..RetryPolicy::default()
+        },
+        ..RelayConfig::default()
+    }
+}
+
+fn pool<C: R2D2Connection + 'static>(
+    db: &Database,
+    size: u32,
+) -> Result<Pool<ConnectionManager<C>>, CliError> {
+    Pool::builder()
+        .max_size(size)
+        .connection_timeout(POOL_TIMEOUT)
+        .build(ConnectionManager::new(db.target.as_str()))
+        .map_err(|e| pool_error(db, e.into()))
+}
+
+fn pool_error(db: &Database, source: outbox_diesel::Error) -> CliError {
+    CliError::Pool {
+        backend: db.kind,
+        url: db.display(),
+        source,
+    }
+}
+
+/// Resolves at the first SIGINT or SIGTERM. The handlers are installed here, so a signal
+/// that arrives before the relay's first batch is not lost.
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        let name = tokio::select! {
+            _ = interrupt.recv() => "SIGINT",
+            _ = terminate.recv() => "SIGTERM",
+        };
+        tracing::info!(signal = name, "stopping: finishing the batch in hand");
+    })
+}
+
+#[cfg(feature = "metrics")]
+fn serve_metrics(addr: std::net::SocketAddr) -> Result<(), CliError> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|source| CliError::Metrics { addr, source })?;
+    tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+    Ok(())
+}

@@ -1,0 +1,169 @@
+//! The command's errors, and how they are reported.
+
+use std::error::Error as _;
+use std::io::{self, Write};
+
+use crate::backend::BackendKind;
+
+/// Everything that makes a command fail.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    /// Neither `--database-url` nor `DATABASE_URL` was given.
+    #[error("no database URL: pass --database-url or set DATABASE_URL")]
+    MissingDatabaseUrl,
+    /// The URL names no supported backend.
+    #[error(
+        "unsupported database URL `{0}`: use postgres://, postgresql://, mysql://, \
+         sqlite://PATH, sqlite:PATH or a file path ending in .db or .sqlite"
+    )]
+    UnsupportedUrl(String),
+    /// A SQLite file that should exist does not.
+    #[error("SQLite database `{0}` does not exist (`outbox migrate` creates it)")]
+    NoSqliteFile(String),
+    /// The database refused or could not be reached.
+    #[error("cannot connect to the {backend} database `{url}`")]
+    Connect {
+        /// The backend.
+        backend: BackendKind,
+        /// The URL, password hidden.
+        url: String,
+        /// The driver's error.
+        source: diesel::ConnectionError,
+    },
+    /// The relay's connection pool could not be opened.
+    #[error("cannot open a connection pool to the {backend} database `{url}`")]
+    Pool {
+        /// The backend.
+        backend: BackendKind,
+        /// The URL, password hidden.
+        url: String,
+        /// Why.
+        source: outbox_diesel::Error,
+    },
+    /// A query failed.
+    #[error("database operation failed")]
+    Database(#[from] outbox_diesel::Error),
+    /// No message has this id or msg_id.
+    #[error("no outbox message with {0}")]
+    NotFound(String),
+    /// The Redis URL is malformed.
+    #[error("invalid Redis URL `{url}`")]
+    RedisUrl {
+        /// The URL, password hidden.
+        url: String,
+        /// The client's error.
+        source: outbox_redis::Error,
+    },
+    /// The relay could not start.
+    #[error("cannot start the relay")]
+    RelayStart(#[source] outbox_core::Error),
+    /// The relay stopped on an error that is not an outage.
+    #[error("the relay stopped on an error")]
+    Relay(#[source] outbox_core::Error),
+    /// The async runtime or the signal handlers could not be set up.
+    #[error("cannot set up the relay's runtime")]
+    Runtime(#[source] io::Error),
+    /// The metrics endpoint could not be started.
+    #[cfg(feature = "metrics")]
+    #[error("cannot serve metrics on {addr}")]
+    Metrics {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: metrics_exporter_prometheus::BuildError,
+    },
+    /// Writing to stdout failed.
+    #[error("cannot write the output")]
+    Output(#[from] io::Error),
+}
+
+impl CliError {
+    /// The process exit code: 2 for usage errors (like clap's), 1 for everything else.
+    pub(crate) fn exit_code(&self) -> u8 {
+        match self {
+            Self::MissingDatabaseUrl | Self::UnsupportedUrl(_) => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether stdout was closed by the reader (`outbox dead list | head`): not a failure.
+    pub(crate) fn is_broken_pipe(&self) -> bool {
+        matches!(self, Self::Output(e) if e.kind() == io::ErrorKind::BrokenPipe)
+    }
+
+    /// Advice for errors an operator can fix.
+    fn hint(&self, chain: &str) -> Option<&'static str> {
+        let lower = chain.to_ascii_lowercase();
+        let missing_table = lower.contains("no such table: outbox")
+            || lower.contains("no such table: consumed_msg")
+            || (lower.contains("outbox") || lower.contains("consumed_msg"))
+                && (lower.contains("does not exist") || lower.contains("doesn't exist"));
+        match self {
+            Self::Database(_) | Self::Pool { .. } | Self::Relay(_) if missing_table => {
+                Some("the outbox tables are missing: run `outbox migrate` first")
+            }
+            Self::Relay(e) if e.to_string().contains("another relay") => {
+                Some("SQLite allows one relay per database file")
+            }
+            _ => None,
+        }
+    }
+
+    /// Writes `error: <message>`, one `caused by:` line per cause, and a hint if there is one.
+    pub(crate) fn report(&self, w: &mut impl Write) -> io::Result<()> {
+        writeln!(w, "error: {self}")?;
+        let mut shown = self.to_string();
+        let mut cause = self.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            // Many errors repeat their source's text in their own message: skip repeats.
+            if !shown.contains(&text) {
+                writeln!(w, "  caused by: {}", text.trim_end())?;
+                shown.push_str(&text);
+            }
+            cause = c.source();
+        }
+        if let Some(hint) = self.hint(&shown) {
+            writeln!(w, "  hint: {hint}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(e: &CliError) -> String {
+        let mut out = Vec::new();
+        e.report(&mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn causes_are_listed_once() {
+        let e = CliError::Database(outbox_diesel::Error::Database(
+            diesel::result::Error::NotFound,
+        ));
+        assert_eq!(
+            report(&e),
+            "error: database operation failed\n  caused by: database error: Record not found\n"
+        );
+    }
+
+    #[test]
+    fn a_missing_table_suggests_migrate() {
+        let q = diesel::result::Error::QueryBuilderError("no such table: outbox".into());
+        let text = report(&CliError::Database(q.into()));
+        assert!(
+            text.contains("hint: the outbox tables are missing: run `outbox migrate` first"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn usage_errors_exit_with_2() {
+        assert_eq!(CliError::MissingDatabaseUrl.exit_code(), 2);
+        assert_eq!(CliError::NotFound("id 1".into()).exit_code(), 1);
+    }
+}

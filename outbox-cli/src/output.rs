@@ -1,0 +1,243 @@
+//! Human and JSON renderings of what the commands read.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use outbox_core::Backlog;
+use outbox_diesel::OutboxRecord;
+use serde::Serialize;
+
+/// The backlog as `outbox status --json` prints it.
+#[derive(Debug, Serialize)]
+pub(crate) struct BacklogJson {
+    /// Due NEW messages.
+    pub(crate) due: u64,
+    /// Age of the oldest due NEW message in seconds, `null` when nothing is due.
+    pub(crate) oldest_due_age_seconds: Option<f64>,
+    /// DEAD messages.
+    pub(crate) dead: u64,
+}
+
+impl From<Backlog> for BacklogJson {
+    fn from(b: Backlog) -> Self {
+        Self {
+            due: b.due,
+            oldest_due_age_seconds: b.oldest_due_age.map(|d| d.as_secs_f64()),
+            dead: b.dead,
+        }
+    }
+}
+
+/// A message as the JSON outputs print it.
+#[derive(Debug, Serialize)]
+pub(crate) struct RecordJson<'a> {
+    id: i64,
+    msg_id: &'a str,
+    status: String,
+    topic: &'a str,
+    event_type: &'a str,
+    key: &'a str,
+    schema_version: u32,
+    retries: u32,
+    created_at: String,
+    next_retry_at: String,
+    sent_at: Option<String>,
+    last_error: Option<&'a str>,
+    headers: &'a outbox_core::Headers,
+    /// The payload as JSON, or as a string if it does not parse.
+    payload: serde_json::Value,
+}
+
+impl<'a> From<&'a OutboxRecord> for RecordJson<'a> {
+    fn from(r: &'a OutboxRecord) -> Self {
+        let e = &r.envelope;
+        Self {
+            id: r.id,
+            msg_id: e.msg_id.as_str(),
+            status: r.status.to_string(),
+            topic: &e.topic,
+            event_type: &e.event_type,
+            key: &e.key,
+            schema_version: e.schema_version,
+            retries: r.retries,
+            created_at: rfc3339(e.created_at),
+            next_retry_at: rfc3339(r.next_retry_at),
+            sent_at: r.sent_at.map(rfc3339),
+            last_error: r.last_error.as_deref(),
+            headers: &e.headers,
+            payload: serde_json::from_str(&e.payload)
+                .unwrap_or_else(|_| serde_json::Value::String(e.payload.clone())),
+        }
+    }
+}
+
+/// Writes `value` as pretty JSON and a newline.
+pub(crate) fn json(w: &mut impl Write, value: &impl Serialize) -> io::Result<()> {
+    serde_json::to_writer_pretty(&mut *w, value)?;
+    writeln!(w)
+}
+
+/// `outbox status`, for people.
+pub(crate) fn backlog(w: &mut impl Write, b: &Backlog) -> io::Result<()> {
+    let age = b.oldest_due_age.map_or_else(|| "-".to_owned(), age);
+    writeln!(w, "due NEW messages:  {}", b.due)?;
+    writeln!(w, "oldest due age:    {age}")?;
+    writeln!(w, "DEAD messages:     {}", b.dead)
+}
+
+/// `outbox dead list`, for people: a table, and how to see the next page when full.
+pub(crate) fn record_table(
+    w: &mut impl Write,
+    records: &[OutboxRecord],
+    limit: usize,
+) -> io::Result<()> {
+    if records.is_empty() {
+        return writeln!(w, "no dead letters");
+    }
+    let rows: Vec<[String; 6]> = records
+        .iter()
+        .map(|r| {
+            [
+                r.id.to_string(),
+                r.envelope.msg_id.to_string(),
+                r.envelope.topic.clone(),
+                r.retries.to_string(),
+                short_time(r.envelope.created_at),
+                one_line(r.last_error.as_deref().unwrap_or("-"), 80),
+            ]
+        })
+        .collect();
+    let header = [
+        "ID",
+        "MSG_ID",
+        "TOPIC",
+        "RETRIES",
+        "CREATED (UTC)",
+        "LAST ERROR",
+    ];
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    table_row(w, &header.map(str::to_owned), &widths)?;
+    for row in &rows {
+        table_row(w, row, &widths)?;
+    }
+    if records.len() >= limit
+        && let Some(last) = records.last()
+    {
+        writeln!(w, "(more may follow: outbox dead list --after {})", last.id)?;
+    }
+    Ok(())
+}
+
+fn table_row(w: &mut impl Write, cells: &[String; 6], widths: &[usize; 6]) -> io::Result<()> {
+    let mut line = String::new();
+    for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
+        if i + 1 == cells.len() {
+            line.push_str(cell);
+        } else {
+            line.push_str(&format!("{cell:<width$}  "));
+        }
+    }
+    writeln!(w, "{}", line.trim_end())
+}
+
+/// `outbox dead show`, for people.
+pub(crate) fn record_detail(w: &mut impl Write, r: &OutboxRecord) -> io::Result<()> {
+    let e = &r.envelope;
+    writeln!(w, "id:             {}", r.id)?;
+    writeln!(w, "msg_id:         {}", e.msg_id)?;
+    writeln!(w, "status:         {}", r.status)?;
+    writeln!(w, "topic:          {}", e.topic)?;
+    writeln!(
+        w,
+        "event type:     {} (schema version {})",
+        e.event_type, e.schema_version
+    )?;
+    writeln!(w, "key:            {}", e.key)?;
+    writeln!(w, "retries:        {}", r.retries)?;
+    writeln!(w, "created at:     {}", rfc3339(e.created_at))?;
+    writeln!(w, "next retry at:  {}", rfc3339(r.next_retry_at))?;
+    writeln!(
+        w,
+        "sent at:        {}",
+        r.sent_at.map_or_else(|| "-".to_owned(), rfc3339)
+    )?;
+    writeln!(
+        w,
+        "last error:     {}",
+        r.last_error.as_deref().unwrap_or("-")
+    )?;
+    writeln!(w, "headers:        {}", serde_json::to_string(&e.headers)?)?;
+    let payload = serde_json::from_str::<serde_json::Value>(&e.payload)
+        .and_then(|v| serde_json::to_string_pretty(&v))
+        .unwrap_or_else(|_| e.payload.clone());
+    writeln!(w, "payload:\n{payload}")
+}
+
+/// An age rounded to the second: `2h 5m 3s`.
+pub(crate) fn age(d: Duration) -> String {
+    humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
+}
+
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+fn short_time(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S").to_string()
+}
+
+/// The first line of `text`, cut to `max` characters with an ellipsis.
+fn one_line(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() > max || line.len() < text.trim_end().len() {
+        let cut: String = line.chars().take(max.saturating_sub(1)).collect();
+        format!("{cut}…")
+    } else {
+        line.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_are_rounded_to_seconds() {
+        assert_eq!(age(Duration::from_millis(7_325_900)), "2h 2m 5s");
+        assert_eq!(age(Duration::ZERO), "0s");
+    }
+
+    #[test]
+    fn errors_are_cut_to_one_line() {
+        assert_eq!(one_line("short", 10), "short");
+        assert_eq!(one_line("a long error text", 7), "a long…");
+        assert_eq!(one_line("first\nsecond", 80), "first…");
+    }
+
+    #[test]
+    fn status_prints_the_three_numbers() {
+        let mut out = Vec::new();
+        let b = Backlog {
+            due: 3,
+            oldest_due_age: Some(Duration::from_secs(125)),
+            dead: 1,
+        };
+        backlog(&mut out, &b).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            text,
+            "due NEW messages:  3\noldest due age:    2m 5s\nDEAD messages:     1\n"
+        );
+        let j = serde_json::to_value(BacklogJson::from(b)).unwrap();
+        assert_eq!(
+            j,
+            serde_json::json!({"due": 3, "oldest_due_age_seconds": 125.0, "dead": 1})
+        );
+    }
+}
