@@ -116,10 +116,12 @@ impl CliError {
         let mut cause = self.source();
         while let Some(c) = cause {
             let text = c.to_string();
+            let text = text.trim_end();
             // Many errors repeat their source's text in their own message: skip repeats.
-            if !shown.contains(&text) {
-                writeln!(w, "  caused by: {}", text.trim_end())?;
-                shown.push_str(&text);
+            if !shown.contains(text) {
+                writeln!(w, "  caused by: {}", text.replace('\n', "\n    "))?;
+                shown.push('\n');
+                shown.push_str(text);
             }
             cause = c.source();
         }
