@@ -102,8 +102,10 @@ impl CliError {
             Self::Database(_) | Self::Pool { .. } | Self::Relay(_) if missing_table => {
                 Some("the outbox tables are missing: run `outbox migrate` first")
             }
-            Self::Relay(e) if e.to_string().contains("another relay") => {
-                Some("SQLite allows one relay per database file")
+            Self::RelayStart(e) | Self::Relay(e) if e.to_string().contains("another relay") => {
+                Some(
+                    "stop the other relay, or wait until its lease expires (30 s after its last heartbeat)",
+                )
             }
             _ => None,
         }

@@ -38,7 +38,7 @@ mod commands;
 mod error;
 mod output;
 
-use std::io::Write as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::process::ExitCode;
 
 use clap::Parser as _;
@@ -67,5 +67,6 @@ fn init_logging(relay: bool) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 }

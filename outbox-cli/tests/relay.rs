@@ -1,0 +1,299 @@
+//! `outbox relay` as operators run it: a subprocess publishing to the real Redis until a
+//! signal stops it.
+
+mod common;
+
+use std::fs::File;
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{TestDb, on_every_backend, outbox, redis_url, unique};
+use predicates::str::contains;
+
+/// Fail-safe for waits on the subprocess and Redis; no test relies on it for timing.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+on_every_backend!(relay_publishes_committed_messages_and_stops_on_sigterm);
+
+fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
+    db.migrate();
+    db.emit(1..=5);
+    let streams = Streams::new();
+    let mut relay = RelayProcess::start(db, &streams.prefix, &[]);
+
+    streams.wait_for(5, &mut relay);
+    // Committed while the relay runs: picked up without a restart.
+    db.emit(6..=7);
+    let published = streams.wait_for(7, &mut relay);
+    let expected: Vec<String> = (1..=7).map(|n| format!("{n}:Ping")).collect();
+    assert_eq!(published, expected, "every message once, in commit order");
+
+    relay.signal("TERM");
+    let status = relay.wait();
+    assert!(
+        status.success(),
+        "exit {status} after SIGTERM; log:\n{}",
+        relay.log()
+    );
+    assert!(
+        relay.log().contains("relay stopped"),
+        "log:\n{}",
+        relay.log()
+    );
+    let backlog = db.status();
+    assert_eq!(
+        (backlog["due"].as_u64(), backlog["dead"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(
+        db.json(&["dead", "show", "7:Ping", "--json"])["status"],
+        "SENT"
+    );
+}
+
+#[test]
+fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
+    let db = TestDb::sqlite();
+    db.migrate();
+    db.emit(1..=3);
+    let streams = Streams::new();
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let mut relay =
+        RelayProcess::start(&db, &streams.prefix, &["--metrics-addr", &addr.to_string()]);
+    streams.wait_for(3, &mut relay);
+
+    let metrics = scrape(addr);
+    assert!(
+        metrics.contains("outbox_relay_published_total"),
+        "metrics:\n{metrics}"
+    );
+    assert!(
+        metrics.contains("outbox_backlog_due"),
+        "metrics:\n{metrics}"
+    );
+
+    // SQLite has no row locks: a second relay on the same file is refused.
+    db.outbox()
+        .args([
+            "relay",
+            "--redis-url",
+            &redis_url(),
+            "--stream-prefix",
+            &streams.prefix,
+        ])
+        .timeout(PATIENCE)
+        .assert()
+        .code(1)
+        .stderr(contains("error: cannot start the relay"))
+        .stderr(contains("another relay"))
+        .stderr(contains("hint: stop the other relay"));
+
+    relay.signal("INT");
+    let status = relay.wait();
+    assert!(
+        status.success(),
+        "exit {status} after SIGINT; log:\n{}",
+        relay.log()
+    );
+
+    // The lease was given up on the way out: a new relay may start.
+    let mut next = RelayProcess::start(&db, &streams.prefix, &[]);
+    db.emit([4]);
+    assert_eq!(streams.wait_for(4, &mut next).len(), 4);
+    next.signal("TERM");
+    assert!(next.wait().success(), "log:\n{}", next.log());
+}
+
+#[test]
+fn relay_start_failures_are_reported() {
+    let db = TestDb::sqlite();
+    db.migrate();
+    db.outbox()
+        .args(["relay", "--redis-url", "not a url"])
+        .timeout(PATIENCE)
+        .assert()
+        .code(1)
+        .stderr(contains("error: invalid Redis URL `not a url`"));
+    outbox()
+        .args([
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/test",
+            "relay",
+            "--redis-url",
+            &redis_url(),
+        ])
+        .timeout(PATIENCE)
+        .assert()
+        .code(1)
+        .stderr(contains("error: cannot connect to the PostgreSQL database"));
+}
+
+/// Streams under a prefix of their own, deleted at the end.
+struct Streams {
+    prefix: String,
+    redis: redis::Client,
+}
+
+impl Streams {
+    fn new() -> Self {
+        let url = redis_url();
+        let redis = redis::Client::open(url.as_str()).expect("a Redis URL");
+        let mut con = redis
+            .get_connection()
+            .unwrap_or_else(|e| panic!("Redis at {url} is needed: {e}"));
+        let _: String = redis::cmd("PING")
+            .query(&mut con)
+            .expect("Redis answers PING");
+        Self {
+            prefix: format!("{}:", unique("cli")),
+            redis,
+        }
+    }
+
+    fn stream(&self) -> String {
+        format!("{}cli.ping", self.prefix)
+    }
+
+    /// The msg_ids on the stream, in stream order.
+    fn msg_ids(&self) -> Vec<String> {
+        let mut con = self.redis.get_connection().expect("Redis connection");
+        let entries: Vec<(String, Vec<String>)> = redis::cmd("XRANGE")
+            .arg(self.stream())
+            .arg("-")
+            .arg("+")
+            .query(&mut con)
+            .expect("XRANGE");
+        entries
+            .into_iter()
+            .map(|(_, fields)| {
+                let at = fields
+                    .chunks(2)
+                    .position(|kv| kv[0] == "msg_id")
+                    .expect("a msg_id field");
+                fields[at * 2 + 1].clone()
+            })
+            .collect()
+    }
+
+    /// Waits until `n` entries are on the stream, failing if the relay exits first.
+    fn wait_for(&self, n: usize, relay: &mut RelayProcess) -> Vec<String> {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let ids = self.msg_ids();
+            if ids.len() >= n {
+                return ids;
+            }
+            if let Some(status) = relay.child.try_wait().expect("try_wait") {
+                panic!(
+                    "the relay exited ({status}) with {} of {n} published; log:\n{}",
+                    ids.len(),
+                    relay.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} published; log:\n{}",
+                ids.len(),
+                relay.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Streams {
+    fn drop(&mut self) {
+        if let Ok(mut con) = self.redis.get_connection() {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(self.stream()).query(&mut con);
+        }
+    }
+}
+
+/// `outbox relay` running in the background, its stderr in a file; killed on drop.
+struct RelayProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl RelayProcess {
+    fn start(db: &TestDb, prefix: &str, extra: &[&str]) -> Self {
+        let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_relay")));
+        let stderr = File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
+            .env("RUST_LOG", "info")
+            .args([
+                "--database-url",
+                &db.url,
+                "relay",
+                "--redis-url",
+                &redis_url(),
+            ])
+            .args(["--stream-prefix", prefix, "--poll-interval", "100ms"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("start the relay");
+        Self { child, log }
+    }
+
+    /// Sends a signal with `kill -<sig>`.
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{sig}"), self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{sig} failed");
+    }
+
+    /// Waits for the process to exit.
+    fn wait(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the relay did not exit; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// `GET /metrics` over plain HTTP/1.1.
+fn scrape(addr: std::net::SocketAddr) -> String {
+    let mut stream = TcpStream::connect(addr).expect("the metrics endpoint accepts");
+    stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+}
