@@ -14,6 +14,21 @@ mysql:// (MySQL / MariaDB), sqlite://PATH, sqlite:PATH or a file path ending in 
 Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=outbox_core=debug) to change the level.
 Exit codes: 0 success, 1 failure, 2 usage error.";
 
+const RELAY_HELP: &str = "\
+SIGINT or SIGTERM stops the relay after the batch in hand; it then exits with 0. Any
+number of relays may run on PostgreSQL and MySQL; SQLite allows one per database file.
+Broker and database outages pause the relay without spending any message's attempts.
+
+Example:
+  outbox relay --redis-url redis://127.0.0.1:6379 --metrics-addr 127.0.0.1:9464";
+
+const DEAD_HELP: &str = "\
+Examples:
+  outbox dead list --limit 20
+  outbox dead show order-42:OrderPaid
+  outbox dead redrive 17 order-43:OrderPaid
+  outbox dead purge --all";
+
 /// Operate a transactional outbox: create its tables, run the relay that publishes
 /// committed messages to Redis Streams, watch the backlog, handle dead letters and purge
 /// old rows.
@@ -43,9 +58,10 @@ pub(crate) enum Command {
     /// Show the backlog: due NEW messages, the age of the oldest one, DEAD messages.
     Status(StatusArgs),
     /// Publish committed messages to Redis Streams until SIGINT or SIGTERM.
+    #[command(after_help = RELAY_HELP)]
     Relay(Box<RelayArgs>),
     /// List, inspect, re-drive and purge dead letters (DEAD messages).
-    #[command(subcommand)]
+    #[command(subcommand, after_help = DEAD_HELP)]
     Dead(DeadCommand),
     /// Delete published messages and consumer dedup records past their retention.
     #[command(subcommand)]
@@ -81,13 +97,13 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
     pub(crate) redis_url: String,
     /// Messages claimed and published per round trip.
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) batch_size: u32,
     /// Longest wait for new messages while idle (PostgreSQL wakes the relay at commit).
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub(crate) poll_interval: Duration,
     /// Failed attempts after which a message is dead-lettered (outages never count).
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) max_attempts: u32,
     /// Prefix of stream names: topic `order.paid` goes to `<PREFIX>order.paid`.
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
@@ -96,7 +112,7 @@ pub(crate) struct RelayArgs {
     #[arg(long, value_name = "N")]
     pub(crate) max_stream_len: Option<usize>,
     /// Database connections in the relay's pool.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) pool_size: u32,
     /// Run `outbox migrate` before starting.
     #[arg(long)]
@@ -125,7 +141,7 @@ pub(crate) enum DeadCommand {
 #[derive(Debug, Args)]
 pub(crate) struct DeadListArgs {
     /// At most this many messages.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) limit: u32,
     /// Only messages with a row id above this one (to page: the last id shown).
     #[arg(long, default_value_t = 0, value_name = "ID")]
@@ -175,7 +191,7 @@ pub(crate) struct PurgeArgs {
     #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub(crate) older_than: Duration,
     /// Rows deleted per statement; each batch commits on its own, so locks stay short.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) batch_size: u32,
 }
 

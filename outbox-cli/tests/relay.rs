@@ -112,13 +112,14 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
 #[test]
 fn relay_start_failures_are_reported() {
     let db = TestDb::sqlite();
-    db.migrate();
+    // --migrate runs before the Redis URL is looked at: the tables exist afterwards.
     db.outbox()
-        .args(["relay", "--redis-url", "not a url"])
+        .args(["relay", "--migrate", "--redis-url", "not a url"])
         .timeout(PATIENCE)
         .assert()
         .code(1)
         .stderr(contains("error: invalid Redis URL `not a url`"));
+    assert_eq!(db.status()["due"], 0);
     outbox()
         .args([
             "--database-url",

@@ -36,16 +36,7 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    tracing::info!(
-        backend = %db.kind,
-        database = %db.display(),
-        redis = %redact(&args.redis_url),
-        stream_prefix = %args.stream_prefix,
-        batch_size = args.batch_size,
-        poll_interval = ?args.poll_interval,
-        max_attempts = args.max_attempts,
-        "starting the relay"
-    );
+    log_start(db, args);
     let result = match db.kind {
         BackendKind::Postgres => {
             let store = PgRelayStore::new(pool::<PgConnection>(db, args.pool_size)?)
@@ -65,6 +56,19 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     };
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
     result
+}
+
+fn log_start(db: &Database, args: &RelayArgs) {
+    tracing::info!(
+        backend = %db.kind,
+        database = %db.display(),
+        redis = %redact(&args.redis_url),
+        stream_prefix = %args.stream_prefix,
+        batch_size = args.batch_size,
+        poll_interval = ?args.poll_interval,
+        max_attempts = args.max_attempts,
+        "starting the relay"
+    );
 }
 
 /// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
