@@ -1,11 +1,17 @@
 //! Shared domain code for the runnable examples: the bank transfer of the reference
-//! scenario (a transfer commits the balance change and its `AccountTransferred` event in
-//! one transaction; a consumer records each transfer once).
+//! scenario. A transfer commits the balance change and its [`AccountTransferred`] event
+//! in one transaction; a consumer notes each transfer once.
+//!
+//! [`memory`] runs it on `outbox-core`'s in-memory database, [`sql`] on PostgreSQL or
+//! SQLite through `outbox-diesel`, and [`scenario`] plays the reference scenario on them
+//! with Redis.
 
-use std::collections::BTreeMap;
-
-use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, MsgId, OutboxEvent};
+use outbox_core::OutboxEvent;
 use serde::{Deserialize, Serialize};
+
+pub mod memory;
+pub mod scenario;
+pub mod sql;
 
 /// Money moved from one account to another.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, OutboxEvent)]
@@ -21,8 +27,17 @@ pub struct AccountTransferred {
     pub amount: i64,
 }
 
-/// Balances by account name.
-pub type Accounts = BTreeMap<String, i64>;
+impl AccountTransferred {
+    /// A transfer of `amount` from `from` to `to`, identified by `id`.
+    pub fn new(id: &str, from: &str, to: &str, amount: i64) -> Self {
+        Self { transfer_id: id.into(), from: from.into(), to: to.into(), amount }
+    }
+
+    /// What the consumer notes for this transfer.
+    pub fn note(&self) -> String {
+        format!("{}→{} {}", self.from, self.to, self.amount)
+    }
+}
 
 /// Why a transfer was refused.
 #[derive(Debug, thiserror::Error)]
@@ -30,42 +45,25 @@ pub enum TransferError {
     /// The debited account holds less than the amount.
     #[error("insufficient funds in `{0}`")]
     InsufficientFunds(String),
-    /// Writing the event failed.
+    /// Writing the event failed (in memory).
     #[error(transparent)]
     Outbox(#[from] outbox_core::Error),
+    /// Writing the event failed (diesel).
+    #[error(transparent)]
+    Emit(#[from] outbox_diesel::Error),
+    /// The database failed.
+    #[error(transparent)]
+    Database(#[from] diesel::result::Error),
 }
 
-/// Debits, credits and emits the event in one transaction: all of it commits, or none.
-pub fn transfer(db: &MemoryDb<Accounts>, event: AccountTransferred) -> Result<MsgId, TransferError> {
-    db.transaction(|tx| {
-        let accounts = tx.data();
-        let balance = accounts.get(&event.from).copied().unwrap_or_default();
-        if balance < event.amount {
-            return Err(TransferError::InsufficientFunds(event.from.clone()));
+impl TransferError {
+    /// The same transfer was submitted twice.
+    pub fn is_duplicate(&self) -> bool {
+        match self {
+            Self::Outbox(e) => e.is_duplicate(),
+            Self::Emit(e) => e.is_duplicate(),
+            Self::Database(e) => outbox_diesel::is_duplicate(e),
+            Self::InsufficientFunds(_) => false,
         }
-        *accounts.entry(event.from.clone()).or_default() -= event.amount;
-        *accounts.entry(event.to.clone()).or_default() += event.amount;
-        Ok(tx.emit(event)?)
-    })
-}
-
-/// The consumer's record: one note per transfer applied.
-pub type Notes = Vec<String>;
-
-/// Downstream handler: notes each transfer (award points, send a notice, ...).
-#[derive(Debug, Clone, Copy)]
-pub struct NoteTransfer;
-
-impl Handler<AccountTransferred> for NoteTransfer {
-    type Conn = MemoryTx<Notes>;
-
-    fn handle(&self, e: AccountTransferred, tx: &mut MemoryTx<Notes>, _: &Delivery) -> Result<(), HandlerError> {
-        tx.data().push(format!("{}→{} {}", e.from, e.to, e.amount));
-        Ok(())
     }
-}
-
-/// Alice holds 1000, Bob nothing.
-pub fn opening_balances() -> Accounts {
-    Accounts::from([("alice".to_owned(), 1000), ("bob".to_owned(), 0)])
 }

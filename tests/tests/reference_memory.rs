@@ -6,10 +6,11 @@
 use std::time::Duration;
 
 use outbox_core::{Delivery, Dispatcher, MemoryBroker, MemoryDb, Processed, Relay, RelayConfig, RetryPolicy, Status};
-use outbox_examples::{AccountTransferred, NoteTransfer, Notes, TransferError, opening_balances, transfer};
+use outbox_examples::memory::{NoteTransfer, Notes, opening_balances, transfer};
+use outbox_examples::{AccountTransferred, TransferError};
 
 fn transfer_event(id: &str, from: &str, to: &str, amount: i64) -> AccountTransferred {
-    AccountTransferred { transfer_id: id.into(), from: from.into(), to: to.into(), amount }
+    AccountTransferred::new(id, from, to, amount)
 }
 
 #[tokio::test]
@@ -67,7 +68,7 @@ fn the_same_transfer_twice_is_a_duplicate() {
     let bank = MemoryDb::new(opening_balances());
     transfer(&bank, transfer_event("m-1", "alice", "bob", 100)).unwrap();
     let err = transfer(&bank, transfer_event("m-1", "alice", "bob", 100)).unwrap_err();
-    assert!(matches!(err, TransferError::Outbox(ref e) if e.is_duplicate()), "{err}");
+    assert!(err.is_duplicate(), "{err}");
     assert_eq!(bank.rows().len(), 1);
     bank.read(|a| assert_eq!((a["alice"], a["bob"]), (900, 100)));
 }

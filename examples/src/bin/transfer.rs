@@ -1,55 +1,64 @@
 //! Run with: cargo run -p outbox-examples --bin transfer
 //!
-//! The reference scenario, in memory: a transfer commits the balance change and its message
-//! together; the broker fails twice, then takes the message; it is delivered twice and
-//! applied once.
+//! The reference scenario on real services: PostgreSQL and Redis (pass `--sqlite` for
+//! SQLite and Redis). A transfer commits the balance change and its message together; a
+//! refused transfer leaves none; the relay's first two publish attempts fail and the third
+//! succeeds; the message reaches the consumer twice and is applied once.
+//!
+//! `DATABASE_URL` and `REDIS_URL` override the local defaults. The example works in its
+//! own schema (`outbox_example`) or temporary SQLite file and its own streams
+//! (`outbox-example:*`), which it resets on each run.
 
-use std::time::Duration;
+use diesel::connection::SimpleConnection as _;
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use diesel::{Connection as _, PgConnection};
+use outbox_diesel::{OutboxConnection, PgRelayStore, SqliteRelayStore};
+use outbox_examples::scenario::{self, BoxError};
+use outbox_examples::sql::{Bank, SETUP_SQL};
 
-use outbox_core::{Delivery, Dispatcher, MemoryBroker, MemoryDb, Relay, RelayConfig, RetryPolicy};
-use outbox_examples::{AccountTransferred, NoteTransfer, Notes, opening_balances, transfer};
+const SCHEMA: &str = "outbox_example";
+const STREAM_PREFIX: &str = "outbox-example:";
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let bank = MemoryDb::new(opening_balances());
-    let event = AccountTransferred { transfer_id: "m-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 };
-    let msg_id = transfer(&bank, event)?;
-    println!("local transaction committed: balances and message {msg_id} together");
-    show(&bank);
-
-    let refused = AccountTransferred { transfer_id: "m-2".into(), from: "bob".into(), to: "alice".into(), amount: 5000 };
-    println!("transfer m-2 refused: {}", transfer(&bank, refused).unwrap_err());
-
-    println!("\nrelay: the broker times out twice");
-    let broker = MemoryBroker::new();
-    broker.reject_next(2);
-    let retry = RetryPolicy { max_attempts: 3, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
-    let relay = Relay::new(bank.clone(), broker.clone()).with_config(RelayConfig { retry, ..RelayConfig::default() })?;
-    for round in 1..=4 {
-        let report = relay.run_once().await?;
-        println!("round {round}: claimed {}, sent {}, retrying {}", report.claimed, report.sent, report.retried);
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    reset_streams(&redis_url).await?;
+    let say = |line: String| println!("{line}");
+    if std::env::args().any(|a| a == "--sqlite") {
+        let path = std::env::temp_dir().join("outbox-example.db");
+        let _ = std::fs::remove_file(&path);
+        let pool = outbox_diesel::sqlite_pool(&path.to_string_lossy(), 4)?;
+        prepare(&pool)?;
+        println!("SQLite {} + Redis {redis_url}\n", path.display());
+        let store = SqliteRelayStore::new(pool.clone())?;
+        scenario::run(pool, store, &redis_url, STREAM_PREFIX, say).await?;
+    } else {
+        let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        PgConnection::establish(&base)?
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}"))?;
+        let sep = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{sep}options=-c%20search_path%3D{SCHEMA}");
+        let pool = Pool::builder().max_size(4).build(ConnectionManager::<PgConnection>::new(&url))?;
+        prepare(&pool)?;
+        println!("PostgreSQL (schema {SCHEMA}) + Redis {redis_url}\n");
+        let store = PgRelayStore::new(pool.clone()).with_listener(url);
+        scenario::run(pool, store, &redis_url, STREAM_PREFIX, say).await?;
     }
-
-    println!("\nconsumer: the broker delivers the message twice");
-    let notes = MemoryDb::new(Notes::new());
-    let mut dispatcher = Dispatcher::new();
-    dispatcher.register::<AccountTransferred, _>(NoteTransfer)?;
-    for envelope in broker.published(AccountTransferred::TOPIC) {
-        for delivery_count in 1..=2 {
-            let delivery = Delivery { envelope: envelope.clone(), delivery_count, entry_id: None };
-            let processed = dispatcher.consume(&notes, "notes", &delivery)?;
-            println!("delivery {delivery_count} of {}: {processed:?}", envelope.msg_id);
-        }
-    }
-    println!();
-    show(&bank);
-    println!("downstream applied: {:?}", notes.read(Clone::clone));
     Ok(())
 }
 
-fn show(bank: &MemoryDb<outbox_examples::Accounts>) {
-    bank.read(|a| println!("balances: alice={} bob={}", a["alice"], a["bob"]));
-    for row in bank.rows() {
-        println!("message {} status={} retries={}", row.envelope.msg_id, row.status, row.retries);
+fn prepare<C: Bank + OutboxConnection + R2D2Connection>(pool: &Pool<ConnectionManager<C>>) -> Result<(), BoxError> {
+    let mut conn = pool.get()?;
+    outbox_diesel::migrate(&mut *conn)?;
+    conn.batch_execute(SETUP_SQL)?;
+    Ok(())
+}
+
+async fn reset_streams(redis_url: &str) -> Result<(), BoxError> {
+    let mut conn = redis::Client::open(redis_url)?.get_multiplexed_async_connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{STREAM_PREFIX}*")).query_async(&mut conn).await?;
+    if !keys.is_empty() {
+        let () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await?;
     }
+    Ok(())
 }
