@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::{Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed};
+use crate::{BatchOutcomes, Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed};
 
 /// Where and how often a message was delivered, next to the message itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,5 +173,417 @@ impl<C: 'static> Dispatcher<C> {
         inbox.process(group, &delivery.envelope.msg_id, |conn| {
             prepared.run(conn, delivery)
         })
+    }
+
+    /// Decodes and applies many deliveries for `group` through one
+    /// [`Inbox::process_batch`]: with a store that has savepoints, one transaction for
+    /// the batch and a savepoint per message.
+    ///
+    /// Each delivery is prepared first ([`prepare`](Self::prepare)): an unknown type or
+    /// an undecodable payload is that delivery's error ([`Error::is_poison`]) and never
+    /// reaches the store. A handler that fails or panics rolls back only its own message
+    /// (a panic is caught and reported as [`Error::Handler`] with the panic's message);
+    /// the others commit together.
+    ///
+    /// The result has one outcome per delivery, in order. The outer `Err` is the store's
+    /// failure as a whole (see [`Inbox::process_batch`]): nothing is known to have
+    /// committed.
+    ///
+    /// ```
+    /// use outbox_core::{Delivery, Dispatcher, Envelope, Handler, HandlerError, MemoryDb,
+    ///                   MemoryTx, OutboxEvent, Processed};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    /// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+    ///
+    /// struct Total;
+    /// impl Handler<OrderPaid> for Total {
+    ///     type Conn = MemoryTx<i64>;
+    ///     fn handle(&self, e: OrderPaid, tx: &mut MemoryTx<i64>, _: &Delivery) -> Result<(), HandlerError> {
+    ///         if e.amount_cents < 0 {
+    ///             return Err(HandlerError::msg("negative amount"));
+    ///         }
+    ///         *tx.data() += e.amount_cents;
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let mut dispatcher = Dispatcher::new();
+    /// dispatcher.register::<OrderPaid, _>(Total)?;
+    /// let delivery = |id: &str, amount_cents| -> Result<Delivery, outbox_core::Error> {
+    ///     let e = OrderPaid { order_id: id.into(), amount_cents };
+    ///     Ok(Delivery { envelope: Envelope::from_event(&e, 1024)?, delivery_count: 1, entry_id: None })
+    /// };
+    /// let batch = [delivery("o-1", 100)?, delivery("o-2", -5)?, delivery("o-3", 20)?];
+    ///
+    /// let db = MemoryDb::new(0_i64);
+    /// let outcomes = dispatcher.consume_batch(&db, "totals", &batch)?;
+    /// assert!(matches!(outcomes[0], Ok(Processed::Applied)));
+    /// assert!(outcomes[1].as_ref().is_err_and(|e| e.to_string().contains("negative amount")));
+    /// assert!(matches!(outcomes[2], Ok(Processed::Applied)));
+    /// assert_eq!(db.read(|total| *total), 120);
+    /// # Ok::<_, outbox_core::Error>(())
+    /// ```
+    pub fn consume_batch<I>(
+        &self,
+        inbox: &I,
+        group: &str,
+        deliveries: &[Delivery],
+    ) -> Result<BatchOutcomes, Error>
+    where
+        I: Inbox<Conn = C>,
+    {
+        // `None`: prepared, its outcome comes from the store.
+        let mut outcomes: Vec<Option<Result<Processed, Error>>> =
+            Vec::with_capacity(deliveries.len());
+        let mut runs: Vec<(&Delivery, Option<Prepared<C>>)> = Vec::new();
+        let mut msg_ids = Vec::new();
+        for delivery in deliveries {
+            match self.prepare(&delivery.envelope) {
+                Ok(prepared) => {
+                    outcomes.push(None);
+                    runs.push((delivery, Some(prepared)));
+                    msg_ids.push(delivery.envelope.msg_id.clone());
+                }
+                Err(e) => outcomes.push(Some(Err(e))),
+            }
+        }
+        if runs.is_empty() {
+            return Ok(outcomes.into_iter().flatten().collect());
+        }
+        let processed = inbox.process_batch(group, &msg_ids, |i, conn| {
+            let (delivery, prepared) = &mut runs[i];
+            let prepared = prepared
+                .take()
+                .ok_or_else(|| HandlerError::msg("the inbox ran this message's handler twice"))?;
+            run_catching_panic(prepared, conn, delivery)
+        })?;
+        // A broken `Inbox` implementation, not a runtime condition.
+        assert_eq!(
+            processed.len(),
+            msg_ids.len(),
+            "Inbox::process_batch must return one outcome per msg_id"
+        );
+        let mut processed = processed.into_iter();
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| processed.next().expect("lengths checked above")))
+            .collect())
+    }
+}
+
+/// Runs a handler, turning a panic into its error. Safe to continue after: the inbox
+/// rolls back the message's savepoint (or in-memory copy) on this error, so whatever the
+/// panic left half-written is discarded.
+fn run_catching_panic<C>(
+    prepared: Prepared<C>,
+    conn: &mut C,
+    delivery: &Delivery,
+) -> Result<(), HandlerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        prepared.run(conn, delivery)
+    }))
+    .unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("non-text panic payload");
+        Err(HandlerError::msg(format_args!(
+            "handler panicked: {message}"
+        )))
+    })
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::{MemoryDb, MemoryTx, MsgId};
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Credit {
+        #[outbox(id)]
+        id: String,
+        amount: i64,
+    }
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Credited {
+        #[outbox(id)]
+        id: String,
+    }
+
+    type Balances = BTreeMap<String, i64>;
+
+    /// Credits the amount and emits `Credited`; a negative amount fails after writing,
+    /// zero panics after writing.
+    struct Apply(AtomicUsize);
+    impl Handler<Credit> for Apply {
+        type Conn = MemoryTx<Balances>;
+        fn handle(
+            &self,
+            e: Credit,
+            tx: &mut MemoryTx<Balances>,
+            _: &Delivery,
+        ) -> Result<(), HandlerError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            *tx.data().entry(e.id.clone()).or_default() += e.amount;
+            tx.emit(Credited { id: e.id })?;
+            match e.amount {
+                0 => panic!("zero credit"),
+                a if a < 0 => Err(HandlerError::msg("negative credit")),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    fn dispatcher() -> (Dispatcher<MemoryTx<Balances>>, Arc<Apply>) {
+        struct Shared(Arc<Apply>);
+        impl Handler<Credit> for Shared {
+            type Conn = MemoryTx<Balances>;
+            fn handle(
+                &self,
+                e: Credit,
+                tx: &mut MemoryTx<Balances>,
+                d: &Delivery,
+            ) -> Result<(), HandlerError> {
+                self.0.handle(e, tx, d)
+            }
+        }
+        let apply = Arc::new(Apply(AtomicUsize::new(0)));
+        let mut d = Dispatcher::new();
+        d.register::<Credit, _>(Shared(Arc::clone(&apply))).unwrap();
+        (d, apply)
+    }
+
+    fn credit(id: &str, amount: i64) -> Delivery {
+        let e = Credit {
+            id: id.into(),
+            amount,
+        };
+        Delivery {
+            envelope: Envelope::from_event(&e, 1024).unwrap(),
+            delivery_count: 1,
+            entry_id: None,
+        }
+    }
+
+    fn id(s: &str) -> MsgId {
+        MsgId::new(s).unwrap()
+    }
+
+    fn kinds(outcomes: &[Result<Processed, Error>]) -> Vec<String> {
+        outcomes
+            .iter()
+            .map(|o| match o {
+                Ok(p) => format!("{p:?}"),
+                Err(e) => format!("Err({e})"),
+            })
+            .collect()
+    }
+
+    /// An inbox with only `process`: gets the default `process_batch`.
+    struct OnlyProcess {
+        db: MemoryDb<Balances>,
+        transactions: AtomicUsize,
+    }
+
+    impl Inbox for OnlyProcess {
+        type Conn = MemoryTx<Balances>;
+        fn process<F>(&self, group: &str, msg_id: &MsgId, handle: F) -> Result<Processed, Error>
+        where
+            F: FnOnce(&mut MemoryTx<Balances>) -> Result<(), HandlerError>,
+        {
+            self.transactions.fetch_add(1, Ordering::SeqCst);
+            if msg_id.as_str() == "down:Credit" {
+                return Err(Error::store("connection refused"));
+            }
+            self.db.process(group, msg_id, handle)
+        }
+    }
+
+    #[test]
+    fn a_failing_message_in_a_memory_batch_leaves_no_trace_and_the_others_commit() {
+        let db = MemoryDb::new(Balances::new());
+        let (d, apply) = dispatcher();
+        let batch = [credit("a", 10), credit("b", -5), credit("c", 20)];
+        let outcomes = d.consume_batch(&db, "g", &batch).unwrap();
+        assert_eq!(
+            kinds(&outcomes),
+            ["Applied", "Err(handler failed: negative credit)", "Applied"]
+        );
+        assert_eq!(apply.0.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            db.read(Clone::clone),
+            Balances::from([("a".into(), 10), ("c".into(), 20)])
+        );
+        let emitted: Vec<_> = db
+            .rows()
+            .iter()
+            .map(|r| r.envelope.msg_id.to_string())
+            .collect();
+        assert_eq!(emitted, ["a:Credited", "c:Credited"]);
+        // No dedup row for `b`: its redelivery runs the handler again.
+        let again = d.consume_batch(&db, "g", &[credit("b", 5)]).unwrap();
+        assert_eq!(kinds(&again), ["Applied"]);
+        assert_eq!(db.read(|b| b["b"]), 5);
+    }
+
+    #[test]
+    fn duplicates_in_the_batch_and_against_earlier_commits_do_not_run_the_handler() {
+        let db = MemoryDb::new(Balances::new());
+        let (d, apply) = dispatcher();
+        assert_eq!(
+            d.consume(&db, "g", &credit("a", 1)).unwrap(),
+            Processed::Applied
+        );
+        let batch = [
+            credit("a", 1),
+            credit("b", 2),
+            credit("b", 2),
+            credit("c", -1),
+            credit("c", 3),
+        ];
+        let outcomes = d.consume_batch(&db, "g", &batch).unwrap();
+        // The second `c` runs: the first attempt failed and left no dedup row.
+        assert_eq!(
+            kinds(&outcomes),
+            [
+                "Duplicate",
+                "Applied",
+                "Duplicate",
+                "Err(handler failed: negative credit)",
+                "Applied"
+            ]
+        );
+        assert_eq!(apply.0.load(Ordering::SeqCst), 1 + 3);
+        assert_eq!(
+            db.read(Clone::clone),
+            Balances::from([("a".into(), 1), ("b".into(), 2), ("c".into(), 3)])
+        );
+        // Another group has its own dedup rows.
+        let other = db
+            .process_batch("h", &[id("a:Credit")], |_, _| Ok(()))
+            .unwrap();
+        assert_eq!(kinds(&other), ["Applied"]);
+    }
+
+    #[test]
+    fn a_panicking_handler_fails_only_its_own_message() {
+        let db = MemoryDb::new(Balances::new());
+        let (d, _) = dispatcher();
+        let outcomes = d
+            .consume_batch(&db, "g", &[credit("a", 1), credit("z", 0), credit("c", 3)])
+            .unwrap();
+        assert_eq!(
+            kinds(&outcomes),
+            [
+                "Applied",
+                "Err(handler failed: handler panicked: zero credit)",
+                "Applied"
+            ]
+        );
+        assert!(db.read(|b| !b.contains_key("z") && b.len() == 2));
+        assert!(db.row("z:Credited").is_none());
+    }
+
+    #[test]
+    fn poison_is_reported_per_message_without_touching_the_store() {
+        let inbox = OnlyProcess {
+            db: MemoryDb::new(Balances::new()),
+            transactions: AtomicUsize::new(0),
+        };
+        let (d, apply) = dispatcher();
+        let mut unknown = credit("u", 1);
+        unknown.envelope.event_type = "Debit".into();
+        let mut garbled = credit("g", 1);
+        garbled.envelope.payload = "{not json".into();
+        let outcomes = d
+            .consume_batch(&inbox, "g", &[unknown.clone(), garbled.clone()])
+            .unwrap();
+        assert!(
+            outcomes
+                .iter()
+                .all(|o| o.as_ref().is_err_and(Error::is_poison))
+        );
+        assert_eq!(inbox.transactions.load(Ordering::SeqCst), 0);
+        assert_eq!(apply.0.load(Ordering::SeqCst), 0);
+
+        let outcomes = d
+            .consume_batch(
+                &inbox,
+                "g",
+                &[unknown, credit("a", 1), garbled, credit("b", 2)],
+            )
+            .unwrap();
+        assert!(matches!(outcomes[0], Err(Error::UnknownEventType(_))));
+        assert!(matches!(outcomes[1], Ok(Processed::Applied)));
+        assert!(matches!(outcomes[2], Err(Error::Decode { .. })));
+        assert!(matches!(outcomes[3], Ok(Processed::Applied)));
+        assert_eq!(inbox.db.read(|b| b.len()), 2);
+    }
+
+    #[test]
+    fn the_default_batch_processes_one_message_per_transaction() {
+        let inbox = OnlyProcess {
+            db: MemoryDb::new(Balances::new()),
+            transactions: AtomicUsize::new(0),
+        };
+        let mut seen = Vec::new();
+        let ids = [
+            id("a:Credit"),
+            id("down:Credit"),
+            id("b:Credit"),
+            id("a:Credit"),
+        ];
+        let outcomes = inbox
+            .process_batch("g", &ids, |i, tx| {
+                seen.push(i);
+                *tx.data().entry(ids[i].to_string()).or_default() += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(
+            kinds(&outcomes),
+            [
+                "Applied",
+                "Err(store error: connection refused)",
+                "Applied",
+                "Duplicate"
+            ]
+        );
+        assert!(outcomes[1].as_ref().is_err_and(Error::is_outage));
+        assert_eq!(seen, [0, 2]);
+        assert_eq!(inbox.transactions.load(Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn an_empty_batch_is_empty() {
+        let db = MemoryDb::new(Balances::new());
+        let (d, _) = dispatcher();
+        assert!(d.consume_batch(&db, "g", &[]).unwrap().is_empty());
+        let none = db.process_batch("g", &[], |_, _| Ok(())).unwrap();
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn a_panic_inside_process_batch_itself_commits_nothing_in_memory() {
+        let db = MemoryDb::new(Balances::new());
+        let ids = [id("a:Credit"), id("b:Credit")];
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            db.process_batch("g", &ids, |i, tx: &mut MemoryTx<Balances>| {
+                tx.data().insert("written".into(), 1);
+                assert!(i == 0, "boom");
+                Ok(())
+            })
+        }));
+        assert!(unwound.is_err());
+        assert!(db.read(|b| b.is_empty()));
+        // Nor the dedup row of the message before the panic.
+        let outcomes = db.process_batch("g", &ids[..1], |_, _| Ok(())).unwrap();
+        assert_eq!(kinds(&outcomes), ["Applied"]);
     }
 }

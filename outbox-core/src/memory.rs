@@ -9,9 +9,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::{
-    Backlog, BatchOutcome, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, HandlerError,
-    Inbox, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected, RelayStore, Status,
-    StoredMessage,
+    Backlog, BatchOutcome, BatchOutcomes, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error,
+    HandlerError, Inbox, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
+    RelayStore, Status, StoredMessage,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -167,7 +167,7 @@ impl<S: Clone + Send + 'static> MemoryDb<S> {
         let _gate = lock(&self.shared.gate);
         let mut tx = self.begin();
         let value = f(&mut tx)?;
-        self.commit(tx, None);
+        self.commit(tx, Vec::new());
         Ok(value)
     }
 
@@ -180,7 +180,7 @@ impl<S: Clone + Send + 'static> MemoryDb<S> {
         }
     }
 
-    fn commit(&self, tx: MemoryTx<S>, consumed: Option<(String, MsgId)>) {
+    fn commit(&self, tx: MemoryTx<S>, consumed: Vec<(String, MsgId)>) {
         let mut state = lock(&self.shared.state);
         state.data = tx.data;
         let now = Utc::now();
@@ -240,8 +240,47 @@ impl<S: Clone + Send + 'static> Inbox for MemoryDb<S> {
         }
         let mut tx = self.begin();
         handle(&mut tx)?;
-        self.commit(tx, Some(key));
+        self.commit(tx, vec![key]);
         Ok(Processed::Applied)
+    }
+
+    /// One transaction for the batch; each message works like a savepoint: a failing
+    /// handler's data changes, emitted events and dedup row are discarded, the others
+    /// commit together. A panic discards the whole batch.
+    fn process_batch<F>(
+        &self,
+        group: &str,
+        msg_ids: &[MsgId],
+        mut handle: F,
+    ) -> Result<BatchOutcomes, Error>
+    where
+        F: FnMut(usize, &mut MemoryTx<S>) -> Result<(), HandlerError>,
+    {
+        let _gate = lock(&self.shared.gate);
+        let mut tx = self.begin();
+        let mut consumed: Vec<(String, MsgId)> = Vec::new();
+        let mut outcomes = Vec::with_capacity(msg_ids.len());
+        for (i, msg_id) in msg_ids.iter().enumerate() {
+            let key = (group.to_owned(), msg_id.clone());
+            if consumed.contains(&key) || lock(&self.shared.state).consumed.contains(&key) {
+                outcomes.push(Ok(Processed::Duplicate));
+                continue;
+            }
+            let savepoint = (tx.data.clone(), tx.emitted.len());
+            match handle(i, &mut tx) {
+                Ok(()) => {
+                    consumed.push(key);
+                    outcomes.push(Ok(Processed::Applied));
+                }
+                Err(e) => {
+                    tx.data = savepoint.0;
+                    tx.emitted.truncate(savepoint.1);
+                    outcomes.push(Err(e.into()));
+                }
+            }
+        }
+        self.commit(tx, consumed);
+        Ok(outcomes)
     }
 }
 
