@@ -1,0 +1,388 @@
+//! The inbox's batch mode (`Inbox::process_batch`: one transaction, a savepoint per
+//! message) against each backend: PostgreSQL and MariaDB on this machine, SQLite in a
+//! temp file.
+
+mod common;
+
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{Backend, Lite, My, Pg, exec};
+use diesel::Connection;
+use diesel::connection::SimpleConnection as _;
+use outbox_core::{
+    Delivery, Dispatcher, Envelope, Handler, HandlerError, Inbox, MsgId, OutboxEvent, Processed,
+};
+use outbox_diesel::DieselInbox;
+use serde::{Deserialize, Serialize};
+
+/// How the test handler behaves after its writes.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+enum How {
+    Ok,
+    Fail,
+    /// A statement fails (on PostgreSQL this aborts the transaction) and the handler
+    /// returns its error.
+    BadSql,
+    /// A statement fails and the handler ignores it.
+    IgnoredBadSql,
+    Panic,
+    /// Panics inside a nested transaction of its own, leaving it open.
+    PanicInNested,
+}
+
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+struct Credit {
+    #[outbox(id)]
+    id: String,
+    how: How,
+}
+
+/// Records the message in `applied`, credits bob 1, then behaves as told.
+struct Apply<C> {
+    calls: Arc<AtomicUsize>,
+    conn: PhantomData<fn() -> C>,
+}
+
+fn write<C: Connection>(c: &mut C, id: &str) -> Result<(), HandlerError> {
+    c.batch_execute(&format!(
+        "INSERT INTO applied (msg) VALUES ('{id}');
+         UPDATE accounts SET balance = balance + 1 WHERE id = 'bob';"
+    ))?;
+    Ok(())
+}
+
+impl<C: Connection + 'static> Handler<Credit> for Apply<C> {
+    type Conn = C;
+
+    fn handle(&self, e: Credit, c: &mut C, _: &Delivery) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        write(c, &e.id)?;
+        match e.how {
+            How::Ok => Ok(()),
+            How::Fail => Err(HandlerError::msg("refused")),
+            How::BadSql => {
+                c.batch_execute("INSERT INTO no_such_table (x) VALUES (1)")?;
+                Ok(())
+            }
+            How::IgnoredBadSql => {
+                let _ = c.batch_execute("INSERT INTO no_such_table (x) VALUES (1)");
+                Ok(())
+            }
+            How::Panic => panic!("handler bug"),
+            How::PanicInNested => {
+                c.transaction::<(), diesel::result::Error, _>(|c| {
+                    c.batch_execute(
+                        "UPDATE accounts SET balance = balance + 100 WHERE id = 'alice'",
+                    )?;
+                    panic!("handler bug in a nested transaction")
+                })?;
+                Ok(())
+            }
+        }
+    }
+}
+
+struct Setup<B: Backend> {
+    db: common::TestDb,
+    inbox: DieselInbox<B::Conn>,
+}
+
+/// A fresh database with an `applied (msg)` table, and an inbox over a pool of ONE
+/// connection, so that every batch reuses (or replaces) the previous one's.
+fn setup<B: Backend>() -> Setup<B> {
+    let db = B::create();
+    exec(
+        &mut B::connect(&db),
+        "CREATE TABLE applied (msg VARCHAR(64) PRIMARY KEY)",
+    );
+    let inbox = DieselInbox::new(B::pool(&db, 1));
+    Setup { db, inbox }
+}
+
+fn dispatcher<C: Connection + 'static>() -> (Dispatcher<C>, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut d = Dispatcher::new();
+    d.register::<Credit, _>(Apply {
+        calls: Arc::clone(&calls),
+        conn: PhantomData,
+    })
+    .unwrap();
+    (d, calls)
+}
+
+fn credit(id: &str, how: How) -> Delivery {
+    let e = Credit { id: id.into(), how };
+    Delivery {
+        envelope: Envelope::from_event(&e, 1024).unwrap(),
+        delivery_count: 1,
+        entry_id: None,
+    }
+}
+
+fn id(s: &str) -> MsgId {
+    MsgId::from_parts(s, "Credit").unwrap()
+}
+
+/// The committed state: applied messages, dedup rows of `group`, bob's and alice's
+/// balances.
+fn state<B: Backend>(db: &common::TestDb, group: &str) -> (Vec<String>, i64, i64, i64) {
+    let mut c = B::connect(db);
+    let mut applied = Vec::new();
+    for m in ["a", "b", "c", "d", "e", "f", "g"] {
+        if B::scalar(
+            &mut c,
+            &format!("SELECT COUNT(*) AS n FROM applied WHERE msg = '{m}'"),
+        ) == 1
+        {
+            applied.push(m.to_owned());
+        }
+    }
+    let dedup = B::scalar(
+        &mut c,
+        &format!("SELECT COUNT(*) AS n FROM consumed_msg WHERE consumer_group = '{group}'"),
+    );
+    let bob = B::scalar(&mut c, "SELECT balance AS n FROM accounts WHERE id = 'bob'");
+    let alice = B::scalar(
+        &mut c,
+        "SELECT balance AS n FROM accounts WHERE id = 'alice'",
+    );
+    (applied, dedup, bob, alice)
+}
+
+fn kinds(outcomes: &[Result<Processed, outbox_core::Error>]) -> Vec<String> {
+    outcomes
+        .iter()
+        .map(|o| match o {
+            Ok(p) => format!("{p:?}"),
+            Err(outbox_core::Error::Handler(e)) => format!("Handler({e})"),
+            Err(e) => format!("Err({e})"),
+        })
+        .collect()
+}
+
+fn failing_handlers_roll_back_only_their_own_message<B: Backend>() {
+    let s = setup::<B>();
+    let (d, calls) = dispatcher::<B::Conn>();
+    let batch = [
+        credit("a", How::Ok),
+        credit("b", How::Fail),
+        credit("c", How::BadSql),
+        credit("d", How::Panic),
+        credit("e", How::PanicInNested),
+        credit("f", How::Ok),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
+    let k = kinds(&outcomes);
+    assert_eq!(k[0], "Applied");
+    assert_eq!(k[1], "Handler(refused)");
+    assert!(
+        k[2].starts_with("Handler(") && k[2].contains("no_such_table"),
+        "{k:?}"
+    );
+    assert_eq!(k[3], "Handler(handler panicked: handler bug)");
+    assert_eq!(
+        k[4],
+        "Handler(handler panicked: handler bug in a nested transaction)"
+    );
+    assert_eq!(k[5], "Applied");
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
+    // Only a and f: neither the failing ones' writes (nor the nested transaction's
+    // credit to alice) nor their dedup rows.
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (vec!["a".to_owned(), "f".to_owned()], 2, 2, 1000)
+    );
+    // The failed ones are retried on redelivery, and the connection is still healthy.
+    let retry = [
+        credit("b", How::Ok),
+        credit("c", How::Ok),
+        credit("a", How::Ok),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &retry).unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied", "Applied", "Duplicate"]);
+    assert_eq!(state::<B>(&s.db, "g1").1, 4);
+}
+
+fn an_ignored_failed_statement_fails_only_its_message<B: Backend>() {
+    let s = setup::<B>();
+    let (d, _) = dispatcher::<B::Conn>();
+    let batch = [
+        credit("a", How::Ok),
+        credit("b", How::IgnoredBadSql),
+        credit("c", How::Ok),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
+    let k = kinds(&outcomes);
+    let (applied, dedup, bob, _) = state::<B>(&s.db, "g1");
+    if B::NAME == "PostgreSQL" {
+        // The failed statement aborted the transaction; only rolling back to the
+        // message's savepoint saves the others.
+        assert!(k[1].contains("could not be kept"), "{k:?}");
+        assert_eq!((applied, dedup, bob), (vec!["a".into(), "c".into()], 2, 2));
+    } else {
+        // MySQL and SQLite roll back only the failing statement.
+        assert_eq!(k[1], "Applied");
+        assert_eq!(dedup, 3);
+        assert_eq!(bob, 3);
+    }
+    assert_eq!((k[0].as_str(), k[2].as_str()), ("Applied", "Applied"));
+}
+
+fn duplicates_do_not_run_the_handler<B: Backend>() {
+    let s = setup::<B>();
+    assert_eq!(
+        s.inbox.process("g1", &id("a"), |c| write(c, "a")).unwrap(),
+        Processed::Applied
+    );
+    let ids = [id("a"), id("b"), id("b"), id("c")];
+    let mut ran = Vec::new();
+    let outcomes = s
+        .inbox
+        .process_batch("g1", &ids, |i, c| {
+            ran.push(i);
+            write(c, ["a", "b", "b", "c"][i])
+        })
+        .unwrap();
+    assert_eq!(
+        kinds(&outcomes),
+        ["Duplicate", "Applied", "Duplicate", "Applied"]
+    );
+    assert_eq!(ran, [1, 3], "earlier and in-batch duplicates do not run");
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (vec!["a".into(), "b".into(), "c".into()], 3, 3, 1000)
+    );
+    // Another group has its own dedup rows.
+    let outcomes = s
+        .inbox
+        .process_batch("g2", &ids[..1], |_, _| Ok(()))
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied"]);
+    // An empty batch does nothing.
+    assert!(
+        s.inbox
+            .process_batch("g1", &[], |_, _| Ok(()))
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// Breaks the store in the middle of a batch: the connection is killed (PostgreSQL,
+/// MariaDB) or the dedup table is dropped inside the transaction (SQLite), so that the
+/// next statement fails.
+trait Sabotage: Backend {
+    fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError>;
+}
+
+impl Sabotage for Pg {
+    fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError> {
+        c.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")?;
+        Ok(())
+    }
+}
+
+impl Sabotage for My {
+    fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError> {
+        let me = My::scalar(c, "SELECT CAST(CONNECTION_ID() AS SIGNED) AS n");
+        c.batch_execute(&format!("KILL {me}"))?;
+        Ok(())
+    }
+}
+
+impl Sabotage for Lite {
+    fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError> {
+        c.batch_execute("DROP TABLE consumed_msg")?;
+        Ok(())
+    }
+}
+
+fn a_store_failure_commits_nothing<B: Sabotage>() {
+    let s = setup::<B>();
+    let ids = [id("a"), id("b"), id("c")];
+    let err = s
+        .inbox
+        .process_batch("g1", &ids, |i, c| {
+            write(c, ["a", "b", "c"][i])?;
+            if i == 1 { B::sabotage(c) } else { Ok(()) }
+        })
+        .unwrap_err();
+    assert!(err.is_outage(), "{err:?}");
+    assert_eq!(state::<B>(&s.db, "g1"), (vec![], 0, 0, 1000));
+    // The pool replaced or repaired the connection: the same batch now applies in full.
+    let outcomes = s
+        .inbox
+        .process_batch("g1", &ids, |i, c| write(c, ["a", "b", "c"][i]))
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied", "Applied", "Applied"]);
+}
+
+fn a_panic_through_process_batch_commits_nothing<B: Backend>() {
+    let s = setup::<B>();
+    let ids = [id("a"), id("b"), id("c")];
+    let unwound = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        s.inbox.process_batch("g1", &ids, |i, c| {
+            write(c, ["a", "b", "c"][i])?;
+            assert!(i < 1, "a bug in the caller's closure");
+            Ok(())
+        })
+    }));
+    assert!(unwound.is_err());
+    assert_eq!(state::<B>(&s.db, "g1"), (vec![], 0, 0, 1000));
+    // The pool discarded the connection left in the transaction.
+    let outcomes = s
+        .inbox
+        .process_batch("g1", &ids, |i, c| write(c, ["a", "b", "c"][i]))
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied", "Applied", "Applied"]);
+    assert_eq!(state::<B>(&s.db, "g1").1, 3);
+}
+
+fn an_invalid_group_is_an_error_before_any_transaction<B: Backend>() {
+    let s = setup::<B>();
+    let long = "g".repeat(65);
+    let err = s
+        .inbox
+        .process_batch(&long, &[id("a")], |_, _| panic!("must not run"))
+        .unwrap_err();
+    assert!(err.to_string().contains("consumer_group"), "{err}");
+}
+
+macro_rules! backend_tests {
+    ($m:ident, $b:ty) => {
+        mod $m {
+            use super::*;
+
+            #[test]
+            fn failing_handlers_roll_back_only_their_own_message() {
+                super::failing_handlers_roll_back_only_their_own_message::<$b>();
+            }
+            #[test]
+            fn an_ignored_failed_statement_fails_only_its_message() {
+                super::an_ignored_failed_statement_fails_only_its_message::<$b>();
+            }
+            #[test]
+            fn duplicates_do_not_run_the_handler() {
+                super::duplicates_do_not_run_the_handler::<$b>();
+            }
+            #[test]
+            fn a_store_failure_commits_nothing() {
+                super::a_store_failure_commits_nothing::<$b>();
+            }
+            #[test]
+            fn a_panic_through_process_batch_commits_nothing() {
+                super::a_panic_through_process_batch_commits_nothing::<$b>();
+            }
+            #[test]
+            fn an_invalid_group_is_an_error_before_any_transaction() {
+                super::an_invalid_group_is_an_error_before_any_transaction::<$b>();
+            }
+        }
+    };
+}
+
+backend_tests!(pg, Pg);
+backend_tests!(mysql, My);
+backend_tests!(sqlite, Lite);
