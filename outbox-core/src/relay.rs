@@ -1,3 +1,4 @@
+use std::collections::HashSet;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -5,8 +6,8 @@ use chrono::Utc;
 use tracing::Instrument as _;
 
 use crate::{
-    BatchOutcome, ClaimedBatch, Error, OutageBackoff, Publisher, RelayStore, RetryDecision,
-    RetryPolicy,
+    BatchOutcome, ClaimedBatch, Error, OutageBackoff, Publisher, Rejected, RelayStore,
+    RetryDecision, RetryPolicy,
 };
 
 /// Relay settings. `Default` gives batches of 500, a 1 s poll and the default
@@ -54,6 +55,31 @@ pub struct BatchReport {
 
 /// Moves committed outbox rows to a broker: claim a batch, publish it, mark SENT or
 /// record the failures, commit.
+///
+/// # Order per key and many instances
+///
+/// The relay publishes each batch in the order the store claimed it (id order). Which
+/// rows a batch may hold is the store's business: the diesel stores claim in per-key
+/// order by default (`ClaimOrder::PerKey` in `outbox-diesel`): a message whose key has
+/// an older unpublished message, held by another relay instance or waiting for its
+/// retry time, stays out of the batch, while other keys go on. So several instances
+/// may run side by side and a key still reaches the stream in id order across retries.
+/// The unordered mode (plain `SKIP LOCKED`) is faster and promises no order.
+///
+/// Within one batch the engine adds one guard: a message being retried (it was
+/// rejected before) is published in its own round trip ahead of the later messages of
+/// its key, which are published only if it succeeds and otherwise stay NEW, untouched.
+/// Batches without retries cost one round trip as before.
+///
+/// What no relay can undo: when the broker rejects a message that is tried for the
+/// *first* time, later messages of its key that were pipelined in the same call are
+/// already on the stream. They are marked SENT (publishing them again would add
+/// duplicates and restore nothing), the rejected message is retried later, and the key
+/// is out of order; the relay logs it and counts `outbox_relay_key_order_broken_total`.
+/// Publishing one message per key per round trip would prevent it, at the cost of the
+/// hot keys' throughput, for a case that is rare (a broker refuses single entries for
+/// causes like a wrongly typed stream key, which then refuses every later entry of that
+/// stream too). Outages are not affected: a failed call marks nothing.
 ///
 /// ```
 /// # #[cfg(feature = "memory")] {
@@ -111,7 +137,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// Claims, publishes and completes one batch.
     ///
     /// A broker outage or database error is returned as is and leaves every claimed row
-    /// as it was (NEW, retries unchanged).
+    /// as it was (NEW, retries unchanged), except that an outage between the round trips
+    /// of a batch that holds retries (see [`Relay`]) first records what was published.
+    /// Rows held back behind a rejected retry of their key are released untouched:
+    /// `claimed - sent - retried - dead` of the report.
     pub async fn run_once(&self) -> Result<BatchReport, Error> {
         let started = Instant::now();
         let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
@@ -132,14 +161,9 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         if claimed == 0 {
             return Ok(BatchReport::default());
         }
-        // On an outage `batch` is dropped here, which releases every row untouched.
-        let results = self.publisher.publish(batch.messages()).await?;
-        if results.len() != claimed {
-            return Err(Error::broker_unavailable(format!(
-                "publisher returned {} results for a batch of {claimed}",
-                results.len()
-            )));
-        }
+        // On an outage in the first wave `batch` is dropped here, which releases every
+        // row untouched.
+        let (results, interrupted) = self.publish_in_waves(batch.messages()).await?;
         let outcome = self.outcome(batch.messages(), results);
         let report = BatchReport {
             claimed,
@@ -157,16 +181,108 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         metrics::counter!("outbox_relay_failed_attempts_total")
             .increment((report.retried + report.dead) as u64);
         metrics::counter!("outbox_relay_dead_lettered_total").increment(report.dead as u64);
-        Ok(report)
+        match interrupted {
+            // What was published is recorded; the rest stays NEW. Back off as usual.
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Publishes the batch, usually in one call. A message that is being retried
+    /// (`retries > 0`) has failed on its own before and may well fail again, so the
+    /// later messages of its key wait for its result in a further call ("wave") and are
+    /// not published at all, left NEW and untouched, if it is rejected again. That keeps
+    /// a key in order across retries at the price of one more round trip, paid only by
+    /// batches that hold a retry followed by a message of the same key.
+    ///
+    /// Returns one entry per message (`None`: not published) and the error that
+    /// interrupted a later wave, if any: the waves before it were published and are
+    /// recorded. An error in the first wave is returned as is.
+    async fn publish_in_waves(
+        &self,
+        messages: &[crate::StoredMessage],
+    ) -> Result<(Vec<Option<Result<(), Rejected>>>, Option<Error>), Error> {
+        let mut results: Vec<Option<Result<(), Rejected>>> = vec![None; messages.len()];
+        let mut pending: Vec<usize> = (0..messages.len()).collect();
+        let mut rejected_keys: HashSet<&str> = HashSet::new();
+        let mut first = true;
+        while !pending.is_empty() {
+            let mut wave = Vec::with_capacity(pending.len());
+            let mut later = Vec::new();
+            let mut waiting_keys: HashSet<&str> = HashSet::new();
+            for i in pending {
+                let key = messages[i].envelope.key.as_str();
+                if rejected_keys.contains(key) {
+                    continue; // stays NEW: an earlier message of its key failed
+                }
+                if waiting_keys.contains(key) {
+                    later.push(i);
+                    continue;
+                }
+                if messages[i].retries > 0 {
+                    waiting_keys.insert(key);
+                }
+                wave.push(i);
+            }
+            if wave.is_empty() {
+                break;
+            }
+            let published = if wave.len() == messages.len() {
+                self.publisher.publish(messages).await
+            } else {
+                let subset: Vec<crate::StoredMessage> =
+                    wave.iter().map(|&i| messages[i].clone()).collect();
+                self.publisher.publish(&subset).await
+            };
+            let outcomes = match published.and_then(|r| {
+                if r.len() == wave.len() {
+                    Ok(r)
+                } else {
+                    Err(Error::broker_unavailable(format!(
+                        "publisher returned {} results for {} messages",
+                        r.len(),
+                        wave.len()
+                    )))
+                }
+            }) {
+                Ok(r) => r,
+                Err(e) if first => return Err(e),
+                Err(e) => return Ok((results, Some(e))),
+            };
+            let mut failed_here: HashSet<&str> = HashSet::new();
+            for (&i, result) in wave.iter().zip(outcomes) {
+                let key = messages[i].envelope.key.as_str();
+                match &result {
+                    Err(_) => {
+                        failed_here.insert(key);
+                        rejected_keys.insert(key);
+                    }
+                    Ok(()) if failed_here.contains(key) => {
+                        // Published in the same call as an earlier message of its key
+                        // that the broker rejected: this key is now out of order.
+                        tracing::warn!(msg_id = %messages[i].envelope.msg_id, key, "published after a rejected message of its key");
+                        metrics::counter!("outbox_relay_key_order_broken_total").increment(1);
+                    }
+                    Ok(()) => {}
+                }
+                results[i] = Some(result);
+            }
+            pending = later;
+            first = false;
+        }
+        Ok((results, None))
     }
 
     fn outcome(
         &self,
         messages: &[crate::StoredMessage],
-        results: crate::PublishOutcomes,
+        results: Vec<Option<Result<(), Rejected>>>,
     ) -> BatchOutcome {
         let mut outcome = BatchOutcome::default();
         for (m, result) in messages.iter().zip(results) {
+            let Some(result) = result else {
+                continue; // not published: released untouched
+            };
             let Err(rejected) = result else {
                 outcome.sent.push(m.id);
                 continue;
@@ -464,6 +580,134 @@ mod tests {
                 .all(|r| r.status == Status::Sent && r.retries == 0),
             "outages spend no retries"
         );
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    #[outbox(key = account)]
+    struct Moved {
+        #[outbox(id)]
+        n: u32,
+        account: String,
+    }
+
+    fn moved(n: u32, account: &str) -> Moved {
+        Moved {
+            n,
+            account: account.into(),
+        }
+    }
+
+    /// Rejects chosen msg_ids a number of times, and fails chosen calls as outages.
+    #[derive(Default)]
+    struct Picky {
+        broker: MemoryBroker,
+        reject: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+        outage_on_call: Option<usize>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Picky {
+        fn rejecting(msg_id: &str, times: u32) -> Self {
+            let p = Self::default();
+            p.reject.lock().unwrap().insert(msg_id.into(), times);
+            p
+        }
+
+        fn order(&self) -> Vec<String> {
+            self.broker
+                .published("moved")
+                .iter()
+                .map(|e| e.msg_id.to_string())
+                .collect()
+        }
+    }
+
+    impl Publisher for Picky {
+        async fn publish(
+            &self,
+            batch: &[crate::StoredMessage],
+        ) -> Result<crate::PublishOutcomes, Error> {
+            let call = self
+                .calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.outage_on_call == Some(call) {
+                return Err(Error::broker_unavailable("injected outage"));
+            }
+            let mut out = Vec::new();
+            for m in batch {
+                let rejected = match self
+                    .reject
+                    .lock()
+                    .unwrap()
+                    .get_mut(m.envelope.msg_id.as_str())
+                {
+                    Some(n) if *n > 0 => {
+                        *n -= 1;
+                        true
+                    }
+                    _ => false,
+                };
+                if rejected {
+                    out.push(Err(Rejected::new("picky")));
+                } else {
+                    out.extend(self.broker.publish(std::slice::from_ref(m)).await?);
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retried_message_holds_back_the_rest_of_its_key_in_the_batch() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| tx.emit(moved(0, "a"))).unwrap();
+        let relay = Relay::new(db.clone(), Picky::rejecting("0:Moved", 2))
+            .with_config(config(5, 10))
+            .unwrap();
+        assert_eq!(relay.run_once().await.unwrap().retried, 1);
+        db.transaction(|tx| {
+            tx.emit(moved(1, "a"))?;
+            tx.emit(moved(2, "b"))
+        })
+        .unwrap();
+        // a0 is a retry: it goes first, and a1 waits for it; b2 is another key.
+        let r = relay.run_once().await.unwrap();
+        assert_eq!((r.claimed, r.sent, r.retried, r.dead), (3, 1, 1, 0));
+        assert_eq!(relay.publisher.order(), ["2:Moved"]);
+        let a1 = db.row("1:Moved").unwrap();
+        assert_eq!(
+            (a1.status, a1.retries),
+            (Status::New, 0),
+            "held back untouched"
+        );
+        let r = relay.run_once().await.unwrap();
+        assert_eq!((r.claimed, r.sent), (2, 2));
+        assert_eq!(
+            relay.publisher.order(),
+            ["2:Moved", "0:Moved", "1:Moved"],
+            "key a in id order"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_outage_in_a_later_wave_records_the_earlier_one() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| tx.emit(moved(0, "a"))).unwrap();
+        let picky = Picky {
+            outage_on_call: Some(2),
+            ..Picky::rejecting("0:Moved", 1)
+        };
+        let relay = Relay::new(db.clone(), picky)
+            .with_config(config(5, 10))
+            .unwrap();
+        assert_eq!(relay.run_once().await.unwrap().retried, 1);
+        db.transaction(|tx| tx.emit(moved(1, "a"))).unwrap();
+        let err = relay.run_once().await.unwrap_err();
+        assert!(err.is_outage(), "{err}");
+        assert_eq!(db.row("0:Moved").unwrap().status, Status::Sent);
+        assert_eq!(db.row("1:Moved").unwrap().status, Status::New);
+        assert_eq!(relay.run_once().await.unwrap().sent, 1);
+        assert_eq!(relay.publisher.order(), ["0:Moved", "1:Moved"]);
     }
 
     async fn wait_until(done: impl Fn() -> bool) {
