@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_core::{
-    Delivery, Dispatcher, Handler, Inbox, OutageBackoff, OutboxEvent, Prepared, Processed,
+    BatchOutcomes, Delivery, Dispatcher, Handler, Inbox, OutageBackoff, OutboxEvent, Prepared,
+    Processed,
 };
 use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
@@ -46,11 +47,22 @@ pub struct ConsumerConfig {
     /// connection's response timeout is this plus [`response_timeout`](Self::response_timeout),
     /// so blocking reads are never cut short by the client.
     pub block: Duration,
-    /// Most entries read per stream and call (default 64).
+    /// Most entries read per stream and call (default 64). In batch mode a read takes up
+    /// to [`batch_size`](Self::batch_size) entries per free batch instead.
     pub read_count: usize,
     /// Most messages processed at once (default 16); with a database inbox, at most the
-    /// pool's size is useful.
+    /// pool's size is useful. In batch mode: most batches (transactions) at once.
     pub max_in_flight: usize,
+    /// Opt-in batch mode (default `None`: one transaction per message). With `Some(n)`,
+    /// the entries of one read are split into batches of at most `n` messages, and each
+    /// batch is one transaction of the idempotency store with a savepoint per message
+    /// ([`Inbox::process_batch`]); the applied and duplicate entries are acknowledged
+    /// after the commit, with one `XACK` per stream. A failing or panicking handler rolls
+    /// back only its own message, which stays pending and is retried and dead-lettered
+    /// as in single mode. A store failure fails the whole batch as an outage (nothing
+    /// committed; delivery counts are set back). `Some(100)` is a good start; a larger
+    /// batch holds its transaction's locks longer.
+    pub batch_size: Option<usize>,
     /// How long an entry stays unacknowledged before it is claimed again and retried
     /// (default 30 s). This is also how long a crashed consumer's entries wait. Keep it
     /// well above the slowest handler.
@@ -86,6 +98,7 @@ impl Default for ConsumerConfig {
             block: Duration::from_secs(2),
             read_count: 64,
             max_in_flight: 16,
+            batch_size: None,
             min_idle: Duration::from_secs(30),
             claim_interval: Duration::from_secs(5),
             max_deliveries: 5,
@@ -110,6 +123,9 @@ impl ConsumerConfig {
         }
         if self.max_in_flight == 0 {
             return fail("max_in_flight must be at least 1");
+        }
+        if self.batch_size == Some(0) {
+            return fail("batch_size must be at least 1");
         }
         if self.max_deliveries == 0 {
             return fail("max_deliveries must be at least 1");
@@ -248,6 +264,13 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         self.config.stream_prefix = prefix.into();
         self
     }
+
+    /// Turns on batch mode with at most `max_messages` messages per transaction; see
+    /// [`ConsumerConfig::batch_size`].
+    pub fn batch_size(mut self, max_messages: usize) -> Self {
+        self.config.batch_size = Some(max_messages);
+        self
+    }
 }
 
 impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
@@ -329,6 +352,18 @@ fn default_name() -> String {
 /// - An outage of the idempotency store does not count as a delivery: the entry's
 ///   delivery count is set back, so a long database outage dead-letters nothing.
 ///
+/// # Batch mode
+///
+/// With [`batch_size`](ConsumerConfig::batch_size) set, the messages of one read are
+/// applied in batches: one store transaction per batch with a savepoint per message
+/// ([`Dispatcher::consume_batch`]), then one `XACK` per stream for the applied and
+/// duplicate entries. The rules above hold per message: a handler error or panic rolls
+/// back only its message, which stays pending, is retried and eventually dead-lettered;
+/// poison is dead-lettered at once; a store outage fails the batch as a whole and
+/// spends no delivery. Fewer commits make it faster where the commit dominates; with an
+/// inbox without savepoints (the default [`Inbox::process_batch`]) it behaves like
+/// single mode.
+///
 /// Dead-letter entries (`<stream>:dead` by default) carry `reason`, `delivery_count`,
 /// `group`, `stream` and `entry_id`, followed by the original entry's fields.
 ///
@@ -396,10 +431,10 @@ struct Job {
     delivery_count: u64,
 }
 
-/// How a job ended, reported to the run loop.
+/// How a job or a batch of jobs ended, reported to the run loop.
 struct Done {
-    stream: Arc<str>,
-    entry_id: String,
+    /// The entries, no longer in flight.
+    entries: Vec<(Arc<str>, String)>,
     /// Redis or the store failed as a whole: back off.
     outage: bool,
 }
@@ -407,6 +442,19 @@ struct Done {
 enum Attempt {
     Processed(Processed),
     Failed { reason: String, outage: bool },
+}
+
+/// A batch whose store transaction failed as a whole.
+struct BatchFailed {
+    reason: String,
+    outage: bool,
+}
+
+/// What the checks before the store decided for an entry in batch mode.
+enum Screened {
+    Deliver(Delivery),
+    Ignore,
+    DeadLetter(String),
 }
 
 impl<I, C> Consumer<I, C>
@@ -556,11 +604,16 @@ where
                 continue;
             }
             let claiming = Instant::now() >= next_claim;
+            // Entries that fit: one per free slot, or a batch per free slot.
+            let room = match inner.config.batch_size {
+                None => free.min(inner.config.read_count),
+                Some(size) => free.saturating_mul(size),
+            };
             let step = async {
                 if claiming {
-                    self.claim(free, &in_flight).await
+                    self.claim(room, &in_flight).await
                 } else {
-                    self.read(free).await
+                    self.read(room).await
                 }
             };
             let jobs = tokio::select! {
@@ -576,20 +629,42 @@ where
                     if !claiming {
                         outages = 0;
                     }
+                    let mut fresh = Vec::with_capacity(jobs.len());
                     for job in jobs {
-                        if !in_flight.insert((Arc::clone(&job.stream), job.entry.id.clone())) {
-                            // Claimed back while this consumer still works on it.
-                            continue;
+                        // Skips entries claimed back while this consumer still works on them.
+                        if in_flight.insert((Arc::clone(&job.stream), job.entry.id.clone())) {
+                            fresh.push(job);
                         }
-                        let this = self.clone();
-                        let permits = Arc::clone(&permits);
-                        tasks.spawn(
-                            async move {
-                                let _permit = permits.acquire_owned().await;
-                                this.process(job).await
+                    }
+                    match inner.config.batch_size {
+                        None => {
+                            for job in fresh {
+                                let this = self.clone();
+                                let permits = Arc::clone(&permits);
+                                tasks.spawn(
+                                    async move {
+                                        let _permit = permits.acquire_owned().await;
+                                        this.process(job).await
+                                    }
+                                    .instrument(span.clone()),
+                                );
                             }
-                            .instrument(span.clone()),
-                        );
+                        }
+                        Some(size) => {
+                            let mut fresh = fresh.into_iter().peekable();
+                            while fresh.peek().is_some() {
+                                let batch: Vec<Job> = fresh.by_ref().take(size).collect();
+                                let this = self.clone();
+                                let permits = Arc::clone(&permits);
+                                tasks.spawn(
+                                    async move {
+                                        let _permit = permits.acquire_owned().await;
+                                        this.process_batch(batch).await
+                                    }
+                                    .instrument(span.clone()),
+                                );
+                            }
+                        }
                     }
                 }
                 Err(e) => {
@@ -624,7 +699,9 @@ where
     ) {
         match done {
             Ok(done) => {
-                in_flight.remove(&(done.stream, done.entry_id));
+                for entry in done.entries {
+                    in_flight.remove(&entry);
+                }
                 if done.outage {
                     *outages = outages.saturating_add(1);
                 }
@@ -658,9 +735,8 @@ where
     }
 
     /// New entries: `XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s... > ...`.
-    async fn read(&self, free: usize) -> RedisResult<Vec<Job>> {
+    async fn read(&self, count: usize) -> RedisResult<Vec<Job>> {
         let inner = &self.inner;
-        let count = free.min(inner.config.read_count);
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&inner.group)
@@ -781,8 +857,7 @@ where
         );
         let outage = self.process_inner(&job).instrument(span).await;
         Done {
-            stream: job.stream,
-            entry_id: job.entry.id,
+            entries: vec![(job.stream, job.entry.id)],
             outage,
         }
     }
@@ -834,21 +909,187 @@ where
                 self.count(Count::Duplicate, Some(&job.stream));
                 self.ack(job).await
             }
-            Attempt::Failed { reason, outage } => {
-                self.count(Count::Failure, Some(&job.stream));
-                if outage {
-                    tracing::warn!(%reason, "idempotency store unavailable; the message will be retried");
-                    self.uncount_delivery(job).await;
-                    true
-                } else if job.delivery_count >= inner.config.max_deliveries {
-                    tracing::warn!(%reason, "handler failed on its last delivery");
-                    self.dead_letter(job, &reason).await
-                } else {
-                    tracing::warn!(%reason, "handler failed; the message will be retried");
-                    false
+            Attempt::Failed { reason, outage } => self.failed(job, &reason, outage).await,
+        }
+    }
+
+    /// A failed attempt: after a store outage the delivery is not counted; a handler
+    /// failure on the last delivery is dead-lettered, earlier ones stay pending.
+    /// Returns whether Redis or the store failed as a whole.
+    async fn failed(&self, job: &Job, reason: &str, outage: bool) -> bool {
+        self.count(Count::Failure, Some(&job.stream));
+        if outage {
+            tracing::warn!(entry_id = %job.entry.id, %reason, "idempotency store unavailable; the message will be retried");
+            self.uncount_delivery(job).await;
+            true
+        } else if job.delivery_count >= self.inner.config.max_deliveries {
+            tracing::warn!(entry_id = %job.entry.id, %reason, "handler failed on its last delivery");
+            self.dead_letter(job, reason).await
+        } else {
+            tracing::warn!(entry_id = %job.entry.id, %reason, "handler failed; the message will be retried");
+            false
+        }
+    }
+
+    /// Processes a batch of entries to the end: the checks of single mode per entry,
+    /// then one store transaction for the rest, then one `XACK` per stream.
+    async fn process_batch(self, jobs: Vec<Job>) -> Done {
+        let span = tracing::info_span!("outbox.consume_batch", messages = jobs.len());
+        let outage = self.process_batch_inner(&jobs).instrument(span).await;
+        Done {
+            entries: jobs
+                .into_iter()
+                .map(|job| (job.stream, job.entry.id))
+                .collect(),
+            outage,
+        }
+    }
+
+    /// Returns whether Redis or the store failed as a whole.
+    async fn process_batch_inner(&self, jobs: &[Job]) -> bool {
+        let mut outage = false;
+        let mut acks: Vec<&Job> = Vec::new();
+        let mut runs: Vec<&Job> = Vec::new();
+        let mut deliveries: Vec<Delivery> = Vec::new();
+        for job in jobs {
+            match self.screen(job) {
+                Screened::Deliver(delivery) => {
+                    runs.push(job);
+                    deliveries.push(delivery);
+                }
+                Screened::Ignore => {
+                    self.count(Count::Ignored, Some(&job.stream));
+                    acks.push(job);
+                }
+                Screened::DeadLetter(reason) => outage |= self.dead_letter(job, &reason).await,
+            }
+        }
+        if !deliveries.is_empty() {
+            match self.attempt_batch(deliveries).await {
+                Ok(outcomes) => {
+                    for (job, outcome) in runs.into_iter().zip(outcomes) {
+                        match outcome {
+                            Ok(Processed::Applied) => {
+                                self.count(Count::Consumed, Some(&job.stream));
+                                acks.push(job);
+                            }
+                            Ok(Processed::Duplicate) => {
+                                self.count(Count::Duplicate, Some(&job.stream));
+                                acks.push(job);
+                            }
+                            Err(e) if e.is_poison() => {
+                                outage |= self.dead_letter(job, &e.to_string()).await;
+                            }
+                            Err(e) => {
+                                outage |= self.failed(job, &e.to_string(), e.is_outage()).await;
+                            }
+                        }
+                    }
+                }
+                Err(BatchFailed {
+                    reason,
+                    outage: store_down,
+                }) => {
+                    for job in runs {
+                        outage |= self.failed(job, &reason, store_down).await;
+                    }
                 }
             }
         }
+        outage | self.ack_all(&acks).await
+    }
+
+    /// The checks before the store, as in single mode: the delivery limit, the entry's
+    /// fields, a handler for its type. Decoding is left to the dispatcher.
+    fn screen(&self, job: &Job) -> Screened {
+        let inner = &self.inner;
+        if job.delivery_count > inner.config.max_deliveries {
+            return Screened::DeadLetter(format!(
+                "delivery limit exceeded: delivered {} times (limit {}) without being processed",
+                job.delivery_count, inner.config.max_deliveries
+            ));
+        }
+        let topic = job
+            .stream
+            .strip_prefix(&*inner.config.stream_prefix)
+            .unwrap_or(&job.stream);
+        let envelope = match envelope_from_fields(&job.entry.map, topic) {
+            Ok(envelope) => envelope,
+            Err(e) => return Screened::DeadLetter(e.to_string()),
+        };
+        if !inner.dispatcher.handles(&envelope.event_type) {
+            if inner.config.ignore_unknown_types {
+                tracing::debug!(event_type = %envelope.event_type, "no handler for this event type; acknowledged");
+                return Screened::Ignore;
+            }
+            let e = outbox_core::Error::UnknownEventType(envelope.event_type);
+            return Screened::DeadLetter(e.to_string());
+        }
+        Screened::Deliver(Delivery {
+            envelope,
+            delivery_count: job.delivery_count,
+            entry_id: Some(job.entry.id.clone()),
+        })
+    }
+
+    /// Runs the batch's store transaction on a blocking thread. `Err`: the whole batch
+    /// failed and nothing committed.
+    async fn attempt_batch(&self, deliveries: Vec<Delivery>) -> Result<BatchOutcomes, BatchFailed> {
+        let inner = Arc::clone(&self.inner);
+        let joined = tokio::task::spawn_blocking(move || {
+            inner
+                .dispatcher
+                .consume_batch(&*inner.inbox, &inner.group, &deliveries)
+        })
+        .await;
+        match joined {
+            Ok(Ok(outcomes)) => Ok(outcomes),
+            Ok(Err(e)) => Err(BatchFailed {
+                outage: e.is_outage(),
+                reason: e.to_string(),
+            }),
+            // Handler panics are caught per message; this is the store's own panic.
+            Err(e) => Err(BatchFailed {
+                reason: match e.try_into_panic() {
+                    Ok(panic) => format!("batch panicked: {}", panic_message(&*panic)),
+                    Err(e) => format!("batch task failed: {e}"),
+                },
+                outage: false,
+            }),
+        }
+    }
+
+    /// `XACK` of many entries, one command per stream in one pipeline; returns whether
+    /// Redis failed.
+    async fn ack_all(&self, jobs: &[&Job]) -> bool {
+        if jobs.is_empty() {
+            return false;
+        }
+        let inner = &self.inner;
+        let mut pipe = redis::pipe();
+        let mut streams: Vec<&Arc<str>> = Vec::new();
+        for job in jobs {
+            if !streams.contains(&&job.stream) {
+                streams.push(&job.stream);
+            }
+        }
+        for stream in streams {
+            let cmd = pipe.cmd("XACK").arg(&**stream).arg(&inner.group);
+            for job in jobs.iter().filter(|j| j.stream == *stream) {
+                cmd.arg(&job.entry.id);
+            }
+            cmd.ignore();
+        }
+        let acked: RedisResult<()> = async {
+            let mut conn = inner.commands.get().await?;
+            pipe.query_async(&mut conn).await
+        }
+        .await;
+        self.redis_done(
+            acked,
+            "ack failed; the entries stay pending and are claimed again",
+        )
+        .await
     }
 
     /// Runs the dedup transaction on a blocking thread; a panic is a failure.
