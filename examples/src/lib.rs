@@ -30,7 +30,12 @@ pub struct AccountTransferred {
 impl AccountTransferred {
     /// A transfer of `amount` from `from` to `to`, identified by `id`.
     pub fn new(id: &str, from: &str, to: &str, amount: i64) -> Self {
-        Self { transfer_id: id.into(), from: from.into(), to: to.into(), amount }
+        Self {
+            transfer_id: id.into(),
+            from: from.into(),
+            to: to.into(),
+            amount,
+        }
     }
 
     /// What the consumer notes for this transfer.

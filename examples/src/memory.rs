@@ -18,7 +18,10 @@ pub fn opening_balances() -> Accounts {
 }
 
 /// Debits, credits and emits the event in one transaction: all of it commits, or none.
-pub fn transfer(db: &MemoryDb<Accounts>, event: AccountTransferred) -> Result<MsgId, TransferError> {
+pub fn transfer(
+    db: &MemoryDb<Accounts>,
+    event: AccountTransferred,
+) -> Result<MsgId, TransferError> {
     db.transaction(|tx| {
         let accounts = tx.data();
         let balance = accounts.get(&event.from).copied().unwrap_or_default();
@@ -38,7 +41,12 @@ pub struct NoteTransfer;
 impl Handler<AccountTransferred> for NoteTransfer {
     type Conn = MemoryTx<Notes>;
 
-    fn handle(&self, e: AccountTransferred, tx: &mut MemoryTx<Notes>, _: &Delivery) -> Result<(), HandlerError> {
+    fn handle(
+        &self,
+        e: AccountTransferred,
+        tx: &mut MemoryTx<Notes>,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
         tx.data().push(e.note());
         Ok(())
     }

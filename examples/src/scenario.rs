@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use outbox_core::{
-    FailAs, FlakyPublisher, Publisher as _, Relay, RelayConfig, RelayStore, RetryPolicy, Status, StoredMessage,
+    FailAs, FlakyPublisher, Publisher as _, Relay, RelayConfig, RelayStore, RetryPolicy, Status,
+    StoredMessage,
 };
 use outbox_diesel::{DieselInbox, OutboxConnection};
 use outbox_redis::{Consumer, PublisherConfig, RedisPublisher};
@@ -49,32 +50,63 @@ where
 {
     let mut conn = pool.get()?;
     let msg_id = conn.transfer(AccountTransferred::new("m-1", "alice", "bob", 100))?;
-    say(format!("1. transfer m-1 committed: balances and message {msg_id} in one transaction"));
+    say(format!(
+        "1. transfer m-1 committed: balances and message {msg_id} in one transaction"
+    ));
     show(&mut *conn, &mut say)?;
 
     match conn.transfer(AccountTransferred::new("m-2", "bob", "alice", 5000)) {
-        Err(e) => say(format!("2. transfer m-2 refused ({e}): rolled back, no message")),
+        Err(e) => say(format!(
+            "2. transfer m-2 refused ({e}): rolled back, no message"
+        )),
         Ok(id) => return Err(format!("m-2 should have been refused, got {id}").into()),
     }
     show(&mut *conn, &mut say)?;
 
     say("3. relay: the broker fails the first two attempts".into());
-    let config = PublisherConfig { stream_prefix: stream_prefix.into(), ..PublisherConfig::default() };
-    let flaky = FlakyPublisher::new(RedisPublisher::with_config(redis_url, config.clone())?, FailAs::Rejection)
-        .fail_first(2);
-    let retry = RetryPolicy { max_attempts: 3, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
-    let relay = Relay::new(store, flaky).with_config(RelayConfig { retry, ..RelayConfig::default() })?;
+    let config = PublisherConfig {
+        stream_prefix: stream_prefix.into(),
+        ..PublisherConfig::default()
+    };
+    let flaky = FlakyPublisher::new(
+        RedisPublisher::with_config(redis_url, config.clone())?,
+        FailAs::Rejection,
+    )
+    .fail_first(2);
+    let retry = RetryPolicy {
+        max_attempts: 3,
+        base_delay: Duration::ZERO,
+        jitter: 0.0,
+        ..RetryPolicy::default()
+    };
+    let relay = Relay::new(store, flaky).with_config(RelayConfig {
+        retry,
+        ..RelayConfig::default()
+    })?;
     for round in 1..=4 {
         let r = relay.run_once().await?;
-        say(format!("   round {round}: claimed {}, published {}, retrying {}", r.claimed, r.sent, r.retried));
+        say(format!(
+            "   round {round}: claimed {}, published {}, retrying {}",
+            r.claimed, r.sent, r.retried
+        ));
     }
-    let record = outbox_diesel::find_message(&mut *conn, msg_id.as_str())?.ok_or("message row is gone")?;
-    say(format!("   {msg_id}: {} after {} failed attempts", record.status, record.retries));
+    let record =
+        outbox_diesel::find_message(&mut *conn, msg_id.as_str())?.ok_or("message row is gone")?;
+    say(format!(
+        "   {msg_id}: {} after {} failed attempts",
+        record.status, record.retries
+    ));
     let message = (record.status, record.retries);
 
     say("4. the broker delivers it twice (as after a relay crash between XADD and SENT)".into());
-    let again = StoredMessage { id: record.id, retries: record.retries, envelope: record.envelope };
-    RedisPublisher::with_config(redis_url, config)?.publish(&[again]).await?;
+    let again = StoredMessage {
+        id: record.id,
+        retries: record.retries,
+        envelope: record.envelope,
+    };
+    RedisPublisher::with_config(redis_url, config)?
+        .publish(&[again])
+        .await?;
     let consumer = Consumer::builder(redis_url, "notes")
         .stream_prefix(stream_prefix)
         .handle::<AccountTransferred, _>(NoteTransfer::<C>::new())
@@ -88,7 +120,10 @@ where
     };
     tokio::time::timeout(Duration::from_secs(60), consumer.run_until(both_seen)).await??;
     let stats = consumer.stats();
-    say(format!("   consumer: applied {}, recognised as duplicate {}", stats.consumed, stats.duplicates));
+    say(format!(
+        "   consumer: applied {}, recognised as duplicate {}",
+        stats.consumed, stats.duplicates
+    ));
 
     say("5. the end".into());
     show(&mut *conn, &mut say)?;
@@ -104,11 +139,17 @@ where
     })
 }
 
-fn show<C: Bank + OutboxConnection>(conn: &mut C, say: &mut impl FnMut(String)) -> Result<(), BoxError> {
+fn show<C: Bank + OutboxConnection>(
+    conn: &mut C,
+    say: &mut impl FnMut(String),
+) -> Result<(), BoxError> {
     let (alice, bob) = conn.balances()?;
     say(format!("   balances: alice={alice} bob={bob}"));
     for m in outbox_diesel::list_messages(conn, None, 0, 10)? {
-        say(format!("   message {} status={} retries={}", m.envelope.msg_id, m.status, m.retries));
+        say(format!(
+            "   message {} status={} retries={}",
+            m.envelope.msg_id, m.status, m.retries
+        ));
     }
     Ok(())
 }

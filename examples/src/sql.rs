@@ -110,7 +110,12 @@ impl<C> Default for NoteTransfer<C> {
 impl<C: Bank + 'static> Handler<AccountTransferred> for NoteTransfer<C> {
     type Conn = C;
 
-    fn handle(&self, e: AccountTransferred, conn: &mut C, d: &Delivery) -> Result<(), HandlerError> {
+    fn handle(
+        &self,
+        e: AccountTransferred,
+        conn: &mut C,
+        d: &Delivery,
+    ) -> Result<(), HandlerError> {
         conn.add_note(d.envelope.msg_id.as_str(), &e.note())?;
         Ok(())
     }

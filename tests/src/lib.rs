@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 /// `DATABASE_URL`, or the local PostgreSQL database `test`.
 pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 /// `REDIS_URL`, or the local Redis.
@@ -52,7 +53,11 @@ impl Default for PgSchema {
 impl Drop for PgSchema {
     fn drop(&mut self) {
         let _ = Command::new("psql")
-            .args([&database_url(), "-qc", &format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name)])
+            .args([
+                &database_url(),
+                "-qc",
+                &format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
@@ -65,7 +70,11 @@ pub fn psql(sql: &str) {
         .args([&database_url(), "-v", "ON_ERROR_STOP=1", "-qc", sql])
         .output()
         .expect("psql runs");
-    assert!(out.status.success(), "psql `{sql}` failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "psql `{sql}` failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A private `redis-server` on a free port that a test can stop and start again, to
@@ -78,7 +87,10 @@ pub struct ScratchRedis {
 impl ScratchRedis {
     /// Starts a server on a free loopback port and waits until it answers.
     pub fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
         let mut redis = Self { port, child: None };
         redis.restart();
         redis
@@ -101,7 +113,16 @@ impl ScratchRedis {
     pub fn restart(&mut self) {
         self.stop();
         let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -109,7 +130,11 @@ impl ScratchRedis {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "scratch redis-server did not start on port {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "scratch redis-server did not start on port {}",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -5,7 +5,10 @@
 
 use std::time::Duration;
 
-use outbox_core::{Delivery, Dispatcher, MemoryBroker, MemoryDb, Processed, Relay, RelayConfig, RetryPolicy, Status};
+use outbox_core::{
+    Delivery, Dispatcher, MemoryBroker, MemoryDb, Processed, Relay, RelayConfig, RetryPolicy,
+    Status,
+};
 use outbox_examples::memory::{NoteTransfer, Notes, opening_balances, transfer};
 use outbox_examples::{AccountTransferred, TransferError};
 
@@ -25,15 +28,27 @@ async fn transfer_retries_twice_then_applies_once() {
 
     let broker = MemoryBroker::new();
     broker.reject_next(2);
-    let retry = RetryPolicy { max_attempts: 3, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
+    let retry = RetryPolicy {
+        max_attempts: 3,
+        base_delay: Duration::ZERO,
+        jitter: 0.0,
+        ..RetryPolicy::default()
+    };
     let relay = Relay::new(bank.clone(), broker.clone())
-        .with_config(RelayConfig { retry, ..RelayConfig::default() })
+        .with_config(RelayConfig {
+            retry,
+            ..RelayConfig::default()
+        })
         .unwrap();
     let mut sent = Vec::new();
     for _round in 0..4 {
         sent.push(relay.run_once().await.unwrap().sent);
     }
-    assert_eq!(sent, [0, 0, 1, 0], "fails twice, succeeds on the third round, then nothing is left");
+    assert_eq!(
+        sent,
+        [0, 0, 1, 0],
+        "fails twice, succeeds on the third round, then nothing is left"
+    );
 
     let row = bank.row(msg_id.as_str()).unwrap();
     assert_eq!((row.status, row.retries), (Status::Sent, 2));
@@ -44,11 +59,26 @@ async fn transfer_retries_twice_then_applies_once() {
 
     let notes = MemoryDb::new(Notes::new());
     let mut dispatcher = Dispatcher::new();
-    dispatcher.register::<AccountTransferred, _>(NoteTransfer).unwrap();
-    let delivery = Delivery { envelope: published[0].clone(), delivery_count: 1, entry_id: None };
-    let redelivery = Delivery { delivery_count: 2, ..delivery.clone() };
-    assert_eq!(dispatcher.consume(&notes, "notes", &delivery).unwrap(), Processed::Applied);
-    assert_eq!(dispatcher.consume(&notes, "notes", &redelivery).unwrap(), Processed::Duplicate);
+    dispatcher
+        .register::<AccountTransferred, _>(NoteTransfer)
+        .unwrap();
+    let delivery = Delivery {
+        envelope: published[0].clone(),
+        delivery_count: 1,
+        entry_id: None,
+    };
+    let redelivery = Delivery {
+        delivery_count: 2,
+        ..delivery.clone()
+    };
+    assert_eq!(
+        dispatcher.consume(&notes, "notes", &delivery).unwrap(),
+        Processed::Applied
+    );
+    assert_eq!(
+        dispatcher.consume(&notes, "notes", &redelivery).unwrap(),
+        Processed::Duplicate
+    );
 
     assert_eq!(notes.read(Clone::clone), ["alice→bob 100"]);
     bank.read(|a| assert_eq!((a["alice"], a["bob"]), (900, 100)));
@@ -58,7 +88,10 @@ async fn transfer_retries_twice_then_applies_once() {
 fn insufficient_funds_leaves_no_message_and_no_change() {
     let bank = MemoryDb::new(opening_balances());
     let err = transfer(&bank, transfer_event("m-2", "bob", "alice", 5000)).unwrap_err();
-    assert!(matches!(err, TransferError::InsufficientFunds(ref who) if who == "bob"), "{err}");
+    assert!(
+        matches!(err, TransferError::InsufficientFunds(ref who) if who == "bob"),
+        "{err}"
+    );
     assert!(bank.rows().is_empty());
     bank.read(|a| assert_eq!((a["alice"], a["bob"]), (1000, 0)));
 }

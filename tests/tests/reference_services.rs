@@ -1,9 +1,9 @@
 //! The reference scenario on real services (PostgreSQL + Redis, SQLite + Redis), checked
 //! end to end: the same code the `transfer` example prints.
 
+use diesel::PgConnection;
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
-use diesel::PgConnection;
 use outbox_core::Status;
 use outbox_diesel::{PgRelayStore, SqliteRelayStore};
 use outbox_examples::scenario::{self, Outcome};
@@ -24,14 +24,19 @@ fn expected() -> Outcome {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_and_redis() {
     let schema = PgSchema::new();
-    let pool = Pool::builder().max_size(4).build(ConnectionManager::<PgConnection>::new(&schema.url)).unwrap();
+    let pool = Pool::builder()
+        .max_size(4)
+        .build(ConnectionManager::<PgConnection>::new(&schema.url))
+        .unwrap();
     let mut conn = pool.get().unwrap();
     outbox_diesel::migrate(&mut *conn).unwrap();
     conn.batch_execute(SETUP_SQL).unwrap();
     drop(conn);
     let store = PgRelayStore::new(pool.clone()).with_listener(schema.url.clone());
     let prefix = format!("{}:", unique("ref"));
-    let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop).await.unwrap();
+    let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop)
+        .await
+        .unwrap();
     assert_eq!(outcome, expected());
 }
 
@@ -46,7 +51,9 @@ async fn on_sqlite_and_redis() {
     drop(conn);
     let store = SqliteRelayStore::new(pool.clone()).unwrap();
     let prefix = format!("{}:", unique("ref"));
-    let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop).await.unwrap();
+    let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop)
+        .await
+        .unwrap();
     assert_eq!(outcome, expected());
     let _ = std::fs::remove_dir_all(dir);
 }

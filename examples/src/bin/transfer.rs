@@ -33,12 +33,16 @@ async fn main() -> Result<(), BoxError> {
         let store = SqliteRelayStore::new(pool.clone())?;
         scenario::run(pool, store, &redis_url, STREAM_PREFIX, say).await?;
     } else {
-        let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        PgConnection::establish(&base)?
-            .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}"))?;
+        let base = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        PgConnection::establish(&base)?.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}"
+        ))?;
         let sep = if base.contains('?') { '&' } else { '?' };
         let url = format!("{base}{sep}options=-c%20search_path%3D{SCHEMA}");
-        let pool = Pool::builder().max_size(4).build(ConnectionManager::<PgConnection>::new(&url))?;
+        let pool = Pool::builder()
+            .max_size(4)
+            .build(ConnectionManager::<PgConnection>::new(&url))?;
         prepare(&pool)?;
         println!("PostgreSQL (schema {SCHEMA}) + Redis {redis_url}\n");
         let store = PgRelayStore::new(pool.clone()).with_listener(url);
@@ -47,7 +51,9 @@ async fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
-fn prepare<C: Bank + OutboxConnection + R2D2Connection>(pool: &Pool<ConnectionManager<C>>) -> Result<(), BoxError> {
+fn prepare<C: Bank + OutboxConnection + R2D2Connection>(
+    pool: &Pool<ConnectionManager<C>>,
+) -> Result<(), BoxError> {
     let mut conn = pool.get()?;
     outbox_diesel::migrate(&mut *conn)?;
     conn.batch_execute(SETUP_SQL)?;
@@ -55,8 +61,13 @@ fn prepare<C: Bank + OutboxConnection + R2D2Connection>(pool: &Pool<ConnectionMa
 }
 
 async fn reset_streams(redis_url: &str) -> Result<(), BoxError> {
-    let mut conn = redis::Client::open(redis_url)?.get_multiplexed_async_connection().await?;
-    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{STREAM_PREFIX}*")).query_async(&mut conn).await?;
+    let mut conn = redis::Client::open(redis_url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{STREAM_PREFIX}*"))
+        .query_async(&mut conn)
+        .await?;
     if !keys.is_empty() {
         let () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await?;
     }

@@ -19,16 +19,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     show(&bank);
 
     let refused = AccountTransferred::new("m-2", "bob", "alice", 5000);
-    println!("transfer m-2 refused: {}", transfer(&bank, refused).unwrap_err());
+    println!(
+        "transfer m-2 refused: {}",
+        transfer(&bank, refused).unwrap_err()
+    );
 
     println!("\nrelay: the broker times out twice");
     let broker = MemoryBroker::new();
     broker.reject_next(2);
-    let retry = RetryPolicy { max_attempts: 3, base_delay: Duration::ZERO, jitter: 0.0, ..RetryPolicy::default() };
-    let relay = Relay::new(bank.clone(), broker.clone()).with_config(RelayConfig { retry, ..RelayConfig::default() })?;
+    let retry = RetryPolicy {
+        max_attempts: 3,
+        base_delay: Duration::ZERO,
+        jitter: 0.0,
+        ..RetryPolicy::default()
+    };
+    let relay = Relay::new(bank.clone(), broker.clone()).with_config(RelayConfig {
+        retry,
+        ..RelayConfig::default()
+    })?;
     for round in 1..=4 {
         let report = relay.run_once().await?;
-        println!("round {round}: claimed {}, sent {}, retrying {}", report.claimed, report.sent, report.retried);
+        println!(
+            "round {round}: claimed {}, sent {}, retrying {}",
+            report.claimed, report.sent, report.retried
+        );
     }
 
     println!("\nconsumer: the broker delivers the message twice");
@@ -37,9 +51,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     dispatcher.register::<AccountTransferred, _>(NoteTransfer)?;
     for envelope in broker.published(AccountTransferred::TOPIC) {
         for delivery_count in 1..=2 {
-            let delivery = Delivery { envelope: envelope.clone(), delivery_count, entry_id: None };
+            let delivery = Delivery {
+                envelope: envelope.clone(),
+                delivery_count,
+                entry_id: None,
+            };
             let processed = dispatcher.consume(&notes, "notes", &delivery)?;
-            println!("delivery {delivery_count} of {}: {processed:?}", envelope.msg_id);
+            println!(
+                "delivery {delivery_count} of {}: {processed:?}",
+                envelope.msg_id
+            );
         }
     }
     println!();
@@ -51,6 +72,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 fn show(bank: &MemoryDb<Accounts>) {
     bank.read(|a| println!("balances: alice={} bob={}", a["alice"], a["bob"]));
     for row in bank.rows() {
-        println!("message {} status={} retries={}", row.envelope.msg_id, row.status, row.retries);
+        println!(
+            "message {} status={} retries={}",
+            row.envelope.msg_id, row.status, row.retries
+        );
     }
 }
