@@ -32,6 +32,23 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
     #[doc(hidden)]
     fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>>;
 
+    /// The per-key claim's statement (exposed for EXPLAIN tests): on PostgreSQL and
+    /// SQLite the whole claim; on MySQL its first, locking statement (the second is
+    /// [`__key_probe_sql`](Self::__key_probe_sql)).
+    #[doc(hidden)]
+    fn __claim_per_key_sql(limit: usize) -> String;
+
+    /// MySQL's second per-key statement, for the locked ids `ids` (empty elsewhere).
+    #[doc(hidden)]
+    fn __key_probe_sql(_ids: &[i64]) -> String {
+        String::new()
+    }
+
+    /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
+    /// of their key precedes (DESIGN "Order per key").
+    #[doc(hidden)]
+    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<OutboxRecord>>;
+
     /// Writes a batch outcome (in the caller's transaction).
     #[doc(hidden)]
     fn __complete(&mut self, outcome: &BatchOutcome) -> Result<()>;
@@ -98,6 +115,15 @@ where
     }
     fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
         (**self).__claim(limit)
+    }
+    fn __claim_per_key_sql(limit: usize) -> String {
+        C::__claim_per_key_sql(limit)
+    }
+    fn __key_probe_sql(ids: &[i64]) -> String {
+        C::__key_probe_sql(ids)
+    }
+    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
+        (**self).__claim_per_key(limit)
     }
     fn __complete(&mut self, outcome: &BatchOutcome) -> Result<()> {
         (**self).__complete(outcome)

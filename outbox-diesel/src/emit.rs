@@ -18,8 +18,8 @@ pub enum Notify {
     Never,
     /// Notify on every emit that inserted a row.
     Always,
-    /// Notify only while a relay has announced that it is parked idle
-    /// (`outbox_relay_state.idle_until` in the future), checked inside the INSERT
+    /// Notify only while a relay has announced that it is parked idle (a row of
+    /// `outbox_relay_idle` with `idle_until` in the future), checked inside the INSERT
     /// statement itself: no extra round trip, and nothing is paid while relays are busy.
     #[default]
     WhenRelayIdle,

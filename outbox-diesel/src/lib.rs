@@ -126,7 +126,7 @@ pub use ops::{
     OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
     purge_sent, redrive, redrive_all,
 };
-pub use relay::LockedBatch;
+pub use relay::{ClaimOrder, LockedBatch};
 #[cfg(feature = "mysql")]
 pub use relay::MysqlRelayStore;
 #[cfg(feature = "sqlite")]

@@ -26,6 +26,59 @@ pub(crate) fn stored(records: Vec<OutboxRecord>) -> Vec<StoredMessage> {
         .collect()
 }
 
+/// Which rows a relay store's claim may hand to the relay.
+///
+/// # Per key (the default)
+///
+/// Messages that share a key (by default the msg_id's business key) reach the broker in
+/// id order, also across retries and with any number of relay instances, by a stateless
+/// rule (DESIGN "Order per key"):
+///
+/// 1. lock a batch `L`: due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`,
+///    skipping keys whose oldest NEW row waits for its retry time;
+/// 2. keep a row `o` of `L` only if no NEW row outside `L` has `o`'s key and a smaller
+///    id: a row locked by another relay, or waiting for its retry, holds back the later
+///    rows of its key (one probe per key of `L` on the index of NEW rows by
+///    `(msg_key, id)`);
+/// 3. hand the kept rows to the relay in id order; the others stay NEW and are
+///    released at commit.
+///
+/// A hot key is not capped at one message per batch: all of its rows in `L` go out in
+/// one batch when nothing older holds them back. The cost over [`Unordered`](Self::Unordered)
+/// is the probes: one index lookup per candidate row and one per key of the batch, in
+/// the same statement on PostgreSQL and SQLite and in a second statement of the claim's
+/// transaction on MySQL/MariaDB. Rows held back by another relay are locked by this
+/// claim until it completes, so they are skipped by third relays meanwhile.
+///
+/// Caveat: id order is commit order for a key only when writes to one key are
+/// serialized, as they are when the business updates the aggregate's row before it
+/// emits (the usual case). Two transactions that emit for the same key concurrently
+/// get ids in insert order but may commit in the other order; the relay may then
+/// publish the later id first, if it claims between the two commits. A dead-lettered
+/// message no longer holds back its key.
+///
+/// Within a batch, see [`outbox_core::Relay`] for what happens when the broker rejects
+/// one message and accepts a later one of the same key.
+///
+/// # Unordered
+///
+/// Plain `SKIP LOCKED` in id order: each relay publishes its batch in id order, but a
+/// later message of a key may overtake one that is retrying or that another instance
+/// is publishing at the same time. Faster when order does not matter.
+///
+/// SQLite runs one relay per database, so its unordered claim is in id order except
+/// across retries; the per-key mode there only holds back the later messages of a key
+/// whose older message waits for its retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ClaimOrder {
+    /// Keep each key in id order (the default; see above).
+    #[default]
+    PerKey,
+    /// Claim due NEW rows in id order with plain `SKIP LOCKED`, with no per-key guard.
+    Unordered,
+}
+
 /// A batch claimed with row locks (PostgreSQL, MySQL/MariaDB): it owns a pooled
 /// connection whose transaction holds `FOR UPDATE` locks on the claimed rows, so
 /// concurrent relays skip them (`SKIP LOCKED`).
@@ -57,12 +110,20 @@ fn rollback<C: R2D2Connection>(conn: &mut C) {
 
 impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// Claims up to `limit` due NEW rows on a connection of `pool`.
-    pub(crate) async fn claim(pool: Pool<ConnectionManager<C>>, limit: usize) -> Result<Self> {
+    pub(crate) async fn claim(
+        pool: Pool<ConnectionManager<C>>,
+        limit: usize,
+        order: ClaimOrder,
+    ) -> Result<Self> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
             c.__begin_claim()?;
-            let claimed = match c.__claim(limit) {
+            let claimed = match order {
+                ClaimOrder::PerKey => c.__claim_per_key(limit),
+                ClaimOrder::Unordered => c.__claim(limit),
+            };
+            let claimed = match claimed {
                 Ok(rows) => rows,
                 Err(e) => {
                     rollback(c);
@@ -136,22 +197,38 @@ mod mysql_store {
     use diesel::MysqlConnection;
     use outbox_core::{Backlog, RelayStore};
 
-    use super::{LockedBatch, blocking};
+    use super::{ClaimOrder, LockedBatch, blocking};
     use crate::{MysqlPool, OutboxConnection as _};
 
     /// The relay's store on MySQL / MariaDB: claims with `FOR UPDATE SKIP LOCKED` in a
     /// READ COMMITTED transaction on a pooled connection, so any number of relays can
-    /// run side by side. Waiting for work polls.
+    /// run side by side, in per-key order by default ([`ClaimOrder`]). Waiting for work
+    /// polls.
     #[derive(Debug, Clone)]
     pub struct MysqlRelayStore {
         pool: MysqlPool,
+        order: ClaimOrder,
     }
 
     impl MysqlRelayStore {
-        /// A store over `pool`. Each claimed batch holds one pooled connection until it
-        /// is completed.
+        /// A store over `pool` claiming in [`ClaimOrder::PerKey`]. Each claimed batch
+        /// holds one pooled connection until it is completed.
         pub fn new(pool: MysqlPool) -> Self {
-            Self { pool }
+            Self {
+                pool,
+                order: ClaimOrder::default(),
+            }
+        }
+
+        /// Sets the claim order.
+        pub fn with_order(mut self, order: ClaimOrder) -> Self {
+            self.order = order;
+            self
+        }
+
+        /// The claim order.
+        pub fn order(&self) -> ClaimOrder {
+            self.order
         }
 
         /// The pool.
@@ -164,7 +241,7 @@ mod mysql_store {
         type Batch = LockedBatch<MysqlConnection>;
 
         async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
-            Ok(LockedBatch::claim(self.pool.clone(), limit).await?)
+            Ok(LockedBatch::claim(self.pool.clone(), limit, self.order).await?)
         }
 
         async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {

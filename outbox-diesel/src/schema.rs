@@ -55,12 +55,13 @@ pub mod pg {
     }
 
     diesel::table! {
-        /// One row: until when a relay waits for work (drives `Notify::WhenRelayIdle`).
-        outbox_relay_state (singleton) {
-            /// Always true.
-            singleton -> Bool,
-            /// A relay is parked until this time, if set.
-            idle_until -> Nullable<Timestamptz>,
+        /// One row per parked relay: until when it waits for work (drives
+        /// `Notify::WhenRelayIdle`).
+        outbox_relay_idle (relay_id) {
+            /// The relay store's id.
+            relay_id -> Varchar,
+            /// The relay is parked until this time.
+            idle_until -> Timestamptz,
         }
     }
 }

@@ -9,7 +9,7 @@ use outbox_core::{Backlog, BatchOutcome, ClaimedBatch, RelayStore, StoredMessage
 
 use crate::backend::sqlite::{lease, release};
 use crate::relay::{blocking, stored};
-use crate::{OutboxConnection as _, Result, SqlitePool};
+use crate::{ClaimOrder, OutboxConnection as _, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait
 /// for each other instead of failing with `SQLITE_BUSY`) and, by default, WAL mode (so
@@ -89,6 +89,7 @@ pub struct SqliteRelayStore {
     pool: SqlitePool,
     owner: String,
     lease_ttl: Duration,
+    order: ClaimOrder,
 }
 
 impl SqliteRelayStore {
@@ -109,7 +110,21 @@ impl SqliteRelayStore {
             pool,
             owner,
             lease_ttl,
+            order: ClaimOrder::default(),
         })
+    }
+
+    /// Sets the claim order (default [`ClaimOrder::PerKey`]). With one relay per
+    /// database, id order is per-key order except across retries: the per-key mode holds
+    /// back the later messages of a key whose older message waits for its retry time.
+    pub fn with_order(mut self, order: ClaimOrder) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// The claim order.
+    pub fn order(&self) -> ClaimOrder {
+        self.order
     }
 
     /// This relay's owner token, as stored in the lease.
@@ -153,11 +168,15 @@ impl RelayStore for SqliteRelayStore {
         let pool = self.pool.clone();
         let owner = self.owner.clone();
         let ttl = self.lease_ttl;
+        let order = self.order;
         let messages = blocking(move || {
             let mut conn = pool.get()?;
             conn.immediate_transaction(|c| {
                 lease(c, &owner, ttl, true)?;
-                c.__claim(limit)
+                match order {
+                    ClaimOrder::PerKey => c.__claim_per_key(limit),
+                    ClaimOrder::Unordered => c.__claim(limit),
+                }
             })
         })
         .await?;

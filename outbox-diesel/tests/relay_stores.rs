@@ -249,7 +249,7 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
 
     exec(
         &mut c,
-        "UPDATE outbox_relay_state SET idle_until = now() + interval '1 minute'",
+        "INSERT INTO outbox_relay_idle VALUES ('test', now() + interval '1 minute')",
     );
     // Nothing before commit, nothing after a rollback.
     c.transaction(|c| {
@@ -279,7 +279,7 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     let never = idle.clone().notify(Notify::Never);
     c.emit_with(&never, Pinged { n: 4 }).unwrap();
     let always = idle.clone().notify(Notify::Always);
-    exec(&mut c, "UPDATE outbox_relay_state SET idle_until = NULL");
+    exec(&mut c, "DELETE FROM outbox_relay_idle");
     c.emit_all_with(&always, (5..8).map(|n| Pinged { n }))
         .unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -322,7 +322,7 @@ fn pg_idle_relay_wakes_at_commit() {
         let mut c = Pg::connect(&db);
         let marked = Pg::scalar(
             &mut c,
-            "SELECT COUNT(*) AS n FROM outbox_relay_state WHERE idle_until > now()",
+            "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
         );
         assert_eq!(marked, 0, "a woken relay is busy: emitters stop notifying");
 

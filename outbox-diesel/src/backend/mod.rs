@@ -251,6 +251,69 @@ pub(crate) fn truncate(s: &str) -> &str {
     }
 }
 
+/// The per-key claim's filter on candidate rows: the oldest NEW row of the row's key (its
+/// "head", possibly the row itself) is due. A key whose head waits for its retry time
+/// thus stays out of the batch altogether, so its later rows do not crowd other keys out
+/// of the LIMIT. Not needed for correctness (the probe after the lock decides), only for
+/// progress. One index probe per candidate on the NEW rows by `(msg_key, id)`.
+pub(crate) fn head_is_due(d: &Dialect, table: &str) -> String {
+    format!(
+        "(SELECT h.next_retry_at FROM outbox h WHERE h.status = 0 AND h.msg_key = {table}.msg_key \
+         ORDER BY h.id LIMIT 1) <= {now}",
+        now = d.now
+    )
+}
+
+/// The per-key probe over the locked set `L` (given as a subquery or an id list): for
+/// each key of `L`, the first NEW row of that key outside `L` and below the key's last
+/// row in `L`, if any. A row of `L` may be published only below it. This is DESIGN's
+/// "no NEW row p outside L with p.key = o.key AND p.id < o.id", asked once per key
+/// rather than once per row, so that a key with many rows in the batch costs a walk
+/// over its rows instead of a walk per row.
+pub(crate) fn first_outside_sql(keys_of_l: &str, ids_of_l: &str) -> String {
+    format!(
+        "SELECT k.msg_key, (SELECT p.id FROM outbox p WHERE p.status = 0 \
+         AND p.msg_key = k.msg_key AND p.id < k.last AND p.id NOT IN ({ids_of_l}) \
+         ORDER BY p.id LIMIT 1) AS first_out FROM ({keys_of_l}) k"
+    )
+}
+
+/// The per-key claim in one statement, for backends with CTEs (PostgreSQL, SQLite):
+/// lock the due NEW rows in id order whose key's head is due (`L`), then return the rows
+/// of `L` that no NEW row outside `L` precedes within their key, in id order.
+///
+/// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
+/// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
+/// join over a scan of the whole table).
+pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String {
+    format!(
+        "WITH l AS MATERIALIZED (SELECT id, msg_key FROM outbox o \
+           WHERE status = 0 AND next_retry_at <= {now} AND {head} \
+           ORDER BY id LIMIT {limit}{lock}), \
+         g AS ({gaps}) \
+         SELECT {columns} FROM outbox WHERE id {in_l} \
+           AND NOT EXISTS (SELECT 1 FROM g WHERE g.msg_key = outbox.msg_key AND g.first_out < outbox.id) \
+         ORDER BY id",
+        now = d.now,
+        head = head_is_due(d, "o"),
+        lock = d.lock,
+        gaps = first_outside_sql(
+            "SELECT msg_key, max(id) AS last FROM l GROUP BY msg_key",
+            "SELECT id FROM l"
+        ),
+        columns = d.columns,
+    )
+}
+
+/// A row of [`first_outside_sql`].
+#[derive(QueryableByName)]
+pub(crate) struct FirstOutside {
+    #[diesel(sql_type = Text)]
+    pub(crate) msg_key: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(crate) first_out: Option<i64>,
+}
+
 /// The methods of `OutboxConnection` whose SQL differs only by [`Dialect`].
 macro_rules! common_methods {
     ($d:expr) => {

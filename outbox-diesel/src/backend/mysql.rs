@@ -1,3 +1,5 @@
+use std::collections::HashMap;
+
 use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager};
 use diesel::mysql::Mysql;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
@@ -6,7 +8,7 @@ use diesel::sql_types::{Integer, Text};
 use diesel::{MysqlConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Dialect, MsgIdRow, Row, chunks};
+use super::{Dialect, MsgIdRow, Row, chunks, in_list};
 use crate::{EmitOptions, Error, OutboxConnection, Result};
 
 pub(super) const DIALECT: Dialect = Dialect {
@@ -185,6 +187,52 @@ impl OutboxConnection for MysqlConnection {
 
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    /// MariaDB allows no row locks in a CTE: the per-key claim takes two statements in
+    /// the claim's transaction. This one locks `L` (due NEW rows whose key's head is
+    /// due); [`__key_probe_sql`](OutboxConnection::__key_probe_sql) then finds, per key
+    /// of `L`, the first NEW row outside it.
+    fn __claim_per_key_sql(limit: usize) -> String {
+        format!(
+            "SELECT {} FROM outbox o WHERE status = 0 AND next_retry_at <= {} AND {} \
+             ORDER BY id LIMIT {limit}{}",
+            DIALECT.columns,
+            DIALECT.now,
+            super::head_is_due(&DIALECT, "o"),
+            DIALECT.lock
+        )
+    }
+
+    fn __key_probe_sql(ids: &[i64]) -> String {
+        let ids = in_list(ids);
+        super::first_outside_sql(
+            &format!(
+                "SELECT msg_key, MAX(id) AS last FROM outbox WHERE id IN ({ids}) GROUP BY msg_key"
+            ),
+            &ids,
+        )
+    }
+
+    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
+        let mut locked = diesel::sql_query(Self::__claim_per_key_sql(limit))
+            .load::<super::RecordRow>(self)?
+            .into_iter()
+            .map(super::RecordRow::into_record)
+            .collect::<Result<Vec<_>>>()?;
+        if locked.is_empty() {
+            return Ok(locked);
+        }
+        let ids: Vec<i64> = locked.iter().map(|r| r.id).collect();
+        let first_out: HashMap<String, i64> = diesel::sql_query(Self::__key_probe_sql(&ids))
+            .load::<super::FirstOutside>(self)?
+            .into_iter()
+            .filter_map(|r| Some((r.msg_key, r.first_out?)))
+            .collect();
+        if !first_out.is_empty() {
+            locked.retain(|r| first_out.get(&r.envelope.key).is_none_or(|&gap| r.id < gap));
+        }
+        Ok(locked)
     }
 
     super::common_methods!(DIALECT);

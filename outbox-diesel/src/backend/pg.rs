@@ -109,7 +109,7 @@ impl Mode for Always {
 impl Mode for WhenIdle {
     const HEAD: &'static str = "(SELECT pg_notify(";
     const TAIL: Option<&'static str> =
-        Some(", '')::text FROM outbox_relay_state WHERE idle_until > now())");
+        Some(", '')::text FROM outbox_relay_idle WHERE idle_until > now() LIMIT 1)");
 }
 
 /// `WITH ins AS (INSERT .. ON CONFLICT DO NOTHING RETURNING id, msg_id) SELECT id, msg_id,
@@ -251,6 +251,18 @@ impl OutboxConnection for PgConnection {
 
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    fn __claim_per_key_sql(limit: usize) -> String {
+        super::per_key_claim_sql(&DIALECT, limit, "= ANY(ARRAY(SELECT id FROM l))")
+    }
+
+    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
+        diesel::sql_query(Self::__claim_per_key_sql(limit))
+            .load::<super::RecordRow>(self)?
+            .into_iter()
+            .map(super::RecordRow::into_record)
+            .collect()
     }
 
     super::common_methods!(DIALECT);

@@ -208,6 +208,20 @@ impl OutboxConnection for SqliteConnection {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
+    /// One relay per database: a row outside `L` below a row of `L` is one waiting for
+    /// its retry time, so this keeps a key in order across retries.
+    fn __claim_per_key_sql(limit: usize) -> String {
+        super::per_key_claim_sql(&DIALECT, limit, "IN (SELECT id FROM l)")
+    }
+
+    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
+        diesel::sql_query(Self::__claim_per_key_sql(limit))
+            .load::<super::RecordRow>(self)?
+            .into_iter()
+            .map(super::RecordRow::into_record)
+            .collect()
+    }
+
     super::common_methods!(DIALECT);
 }
 

@@ -1,3 +1,3 @@
-DROP TABLE IF EXISTS outbox_relay_state;
+DROP TABLE IF EXISTS outbox_relay_idle;
 DROP TABLE IF EXISTS consumed_msg;
 DROP TABLE IF EXISTS outbox;

@@ -38,10 +38,11 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
 -- Retention: purge rows older than the redelivery horizon in bounded batches.
 CREATE INDEX IF NOT EXISTS consumed_msg_consumed_at ON consumed_msg (consumed_at);
 
--- One row. A relay about to wait for work sets idle_until; emit sends NOTIFY only while
--- it is in the future (see `Notify::WhenRelayIdle`), so a busy system pays nothing.
-CREATE TABLE IF NOT EXISTS outbox_relay_state (
-    singleton  BOOLEAN     PRIMARY KEY DEFAULT TRUE CHECK (singleton),
-    idle_until TIMESTAMPTZ
+-- One row per parked relay (its store's id). A relay about to wait for work sets its
+-- idle_until and deletes its row when it wakes; emit sends NOTIFY only while some row is
+-- in the future (see `Notify::WhenRelayIdle`), so a busy system pays nothing and several
+-- relays do not clear each other's mark. Rows of crashed relays expire and are purged.
+CREATE TABLE IF NOT EXISTS outbox_relay_idle (
+    relay_id   VARCHAR(64)  PRIMARY KEY,
+    idle_until TIMESTAMPTZ  NOT NULL
 );
-INSERT INTO outbox_relay_state (singleton) VALUES (TRUE) ON CONFLICT DO NOTHING;
