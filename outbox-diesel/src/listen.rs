@@ -150,15 +150,21 @@ impl RelayStore for PgRelayStore {
             return;
         };
         let seen = self.seen.up_to.load(Ordering::Relaxed);
+        // The relay drops this future when it shuts down; the blocking park notices
+        // within a poll step instead of holding a thread (and the runtime's shutdown)
+        // for the rest of the poll interval.
+        let cancel = CancelOnDrop(Arc::default());
+        let cancelled = cancel.0.clone();
         let waited = blocking(move || {
             // A second concurrent waiter (not the relay's pattern) just sleeps.
             match listener.try_lock() {
-                Ok(mut l) => l.wait(timeout, seen),
+                Ok(mut l) => l.wait(timeout, seen, &cancelled),
                 Err(_) => std::thread::sleep(timeout),
             }
             Ok(())
         })
         .await;
+        drop(cancel);
         if let Err(e) = waited {
             tracing::warn!(error = %e, "outbox LISTEN wait failed");
         }
@@ -167,6 +173,15 @@ impl RelayStore for PgRelayStore {
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
         let pool = self.pool.clone();
         Ok(blocking(move || pool.get()?.__backlog()).await?)
+    }
+}
+
+/// Sets its flag when dropped.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -217,16 +232,28 @@ impl Listener {
     /// Parks until a notification, due work above id `seen`, or `timeout`. Never
     /// fails: on a database error it drops the connection (reconnecting next time) and
     /// sleeps instead.
-    fn wait(&mut self, timeout: Duration, seen: i64) {
+    fn wait(&mut self, timeout: Duration, seen: i64, cancelled: &AtomicBool) {
         let deadline = Instant::now() + timeout;
-        if let Err(e) = self.try_wait(timeout, deadline, seen) {
+        if let Err(e) = self.try_wait(timeout, deadline, seen, cancelled) {
             tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
             self.conn = None;
-            std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+            while !cancelled.load(Ordering::Relaxed) {
+                let now = Instant::now();
+                if now >= deadline {
+                    break;
+                }
+                std::thread::sleep(LISTEN_POLL_STEP.min(deadline - now));
+            }
         }
     }
 
-    fn try_wait(&mut self, timeout: Duration, deadline: Instant, seen: i64) -> Result<()> {
+    fn try_wait(
+        &mut self,
+        timeout: Duration,
+        deadline: Instant,
+        seen: i64,
+        cancelled: &AtomicBool,
+    ) -> Result<()> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
             None => {
@@ -263,8 +290,8 @@ impl Listener {
                 n?;
                 woke = true;
             }
-            if woke {
-                // Busy from here on: emitters stop paying for NOTIFY.
+            if woke || cancelled.load(Ordering::Relaxed) {
+                // Busy (or stopping) from here on: emitters stop paying for NOTIFY.
                 diesel::sql_query("DELETE FROM outbox_relay_idle WHERE relay_id = $1")
                     .bind::<Text, _>(&self.relay_id)
                     .execute(conn)?;

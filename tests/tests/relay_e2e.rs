@@ -148,10 +148,14 @@ impl Drop for Env {
     }
 }
 
+/// A connection with generous timeouts: many tests share the machine.
 async fn redis_conn(url: &str) -> outbox_redis::redis::aio::MultiplexedConnection {
+    let config = outbox_redis::redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(10)));
     outbox_redis::redis::Client::open(url)
         .unwrap()
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(&config)
         .await
         .unwrap_or_else(|e| panic!("Redis unreachable at {url}: {e}"))
 }
@@ -173,15 +177,12 @@ async fn read_stream(url: &str, stream: &str) -> Vec<(String, Step)> {
     out
 }
 
-async fn xlen(url: &str, stream: &str) -> usize {
-    redis_conn(url).await.xlen(stream).await.unwrap()
-}
-
 /// Waits until the stream holds at least `n` entries; panics after [`PATIENCE`].
 async fn wait_for_entries(url: &str, stream: &str, n: usize) {
+    let mut c = redis_conn(url).await;
     let deadline = Instant::now() + PATIENCE;
     loop {
-        let len = xlen(url, stream).await;
+        let len: usize = c.xlen(stream).await.unwrap();
         if len >= n {
             return;
         }
@@ -590,8 +591,9 @@ async fn notify_delivers_before_the_first_poll() {
     // The first poll fires a poll interval after parking: arriving before it means the
     // NOTIFY woke the relay.
     let before_poll = poll - Duration::from_secs(5);
+    let mut r = redis_conn(&env.redis).await;
     let arrived = tokio::time::timeout(before_poll, async {
-        while xlen(&env.redis, &env.stream()).await == 0 {
+        while r.xlen::<_, usize>(env.stream()).await.unwrap() == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })

@@ -1,0 +1,127 @@
+//! PostgreSQL wake-up with several relays: each parked relay has its own idle mark, a
+//! relay does not spin on rows the per-key claim holds back, and a parked wait ends
+//! promptly when the relay stops.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Backend, Pg, exec, runtime};
+use diesel::Connection as _;
+use outbox_core::{ClaimedBatch as _, OutboxEvent, RelayStore};
+use outbox_diesel::{Emit, EmitOptions};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+#[outbox(key = account)]
+struct Moved {
+    #[outbox(id)]
+    n: u32,
+    account: String,
+}
+
+fn idle_marks(db: &common::TestDb) -> i64 {
+    Pg::scalar(
+        &mut Pg::connect(db),
+        "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
+    )
+}
+
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_woken_relay_leaves_the_other_relays_mark_in_place() {
+    let db = Pg::create();
+    runtime().block_on(async {
+        let (a, b) = (Pg::store(&db), Pg::store(&db));
+        let wait_a = tokio::spawn(async move { a.wait_for_work(Duration::from_secs(2)).await });
+        let wait_b = tokio::spawn(async move { b.wait_for_work(Duration::from_secs(20)).await });
+        until("both relays park", || idle_marks(&db) == 2).await;
+        // a times out and is busy again; b is still parked and still reachable.
+        wait_a.await.unwrap();
+        // a's mark expires a second after its wait (NOTIFY_IDLE_SLACK).
+        until("a's mark expires", || idle_marks(&db) == 1).await;
+        let started = Instant::now();
+        let mut c = Pg::connect(&db);
+        let opts = EmitOptions::new().channel(db.name.clone());
+        c.transaction(|c| {
+            c.emit_with(
+                &opts,
+                Moved {
+                    n: 1,
+                    account: "x".into(),
+                },
+            )
+            .map(drop)
+        })
+        .unwrap();
+        wait_b.await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "b was woken by NOTIFY, not by its 20 s timeout"
+        );
+        assert_eq!(idle_marks(&db), 0, "a woken relay removes its own mark");
+    });
+}
+
+#[test]
+fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    c.emit_all((1..=3).map(|n| Moved {
+        n,
+        account: "a".into(),
+    }))
+    .unwrap();
+    // The key's first message waits for its retry: the other two are due but held back.
+    exec(
+        &mut c,
+        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '1:Moved'",
+    );
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        // The relay's loop: an empty claim, a wait, an empty claim (now knowing what it
+        // saw), a wait that must park.
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        store.wait_for_work(Duration::from_millis(300)).await;
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_millis(800)).await;
+        assert!(
+            started.elapsed() >= Duration::from_millis(750),
+            "parked for its poll interval, though held-back rows are due"
+        );
+        // A new row still wakes it at once (the due check looks above what it saw).
+        c.emit(Moved {
+            n: 4,
+            account: "b".into(),
+        })
+        .unwrap();
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(5)).await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(store.claim(10).await.unwrap().messages().len(), 1);
+    });
+}
+
+#[test]
+fn a_parked_wait_ends_soon_after_it_is_dropped() {
+    let db = Pg::create();
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        let waiting = store.wait_for_work(Duration::from_secs(60));
+        // Dropped by the timeout, as the relay's shutdown drops it.
+        let _ = tokio::time::timeout(Duration::from_millis(500), waiting).await;
+        until("the parked relay clears its mark when it stops", || {
+            idle_marks(&db) == 0
+        })
+        .await;
+    });
+    // The runtime above has shut down: its blocking park did not hold it for 60 s.
+}
