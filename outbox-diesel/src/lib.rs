@@ -82,6 +82,23 @@
 //! [`MSG_ID_CONSTRAINT`]; test it with [`is_duplicate`]) and into
 //! [`outbox_core::Error`].
 //!
+//! # Order per key and many relays
+//!
+//! [`PgRelayStore`] and [`MysqlRelayStore`] claim with row locks (`FOR UPDATE SKIP
+//! LOCKED`), so any number of relay instances can share one outbox: each row is in one
+//! batch at a time, a batch is marked SENT in the transaction that locked it, and a
+//! crashed instance's locks go with its connection, so its rows are claimed again by
+//! the others without an operator (only its batch in flight may be published twice).
+//! By default the claim keeps messages that share a key in id order across instances and
+//! retries ([`ClaimOrder::PerKey`]): a message whose key has an older unpublished
+//! message, held by another instance or waiting for its retry, waits, and other keys go
+//! on. It costs index probes on the NEW rows by `(msg_key, id)`, in the claim's own
+//! statement on PostgreSQL and a second statement on MySQL/MariaDB;
+//! [`ClaimOrder::Unordered`] (plain `SKIP LOCKED`) is the faster opt-in when order does
+//! not matter. Id order is commit order for a key only when writes to one key are
+//! serialized (see [`ClaimOrder`]). [`SqliteRelayStore`] runs one relay per database; its
+//! per-key mode holds a key back only behind a retry.
+//!
 //! # Wake-up on PostgreSQL
 //!
 //! Emit can `NOTIFY` the relay inside your transaction (delivered at commit):
@@ -126,9 +143,9 @@ pub use ops::{
     OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
     purge_sent, redrive, redrive_all,
 };
-pub use relay::{ClaimOrder, LockedBatch};
 #[cfg(feature = "mysql")]
 pub use relay::MysqlRelayStore;
+pub use relay::{ClaimOrder, LockedBatch};
 #[cfg(feature = "sqlite")]
 pub use sqlite_relay::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 
