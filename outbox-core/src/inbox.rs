@@ -1,5 +1,8 @@
 use crate::{Error, HandlerError, MsgId};
 
+/// Longest consumer group name, in bytes: the `VARCHAR(64)` of `consumed_msg`.
+pub const MAX_CONSUMER_GROUP_LEN: usize = 64;
+
 /// Whether a message was applied or had been applied before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Processed {

@@ -86,7 +86,7 @@ pub use error::{BoxError, Error, HandlerError, Result};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]
 pub use flaky::{FailAs, FlakyPublisher};
-pub use inbox::{BatchOutcomes, Inbox, Processed};
+pub use inbox::{BatchOutcomes, Inbox, MAX_CONSUMER_GROUP_LEN, Processed};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBatch, MemoryBroker, MemoryDb, MemoryTx, OutboxRow};
 pub use message::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage};

@@ -282,10 +282,13 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
             return Err(e.into());
         }
         self.config.validate()?;
-        if self.group.is_empty() {
-            return Err(Error::Config(
-                "the consumer group name must not be empty".into(),
-            ));
+        if self.group.is_empty() || self.group.len() > outbox_core::MAX_CONSUMER_GROUP_LEN {
+            return Err(Error::Config(format!(
+                "the consumer group name must be 1 to {} bytes long (it is recorded in \
+                 `consumed_msg`); got {:?}",
+                outbox_core::MAX_CONSUMER_GROUP_LEN,
+                self.group
+            )));
         }
         if self.dispatcher.topics().is_empty() {
             return Err(Error::Config("register at least one handler".into()));

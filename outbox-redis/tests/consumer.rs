@@ -623,6 +623,14 @@ async fn builder_reports_mistakes() {
         })
         .build();
     assert!(zero.unwrap_err().is_config());
+    let long_group = Consumer::builder(redis_url(), "g".repeat(65))
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(db.clone())
+        .build();
+    assert!(
+        long_group.unwrap_err().is_config(),
+        "a group name consumed_msg cannot hold"
+    );
     let bad_url = Consumer::builder("not a url", "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db)
