@@ -282,6 +282,10 @@ pub(crate) fn first_outside_sql(keys_of_l: &str, ids_of_l: &str) -> String {
 /// lock the due NEW rows in id order whose key's head is due (`L`), then return the rows
 /// of `L` that no NEW row outside `L` precedes within their key, in id order.
 ///
+/// `g` is materialized so that each key is probed once: inlined, PostgreSQL evaluated
+/// the probe once per row of `L` (a hot key of 500 rows: 250,000 index entries, 91 ms
+/// instead of 10 ms).
+///
 /// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
 /// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
 /// join over a scan of the whole table).
@@ -290,7 +294,7 @@ pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String
         "WITH l AS MATERIALIZED (SELECT id, msg_key FROM outbox o \
            WHERE status = 0 AND next_retry_at <= {now} AND {head} \
            ORDER BY id LIMIT {limit}{lock}), \
-         g AS ({gaps}) \
+         g AS MATERIALIZED ({gaps}) \
          SELECT {columns} FROM outbox WHERE id {in_l} \
            AND NOT EXISTS (SELECT 1 FROM g WHERE g.msg_key = outbox.msg_key AND g.first_out < outbox.id) \
          ORDER BY id",
