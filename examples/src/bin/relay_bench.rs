@@ -20,11 +20,22 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
 use outbox_core::{Error, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage};
-use outbox_diesel::{Emit as _, PgPool, PgRelayStore};
+use outbox_diesel::{ClaimOrder, Emit as _, PgPool, PgRelayStore};
 use outbox_examples::AccountTransferred;
 use outbox_redis::{PublisherConfig, RedisPublisher};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const UNORDERED: ClaimOrder = ClaimOrder::Unordered;
+const PER_KEY: ClaimOrder = ClaimOrder::PerKey;
+
+/// What drains the outbox in a measured run.
+enum Drain {
+    /// The pure-SQL baseline.
+    Sql,
+    /// This many relays into this sink, claiming in this order.
+    Relays(usize, Sink, ClaimOrder),
+}
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -77,33 +88,57 @@ impl Bench {
             "relay benchmark: {messages} messages, batches of {}, 1000 keys\n",
             self.batch
         );
+        use Drain::{Relays, Sql};
         let sql = self
-            .measure("pure-SQL claim-and-mark drain (baseline)", messages, |b| {
-                b.sql_drain()
-            })
+            .measure("pure-SQL claim-and-mark drain (baseline)", messages, Sql)
             .await?;
         let sink = self
-            .measure("relay → counting sink", messages, |b| {
-                b.relays(1, Sink::Count)
-            })
+            .measure(
+                "relay → counting sink",
+                messages,
+                Relays(1, Sink::Count, UNORDERED),
+            )
             .await?;
         let redis = self
-            .measure("relay → Redis, unordered", messages, |b| {
-                b.relays(1, Sink::Redis)
-            })
+            .measure(
+                "relay → Redis, unordered",
+                messages,
+                Relays(1, Sink::Redis, UNORDERED),
+            )
+            .await?;
+        let keyed = self
+            .measure(
+                "relay → Redis, per-key order",
+                messages,
+                Relays(1, Sink::Redis, PER_KEY),
+            )
             .await?;
         let two = self
-            .measure("2 relays → Redis, unordered", messages, |b| {
-                b.relays(2, Sink::Redis)
-            })
+            .measure(
+                "2 relays → Redis, unordered",
+                messages,
+                Relays(2, Sink::Redis, UNORDERED),
+            )
+            .await?;
+        let two_keyed = self
+            .measure(
+                "2 relays → Redis, per-key order",
+                messages,
+                Relays(2, Sink::Redis, PER_KEY),
+            )
             .await?;
         println!();
         println!(
-            "relay → Redis / SQL drain:        {:.2}  (target ≥ 0.55)",
+            "relay → Redis / SQL drain:         {:.2}  (target ≥ 0.55)",
             redis / sql
         );
         println!("relay → counting sink / SQL drain: {:.2}", sink / sql);
-        println!("2 relays / 1 relay:               {:.2}", two / redis);
+        println!(
+            "per-key / unordered, 1 relay:      {:.2}  (target ≥ 0.7)",
+            keyed / redis
+        );
+        println!("per-key / unordered, 2 relays:     {:.2}", two_keyed / two);
+        println!("2 relays / 1 relay, unordered:     {:.2}", two / redis);
         self.latency(1_000, Duration::from_secs(10)).await?;
         if backlog > 0 {
             self.memory(backlog).await?;
@@ -112,15 +147,14 @@ impl Bench {
     }
 
     /// Fills the outbox with `n` NEW rows, runs `drain`, prints and returns messages/s.
-    async fn measure<'a, F, Fut>(&'a self, name: &str, n: usize, drain: F) -> Result<f64, BoxError>
-    where
-        F: FnOnce(&'a Self) -> Fut,
-        Fut: std::future::Future<Output = Result<(), BoxError>>,
-    {
+    async fn measure(&self, name: &str, n: usize, drain: Drain) -> Result<f64, BoxError> {
         self.fill(n)?;
         self.clear_streams().await?;
         let started = Instant::now();
-        drain(self).await?;
+        match drain {
+            Drain::Sql => self.sql_drain().await?,
+            Drain::Relays(instances, sink, order) => self.relays(instances, sink, order).await?,
+        }
         let secs = started.elapsed().as_secs_f64();
         let left = outbox_diesel::backlog(&mut *self.pool.get()?)?.due;
         assert_eq!(left, 0, "{name}: the drain left rows behind");
@@ -173,8 +207,10 @@ impl Bench {
         .await?
     }
 
-    fn store(&self) -> PgRelayStore {
-        PgRelayStore::new(self.pool.clone()).with_listener(self.url.clone())
+    fn store(&self, order: ClaimOrder) -> PgRelayStore {
+        PgRelayStore::new(self.pool.clone())
+            .with_listener(self.url.clone())
+            .with_order(order)
     }
 
     fn redis(&self) -> Result<RedisPublisher, BoxError> {
@@ -197,14 +233,19 @@ impl Bench {
     }
 
     /// Runs `instances` relays until the backlog is empty.
-    async fn relays(&self, instances: usize, sink: Sink) -> Result<(), BoxError> {
+    async fn relays(
+        &self,
+        instances: usize,
+        sink: Sink,
+        order: ClaimOrder,
+    ) -> Result<(), BoxError> {
         let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..instances {
             let publisher = match sink {
                 Sink::Count => AnyPublisher::Count(CountingSink::default()),
                 Sink::Redis => AnyPublisher::Redis(Box::new(self.redis()?)),
             };
-            let relay = Relay::new(self.store(), publisher).with_config(self.config())?;
+            let relay = Relay::new(self.store(order), publisher).with_config(self.config())?;
             tasks.spawn(async move {
                 loop {
                     let report = relay.run_once().await?;
@@ -230,7 +271,7 @@ impl Bench {
             published: Arc::default(),
         };
         let published = Arc::clone(&publisher.published);
-        let relay = Relay::new(self.store(), publisher).with_config(self.config())?;
+        let relay = Relay::new(self.store(PER_KEY), publisher).with_config(self.config())?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let relay_task =
             tokio::spawn(
@@ -295,7 +336,7 @@ impl Bench {
             ..PublisherConfig::default()
         };
         let relay = Relay::new(
-            self.store(),
+            self.store(PER_KEY),
             RedisPublisher::with_config(self.redis_url.as_str(), config)?,
         )
         .with_config(self.config())?;
