@@ -111,6 +111,11 @@ pub(crate) struct RelayArgs {
     /// Approximate cap on each stream's length (XADD MAXLEN ~ N); a safety bound only.
     #[arg(long, value_name = "N")]
     pub(crate) max_stream_len: Option<usize>,
+    /// Claim order: `per-key` publishes the messages of one ordering key in id order, also
+    /// across retries and with several relays; `unordered` claims with plain SKIP LOCKED,
+    /// faster, for consumers that do not need order.
+    #[arg(long, value_enum, default_value_t = Order::PerKey, value_name = "ORDER")]
+    pub(crate) order: Order,
     /// Database connections in the relay's pool.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) pool_size: u32,
@@ -122,6 +127,24 @@ pub(crate) struct RelayArgs {
     #[cfg(feature = "metrics")]
     #[arg(long, value_name = "ADDR")]
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// The relay's claim order (`outbox relay --order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Order {
+    /// Messages that share an ordering key are published in id order.
+    PerKey,
+    /// No order between messages; faster claims.
+    Unordered,
+}
+
+impl From<Order> for outbox_diesel::ClaimOrder {
+    fn from(order: Order) -> Self {
+        match order {
+            Order::PerKey => Self::PerKey,
+            Order::Unordered => Self::Unordered,
+        }
+    }
 }
 
 /// `outbox dead …`.

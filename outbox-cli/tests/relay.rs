@@ -55,6 +55,27 @@ fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
 }
 
 #[test]
+fn unordered_relay_publishes_everything_once() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=5);
+    let streams = Streams::new();
+    let mut relay = RelayProcess::start(&db, &streams.prefix, &["--order", "unordered"]);
+    let published = streams.wait_for(5, &mut relay);
+    let mut sorted = published.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 5, "every message once: {published:?}");
+    relay.signal("TERM");
+    assert!(relay.wait().success(), "log:\n{}", relay.log());
+    assert!(
+        relay.log().contains("Unordered"),
+        "the order is logged:\n{}",
+        relay.log()
+    );
+}
+
+#[test]
 fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
     let db = TestDb::sqlite();
     db.migrate();

@@ -40,17 +40,21 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     let result = match db.kind {
         BackendKind::Postgres => {
             let store = PgRelayStore::new(pool::<PgConnection>(db, args.pool_size)?)
-                .with_listener(db.target.clone());
+                .with_listener(db.target.clone())
+                .with_order(args.order.into());
             serve(&runtime, store, publisher, config, args)
         }
         BackendKind::Mysql => {
-            let store = MysqlRelayStore::new(pool::<MysqlConnection>(db, args.pool_size)?);
+            let store = MysqlRelayStore::new(pool::<MysqlConnection>(db, args.pool_size)?)
+                .with_order(args.order.into());
             serve(&runtime, store, publisher, config, args)
         }
         BackendKind::Sqlite => {
             let pool = outbox_diesel::sqlite_pool(&db.target, args.pool_size)
                 .map_err(|source| pool_error(db, source))?;
-            let store = SqliteRelayStore::new(pool).map_err(|e| CliError::RelayStart(e.into()))?;
+            let store = SqliteRelayStore::new(pool)
+                .map_err(|e| CliError::RelayStart(e.into()))?
+                .with_order(args.order.into());
             serve(&runtime, store, publisher, config, args)
         }
     };
@@ -67,6 +71,7 @@ fn log_start(db: &Database, args: &RelayArgs) {
         batch_size = args.batch_size,
         poll_interval = ?args.poll_interval,
         max_attempts = args.max_attempts,
+        order = ?args.order,
         "starting the relay"
     );
 }
