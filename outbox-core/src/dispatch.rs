@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 
 use crate::{BatchOutcomes, Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed};
@@ -53,6 +54,29 @@ pub trait Handler<E: OutboxEvent>: Send + Sync + 'static {
         conn: &mut Self::Conn,
         delivery: &Delivery,
     ) -> Result<(), HandlerError>;
+}
+
+/// Applies one event type through an effect outside the database: an HTTP call, an
+/// email, a message to another system.
+///
+/// The consumer records `(consumer_group, msg_id)` in its dedup transaction, awaits the
+/// handler inside that transaction, and commits after it succeeded. A failure (or panic)
+/// rolls the dedup row back and the message is retried. If the process dies after the
+/// effect but before the commit, the effect runs again on redelivery: the guarantee for
+/// what the handler does outside the database is at-least-once, and its idempotency is
+/// only as strong as the target's. Pass [`Delivery::envelope`]'s `msg_id` to the target
+/// as an idempotency key where it accepts one. The transaction stays open while the
+/// handler runs, so keep the call short and give it a timeout.
+///
+/// Runners call it on a blocking thread (as they call every handler, diesel being
+/// synchronous), where it is driven by the current tokio runtime.
+pub trait AsyncHandler<E: OutboxEvent>: Send + Sync + 'static {
+    /// Performs the effect of `event`.
+    fn handle(
+        &self,
+        event: E,
+        delivery: &Delivery,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
 type Run<C> = Box<dyn FnOnce(&mut C, &Delivery) -> Result<(), HandlerError> + Send>;
@@ -115,18 +139,42 @@ impl<C: 'static> Dispatcher<C> {
         E: OutboxEvent,
         H: Handler<E, Conn = C>,
     {
-        if let Some(taken) = E::EVENT_TYPES.iter().find(|t| self.routes.contains_key(*t)) {
-            return Err(Error::DuplicateHandler((*taken).to_owned()));
-        }
         let handler = Arc::new(handler);
-        let route: Route<C> = Arc::new(move |envelope: &Envelope| {
+        self.route::<E>(Arc::new(move |envelope: &Envelope| {
             let event: E = envelope.decode()?;
             let handler = Arc::clone(&handler);
             Ok(
                 Box::new(move |conn: &mut C, d: &Delivery| handler.handle(event, conn, d))
                     as Run<C>,
             )
-        });
+        }))
+    }
+
+    /// Routes every event type of `E` to an [`AsyncHandler`]. Fails if one is already
+    /// routed. The handler runs inside the dedup transaction on the blocking thread that
+    /// holds it, driven by the current tokio runtime; see [`AsyncHandler`] for what that
+    /// guarantees.
+    pub fn register_async<E, H>(&mut self, handler: H) -> Result<(), Error>
+    where
+        E: OutboxEvent,
+        H: AsyncHandler<E>,
+    {
+        let handler = Arc::new(handler);
+        self.route::<E>(Arc::new(move |envelope: &Envelope| {
+            let event: E = envelope.decode()?;
+            let handler = Arc::clone(&handler);
+            Ok(Box::new(move |_: &mut C, d: &Delivery| {
+                let runtime = tokio::runtime::Handle::try_current()
+                    .map_err(|_| HandlerError::msg("an async handler needs a tokio runtime"))?;
+                runtime.block_on(handler.handle(event, d))
+            }) as Run<C>)
+        }))
+    }
+
+    fn route<E: OutboxEvent>(&mut self, route: Route<C>) -> Result<(), Error> {
+        if let Some(taken) = E::EVENT_TYPES.iter().find(|t| self.routes.contains_key(*t)) {
+            return Err(Error::DuplicateHandler((*taken).to_owned()));
+        }
         for t in E::EVENT_TYPES {
             self.routes.insert(t, Arc::clone(&route));
         }
@@ -585,5 +633,96 @@ mod tests {
         // Nor the dedup row of the message before the panic.
         let outcomes = db.process_batch("g", &ids[..1], |_, _| Ok(())).unwrap();
         assert_eq!(kinds(&outcomes), ["Applied"]);
+    }
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod async_tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::MemoryDb;
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Email {
+        #[outbox(id)]
+        to: String,
+    }
+
+    /// Sends "emails" into a list; fails while `refuse` is set.
+    #[derive(Default)]
+    struct Mailer {
+        sent: Mutex<Vec<String>>,
+        refuse: std::sync::atomic::AtomicBool,
+    }
+
+    impl AsyncHandler<Email> for Arc<Mailer> {
+        async fn handle(&self, e: Email, d: &Delivery) -> Result<(), HandlerError> {
+            tokio::task::yield_now().await;
+            if self.refuse.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(HandlerError::msg("smtp refused"));
+            }
+            self.sent
+                .lock()
+                .unwrap()
+                .push(format!("{} ({})", e.to, d.envelope.msg_id));
+            Ok(())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn async_handlers_run_in_the_dedup_transaction() {
+        let mailer = Arc::new(Mailer::default());
+        let mut dispatcher = Dispatcher::<crate::MemoryTx<()>>::new();
+        dispatcher
+            .register_async::<Email, _>(Arc::clone(&mailer))
+            .unwrap();
+        let db = MemoryDb::new(());
+        let envelope = Envelope::from_event(&Email { to: "bob".into() }, 1024).unwrap();
+        let delivery = Delivery {
+            envelope,
+            delivery_count: 1,
+            entry_id: None,
+        };
+        let consume = |d: Delivery| {
+            let (dispatcher, db) = (dispatcher.clone(), db.clone());
+            tokio::task::spawn_blocking(move || dispatcher.consume(&db, "mail", &d))
+        };
+
+        mailer
+            .refuse
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let failed = consume(delivery.clone()).await.unwrap().unwrap_err();
+        assert!(matches!(failed, Error::Handler(_)), "{failed}");
+        mailer
+            .refuse
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            consume(delivery.clone()).await.unwrap().unwrap(),
+            Processed::Applied
+        );
+        assert_eq!(
+            consume(delivery).await.unwrap().unwrap(),
+            Processed::Duplicate
+        );
+        assert_eq!(*mailer.sent.lock().unwrap(), ["bob (bob:Email)"]);
+    }
+
+    #[test]
+    fn an_async_handler_outside_a_runtime_is_a_handler_error() {
+        let mut dispatcher = Dispatcher::<crate::MemoryTx<()>>::new();
+        dispatcher
+            .register_async::<Email, _>(Arc::new(Mailer::default()))
+            .unwrap();
+        let envelope = Envelope::from_event(&Email { to: "bob".into() }, 1024).unwrap();
+        let delivery = Delivery {
+            envelope,
+            delivery_count: 1,
+            entry_id: None,
+        };
+        let err = dispatcher
+            .consume(&MemoryDb::new(()), "mail", &delivery)
+            .unwrap_err();
+        assert!(err.to_string().contains("tokio runtime"), "{err}");
     }
 }

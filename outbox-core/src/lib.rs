@@ -81,7 +81,7 @@ mod relay;
 mod retry;
 mod store;
 
-pub use dispatch::{Delivery, Dispatcher, Handler, Prepared};
+pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared};
 pub use error::{BoxError, Error, HandlerError, Result};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]
@@ -89,7 +89,9 @@ pub use flaky::{FailAs, FlakyPublisher};
 pub use inbox::{BatchOutcomes, Inbox, MAX_CONSUMER_GROUP_LEN, Processed};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBatch, MemoryBroker, MemoryDb, MemoryTx, OutboxRow};
-pub use message::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage};
+pub use message::{
+    DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage, TRACEPARENT,
+};
 pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
 pub use publish::{PublishOutcomes, Publisher, Rejected};
 pub use relay::{BatchReport, Relay, RelayConfig};

@@ -8,6 +8,10 @@ use crate::{Error, MsgId, OutboxEvent};
 /// Message headers: string pairs such as `traceparent`, carried to the consumer.
 pub type Headers = BTreeMap<String, String>;
 
+/// The header that carries W3C trace context (`traceparent`) from the emitting
+/// transaction to the consumer, which records it on its `outbox.consume` span.
+pub const TRACEPARENT: &str = "traceparent";
+
 /// Default limit on a serialized payload: 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1 << 20;
 
