@@ -1,7 +1,7 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 
-use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, MsgId, OutboxEvent};
+use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, MsgId, OutboxEvent};
 
 use crate::{Error, OutboxConnection, Result};
 
@@ -43,6 +43,9 @@ pub struct EmitOptions {
     /// The `NOTIFY` channel (default `outbox`); the relay must listen on the same one
     /// ([`PgRelayStore::with_channel`](crate::PgRelayStore::with_channel)).
     pub channel: Cow<'static, str>,
+    /// Headers added to every event emitted with these options (default none), such as
+    /// the request's trace context under [`TRACEPARENT`](outbox_core::TRACEPARENT).
+    pub headers: Headers,
 }
 
 impl EmitOptions {
@@ -51,6 +54,7 @@ impl EmitOptions {
         max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         notify: Notify::WhenRelayIdle,
         channel: Cow::Borrowed(crate::DEFAULT_CHANNEL),
+        headers: Headers::new(),
     };
 
     /// The defaults.
@@ -74,6 +78,29 @@ impl EmitOptions {
     pub fn channel(mut self, channel: impl Into<Cow<'static, str>>) -> Self {
         self.channel = channel.into();
         self
+    }
+
+    /// Adds a header to every event emitted with these options. Build the options per
+    /// request to carry its trace context to the consumers:
+    ///
+    /// ```
+    /// use outbox_diesel::EmitOptions;
+    /// let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    /// let opts = EmitOptions::new().header(outbox_core::TRACEPARENT, traceparent);
+    /// assert_eq!(opts.headers["traceparent"], traceparent);
+    /// ```
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Serializes `event` under these options.
+    fn envelope<E: OutboxEvent>(&self, event: &E) -> Result<Envelope> {
+        let mut envelope = Envelope::from_event(event, self.max_payload_bytes)?;
+        envelope
+            .headers
+            .extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Ok(envelope)
     }
 }
 
@@ -129,7 +156,7 @@ pub trait Emit {
 
 impl<C: OutboxConnection> Emit for C {
     fn emit_with<E: OutboxEvent>(&mut self, options: &EmitOptions, event: E) -> Result<MsgId> {
-        let envelope = Envelope::from_event(&event, options.max_payload_bytes)?;
+        let envelope = options.envelope(&event)?;
         self.__insert(options, std::slice::from_ref(&envelope))?;
         Ok(envelope.msg_id)
     }
@@ -141,8 +168,8 @@ impl<C: OutboxConnection> Emit for C {
     {
         let envelopes = events
             .into_iter()
-            .map(|e| Envelope::from_event(&e, options.max_payload_bytes))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|e| options.envelope(&e))
+            .collect::<Result<Vec<_>>>()?;
         self.emit_envelopes(options, &envelopes)?;
         Ok(envelopes.into_iter().map(|e| e.msg_id).collect())
     }

@@ -9,8 +9,9 @@ use std::time::Duration;
 use diesel::connection::SimpleConnection as _;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
+use outbox_core::Relay;
 use outbox_core::{Delivery, Envelope, Handler, HandlerError, Publisher as _, StoredMessage};
-use outbox_diesel::{PgInbox, PgPool};
+use outbox_diesel::{Emit as _, EmitOptions, PgInbox, PgPool, PgRelayStore};
 use outbox_examples::AccountTransferred;
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
 use outbox_tests::{PgSchema, redis_url, unique};
@@ -20,6 +21,7 @@ use outbox_tests::{PgSchema, redis_url, unique};
 #[derive(Clone)]
 struct AddPoints {
     calls: Arc<AtomicU32>,
+    headers: Arc<Mutex<Vec<outbox_core::Headers>>>,
     behaviour: Arc<dyn Fn(u32) -> Result<(), HandlerError> + Send + Sync>,
 }
 
@@ -27,6 +29,7 @@ impl AddPoints {
     fn new(behaviour: impl Fn(u32) -> Result<(), HandlerError> + Send + Sync + 'static) -> Self {
         Self {
             calls: Arc::default(),
+            headers: Arc::default(),
             behaviour: Arc::new(behaviour),
         }
     }
@@ -39,9 +42,13 @@ impl Handler<AccountTransferred> for AddPoints {
         &self,
         e: AccountTransferred,
         conn: &mut PgConnection,
-        _: &Delivery,
+        d: &Delivery,
     ) -> Result<(), HandlerError> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        self.headers
+            .lock()
+            .unwrap()
+            .push(d.envelope.headers.clone());
         diesel::sql_query("UPDATE points SET total = total + $1 WHERE who = $2")
             .bind::<diesel::sql_types::BigInt, _>(e.amount)
             .bind::<diesel::sql_types::Text, _>(&e.to)
@@ -300,5 +307,36 @@ async fn a_handler_failing_every_time_is_dead_lettered_and_leaves_no_write() {
     );
     assert_eq!(field("delivery_count"), "3");
     assert_eq!(field("msg_id"), "t-1:AccountTransferred");
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_context_travels_from_emit_to_the_handler() {
+    let f = Fixture::new();
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let options = EmitOptions::new().header(outbox_core::TRACEPARENT, traceparent);
+    f.pool
+        .get()
+        .unwrap()
+        .transaction(|c| c.emit_with(&options, AccountTransferred::new("t-9", "alice", "bob", 5)))
+        .unwrap();
+    let config = PublisherConfig {
+        stream_prefix: f.prefix.clone(),
+        ..PublisherConfig::default()
+    };
+    let publisher = RedisPublisher::with_config(redis_url().as_str(), config).unwrap();
+    let relay = Relay::new(PgRelayStore::new(f.pool.clone()), publisher);
+    assert_eq!(relay.run_once().await.unwrap().sent, 1);
+
+    let handler = AddPoints::new(|_| Ok(()));
+    let consumer = f.consumer(f.config(), handler.clone());
+    run_until(&consumer, |c| c.stats().consumed == 1).await;
+    let headers = handler.headers.lock().unwrap();
+    assert_eq!(headers.len(), 1);
+    assert_eq!(
+        headers[0].get("traceparent").map(String::as_str),
+        Some(traceparent)
+    );
+    assert_eq!(f.points(), 5);
     f.cleanup().await;
 }
