@@ -331,7 +331,7 @@ async fn trace_context_travels_from_emit_to_the_handler() {
     let handler = AddPoints::new(|_| Ok(()));
     let consumer = f.consumer(f.config(), handler.clone());
     run_until(&consumer, |c| c.stats().consumed == 1).await;
-    let headers = handler.headers.lock().unwrap();
+    let headers = handler.headers.lock().unwrap().clone();
     assert_eq!(headers.len(), 1);
     assert_eq!(
         headers[0].get("traceparent").map(String::as_str),
