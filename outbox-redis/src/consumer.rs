@@ -8,14 +8,15 @@ use outbox_core::{
     BatchOutcomes, Delivery, Dispatcher, Handler, Inbox, OutageBackoff, OutboxEvent, Prepared,
     Processed,
 };
-use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
-use redis::{Client, IntoConnectionInfo, RedisResult};
+use redis::{IntoConnectionInfo, RedisResult};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
-use crate::conn::Connector;
+use crate::conn::{
+    Conn, Connector, Target, by_slot, check_prefix, query_all, stream_name, topic_of,
+};
 use crate::entry::{envelope_from_fields, value_bytes};
 use crate::error::is_outage;
 use crate::publisher::DEFAULT_STREAM_PREFIX;
@@ -37,6 +38,8 @@ pub enum StartFrom {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerConfig {
     /// Prepended to each topic to name its stream (default `outbox:`, as the publisher's).
+    /// On a cluster the topic is then wrapped in braces (`outbox:{order.paid}`), and the
+    /// prefix must not contain `{` or `}`.
     pub stream_prefix: String,
     /// This process's consumer name within the group (default `None`: a name unique per
     /// process, `<hostname>-<pid>-<random>`). Set it only to something unique per process.
@@ -201,7 +204,7 @@ pub struct NoInbox;
 /// [`build`](Self::build). `C` is the handlers' connection type, which must be the
 /// store's [`Inbox::Conn`].
 pub struct ConsumerBuilder<C, I = NoInbox> {
-    client: RedisResult<Client>,
+    target: RedisResult<Target>,
     group: String,
     dispatcher: Dispatcher<C>,
     error: Option<outbox_core::Error>,
@@ -238,7 +241,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// pool, or [`outbox_core::MemoryDb`] in tests).
     pub fn idempotency<J: Inbox<Conn = C>>(self, store: J) -> ConsumerBuilder<C, J> {
         ConsumerBuilder {
-            client: self.client,
+            target: self.target,
             group: self.group,
             dispatcher: self.dispatcher,
             error: self.error,
@@ -276,7 +279,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
 impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
     /// Checks the configuration and the Redis address (without connecting) and builds
     /// the consumer. Fails on an invalid setting, a handler registered twice, or no
-    /// handler at all.
+    /// handler at all (and, on a cluster, on a stream prefix with a `{` or `}`).
     pub fn build(self) -> Result<Consumer<I, C>> {
         if let Some(e) = self.error {
             return Err(e.into());
@@ -293,30 +296,42 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
         if self.dispatcher.topics().is_empty() {
             return Err(Error::Config("register at least one handler".into()));
         }
-        let client = self.client?;
+        let target = self.target?;
         let config = self.config;
-        let streams = self
+        let cluster = target.is_cluster();
+        check_prefix(&config.stream_prefix, cluster)?;
+        let streams: Vec<Arc<str>> = self
             .dispatcher
             .topics()
             .iter()
-            .map(|t| Arc::<str>::from(format!("{}{t}", config.stream_prefix)))
+            .map(|t| Arc::<str>::from(stream_name(&config.stream_prefix, t, cluster)))
             .collect();
         let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
-        let reader = Connector::new(
-            client.clone(),
-            config.connect_timeout,
-            config.block + config.response_timeout,
-        );
-        let commands = Connector::new(client, config.connect_timeout, config.response_timeout);
+        // One blocking reader for all streams; on a cluster one per hash slot, each on its
+        // own connection (a blocked read holds up its connection to that node).
+        let readers = by_slot(cluster, streams.iter().cloned(), |s| s)
+            .into_iter()
+            .map(|streams| {
+                Ok(Reader {
+                    streams,
+                    conn: target.connector(
+                        config.connect_timeout,
+                        config.block + config.response_timeout,
+                    )?,
+                })
+            })
+            .collect::<RedisResult<Vec<_>>>()?;
+        let commands = target.connector(config.connect_timeout, config.response_timeout)?;
         Ok(Consumer {
             inner: Arc::new(Inner {
                 group: self.group,
                 consumer_name,
                 streams,
+                cluster,
                 dispatcher: self.dispatcher,
                 inbox: Arc::new(self.inbox),
                 config,
-                reader,
+                readers,
                 commands,
                 counters: Counters::default(),
             }),
@@ -370,6 +385,10 @@ fn default_name() -> String {
 /// Dead-letter entries (`<stream>:dead` by default) carry `reason`, `delivery_count`,
 /// `group`, `stream` and `entry_id`, followed by the original entry's fields.
 ///
+/// On a Redis Cluster (`Consumer::builder_cluster`, feature `cluster`) each hash slot's
+/// streams are read by their own blocking `XREADGROUP`, side by side; see
+/// [Redis Cluster](crate#redis-cluster).
+///
 /// Handlers that do I/O outside the database (an HTTP call, an e-mail) are allowed, but
 /// such a side effect is only as idempotent as its own target: a crash after the call
 /// and before the commit repeats it.
@@ -402,9 +421,64 @@ impl Consumer<NoInbox, ()> {
         redis: impl IntoConnectionInfo,
         group: impl Into<String>,
     ) -> ConsumerBuilder<C, NoInbox> {
+        Self::builder_on(Target::single(redis), group.into())
+    }
+
+    /// Starts building a consumer of group `group` on the Redis Cluster reachable through
+    /// any of `nodes` (URLs such as `redis://127.0.0.1:7000`; the other nodes are
+    /// discovered). It reads the hash-tagged streams a
+    /// [`RedisPublisher::cluster`](crate::RedisPublisher::cluster) writes
+    /// (`outbox:{order.paid}`), and its dead-letter streams share their slot
+    /// (`outbox:{order.paid}:dead`). See [Redis Cluster](crate#redis-cluster).
+    ///
+    /// ```no_run
+    /// use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent, Relay};
+    /// use outbox_redis::{Consumer, RedisPublisher};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    /// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+    ///
+    /// struct AwardPoints;
+    /// impl Handler<OrderPaid> for AwardPoints {
+    ///     type Conn = MemoryTx<i64>;
+    ///     fn handle(&self, e: OrderPaid, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+    ///         *tx.data() += e.amount_cents / 100;
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// # tokio::runtime::Runtime::new()?.block_on(async {
+    /// // Any of the cluster's nodes; the others are discovered.
+    /// let nodes = ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"];
+    ///
+    /// // Writes `outbox:{order.paid}`.
+    /// let relay = Relay::new(MemoryDb::new(()), RedisPublisher::cluster(nodes)?);
+    /// relay.run_once().await?;
+    ///
+    /// // Reads `outbox:{order.paid}`; dead letters go to `outbox:{order.paid}:dead`.
+    /// let consumer = Consumer::builder_cluster(nodes, "points")
+    ///     .handle::<OrderPaid, _>(AwardPoints)
+    ///     .idempotency(MemoryDb::new(0_i64))
+    ///     .build()?;
+    /// consumer.run_until(std::future::pending()).await?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(()) })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(feature = "cluster")]
+    pub fn builder_cluster<C: 'static, T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+        group: impl Into<String>,
+    ) -> ConsumerBuilder<C, NoInbox> {
+        Self::builder_on(Target::cluster(nodes), group.into())
+    }
+
+    fn builder_on<C: 'static>(
+        target: RedisResult<Target>,
+        group: String,
+    ) -> ConsumerBuilder<C, NoInbox> {
         ConsumerBuilder {
-            client: Client::open(redis),
-            group: group.into(),
+            target,
+            group,
             dispatcher: Dispatcher::new(),
             error: None,
             inbox: NoInbox,
@@ -417,14 +491,35 @@ struct Inner<I, C> {
     group: String,
     consumer_name: String,
     streams: Vec<Arc<str>>,
+    /// On a Redis Cluster: hash-tagged streams, and commands grouped per slot.
+    cluster: bool,
     dispatcher: Dispatcher<C>,
     inbox: Arc<I>,
     config: ConsumerConfig,
-    /// Only for `XREADGROUP ... BLOCK`: a blocked connection holds up every command
-    /// queued behind it, and its response timeout must exceed the block time.
-    reader: Connector,
+    /// One reader for all streams; on a cluster one per hash slot.
+    readers: Vec<Reader>,
     commands: Connector,
     counters: Counters,
+}
+
+/// Reads some streams with one `XREADGROUP ... BLOCK`, on a connection of its own: a
+/// blocked connection holds up every command queued behind it, and its response timeout
+/// must exceed the block time.
+struct Reader {
+    streams: Vec<Arc<str>>,
+    conn: Connector,
+}
+
+/// The reads in progress when a consumer has several readers (a cluster with streams in
+/// several slots): each reader's read runs on, across rounds of the run loop, until it
+/// returns, so that entries of one stream are processed while the others still block.
+#[derive(Default)]
+struct Reads {
+    tasks: JoinSet<(usize, RedisResult<Vec<Job>>)>,
+    /// Each reader's read in progress, if any.
+    running: Vec<Option<tokio::task::Id>>,
+    /// Entries read in a round that also failed: handed out by the next round.
+    held: Vec<Job>,
 }
 
 /// One entry to process, read or claimed.
@@ -475,12 +570,20 @@ where
         &self.inner.consumer_name
     }
 
-    /// The streams read: the prefix plus each handled topic.
+    /// The streams read: the prefix plus each handled topic (`outbox:order.paid`), with
+    /// the topic as hash tag on a cluster (`outbox:{order.paid}`).
     pub fn streams(&self) -> impl Iterator<Item = &str> {
         self.inner.streams.iter().map(|s| &**s)
     }
 
-    /// The dead-letter stream of `stream`.
+    /// Whether this consumer reads from a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.cluster
+    }
+
+    /// The dead-letter stream of `stream`: `stream` plus the
+    /// [`dead_letter_suffix`](ConsumerConfig::dead_letter_suffix), in the same hash slot
+    /// on a cluster.
     pub fn dead_letter_stream(&self, stream: &str) -> String {
         format!("{stream}{}", self.inner.config.dead_letter_suffix)
     }
@@ -584,6 +687,7 @@ where
         let mut in_flight: HashSet<(Arc<str>, String)> = HashSet::new();
         let mut next_claim = Instant::now();
         let mut outages = 0u32;
+        let mut reads = Reads::default();
         tracing::info!(parent: &span, streams = ?inner.streams, "consumer started");
         loop {
             while let Some(done) = tasks.try_join_next() {
@@ -616,7 +720,7 @@ where
                 if claiming {
                     self.claim(room, &in_flight).await
                 } else {
-                    self.read(room).await
+                    self.read(room, &mut reads).await
                 }
             };
             let jobs = tokio::select! {
@@ -686,6 +790,9 @@ where
                 }
             }
         }
+        // Reads still blocking (on a cluster) stop here; what they may have read stays
+        // pending, as with a read the shutdown cut short.
+        drop(reads);
         tracing::info!(parent: &span, in_flight = tasks.len(), "consumer stopping");
         while let Some(done) = tasks.join_next().await {
             self.finished(done, &mut in_flight, &mut outages);
@@ -737,9 +844,69 @@ where
         }
     }
 
-    /// New entries: `XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s... > ...`.
-    async fn read(&self, count: usize) -> RedisResult<Vec<Job>> {
+    /// New entries. With one reader (always on a single server), its read. With several
+    /// (a cluster), starts a read for each reader that has none in progress, waits for
+    /// the first to return and takes whatever else has returned meanwhile; the others go
+    /// on blocking into the next rounds.
+    async fn read(&self, count: usize, reads: &mut Reads) -> RedisResult<Vec<Job>> {
+        let readers = self.inner.readers.len();
+        if readers == 1 {
+            return self.read_from(0, count).await;
+        }
+        if !reads.held.is_empty() {
+            return Ok(std::mem::take(&mut reads.held));
+        }
+        reads.running.resize(readers, None);
+        for (i, running) in reads.running.iter_mut().enumerate() {
+            if running.is_none() {
+                let this = self.clone();
+                let task = reads
+                    .tasks
+                    .spawn(async move { (i, this.read_from(i, count).await) });
+                *running = Some(task.id());
+            }
+        }
+        let mut jobs = Vec::new();
+        let mut error = None;
+        let mut next = reads.tasks.join_next().await;
+        while let Some(joined) = next {
+            match joined {
+                Ok((i, result)) => {
+                    reads.running[i] = None;
+                    match result {
+                        Ok(read) => jobs.extend(read),
+                        Err(e) => {
+                            error.get_or_insert(e);
+                        }
+                    }
+                }
+                // A bug in the runner: the reader reads again next round, and entries
+                // the failed read took stay pending and are claimed again.
+                Err(e) => {
+                    tracing::error!(error = %e, "read task failed");
+                    for running in &mut reads.running {
+                        if *running == Some(e.id()) {
+                            *running = None;
+                        }
+                    }
+                }
+            }
+            next = reads.tasks.try_join_next();
+        }
+        match error {
+            Some(e) => {
+                reads.held = jobs;
+                Err(e)
+            }
+            None => Ok(jobs),
+        }
+    }
+
+    /// New entries of reader `i`'s streams:
+    /// `XREADGROUP GROUP g c COUNT n BLOCK ms STREAMS s... > ...`.
+    async fn read_from(&self, i: usize, count: usize) -> RedisResult<Vec<Job>> {
         let inner = &self.inner;
+        let reader = &inner.readers[i];
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&inner.group)
@@ -749,23 +916,23 @@ where
             .arg("BLOCK")
             .arg(duration_ms(inner.config.block))
             .arg("STREAMS");
-        for stream in &inner.streams {
+        for stream in &reader.streams {
             cmd.arg(&**stream);
         }
-        for _ in &inner.streams {
+        for _ in &reader.streams {
             cmd.arg(">");
         }
-        let mut conn = inner.reader.get().await?;
+        let mut conn = reader.conn.get().await?;
         let reply: Option<StreamReadReply> = match cmd.query_async(&mut conn).await {
             Ok(reply) => reply,
             Err(e) => {
-                inner.reader.check(&e).await;
+                reader.conn.check(&e).await;
                 return Err(e);
             }
         };
         let mut jobs = Vec::new();
         for key in reply.map(|r| r.keys).unwrap_or_default() {
-            let Some(stream) = inner.streams.iter().find(|s| ***s == *key.key) else {
+            let Some(stream) = reader.streams.iter().find(|s| ***s == *key.key) else {
                 continue;
             };
             jobs.extend(key.ids.into_iter().map(|entry| Job {
@@ -795,7 +962,7 @@ where
 
     async fn claim_on(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
         free: usize,
         in_flight: &HashSet<(Arc<str>, String)>,
     ) -> RedisResult<Vec<Job>> {
@@ -868,10 +1035,7 @@ where
     /// Returns whether Redis or the store failed as a whole.
     async fn process_inner(&self, job: &Job) -> bool {
         let inner = &self.inner;
-        let topic = job
-            .stream
-            .strip_prefix(&*inner.config.stream_prefix)
-            .unwrap_or(&job.stream);
+        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         if job.delivery_count > inner.config.max_deliveries {
             // Delivered past the limit without an outcome: its consumers crashed or
             // stalled past `min_idle` each time. Trying again could crash this one too.
@@ -1012,10 +1176,7 @@ where
                 job.delivery_count, inner.config.max_deliveries
             ));
         }
-        let topic = job
-            .stream
-            .strip_prefix(&*inner.config.stream_prefix)
-            .unwrap_or(&job.stream);
+        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         let envelope = match envelope_from_fields(&job.entry.map, topic) {
             Ok(envelope) => envelope,
             Err(e) => return Screened::DeadLetter(e.to_string()),
@@ -1062,30 +1223,36 @@ where
         }
     }
 
-    /// `XACK` of many entries, one command per stream in one pipeline; returns whether
-    /// Redis failed.
+    /// `XACK` of many entries, one command per stream in one pipeline (on a cluster, one
+    /// pipeline per hash slot, sent concurrently); returns whether Redis failed.
     async fn ack_all(&self, jobs: &[&Job]) -> bool {
         if jobs.is_empty() {
             return false;
         }
         let inner = &self.inner;
-        let mut pipe = redis::pipe();
         let mut streams: Vec<&Arc<str>> = Vec::new();
         for job in jobs {
             if !streams.contains(&&job.stream) {
                 streams.push(&job.stream);
             }
         }
-        for stream in streams {
-            let cmd = pipe.cmd("XACK").arg(&**stream).arg(&inner.group);
-            for job in jobs.iter().filter(|j| j.stream == *stream) {
-                cmd.arg(&job.entry.id);
-            }
-            cmd.ignore();
-        }
+        let pipes = by_slot(inner.cluster, streams, |s| s)
+            .into_iter()
+            .map(|streams| {
+                let mut pipe = redis::pipe();
+                for stream in streams {
+                    let cmd = pipe.cmd("XACK").arg(&**stream).arg(&inner.group);
+                    for job in jobs.iter().filter(|j| j.stream == *stream) {
+                        cmd.arg(&job.entry.id);
+                    }
+                    cmd.ignore();
+                }
+                pipe
+            })
+            .collect();
         let acked: RedisResult<()> = async {
             let mut conn = inner.commands.get().await?;
-            pipe.query_async(&mut conn).await
+            query_all(&mut conn, pipes).await.into_iter().collect()
         }
         .await;
         self.redis_done(
@@ -1141,7 +1308,8 @@ where
         .await
     }
 
-    /// Copies the entry to the dead-letter stream and acks it, in one transaction.
+    /// Copies the entry to the dead-letter stream and acks it, in one transaction (on a
+    /// cluster the dead-letter stream shares the stream's hash slot, which `MULTI` needs).
     /// Returns whether Redis failed.
     async fn dead_letter(&self, job: &Job, reason: &str) -> bool {
         let inner = &self.inner;
@@ -1235,7 +1403,7 @@ const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "str
 /// The delivery count of each of `entries` (pending in `group`), in order, with one
 /// pipelined `XPENDING <stream> <group> <id> <id> 1` per entry.
 async fn delivery_counts(
-    conn: &mut MultiplexedConnection,
+    conn: &mut Conn,
     stream: &str,
     group: &str,
     entries: &[StreamId],

@@ -57,6 +57,11 @@ const OUTAGE_CODES: &[&str] = &[
     "MISCONF",
     "BUSY",
     "NOREPLICAS",
+    // A cluster slot that moved (or is moving) to another node: the cluster connection
+    // follows it for single commands, but a pipeline that ignores errors reports it per
+    // command. Retrying later, on a fresh slot map, succeeds.
+    "MOVED",
+    "ASK",
 ];
 
 /// Whether `e` is a failure of the connection or of the server as a whole.
@@ -66,14 +71,18 @@ pub(crate) fn is_outage(e: &RedisError) -> bool {
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || e.code().is_some_and(|c| OUTAGE_CODES.contains(&c))
 }
 
-/// Whether the connection that produced `e` should be replaced.
+/// Whether the connection that produced `e` should be replaced (a cluster connection
+/// also when its slot map proved stale).
 pub(crate) fn breaks_connection(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+        || matches!(e.code(), Some("MOVED" | "ASK"))
 }

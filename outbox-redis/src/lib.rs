@@ -89,17 +89,51 @@
 //! The tests run against Redis 7.0; from 7.0 on `XAUTOCLAIM` also drops pending entries
 //! whose stream entry was deleted, which 6.2 leaves in the pending list.
 //!
-//! Redis Cluster is not supported yet: the publisher pipelines commands for several
-//! topics (several slots) on one connection, and the consumer reads all its streams in
-//! one `XREADGROUP` and writes a dead letter and its `XACK` in one `MULTI`, which cluster
-//! allows only within one slot. Supporting it means one pipeline per topic and hash-tagged
-//! stream names (`outbox:{order.paid}` with its `outbox:{order.paid}:dead`).
+//! On a Redis Cluster the same commands are used, within one hash slot each (see below).
+//!
+//! # Redis Cluster
+//!
+//! With the `cluster` feature, `RedisPublisher::cluster(nodes)` (or
+//! `cluster_with_config(nodes, config)`) and `Consumer::builder_cluster(nodes, group)`
+//! talk to a Redis Cluster; `nodes` are one or more of its nodes' URLs, the others are
+//! discovered. Everything else (configuration, handlers, the idempotency store, entry
+//! fields, dead letters, metrics) is as on a single server.
+//!
+//! `Consumer::builder_cluster` shows a full example.
+//!
+//! - **Stream names are hash-tagged**: the stream of `order.paid` is
+//!   `outbox:{order.paid}` and its dead-letter stream `outbox:{order.paid}:dead`, so
+//!   Redis stores both in the slot of `order.paid`. The name follows from how the
+//!   publisher or consumer was built, never from a separate setting: a cluster publisher
+//!   and a cluster consumer always agree. (Streams written by a single-server publisher,
+//!   `outbox:order.paid`, are other keys: moving from one server to a cluster starts
+//!   new streams.) The prefix must not contain `{` or `}`; `build` and the publisher's
+//!   constructor refuse one.
+//! - **Publisher**: a batch is split per slot (per topic) and each part is one
+//!   pipeline; the parts are sent concurrently, so a batch costs one round trip to each
+//!   node it touches, at once, and keeps its order per topic. A part that fails as a
+//!   whole (a node down, a timeout) makes the batch an outage; the parts already written
+//!   are published again on the retry and consumers skip them as duplicates. A slot
+//!   that moved (`MOVED`/`ASK` replies) is also an outage: the connection is replaced
+//!   and the next attempt uses the new slot map.
+//! - **Consumer**: it reads each slot's streams (each topic's stream, in practice) with
+//!   its own `XREADGROUP ... BLOCK`, on its own cluster connection, since a blocked read
+//!   holds up its connection to that node; the reads run side by side and entries are
+//!   processed as soon as any read returns. A consumer of `n` topics thus keeps up to
+//!   `n` + 1 cluster connections (each with one connection per master). Acks are
+//!   one pipeline per slot; a dead letter and its `XACK` stay one `MULTI`, valid because
+//!   both keys share the slot. [`trim_acknowledged`] takes a cluster connection too.
+//!
+//! The tests start a real three-master cluster (`redis-server --cluster-enabled yes`,
+//! `redis-cli --cluster create`) and run the publisher and consumers against it.
 //!
 //! # Features
 //!
-//! | feature | default | what it gives |
-//! |---------|---------|---------------|
-//! | (none)  |         | the crate has no optional features yet; it runs on tokio |
+//! | feature   | default | what it gives |
+//! |-----------|---------|---------------|
+//! | `cluster` | no      | Redis Cluster support: `RedisPublisher::cluster`, `RedisPublisher::cluster_with_config` and `Consumer::builder_cluster`, with hash-tagged stream names (enables the redis crate's `cluster-async`) |
+//!
+//! Without features the crate talks to one Redis server; it runs on tokio either way.
 //!
 //! # Metrics
 //!

@@ -1,15 +1,15 @@
 use std::time::Duration;
 
 use outbox_core::{PublishOutcomes, Publisher, Rejected, StoredMessage};
-use redis::{Client, IntoConnectionInfo, RedisResult, Value};
+use redis::{IntoConnectionInfo, RedisResult, Value};
 
-use crate::conn::Connector;
+use crate::conn::{Connector, Target, by_slot, check_prefix, query_all, stream_name};
 use crate::entry::entry_fields;
 use crate::error::is_outage;
 use crate::{Error, Result};
 
 /// The default prefix of stream names: the stream of topic `order.paid` is
-/// `outbox:order.paid`.
+/// `outbox:order.paid` (`outbox:{order.paid}` on a Redis Cluster).
 pub const DEFAULT_STREAM_PREFIX: &str = "outbox:";
 
 /// Publisher settings. `Default` gives the `outbox:` prefix, no trimming, a 2 s connect
@@ -17,7 +17,9 @@ pub const DEFAULT_STREAM_PREFIX: &str = "outbox:";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublisherConfig {
     /// Prepended to the topic to name its stream (default [`DEFAULT_STREAM_PREFIX`]).
-    /// Consumers must use the same prefix.
+    /// Consumers must use the same prefix. On a cluster the topic is then wrapped in
+    /// braces, as a hash tag (`outbox:{order.paid}`), and the prefix must not contain
+    /// `{` or `}`.
     pub stream_prefix: String,
     /// Approximate cap on each stream's length, applied by every XADD as
     /// `MAXLEN ~ n` (default `None`: no trimming on publish).
@@ -57,11 +59,19 @@ impl Default for PublisherConfig {
 /// without spending any message's retries; any other error reply (such as `WRONGTYPE`
 /// when the stream's key holds another type) rejects just that message.
 ///
+/// On a Redis Cluster (`RedisPublisher::cluster`, feature `cluster`) the streams are
+/// hash-tagged (`<prefix>{<topic>}`), the batch is split per hash slot (per topic, in
+/// practice) and each part is one pipeline, all sent at once: a batch costs one round
+/// trip to each node it touches, concurrently. If one part fails as a whole, the batch
+/// is an outage even though the other parts were written; the relay publishes them
+/// again, and consumers recognise the duplicates by `msg_id`.
+///
 /// The connection is opened on the first publish and replaced after a connection
 /// error, so building a publisher never fails because Redis is down.
 #[derive(Debug)]
 pub struct RedisPublisher {
     conn: Connector,
+    cluster: bool,
     config: PublisherConfig,
 }
 
@@ -75,12 +85,41 @@ impl RedisPublisher {
 
     /// A publisher with `config`.
     pub fn with_config(redis: impl IntoConnectionInfo, config: PublisherConfig) -> Result<Self> {
+        Self::on(Target::single(redis)?, config)
+    }
+
+    /// A publisher to the Redis Cluster reachable through any of `nodes` (URLs such as
+    /// `redis://127.0.0.1:7000`; the cluster's other nodes are discovered), with the
+    /// default [`PublisherConfig`]. Its streams are hash-tagged: the stream of topic
+    /// `order.paid` is `outbox:{order.paid}`. Consumers must be built with
+    /// [`Consumer::builder_cluster`](crate::Consumer::builder_cluster), which names
+    /// streams the same way.
+    ///
+    /// Only the addresses' syntax is checked here (and that there is at least one).
+    #[cfg(feature = "cluster")]
+    pub fn cluster<T: IntoConnectionInfo>(nodes: impl IntoIterator<Item = T>) -> Result<Self> {
+        Self::cluster_with_config(nodes, PublisherConfig::default())
+    }
+
+    /// A publisher to the Redis Cluster reachable through any of `nodes`, with `config`;
+    /// see [`cluster`](Self::cluster). The stream prefix must not contain `{` or `}`.
+    #[cfg(feature = "cluster")]
+    pub fn cluster_with_config<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+        config: PublisherConfig,
+    ) -> Result<Self> {
+        Self::on(Target::cluster(nodes)?, config)
+    }
+
+    fn on(target: Target, config: PublisherConfig) -> Result<Self> {
         if config.max_len == Some(0) {
             return Err(Error::Config("max_len must be at least 1".into()));
         }
-        let client = Client::open(redis)?;
+        let cluster = target.is_cluster();
+        check_prefix(&config.stream_prefix, cluster)?;
         Ok(Self {
-            conn: Connector::new(client, config.connect_timeout, config.response_timeout),
+            conn: target.connector(config.connect_timeout, config.response_timeout)?,
+            cluster,
             config,
         })
     }
@@ -90,25 +129,50 @@ impl RedisPublisher {
         &self.config
     }
 
-    /// The stream that carries `topic`.
-    pub fn stream_for(&self, topic: &str) -> String {
-        format!("{}{topic}", self.config.stream_prefix)
+    /// Whether this publisher writes to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster
     }
 
-    fn pipeline(&self, batch: &[StoredMessage]) -> redis::Pipeline {
-        let mut pipe = redis::Pipeline::with_capacity(batch.len());
-        pipe.ignore_errors();
-        for m in batch {
-            let cmd = pipe.cmd("XADD").arg(self.stream_for(&m.envelope.topic));
-            if let Some(n) = self.config.max_len {
-                cmd.arg("MAXLEN").arg("~").arg(n);
-            }
-            cmd.arg("*");
-            for (field, value) in entry_fields(&m.envelope) {
-                cmd.arg(field).arg(value);
-            }
-        }
-        pipe
+    /// The stream that carries `topic`: `<prefix><topic>`, or `<prefix>{<topic>}` on a
+    /// cluster.
+    pub fn stream_for(&self, topic: &str) -> String {
+        stream_name(&self.config.stream_prefix, topic, self.cluster)
+    }
+
+    /// The batch's positions split per pipeline (a single one unless on a cluster), and
+    /// each pipeline.
+    fn pipelines(&self, batch: &[StoredMessage]) -> (Vec<Vec<usize>>, Vec<redis::Pipeline>) {
+        let streams: Vec<String> = batch
+            .iter()
+            .map(|m| self.stream_for(&m.envelope.topic))
+            .collect();
+        let groups: Vec<Vec<usize>> =
+            by_slot(self.cluster, streams.iter().enumerate(), |(_, s)| {
+                s.as_str()
+            })
+            .into_iter()
+            .map(|group| group.into_iter().map(|(i, _)| i).collect())
+            .collect();
+        let pipes = groups
+            .iter()
+            .map(|group| {
+                let mut pipe = redis::Pipeline::with_capacity(group.len());
+                pipe.ignore_errors();
+                for &i in group {
+                    let cmd = pipe.cmd("XADD").arg(&streams[i]);
+                    if let Some(n) = self.config.max_len {
+                        cmd.arg("MAXLEN").arg("~").arg(n);
+                    }
+                    cmd.arg("*");
+                    for (field, value) in entry_fields(&batch[i].envelope) {
+                        cmd.arg(field).arg(value);
+                    }
+                }
+                pipe
+            })
+            .collect();
+        (groups, pipes)
     }
 }
 
@@ -120,37 +184,49 @@ impl Publisher for RedisPublisher {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let pipe = self.pipeline(batch);
-        let replies: Vec<RedisResult<Value>> = match self.conn.get().await {
-            Ok(mut conn) => match pipe.query_async(&mut conn).await {
+        let (groups, pipes) = self.pipelines(batch);
+        let mut conn = match self.conn.get().await {
+            Ok(conn) => conn,
+            Err(e) => return Err(outbox_core::Error::broker_unavailable(e)),
+        };
+        let results: Vec<RedisResult<Vec<RedisResult<Value>>>> = query_all(&mut conn, pipes).await;
+        let mut outcomes: Vec<Option<Result<(), Rejected>>> = vec![None; batch.len()];
+        for (group, result) in groups.iter().zip(results) {
+            let replies = match result {
                 Ok(replies) => replies,
                 Err(e) => {
                     self.conn.check(&e).await;
                     return Err(outbox_core::Error::broker_unavailable(e));
                 }
-            },
-            Err(e) => return Err(outbox_core::Error::broker_unavailable(e)),
-        };
-        if replies.len() != batch.len() {
-            return Err(outbox_core::Error::broker_unavailable(format!(
-                "redis returned {} replies for a batch of {}",
-                replies.len(),
-                batch.len()
-            )));
-        }
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for (m, reply) in batch.iter().zip(replies) {
-            match reply {
-                Ok(_) => outcomes.push(Ok(())),
-                // A server that refuses every write is an outage, not this message's fault.
-                Err(e) if is_outage(&e) => return Err(outbox_core::Error::broker_unavailable(e)),
-                Err(e) => {
-                    tracing::debug!(msg_id = %m.envelope.msg_id, error = %e, "redis rejected an entry");
-                    metrics::counter!("outbox_redis_publish_rejected_total").increment(1);
-                    outcomes.push(Err(Rejected::new(e.to_string())));
-                }
+            };
+            if replies.len() != group.len() {
+                return Err(outbox_core::Error::broker_unavailable(format!(
+                    "redis returned {} replies for a pipeline of {}",
+                    replies.len(),
+                    group.len()
+                )));
+            }
+            for (&i, reply) in group.iter().zip(replies) {
+                outcomes[i] = Some(match reply {
+                    Ok(_) => Ok(()),
+                    // A server that refuses every write (or a slot that moved) is an
+                    // outage, not this message's fault.
+                    Err(e) if is_outage(&e) => {
+                        self.conn.check(&e).await;
+                        return Err(outbox_core::Error::broker_unavailable(e));
+                    }
+                    Err(e) => {
+                        let m = &batch[i];
+                        tracing::debug!(msg_id = %m.envelope.msg_id, error = %e, "redis rejected an entry");
+                        metrics::counter!("outbox_redis_publish_rejected_total").increment(1);
+                        Err(Rejected::new(e.to_string()))
+                    }
+                });
             }
         }
-        Ok(outcomes)
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.expect("every message is in one pipeline"))
+            .collect())
     }
 }

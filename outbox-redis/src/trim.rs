@@ -51,6 +51,8 @@ impl std::fmt::Display for EntryId {
 ///
 /// Safe to run at any time, from any process (a periodic task is typical). A group
 /// created later that starts from `0` sees only what is left. Needs Redis 6.2+ (MINID).
+/// Any async connection works, a cluster connection included (each command names only
+/// `stream`).
 ///
 /// ```no_run
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {

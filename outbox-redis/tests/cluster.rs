@@ -1,0 +1,483 @@
+//! Redis Cluster, against a real three-node cluster that each test starts on free
+//! loopback ports and stops when it ends. `redis-server` and `redis-cli` must be on the
+//! `PATH`: without them these tests fail.
+#![cfg(feature = "cluster")]
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_core::{Delivery, Envelope, Handler, HandlerError, MemoryDb, MemoryTx, Publisher};
+use outbox_redis::redis::cluster::ClusterClient;
+use outbox_redis::redis::cluster_async::ClusterConnection;
+use outbox_redis::redis::cluster_routing::Slot;
+use outbox_redis::redis::{self, Value};
+use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
+
+/// A Redis Cluster of three masters (no replicas) in a temporary directory. Dropping it
+/// kills the servers and removes the directory.
+struct Cluster {
+    dir: PathBuf,
+    ports: Vec<u16>,
+    servers: Vec<Child>,
+}
+
+impl Cluster {
+    fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-redis-cluster-{}-{:016x}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cluster = Self {
+            dir,
+            ports: Vec::new(),
+            servers: Vec::new(),
+        };
+        while cluster.servers.len() < 3 {
+            cluster.start_node();
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for port in &cluster.ports {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli must be installed to run the cluster tests");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for &port in &cluster.ports {
+            loop {
+                let info = cli(port, &["CLUSTER", "INFO"]);
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {port} never reached cluster_state:ok: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        cluster
+    }
+
+    /// Starts one node on a free port (and a free bus port, the port + 10000), trying
+    /// other ports if another process takes the one picked first.
+    fn start_node(&mut self) {
+        for _ in 0..50 {
+            let port = fastrand::u16(20_000..30_000);
+            if self.ports.contains(&port) || !free(port) || !free(port + 10_000) {
+                continue;
+            }
+            let dir = self.dir.to_str().unwrap();
+            let mut server = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                .arg("--cluster-config-file")
+                .arg(format!("{dir}/nodes-{port}.conf"))
+                .args(["--save", "", "--appendonly", "no", "--dir", dir])
+                .arg("--logfile")
+                .arg(format!("{dir}/redis-{port}.log"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed to run the cluster tests");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if server.try_wait().unwrap().is_some() {
+                    break; // lost the port to another process: pick another one
+                }
+                if cli(port, &["PING"]).trim() == "PONG" {
+                    self.ports.push(port);
+                    self.servers.push(server);
+                    return;
+                }
+                if Instant::now() > deadline {
+                    let _ = server.kill();
+                    let _ = server.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        panic!("could not start a redis-server node");
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// A cluster connection for checks.
+    async fn conn(&self) -> ClusterConnection {
+        ClusterClient::builder(self.urls())
+            .response_timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// How many keys each node holds.
+    fn keys_per_node(&self) -> Vec<usize> {
+        self.ports
+            .iter()
+            .map(|&p| cli(p, &["DBSIZE"]).trim().parse().unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for server in &mut self.servers {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// `redis-cli -p <port> <args>`; its output, or the empty string if it failed.
+fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .expect("redis-cli must be installed to run the cluster tests");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn keyslot(conn: &mut ClusterConnection, key: &str) -> i64 {
+    redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+fn with_topic(mut envelope: Envelope, topic: &str) -> Envelope {
+    envelope.topic = topic.to_owned();
+    envelope
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes() {
+    let cluster = Cluster::start();
+    let publisher = RedisPublisher::cluster(cluster.urls()).unwrap();
+    assert!(publisher.is_cluster());
+    let topics = [
+        "order.paid",
+        "order.refunded",
+        "invoice.sent",
+        "user.signed_up",
+    ];
+    // Topics interleaved: message n goes to topic n % 4.
+    let batch = stored((0..40).map(|n| with_topic(paid(n), topics[n % topics.len()])));
+    let outcomes = publisher.publish(&batch).await.unwrap();
+    assert_eq!(outcomes, vec![Ok(()); 40]);
+
+    let mut conn = cluster.conn().await;
+    let mut slots = HashSet::new();
+    for (t, topic) in topics.iter().enumerate() {
+        let stream = publisher.stream_for(topic);
+        assert_eq!(stream, format!("outbox:{{{topic}}}"));
+        slots.insert(keyslot(&mut conn, &stream).await);
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let ids: Vec<String> = reply.ids.iter().map(|e| field(e, "msg_id")).collect();
+        let expected: Vec<String> = (0..40)
+            .filter(|n| n % topics.len() == t)
+            .map(|n| format!("order-{n}:OrderPaid"))
+            .collect();
+        assert_eq!(ids, expected, "stream {stream}");
+        let entry = &reply.ids[0];
+        assert_eq!(field(entry, "topic"), *topic);
+        let decoded = outbox_redis::envelope_from_fields(&entry.map, "unused").unwrap();
+        assert_eq!(decoded, batch[t].envelope);
+    }
+    assert_eq!(slots.len(), topics.len(), "one slot per topic");
+    let spread = cluster.keys_per_node();
+    assert!(
+        spread.iter().filter(|&&n| n > 0).count() >= 2,
+        "the streams should span several nodes: {spread:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_cluster_prefix_with_a_brace_is_refused_and_builders_name_streams_alike() {
+    // No server is contacted: these are configuration checks.
+    let nodes = ["redis://127.0.0.1:1"];
+    let config = PublisherConfig {
+        stream_prefix: "app{x}:".into(),
+        ..PublisherConfig::default()
+    };
+    let err = RedisPublisher::cluster_with_config(nodes, config).unwrap_err();
+    assert!(err.is_config(), "{err:?}");
+    let err = Consumer::builder_cluster(nodes, "g")
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(MemoryDb::new(Applied::new()))
+        .stream_prefix("app{x}:")
+        .build()
+        .unwrap_err();
+    assert!(err.is_config(), "{err:?}");
+    let err = RedisPublisher::cluster(Vec::<String>::new()).unwrap_err();
+    assert!(err.is_config(), "{err:?}");
+
+    let publisher = RedisPublisher::cluster(nodes).unwrap();
+    let consumer = Consumer::builder_cluster(nodes, "g")
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(MemoryDb::new(Applied::new()))
+        .build()
+        .unwrap();
+    assert!(consumer.is_cluster());
+    let stream = publisher.stream_for("order.paid");
+    assert_eq!(consumer.streams().collect::<Vec<_>>(), [stream.as_str()]);
+    assert_eq!(
+        Slot::for_key(&stream),
+        Slot::for_key(consumer.dead_letter_stream(&stream))
+    );
+}
+
+/// Counts refunds in the same data as [`Recorder`] counts payments (`refund:<order>`).
+#[derive(Clone)]
+struct Refunds;
+
+impl Handler<OrderRefunded> for Refunds {
+    type Conn = MemoryTx<Applied>;
+
+    fn handle(
+        &self,
+        e: OrderRefunded,
+        tx: &mut MemoryTx<Applied>,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        *tx.data()
+            .entry(format!("refund:{}", e.order_id))
+            .or_default() += 1;
+        Ok(())
+    }
+}
+
+fn refund(n: usize) -> Envelope {
+    let e = OrderRefunded {
+        order_id: format!("order-{n}"),
+    };
+    Envelope::from_event(&e, 1 << 20).unwrap()
+}
+
+fn cluster_consumer(
+    cluster: &Cluster,
+    config: ConsumerConfig,
+    group: &str,
+    db: &MemoryDb<Applied>,
+    handler: Recorder,
+) -> Consumer<MemoryDb<Applied>> {
+    Consumer::builder_cluster(cluster.urls(), group)
+        .handle::<OrderPaid, _>(handler)
+        .handle::<OrderRefunded, _>(Refunds)
+        .idempotency(db.clone())
+        .config(config)
+        .build()
+        .unwrap()
+}
+
+async fn pending(conn: &mut ClusterConnection, stream: &str, group: &str) -> usize {
+    let reply: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await
+        .unwrap();
+    reply.count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_applies_every_message_once_across_slots_in_single_and_batch_mode() {
+    let cluster = Cluster::start();
+    let publisher = RedisPublisher::cluster(cluster.urls()).unwrap();
+    let batch = stored((1..=30).map(paid).chain((1..=10).map(refund)));
+    // Published twice: the second copies are duplicates to the consumers.
+    for _ in 0..2 {
+        let outcomes = publisher.publish(&batch).await.unwrap();
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    }
+    let db = MemoryDb::new(Applied::new());
+    let config = ConsumerConfig {
+        stream_prefix: "outbox:".into(),
+        read_count: 8,
+        ..fast_config("outbox:")
+    };
+    let single = cluster_consumer(&cluster, config.clone(), "points", &db, Recorder::ok());
+    let batched = cluster_consumer(
+        &cluster,
+        ConsumerConfig {
+            batch_size: Some(5),
+            ..config
+        },
+        "points",
+        &db,
+        Recorder::ok(),
+    );
+    let streams: Vec<String> = single.streams().map(str::to_owned).collect();
+    assert_eq!(streams.len(), 2);
+    assert_ne!(Slot::for_key(&streams[0]), Slot::for_key(&streams[1]));
+
+    let (a, b) = (Running::start(&single), Running::start(&batched));
+    eventually("every message applied or recognised", || {
+        let (s, t) = (single.stats(), batched.stats());
+        s.consumed + t.consumed == 40 && s.duplicates + t.duplicates == 40
+    })
+    .await;
+    // Published after the consumers block on their reads.
+    let late = stored([paid(31), refund(11)]);
+    assert!(
+        publisher
+            .publish(&late)
+            .await
+            .unwrap()
+            .iter()
+            .all(Result::is_ok)
+    );
+    eventually("late messages applied", || {
+        single.stats().consumed + batched.stats().consumed == 42
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+
+    db.read(|applied| {
+        assert_eq!(applied.len(), 42, "{applied:?}");
+        assert!(applied.values().all(|&n| n == 1), "{applied:?}");
+    });
+    for s in [single.stats(), batched.stats()] {
+        assert_eq!(
+            (s.failures, s.dead_lettered, s.redis_errors),
+            (0, 0, 0),
+            "{s:?}"
+        );
+    }
+    let mut conn = cluster.conn().await;
+    for stream in &streams {
+        assert_eq!(pending(&mut conn, stream, "points").await, 0, "{stream}");
+    }
+    // Trimming works per stream on the cluster too: everything was acknowledged.
+    let reports = single.trim_acknowledged().await.unwrap();
+    assert_eq!(reports.len(), 2);
+    let removed: usize = reports.iter().map(|r| r.removed).sum();
+    assert_eq!(removed, 82);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_and_exhausted_entries_go_to_the_dead_stream_in_the_same_slot() {
+    let cluster = Cluster::start();
+    let mut conn = cluster.conn().await;
+    let db = MemoryDb::new(Applied::new());
+    let handler = Recorder::with(|_, e| {
+        if e.order_id == "order-2" {
+            Err(HandlerError::msg("payment provider says no"))
+        } else {
+            Ok(())
+        }
+    });
+    let config = ConsumerConfig {
+        max_deliveries: 2,
+        ..fast_config("outbox:")
+    };
+    let c = cluster_consumer(&cluster, config, "poison", &db, handler);
+    let stream = "outbox:{order.paid}".to_owned();
+    let dead = c.dead_letter_stream(&stream);
+    assert_eq!(dead, "outbox:{order.paid}:dead");
+    assert_eq!(
+        keyslot(&mut conn, &stream).await,
+        keyslot(&mut conn, &dead).await
+    );
+
+    let _: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg(&[("msg_id", "order-1:OrderPaid"), ("type", "OrderPaid")])
+        .arg(&[("version", "1"), ("payload", "this is not json")])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let publisher = RedisPublisher::cluster(cluster.urls()).unwrap();
+    let outcomes = publisher
+        .publish(&stored([paid(2), paid(3), refund(4)]))
+        .await
+        .unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+
+    let running = Running::start(&c);
+    eventually("poison and exhausted entries dead-lettered", || {
+        let s = c.stats();
+        s.dead_lettered == 2 && s.consumed == 2
+    })
+    .await;
+    running.stop().await;
+
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&dead)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(reply.ids.len(), 2, "{reply:?}");
+    let by_msg = |msg_id: &str| {
+        reply
+            .ids
+            .iter()
+            .find(|e| field(e, "msg_id") == msg_id)
+            .unwrap_or_else(|| panic!("no dead letter for {msg_id}: {reply:?}"))
+    };
+    let poison = by_msg("order-1:OrderPaid");
+    assert!(field(poison, "reason").contains("cannot decode"));
+    assert_eq!(field(poison, "payload"), "this is not json");
+    assert_eq!(field(poison, "delivery_count"), "1");
+    assert_eq!(field(poison, "stream"), stream);
+    let exhausted = by_msg("order-2:OrderPaid");
+    assert!(field(exhausted, "reason").contains("payment provider says no"));
+    assert_eq!(field(exhausted, "delivery_count"), "2");
+    for s in c.streams() {
+        assert_eq!(pending(&mut conn, s, "poison").await, 0, "{s}");
+    }
+    db.read(|applied| {
+        assert_eq!(applied.get("order-3"), Some(&1));
+        assert_eq!(applied.get("refund:order-4"), Some(&1));
+        assert!(!applied.contains_key("order-2"));
+    });
+    // Nothing else was written: the streams and the one dead-letter stream.
+    let _: Value = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+    assert_eq!(cluster.keys_per_node().iter().sum::<usize>(), 3);
+}
