@@ -236,6 +236,21 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         self
     }
 
+    /// Routes the event types of `E` to an [`AsyncHandler`](outbox_core::AsyncHandler):
+    /// an effect outside the database, awaited inside the dedup transaction, whose
+    /// guarantee is at-least-once (see the trait). A type handled twice is reported by
+    /// [`build`](ConsumerBuilder::build).
+    pub fn handle_async<E, H>(mut self, handler: H) -> Self
+    where
+        E: OutboxEvent,
+        H: outbox_core::AsyncHandler<E>,
+    {
+        if let Err(e) = self.dispatcher.register_async::<E, H>(handler) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
     /// The idempotency store: records `(group, msg_id)` in the handler's transaction.
     /// Any [`Inbox`] whose connection is the handlers' (an `outbox-diesel` store over a
     /// pool, or [`outbox_core::MemoryDb`] in tests).
@@ -1024,6 +1039,7 @@ where
             delivery_count = job.delivery_count,
             msg_id = tracing::field::Empty,
             event_type = tracing::field::Empty,
+            traceparent = tracing::field::Empty,
         );
         let outage = self.process_inner(&job).instrument(span).await;
         Done {
@@ -1052,6 +1068,10 @@ where
         let span = tracing::Span::current();
         span.record("msg_id", envelope.msg_id.as_str());
         span.record("event_type", envelope.event_type.as_str());
+        // Trace context captured at emit time, for subscribers that link the spans.
+        if let Some(parent) = envelope.headers.get(outbox_core::TRACEPARENT) {
+            span.record("traceparent", parent.as_str());
+        }
         let prepared = match inner.dispatcher.prepare(&envelope) {
             Ok(prepared) => prepared,
             Err(outbox_core::Error::UnknownEventType(t)) if inner.config.ignore_unknown_types => {

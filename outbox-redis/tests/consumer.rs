@@ -656,3 +656,57 @@ fn assert_send_sync() {
     is::<Consumer<MemoryDb<Applied>>>();
     is::<Arc<outbox_redis::RedisPublisher>>();
 }
+
+/// Sends "receipts" to an outside system: fails on the first attempt of each order.
+#[derive(Clone, Default)]
+struct Receipts {
+    attempts: Arc<Mutex<Vec<String>>>,
+    sent: Arc<Mutex<Vec<String>>>,
+}
+
+impl outbox_core::AsyncHandler<OrderPaid> for Receipts {
+    async fn handle(&self, e: OrderPaid, d: &outbox_core::Delivery) -> Result<(), HandlerError> {
+        tokio::time::sleep(Duration::from_millis(1)).await; // a real await point
+        self.attempts.lock().unwrap().push(e.order_id.clone());
+        if d.delivery_count == 1 {
+            return Err(HandlerError::msg("receipt service unavailable"));
+        }
+        self.sent.lock().unwrap().push(e.order_id);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_handlers_are_retried_and_applied_once() {
+    let prefix = unique_prefix();
+    publish(&prefix, [paid(1), paid(2), paid(1)]).await;
+    let db = MemoryDb::new(Applied::new());
+    let receipts = Receipts::default();
+    let c = Consumer::builder(redis_url(), unique_group("receipts"))
+        .config(fast_config(&prefix))
+        .handle_async::<OrderPaid, _>(receipts.clone())
+        .idempotency(db.clone())
+        .build()
+        .unwrap();
+    let running = Running::start(&c);
+    eventually("both receipts sent", || {
+        c.stats().consumed == 2 && c.stats().duplicates == 1
+    })
+    .await;
+    running.stop().await;
+    let mut sent = receipts.sent.lock().unwrap().clone();
+    sent.sort();
+    assert_eq!(sent, ["order-1", "order-2"], "each effect succeeded once");
+    assert_eq!(
+        receipts.attempts.lock().unwrap().len(),
+        5,
+        "three entries fail their first delivery; two retries apply, the third entry is a duplicate"
+    );
+    db.read(|a| {
+        assert!(
+            a.is_empty(),
+            "the async handler wrote nothing to the store: {a:?}"
+        )
+    });
+    cleanup(&prefix).await;
+}
