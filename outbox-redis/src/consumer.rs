@@ -404,9 +404,10 @@ fn default_name() -> String {
 /// streams are read by their own blocking `XREADGROUP`, side by side; see
 /// [Redis Cluster](crate#redis-cluster).
 ///
-/// Handlers that do I/O outside the database (an HTTP call, an e-mail) are allowed, but
-/// such a side effect is only as idempotent as its own target: a crash after the call
-/// and before the commit repeats it.
+/// Effects outside the database (an HTTP call, an e-mail) go in an
+/// [`AsyncHandler`](outbox_core::AsyncHandler), registered with
+/// [`handle_async`](ConsumerBuilder::handle_async). Such an effect is only as idempotent
+/// as its own target: a crash after the call and before the commit repeats it.
 pub struct Consumer<I, C = <I as Inbox>::Conn> {
     inner: Arc<Inner<I, C>>,
 }
