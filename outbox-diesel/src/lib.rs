@@ -105,12 +105,14 @@
 //! [`Notify::WhenRelayIdle`] (the default) notifies only while a relay is parked waiting
 //! for work, decided inside the INSERT statement, so a busy system pays nothing;
 //! [`Notify::Always`] and [`Notify::Never`] are the alternatives (see [`EmitOptions`]).
+//! The parked relay sleeps on its own LISTEN connection (opened with `tokio-postgres`,
+//! without TLS: see [`PgRelayStore`]) and wakes as soon as the notification arrives.
 //!
 //! # Features
 //!
 //! | feature    | default | what it gives |
 //! |------------|---------|---------------|
-//! | `postgres` | yes     | `PgConnection` support, [`PgRelayStore`] with LISTEN/NOTIFY, [`PgInbox`] (libpq) |
+//! | `postgres` | yes     | `PgConnection` support, [`PgRelayStore`] with LISTEN/NOTIFY, [`PgInbox`] (libpq; tokio-postgres for LISTEN) |
 //! | `mysql`    | yes     | `MysqlConnection` support, [`MysqlRelayStore`], [`MysqlInbox`] (libmysqlclient) |
 //! | `sqlite`   | yes     | `SqliteConnection` support, [`SqliteRelayStore`] (one relay per database), [`SqliteInbox`] (libsqlite3) |
 #![doc(test(attr(deny(warnings))))]

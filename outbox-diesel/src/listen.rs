@@ -1,22 +1,27 @@
 //! PostgreSQL: the relay store, whose idle wait is woken by `NOTIFY`.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::future::poll_fn;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::task::{Poll, ready};
+use std::time::Duration;
 
-use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
-use diesel::sql_types::{BigInt, Bool, Text};
-use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
+use diesel::sql_types::BigInt;
+use diesel::{PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep_until};
+use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 
 use crate::backend::NOTIFY_IDLE_SLACK;
 use crate::relay::{LockedBatch, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, OutboxConnection as _, PgPool, Result};
 
-/// How often a parked relay looks for a notification on its LISTEN connection (a
-/// non-blocking read of the socket; no round trip).
-const LISTEN_POLL_STEP: Duration = Duration::from_millis(20);
+/// How long opening the LISTEN connection may take at least, even when the wait that
+/// opens it is shorter (it goes on in the background after that wait ends).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The relay's store on PostgreSQL: claims with `FOR UPDATE SKIP LOCKED` on a pooled
 /// connection, so any number of relays can run side by side, in per-key order by
@@ -26,19 +31,33 @@ const LISTEN_POLL_STEP: Duration = Duration::from_millis(20);
 /// an idle relay waits on `LISTEN` over its own dedicated connection: it announces that
 /// it is parked (its own row in `outbox_relay_idle`, keyed by a per-store id), which
 /// makes emits in [`Notify::WhenRelayIdle`](crate::Notify::WhenRelayIdle) mode send
-/// `NOTIFY` while any relay is parked, and wakes as soon as such a transaction commits;
-/// a woken relay removes only its own row, so other parked relays stay reachable.
-/// Without a listener, or while its connection is down (it reconnects on the next wait),
-/// waiting sleeps for the poll interval.
+/// `NOTIFY` while any relay is parked, and wakes as soon as such a transaction commits
+/// (the notification is read by a task on the tokio runtime, not polled for); a woken
+/// relay removes only its own row, so other parked relays stay reachable. Without a
+/// listener, or while its connection is down (it reconnects on the next wait), waiting
+/// sleeps for the poll interval.
 ///
 /// Before parking, the relay looks once for due rows newer than what its last claims
 /// saw, so a row committed just before it parked is not left to the poll. Rows the
 /// per-key claim held back (behind another relay's batch or a retry) do not count: that
 /// relay, or the poll interval, picks them up.
+///
+/// # The LISTEN connection
+///
+/// It is opened with `tokio-postgres`, not libpq, so that the wait can sleep on the
+/// socket. It takes the same URL as the pool (`postgres://user:password@host:port/db`,
+/// with `options=-c search_path=..` and the other common parameters), but:
+/// - it does not use TLS: with `sslmode=require` (or any setting or parameter that
+///   `tokio-postgres` does not know, like `sslrootcert`) the listener does not connect,
+///   and the relay polls, with a warning;
+/// - it does not read libpq's environment variables (`PGHOST`, `PGPASSWORD`, ..) or
+///   `~/.pgpass`: put what it needs in the URL.
+///
+/// Everything else (claims, marks of the pool, emits) goes through libpq as before.
 #[derive(Debug, Clone)]
 pub struct PgRelayStore {
     pool: PgPool,
-    listener: Option<Arc<Mutex<Listener>>>,
+    listener: Option<Arc<Listener>>,
     channel: String,
     order: ClaimOrder,
     seen: Arc<Seen>,
@@ -87,26 +106,22 @@ impl PgRelayStore {
     }
 
     /// Waits for work with `LISTEN` on a dedicated connection to `database_url` (opened
-    /// on the first wait). Use the URL of the pool's database and schema.
+    /// on the first wait, without TLS: see [the LISTEN connection](Self#the-listen-connection)).
+    /// Use the URL of the pool's database and schema.
     pub fn with_listener(mut self, database_url: impl Into<String>) -> Self {
-        self.listener = Some(Arc::new(Mutex::new(Listener {
+        self.listener = Some(Arc::new(Listener {
             url: database_url.into(),
-            channel: self.channel.clone(),
             relay_id: format!("pid{}-{:016x}", std::process::id(), fastrand::u64(..)),
-            conn: None,
-        })));
+            state: tokio::sync::Mutex::default(),
+        }));
         self
     }
 
     /// Sets the `NOTIFY` channel (default `outbox`): the one emitters use in
     /// [`EmitOptions::channel`](crate::EmitOptions::channel).
     pub fn with_channel(mut self, channel: impl Into<String>) -> Self {
+        // An open LISTEN connection on another channel is replaced on the next wait.
         self.channel = channel.into();
-        if let Some(l) = &self.listener {
-            let mut l = l.lock().unwrap_or_else(PoisonError::into_inner);
-            l.channel.clone_from(&self.channel);
-            l.conn = None; // re-LISTEN on the new channel
-        }
         self
     }
 
@@ -145,28 +160,12 @@ impl RelayStore for PgRelayStore {
     }
 
     async fn wait_for_work(&self, timeout: Duration) {
-        let Some(listener) = self.listener.clone() else {
-            tokio::time::sleep(timeout).await;
-            return;
-        };
-        let seen = self.seen.up_to.load(Ordering::Relaxed);
-        // The relay drops this future when it shuts down; the blocking park notices
-        // within a poll step instead of holding a thread (and the runtime's shutdown)
-        // for the rest of the poll interval.
-        let cancel = CancelOnDrop(Arc::default());
-        let cancelled = cancel.0.clone();
-        let waited = blocking(move || {
-            // A second concurrent waiter (not the relay's pattern) just sleeps.
-            match listener.try_lock() {
-                Ok(mut l) => l.wait(timeout, seen, &cancelled),
-                Err(_) => std::thread::sleep(timeout),
+        match &self.listener {
+            Some(listener) => {
+                let seen = self.seen.up_to.load(Ordering::Relaxed);
+                listener.wait(&self.channel, timeout, seen).await;
             }
-            Ok(())
-        })
-        .await;
-        drop(cancel);
-        if let Err(e) = waited {
-            tracing::warn!(error = %e, "outbox LISTEN wait failed");
+            None => tokio::time::sleep(timeout).await,
         }
     }
 
@@ -174,21 +173,6 @@ impl RelayStore for PgRelayStore {
         let pool = self.pool.clone();
         Ok(blocking(move || pool.get()?.__backlog()).await?)
     }
-}
-
-/// Sets its flag when dropped.
-struct CancelOnDrop(Arc<AtomicBool>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-#[derive(QueryableByName)]
-struct Due {
-    #[diesel(sql_type = Bool)]
-    due: bool,
 }
 
 #[derive(QueryableByName)]
@@ -207,19 +191,45 @@ fn newest_due(conn: &mut PgConnection) -> Result<i64> {
     .id)
 }
 
+/// Marks this relay parked for `$2` milliseconds; also clears marks that crashed relays
+/// left behind.
+const MARK_SQL: &str = "WITH stale AS (DELETE FROM outbox_relay_idle \
+     WHERE idle_until < now() - interval '1 hour') \
+     INSERT INTO outbox_relay_idle (relay_id, idle_until) \
+     VALUES ($1, now() + $2::int8 * interval '1 millisecond') \
+     ON CONFLICT (relay_id) DO UPDATE SET idle_until = EXCLUDED.idle_until";
+
+/// Due NEW rows above id `$1`.
+const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
+     AND next_retry_at <= now() AND id > $1::int8)";
+
+/// This relay is busy (or stopping): emitters stop paying for NOTIFY.
+const CLEAR_SQL: &str = "DELETE FROM outbox_relay_idle WHERE relay_id = $1";
+
+/// A store's LISTEN side: its id in `outbox_relay_idle` and its dedicated connection.
 struct Listener {
     url: String,
-    channel: String,
     /// This store's row in `outbox_relay_idle`.
     relay_id: String,
-    conn: Option<PgConnection>,
+    /// Held by the one wait in progress.
+    state: tokio::sync::Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    live: Option<Arc<Live>>,
+    /// An attempt to open the connection, left running by a wait that ended first.
+    connecting: Option<JoinHandle<Result<Live, String>>>,
+    /// The last attempt failed (warned once per outage).
+    failing: bool,
 }
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let connected = self.state.try_lock().ok().map(|s| s.live.is_some());
         f.debug_struct("Listener")
-            .field("channel", &self.channel)
-            .field("connected", &self.conn.is_some())
+            .field("relay_id", &self.relay_id)
+            .field("connected", &connected)
             .finish_non_exhaustive()
     }
 }
@@ -230,78 +240,269 @@ fn quote_ident(s: &str) -> String {
 
 impl Listener {
     /// Parks until a notification, due work above id `seen`, or `timeout`. Never
-    /// fails: on a database error it drops the connection (reconnecting next time) and
-    /// sleeps instead.
-    fn wait(&mut self, timeout: Duration, seen: i64, cancelled: &AtomicBool) {
+    /// fails: without a working connection it sleeps instead (and reconnects next time).
+    async fn wait(&self, channel: &str, timeout: Duration, seen: i64) {
         let deadline = Instant::now() + timeout;
-        if let Err(e) = self.try_wait(timeout, deadline, seen, cancelled) {
-            tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
-            self.conn = None;
-            while !cancelled.load(Ordering::Relaxed) {
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
+        // A second concurrent waiter (not the relay's pattern) just sleeps.
+        let Ok(mut state) = self.state.try_lock() else {
+            sleep_until(deadline).await;
+            return;
+        };
+        let live = match state.live.clone() {
+            Some(live) if live.usable(channel) => live,
+            _ => {
+                state.live = None;
+                match self.open(&mut state, channel, deadline).await {
+                    Some(live) => live,
+                    None => {
+                        sleep_until(deadline).await;
+                        return;
+                    }
                 }
-                std::thread::sleep(LISTEN_POLL_STEP.min(deadline - now));
             }
+        };
+        // Bounded also when the server stops answering mid-statement.
+        let parked =
+            tokio::time::timeout_at(deadline, live.park(&self.relay_id, timeout, deadline, seen));
+        if let Ok(Err(e)) = parked.await {
+            tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
+            state.failing = true;
+            state.live = None;
+            sleep_until(deadline).await;
         }
     }
 
-    fn try_wait(
-        &mut self,
+    /// Opens the connection, or goes on opening it in the background past `deadline`.
+    async fn open(&self, state: &mut State, channel: &str, deadline: Instant) -> Option<Arc<Live>> {
+        let attempt = state.connecting.get_or_insert_with(|| {
+            let (url, channel) = (self.url.clone(), channel.to_owned());
+            tokio::spawn(async move {
+                match tokio::time::timeout(CONNECT_TIMEOUT, Live::connect(&url, &channel)).await {
+                    Ok(Ok(live)) => Ok(live),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no connection within {CONNECT_TIMEOUT:?}")),
+                }
+            })
+        });
+        let opened = tokio::select! {
+            opened = attempt => opened,
+            () = sleep_until(deadline) => return None,
+        };
+        state.connecting = None;
+        match opened.map_err(|e| e.to_string()).and_then(|r| r) {
+            Ok(live) if live.channel == channel => {
+                if std::mem::take(&mut state.failing) {
+                    tracing::info!("outbox LISTEN connection is back");
+                }
+                let live = Arc::new(live);
+                state.live = Some(live.clone());
+                Some(live)
+            }
+            Ok(_) => None, // opened for a channel changed since: the next wait retries
+            Err(e) => {
+                if std::mem::replace(&mut state.failing, true) {
+                    tracing::debug!(error = %e, "outbox LISTEN connection still down");
+                } else {
+                    tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
+                }
+                None
+            }
+        }
+    }
+}
+
+/// An open LISTEN connection. A task on the runtime reads the socket and signals each
+/// notification through `events`.
+struct Live {
+    client: Client,
+    channel: String,
+    events: Arc<Events>,
+    reader: JoinHandle<()>,
+    mark: Statement,
+    due: Statement,
+    clear: Statement,
+    /// The last DELETE of this relay's mark, sent in the background: the next mark
+    /// waits for it.
+    clearing: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the reading task tells the waits.
+#[derive(Default)]
+struct Events {
+    /// Notifications received so far.
+    received: AtomicU64,
+    /// The connection has ended.
+    closed: AtomicBool,
+    /// Signalled on each notification and when the connection ends.
+    changed: tokio::sync::Notify,
+}
+
+impl Live {
+    async fn connect(url: &str, channel: &str) -> Result<Self, tokio_postgres::Error> {
+        let (client, mut conn) = tokio_postgres::connect(url, NoTls).await?;
+        let events = Arc::new(Events::default());
+        let signal = events.clone();
+        let reader = tokio::spawn(async move {
+            let end = poll_fn(|cx| {
+                loop {
+                    match ready!(conn.poll_message(cx)) {
+                        Some(Ok(AsyncMessage::Notification(_))) => {
+                            signal.received.fetch_add(1, Ordering::SeqCst);
+                            signal.changed.notify_waiters();
+                        }
+                        Some(Ok(_)) => {} // a notice
+                        Some(Err(e)) => return Poll::Ready(Some(e)),
+                        None => return Poll::Ready(None),
+                    }
+                }
+            })
+            .await;
+            signal.closed.store(true, Ordering::SeqCst);
+            signal.changed.notify_waiters();
+            if let Some(e) = end {
+                tracing::debug!(error = %e, "outbox LISTEN connection ended");
+            }
+        });
+        // The marks are worth nothing after a crash: no need to wait for their WAL flush.
+        client
+            .batch_execute(&format!(
+                "SET synchronous_commit = off; LISTEN {}",
+                quote_ident(channel)
+            ))
+            .await?;
+        let (mark, due, clear) = tokio::try_join!(
+            client.prepare(MARK_SQL),
+            client.prepare(DUE_SQL),
+            client.prepare(CLEAR_SQL),
+        )?;
+        Ok(Self {
+            client,
+            channel: channel.to_owned(),
+            events,
+            reader,
+            mark,
+            due,
+            clear,
+            clearing: Mutex::default(),
+        })
+    }
+
+    /// Still connected (and on `channel`), and its reading task still running (it ends
+    /// with the runtime it was spawned on).
+    fn usable(&self, channel: &str) -> bool {
+        self.channel == channel
+            && !self.events.closed.load(Ordering::SeqCst)
+            && !self.reader.is_finished()
+    }
+
+    /// Marks the relay parked, looks for due work above `seen`, then waits for a
+    /// notification or `deadline`.
+    async fn park(
+        self: &Arc<Self>,
+        relay_id: &str,
         timeout: Duration,
         deadline: Instant,
         seen: i64,
-        cancelled: &AtomicBool,
-    ) -> Result<()> {
-        let conn = match &mut self.conn {
-            Some(conn) => conn,
-            None => {
-                let mut conn = PgConnection::establish(&self.url)?;
-                conn.batch_execute(&format!("LISTEN {}", quote_ident(&self.channel)))?;
-                self.conn.insert(conn)
-            }
-        };
-        // Older notifications are stale: the relay has claimed since they were sent.
-        for n in conn.notifications_iter() {
-            n?;
+    ) -> Result<(), Lost> {
+        // The last wait's DELETE goes first, or it would remove the mark below.
+        let clearing = self
+            .clearing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(clearing) = clearing {
+            let _ = clearing.await;
         }
-        let idle_ms = (timeout + NOTIFY_IDLE_SLACK).as_millis();
-        // Marks this relay parked; also clears marks that crashed relays left behind.
-        diesel::sql_query(format!(
-            "WITH stale AS (DELETE FROM outbox_relay_idle WHERE idle_until < now() - interval '1 hour') \
-             INSERT INTO outbox_relay_idle (relay_id, idle_until) \
-             VALUES ($1, now() + interval '{idle_ms} milliseconds') \
-             ON CONFLICT (relay_id) DO UPDATE SET idle_until = EXCLUDED.idle_until"
-        ))
-        .bind::<Text, _>(&self.relay_id)
-        .execute(conn)?;
+        // Older notifications are stale: the relay has claimed since they were sent.
+        let before = self.events.received.load(Ordering::SeqCst);
+        let idle_ms = i64::try_from((timeout + NOTIFY_IDLE_SLACK).as_millis()).unwrap_or(i64::MAX);
+        // From here on, a dropped wait (the relay stopping) clears the mark.
+        let mut mark = Marked {
+            live: self,
+            relay_id,
+            armed: true,
+        };
+        self.client
+            .execute(&self.mark, &[&relay_id, &idle_ms])
+            .await?;
         // A row committed between the relay's last claim and the mark above sent no
         // NOTIFY: look once before parking.
-        let due = diesel::sql_query(format!(
-            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-             AND id > {seen}) AS due"
-        ))
-        .get_result::<Due>(conn)?
-        .due;
-        loop {
-            let mut woke = due;
-            for n in conn.notifications_iter() {
-                n?;
-                woke = true;
+        let due: bool = self
+            .client
+            .query_one(&self.due, &[&seen])
+            .await?
+            .try_get(0)?;
+        // Registered before the count is read again: a notification in between is not lost.
+        let mut changed = pin!(self.events.changed.notified());
+        changed.as_mut().enable();
+        let mut woke = due || self.events.received.load(Ordering::SeqCst) != before;
+        if !woke && !self.events.closed.load(Ordering::SeqCst) {
+            tokio::select! {
+                () = changed => {}
+                () = sleep_until(deadline) => {}
             }
-            if woke || cancelled.load(Ordering::Relaxed) {
-                // Busy (or stopping) from here on: emitters stop paying for NOTIFY.
-                diesel::sql_query("DELETE FROM outbox_relay_idle WHERE relay_id = $1")
-                    .bind::<Text, _>(&self.relay_id)
-                    .execute(conn)?;
-                return Ok(());
+            woke = self.events.received.load(Ordering::SeqCst) != before;
+        }
+        if self.events.closed.load(Ordering::SeqCst) && !woke {
+            // Lost while parked: the mark expires by itself; the caller polls.
+            mark.armed = false;
+            return Err(Lost::Closed);
+        }
+        // Woken: busy from here on (the DELETE goes on while the relay claims). Timed
+        // out: the mark stays, and expires NOTIFY_IDLE_SLACK after the timeout.
+        mark.armed = woke;
+        Ok(())
+    }
+
+    /// Sends the DELETE of this relay's mark in the background.
+    fn clear(self: &Arc<Self>, relay_id: &str) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime (dropped outside of it): the mark expires
+        };
+        let (live, relay_id) = (self.clone(), relay_id.to_owned());
+        let clearing = runtime.spawn(async move {
+            if let Err(e) = live.client.execute(&live.clear, &[&relay_id]).await {
+                tracing::debug!(error = %e, "outbox: clearing the relay's idle mark failed");
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(());
-            }
-            std::thread::sleep(LISTEN_POLL_STEP.min(deadline - now));
+        });
+        *self.clearing.lock().unwrap_or_else(PoisonError::into_inner) = Some(clearing);
+    }
+}
+
+/// Why a park ended without its connection.
+#[derive(Debug)]
+enum Lost {
+    Db(tokio_postgres::Error),
+    Closed,
+}
+
+impl From<tokio_postgres::Error> for Lost {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Self::Db(e)
+    }
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Db(e) => e.fmt(f),
+            Self::Closed => f.write_str("connection closed while parked"),
+        }
+    }
+}
+
+/// While armed, clears the relay's mark when dropped: when the wait ends woken, or is
+/// dropped while parked (the relay stopping).
+struct Marked<'a> {
+    live: &'a Arc<Live>,
+    relay_id: &'a str,
+    armed: bool,
+}
+
+impl Drop for Marked<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.live.clear(self.relay_id);
         }
     }
 }
