@@ -61,6 +61,15 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
     #[doc(hidden)]
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool>;
 
+    /// Fails if the open transaction can no longer commit. PostgreSQL aborts a
+    /// transaction at its first failed statement and then turns `COMMIT` into a silent
+    /// `ROLLBACK`; MySQL and SQLite roll back only the failed statement, so they have
+    /// nothing to check.
+    #[doc(hidden)]
+    fn __check_committable(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Rows with `id > after_id`, optionally of one status, in id order.
     #[doc(hidden)]
     fn __list(
@@ -133,6 +142,9 @@ where
     }
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         (**self).__insert_consumed(group, msg_id)
+    }
+    fn __check_committable(&mut self) -> Result<()> {
+        (**self).__check_committable()
     }
     fn __list(
         &mut self,

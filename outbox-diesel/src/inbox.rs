@@ -105,6 +105,7 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
                 return Ok(Processed::Duplicate);
             }
             handle(c).map_err(TxError::Handler)?;
+            check_handler_left_committable(c)?;
             Ok::<_, TxError>(Processed::Applied)
         });
         match processed {
@@ -146,6 +147,25 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         }
         Ok(outcomes?)
     }
+}
+
+/// A handler that returned `Ok` must not have left the transaction unable to commit:
+/// a nested transaction of its own still open would make our commit only release it, and
+/// an ignored failed statement makes PostgreSQL's commit a silent rollback. Either way
+/// the message would be acknowledged with nothing written; report a handler error so
+/// everything rolls back and the message is retried.
+fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), TxError> {
+    if depth(c)? != 1 {
+        unwind_to(c, 1)?;
+        return Err(TxError::Handler(HandlerError::msg(
+            "the handler returned with a transaction of its own still open",
+        )));
+    }
+    c.__check_committable().map_err(|e| {
+        TxError::Handler(HandlerError::msg(format_args!(
+            "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
+        )))
+    })
 }
 
 type Tm<C> = <C as diesel::Connection>::TransactionManager;

@@ -31,6 +31,8 @@ enum How {
     Panic,
     /// Panics inside a nested transaction of its own, leaving it open.
     PanicInNested,
+    /// Opens a nested transaction of its own and returns `Ok` without closing it.
+    LeaveNestedOpen,
 }
 
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
@@ -72,6 +74,10 @@ impl<C: Connection + 'static> Handler<Credit> for Apply<C> {
                 Ok(())
             }
             How::Panic => panic!("handler bug"),
+            How::LeaveNestedOpen => {
+                <C::TransactionManager as diesel::connection::TransactionManager<C>>::begin_transaction(c)?;
+                Ok(())
+            }
             How::PanicInNested => {
                 c.transaction::<(), diesel::result::Error, _>(|c| {
                     c.batch_execute(
@@ -231,6 +237,45 @@ fn an_ignored_failed_statement_fails_only_its_message<B: Backend>() {
     assert_eq!((k[0].as_str(), k[2].as_str()), ("Applied", "Applied"));
 }
 
+/// Single mode (`Inbox::process`, one transaction per message) must never report
+/// `Applied` for writes that did not commit: the runner would acknowledge a message
+/// whose effect is lost.
+fn single_mode_never_acks_writes_that_did_not_commit<B: Backend>() {
+    let s = setup::<B>();
+    let (d, _) = dispatcher::<B::Conn>();
+    let open = d.consume(&s.inbox, "g1", &credit("a", How::LeaveNestedOpen));
+    assert!(
+        open.as_ref()
+            .is_err_and(|e| e.to_string().contains("still open")),
+        "{open:?}"
+    );
+    assert_eq!(
+        state::<B>(&s.db, "g1").1,
+        0,
+        "no dedup row: it will be retried"
+    );
+
+    let ignored = d.consume(&s.inbox, "g1", &credit("b", How::IgnoredBadSql));
+    if B::NAME == "PostgreSQL" {
+        assert!(
+            ignored
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("could not be kept")),
+            "{ignored:?}"
+        );
+        assert_eq!(state::<B>(&s.db, "g1"), (vec![], 0, 0, 1000));
+    } else {
+        // MySQL and SQLite roll back only the failing statement: the rest commits.
+        assert_eq!(ignored.unwrap(), Processed::Applied);
+        assert_eq!(state::<B>(&s.db, "g1").0, ["b"]);
+    }
+    // The pool's one connection is usable again.
+    assert_eq!(
+        d.consume(&s.inbox, "g1", &credit("c", How::Ok)).unwrap(),
+        Processed::Applied
+    );
+}
+
 fn duplicates_do_not_run_the_handler<B: Backend>() {
     let s = setup::<B>();
     assert_eq!(
@@ -362,6 +407,10 @@ macro_rules! backend_tests {
             #[test]
             fn an_ignored_failed_statement_fails_only_its_message() {
                 super::an_ignored_failed_statement_fails_only_its_message::<$b>();
+            }
+            #[test]
+            fn single_mode_never_acks_writes_that_did_not_commit() {
+                super::single_mode_never_acks_writes_that_did_not_commit::<$b>();
             }
             #[test]
             fn duplicates_do_not_run_the_handler() {

@@ -7,7 +7,7 @@ use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::QueryResult;
 use diesel::sql_types::{BigInt, Integer, Nullable, Text};
-use diesel::{PgConnection, RunQueryDsl};
+use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
 use super::{Dialect, Row, chunks, in_list};
@@ -251,6 +251,12 @@ impl OutboxConnection for PgConnection {
 
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    fn __check_committable(&mut self) -> Result<()> {
+        // Any statement fails in an aborted transaction; this one is prepared once.
+        diesel::select(1i32.into_sql::<Integer>()).execute(self)?;
+        Ok(())
     }
 
     fn __claim_per_key_sql(limit: usize) -> String {
