@@ -62,6 +62,12 @@ const OUTAGE_CODES: &[&str] = &[
     // command. Retrying later, on a fresh slot map, succeeds.
     "MOVED",
     "ASK",
+    // Credentials or permissions: every write fails until an operator fixes them (a
+    // rotated password, an ACL change). Spending retries on them would dead-letter the
+    // whole backlog during the fix.
+    "NOAUTH",
+    "NOPERM",
+    "WRONGPASS",
 ];
 
 /// Whether `e` is a failure of the connection or of the server as a whole.
@@ -72,6 +78,7 @@ pub(crate) fn is_outage(e: &RedisError) -> bool {
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+        || e.kind() == redis::ErrorKind::AuthenticationFailed
         || e.code().is_some_and(|c| OUTAGE_CODES.contains(&c))
 }
 
@@ -84,5 +91,6 @@ pub(crate) fn breaks_connection(e: &RedisError) -> bool {
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+        || e.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(e.code(), Some("MOVED" | "ASK"))
 }

@@ -68,6 +68,45 @@ async fn an_unreachable_redis_is_a_broker_outage() {
     assert!(err.is_outage());
 }
 
+/// Wrong credentials or missing permissions fail every write until an operator fixes
+/// them: an outage, never a per-message failure that would spend retries.
+#[tokio::test]
+async fn credential_and_permission_errors_are_outages() {
+    let user = format!("outbox-test-{:08x}", fastrand::u32(..));
+    let mut conn = conn().await;
+    let _: () = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER", &user, "on", ">secret", "~*", "-@all", "+ping", "+hello", "+client",
+            ][..],
+        )
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let prefix = unique_prefix();
+    let host = redis_url().trim_start_matches("redis://").to_owned();
+    for (url, why) in [
+        (
+            format!("redis://{user}:secret@{host}"),
+            "no permission for XADD",
+        ),
+        (format!("redis://{user}:wrong@{host}"), "wrong password"),
+    ] {
+        let config = outbox_redis::PublisherConfig {
+            stream_prefix: prefix.clone(),
+            ..outbox_redis::PublisherConfig::default()
+        };
+        let publisher = RedisPublisher::with_config(url.as_str(), config).unwrap();
+        let err = publisher.publish(&stored([paid(1)])).await.unwrap_err();
+        assert!(err.is_outage(), "{why}: {err:?}");
+    }
+    let _: () = redis::cmd("ACL")
+        .arg(&["DELUSER", &user][..])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn an_entry_redis_refuses_fails_alone() {
     let prefix = unique_prefix();
