@@ -306,12 +306,14 @@ impl<C: 'static> Dispatcher<C> {
                 .ok_or_else(|| HandlerError::msg("the inbox ran this message's handler twice"))?;
             run_catching_panic(prepared, conn, delivery)
         })?;
-        // A broken `Inbox` implementation, not a runtime condition.
-        assert_eq!(
-            processed.len(),
-            msg_ids.len(),
-            "Inbox::process_batch must return one outcome per msg_id"
-        );
+        if processed.len() != msg_ids.len() {
+            // A broken `Inbox` implementation: nothing can be told about any message.
+            return Err(Error::store(format!(
+                "Inbox::process_batch returned {} outcomes for {} messages",
+                processed.len(),
+                msg_ids.len()
+            )));
+        }
         let mut processed = processed.into_iter();
         Ok(outcomes
             .into_iter()

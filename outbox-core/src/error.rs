@@ -59,6 +59,10 @@ pub enum Error {
     /// spending any message's retries.
     #[error("broker unavailable: {0}")]
     BrokerUnavailable(#[source] BoxError),
+    /// Another relay holds this store exclusively (SQLite takes one relay per database):
+    /// this relay must stop. Not an outage: waiting does not resolve it.
+    #[error("another relay holds this store: {0}")]
+    RelayConflict(#[source] BoxError),
     /// A stored status value that is not NEW, SENT or DEAD.
     #[error("unknown outbox status value {0}")]
     UnknownStatus(i16),

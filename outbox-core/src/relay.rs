@@ -290,8 +290,9 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             let failures = m.retries.saturating_add(1);
             match self.config.retry.decide_now(failures) {
                 RetryDecision::RetryAfter(delay) => {
-                    let at = Utc::now()
-                        + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+                    // Capped so that every backend's timestamp column can hold it.
+                    let delay = delay.min(LONGEST_DELAY);
+                    let at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
                     outcome.retry.push((m.id, at, rejected.reason));
                 }
                 RetryDecision::Dead => {
@@ -315,7 +316,7 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let mut backlog_due = Instant::now(); // read it on the first turn
         loop {
             if Instant::now() >= backlog_due {
-                backlog_due = Instant::now() + self.config.backlog_interval;
+                backlog_due = Instant::now() + self.config.backlog_interval.min(LONGEST_DELAY);
                 self.record_backlog().await;
             }
             let idle = match self.run_once().await {
@@ -339,7 +340,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             let wait = async {
                 match idle {
                     None => {}
-                    Some(Idle::Poll) => self.store.wait_for_work(self.config.poll_interval).await,
+                    Some(Idle::Poll) => {
+                        let timeout = self.config.poll_interval.min(LONGEST_DELAY);
+                        self.store.wait_for_work(timeout).await;
+                    }
                     Some(Idle::Outage(pause)) => tokio::time::sleep(pause).await,
                 }
             };
@@ -366,6 +370,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         }
     }
 }
+
+/// Ten years: the longest delay taken from a configuration (retry delays, poll and
+/// backlog intervals), so that deadlines and stored timestamps never overflow.
+const LONGEST_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 enum Idle {
     Poll,

@@ -73,7 +73,9 @@ impl RetryPolicy {
         let capped = raw.min(self.max_delay.as_secs_f64());
         let jitter = self.jitter.clamp(0.0, 1.0);
         let factor = 1.0 - jitter + 2.0 * jitter * unit.clamp(0.0, 1.0);
-        Duration::from_secs_f64((capped * factor).min(self.max_delay.as_secs_f64()))
+        // `try_from`: a `max_delay` near `Duration::MAX` does not survive the f64 round trip.
+        Duration::try_from_secs_f64((capped * factor).min(self.max_delay.as_secs_f64()))
+            .unwrap_or(self.max_delay)
     }
 }
 
@@ -160,6 +162,27 @@ mod tests {
                 "{d:?}"
             );
         }
+    }
+
+    #[test]
+    fn extreme_settings_do_not_panic() {
+        let p = RetryPolicy {
+            max_delay: Duration::MAX,
+            base_delay: Duration::MAX,
+            ..RetryPolicy::default()
+        };
+        for n in [1, 2, 63, u32::MAX] {
+            let _ = p.delay(n, 1.0);
+            let _ = p.decide(n, 0.5);
+        }
+        assert_eq!(
+            OutageBackoff {
+                min: Duration::MAX,
+                max: Duration::MAX
+            }
+            .pause(40),
+            Duration::MAX
+        );
     }
 
     #[test]

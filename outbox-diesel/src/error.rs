@@ -243,6 +243,9 @@ impl From<Error> for outbox_core::Error {
                 limit,
             },
             Error::Core(e) => e,
+            e @ (Error::RelayAlreadyRunning { .. } | Error::LeaseLost { .. }) => {
+                Self::RelayConflict(Box::new(e))
+            }
             other => Self::Store(Box::new(other) as BoxError),
         }
     }

@@ -78,8 +78,11 @@ pub fn sqlite_pool(database_url: &str, max_size: u32) -> Result<SqlitePool> {
 /// the store takes a lease (`outbox_relay_lease`) when it is created, renews it with
 /// every claim, and gives it up when dropped. A second store on the same database fails
 /// with [`Error::RelayAlreadyRunning`](crate::Error::RelayAlreadyRunning) until then, or
-/// until the lease expires (its holder crashed): the lease time, 30 s by default, must
-/// exceed the relay's poll interval.
+/// until the lease expires (its holder crashed): the lease time, 2 min by default, must
+/// exceed the relay's poll interval and its longest outage pause (30 s by default) plus
+/// a publish timeout, or a relay waiting out a broker outage could lose its lease. A
+/// relay that loses it stops: `Relay::run_until` returns
+/// [`outbox_core::Error::RelayConflict`].
 ///
 /// Claims and completions run in short immediate (write-locking) transactions, each of
 /// which checks the lease first; the batch holds no database lock while it is being
@@ -93,8 +96,8 @@ pub struct SqliteRelayStore {
 }
 
 impl SqliteRelayStore {
-    /// The default lease time: 30 s.
-    pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+    /// The default lease time: 2 min.
+    pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(120);
 
     /// Takes the database's relay lease (blocking briefly) with the default lease time.
     pub fn new(pool: SqlitePool) -> Result<Self> {

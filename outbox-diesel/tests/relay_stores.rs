@@ -213,13 +213,26 @@ fn sqlite_expired_lease_is_taken_over_and_the_stale_relay_stops() {
     let fresh = SqliteRelayStore::with_lease_ttl(Lite::pool(&db, 2), ttl).unwrap();
     runtime().block_on(async {
         let e = stale.claim(10).await.unwrap_err();
-        let outbox_core::Error::Store(inner) = &e else {
-            panic!("expected a store error, got {e}");
+        assert!(!e.is_outage(), "losing the lease is no outage: {e}");
+        let outbox_core::Error::RelayConflict(inner) = &e else {
+            panic!("expected a relay conflict, got {e}");
         };
         let inner = inner.downcast_ref::<outbox_diesel::Error>().unwrap();
         assert!(
             matches!(inner, outbox_diesel::Error::LeaseLost { owner } if owner == fresh.owner()),
             "{inner}"
+        );
+        // The stale relay stops instead of retrying forever.
+        let relay = outbox_core::Relay::new(stale, outbox_core::MemoryBroker::new());
+        let stopped = tokio::time::timeout(
+            Duration::from_secs(60),
+            relay.run_until(std::future::pending()),
+        )
+        .await
+        .expect("the stale relay stops by itself");
+        assert!(
+            matches!(stopped, Err(outbox_core::Error::RelayConflict(_))),
+            "{stopped:?}"
         );
         fresh.claim(10).await.unwrap();
     });
