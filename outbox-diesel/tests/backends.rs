@@ -405,6 +405,44 @@ fn relay_transitions<B: Backend>() {
     runtime().block_on(relay_marks_sent_and_schedules_retries_then_dead::<B>(&db));
 }
 
+/// A row written around the library (here: headers that are not all strings) is
+/// dead-lettered with the reason; the rows around it are published and the relay goes on.
+fn an_unreadable_row_is_dead_lettered_not_a_stuck_relay<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.transaction(|c| c.emit(transfer("t-1", 1)).map(drop))
+        .unwrap();
+    exec(
+        &mut conn,
+        "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, headers, \
+         next_retry_at, created_at) \
+         SELECT 't-2:AccountTransferred', topic, event_type, 't-2', schema_version, payload, \
+                '{\"retries\": 3}', next_retry_at, created_at \
+         FROM outbox WHERE msg_id = 't-1:AccountTransferred'",
+    );
+    conn.transaction(|c| c.emit(transfer("t-3", 1)).map(drop))
+        .unwrap();
+    let broker = MemoryBroker::new();
+    let relay = Relay::new(B::store(&db), broker.clone());
+    let report = runtime().block_on(relay.run_once()).unwrap();
+    assert_eq!((report.claimed, report.sent), (2, 2), "{report:?}");
+    let published: Vec<String> = broker
+        .published("account.transferred")
+        .iter()
+        .map(|e| e.msg_id.to_string())
+        .collect();
+    assert_eq!(published, [msg("t-1"), msg("t-3")]);
+    // The unreadable row cannot be read as a record either: count it in SQL.
+    assert_eq!(
+        B::scalar(
+            &mut conn,
+            "SELECT COUNT(*) AS n FROM outbox WHERE status = 2 AND last_error LIKE 'unreadable row:%'"
+        ),
+        1
+    );
+    assert_eq!(runtime().block_on(relay.run_once()).unwrap().claimed, 0);
+}
+
 fn idempotency_applies_the_handler_once<B: Backend>() {
     let db = B::create();
     let inbox = DieselInbox::<B::Conn>::new(B::pool(&db, 2));
@@ -580,6 +618,10 @@ macro_rules! backend_tests {
             #[test]
             fn relay_marks_sent_and_schedules_retries_then_dead() {
                 super::relay_transitions::<$b>();
+            }
+            #[test]
+            fn an_unreadable_row_is_dead_lettered_not_a_stuck_relay() {
+                super::an_unreadable_row_is_dead_lettered_not_a_stuck_relay::<$b>();
             }
             #[test]
             fn idempotency_applies_the_handler_once() {

@@ -9,7 +9,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
 use outbox_core::{Envelope, Headers, MsgId, Status};
 
-use crate::{Error, OutboxRecord, Result};
+use crate::{Error, OutboxConnection, OutboxRecord, Result};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -182,6 +182,34 @@ impl RecordRow {
     }
 }
 
+/// Claimed rows as records. A row that cannot be read (written around this library, with
+/// an invalid msg_id or headers) is marked DEAD with the reason in the claim's own
+/// transaction, instead of failing every claim, and so the whole relay, forever.
+pub(crate) fn claimed<C: OutboxConnection>(
+    conn: &mut C,
+    rows: Vec<RecordRow>,
+) -> Result<Vec<OutboxRecord>> {
+    let mut records = Vec::with_capacity(rows.len());
+    let mut dead = Vec::new();
+    for row in rows {
+        match row.into_record() {
+            Ok(record) => records.push(record),
+            Err(Error::CorruptRow { id, reason }) => {
+                tracing::error!(id, %reason, "unreadable outbox row dead-lettered");
+                dead.push((id, format!("unreadable row: {reason}")));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if !dead.is_empty() {
+        conn.__complete(&outbox_core::BatchOutcome {
+            dead,
+            ..Default::default()
+        })?;
+    }
+    Ok(records)
+}
+
 #[derive(QueryableByName)]
 pub(crate) struct BacklogRow {
     #[diesel(sql_type = BigInt)]
@@ -331,11 +359,8 @@ macro_rules! common_methods {
 
         fn __claim(&mut self, limit: usize) -> $crate::Result<Vec<$crate::OutboxRecord>> {
             use diesel::RunQueryDsl as _;
-            diesel::sql_query(Self::__claim_sql(limit))
-                .load::<$crate::backend::RecordRow>(self)?
-                .into_iter()
-                .map($crate::backend::RecordRow::into_record)
-                .collect()
+            let rows = diesel::sql_query(Self::__claim_sql(limit)).load(self)?;
+            $crate::backend::claimed(self, rows)
         }
 
         fn __complete(&mut self, outcome: &outbox_core::BatchOutcome) -> $crate::Result<()> {

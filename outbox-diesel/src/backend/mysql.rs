@@ -215,11 +215,8 @@ impl OutboxConnection for MysqlConnection {
     }
 
     fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
-        let mut locked = diesel::sql_query(Self::__claim_per_key_sql(limit))
-            .load::<super::RecordRow>(self)?
-            .into_iter()
-            .map(super::RecordRow::into_record)
-            .collect::<Result<Vec<_>>>()?;
+        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit)).load(self)?;
+        let mut locked = super::claimed(self, rows)?;
         if locked.is_empty() {
             return Ok(locked);
         }

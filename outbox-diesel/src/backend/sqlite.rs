@@ -215,11 +215,8 @@ impl OutboxConnection for SqliteConnection {
     }
 
     fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
-        diesel::sql_query(Self::__claim_per_key_sql(limit))
-            .load::<super::RecordRow>(self)?
-            .into_iter()
-            .map(super::RecordRow::into_record)
-            .collect()
+        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit)).load(self)?;
+        super::claimed(self, rows)
     }
 
     super::common_methods!(DIALECT);
