@@ -119,8 +119,11 @@ impl Default for EmitOptions {
 /// emit is one `INSERT` (on PostgreSQL with the optional `NOTIFY` in the same statement),
 /// a statement diesel keeps prepared.
 ///
-/// Every error leaves the transaction usable: nothing was written, and you may roll back
-/// (what `?` does) or carry on. A duplicate msg_id is [`Error::Duplicate`]; after `?` has
+/// The errors emit detects itself (duplicate msg_id, invalid msg_id, payload too large or
+/// not serializable, field too long) leave the transaction usable: nothing was written,
+/// and you may roll back (what `?` does) or carry on. A database error (a lost
+/// connection, a statement timeout) is like any failed statement: on PostgreSQL it aborts
+/// the transaction, which can then only roll back. A duplicate msg_id is [`Error::Duplicate`]; after `?` has
 /// turned it into a [`diesel::result::Error`], test it with [`is_duplicate`](crate::is_duplicate).
 pub trait Emit {
     /// Writes `event` with the default [`EmitOptions`] and returns its msg_id.

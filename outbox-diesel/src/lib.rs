@@ -74,8 +74,10 @@
 //!
 //! # Errors and transactions
 //!
-//! Every emit error leaves your transaction usable: nothing was written, and `?` rolls
-//! back as usual. On PostgreSQL a failing statement would abort the transaction, so a
+//! The errors emit detects itself (duplicate or invalid msg_id, payload too large or not
+//! serializable, field too long) leave your transaction usable: nothing was written, and
+//! `?` rolls back as usual. A database error aborts a PostgreSQL transaction like any
+//! failed statement. On PostgreSQL a failing statement would abort the transaction, so a
 //! duplicate msg_id is detected with `ON CONFLICT (msg_id) DO NOTHING` and "0 rows";
 //! MySQL and SQLite roll back only the failing statement. [`Error`] converts into
 //! [`diesel::result::Error`] (a duplicate becomes a `UniqueViolation` on
