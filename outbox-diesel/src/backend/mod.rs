@@ -465,7 +465,8 @@ macro_rules! common_methods {
             use diesel::RunQueryDsl as _;
             let d: &$crate::backend::Dialect = &$d;
             let filter = format!("status = 1 AND sent_at < {}", (d.ago)(older_than_us));
-            Ok(diesel::sql_query((d.delete_limited)("outbox", &filter, "id", batch)).execute(self)?)
+            // Oldest first, through the `outbox_sent` index.
+            Ok(diesel::sql_query((d.delete_limited)("outbox", &filter, "sent_at", batch)).execute(self)?)
         }
 
         fn __purge_consumed(&mut self, older_than_us: i64, batch: usize) -> $crate::Result<usize> {

@@ -28,6 +28,8 @@ CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE status = 0;
 CREATE INDEX IF NOT EXISTS outbox_pending_key ON outbox (msg_key, id) WHERE status = 0;
 -- Dead letters for operators; small by construction.
 CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (id) WHERE status = 2;
+-- Retention: SENT rows oldest first (`purge_sent`), without walking the others.
+CREATE INDEX IF NOT EXISTS outbox_sent ON outbox (sent_at) WHERE status = 1;
 
 CREATE TABLE IF NOT EXISTS consumed_msg (
     consumer_group VARCHAR(64) NOT NULL,
