@@ -172,9 +172,14 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             dead: outcome.dead.len(),
         };
         let now = Utc::now();
+        let lag = metrics::histogram!("outbox_relay_commit_to_publish_seconds");
         for m in batch.messages() {
-            let lag = (now - m.envelope.created_at).to_std().unwrap_or_default();
-            metrics::histogram!("outbox_relay_commit_to_publish_seconds").record(lag.as_secs_f64());
+            lag.record(
+                (now - m.envelope.created_at)
+                    .to_std()
+                    .unwrap_or_default()
+                    .as_secs_f64(),
+            );
         }
         batch.complete(outcome).await?;
         metrics::counter!("outbox_relay_published_total").increment(report.sent as u64);

@@ -1,3 +1,4 @@
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -30,22 +31,29 @@ pub const ENTRY_FIELDS: [&str; 8] = [
 ];
 
 /// The field/value pairs of the stream entry that carries `envelope`, in
-/// [`ENTRY_FIELDS`] order.
-pub fn entry_fields(envelope: &Envelope) -> [(&'static str, String); 8] {
-    let headers = serde_json::to_string(&envelope.headers).unwrap_or_else(|_| "{}".to_owned());
+/// [`ENTRY_FIELDS`] order. The payload and the other text fields are borrowed: the relay
+/// writes them to Redis without copying them first.
+pub fn entry_fields(envelope: &Envelope) -> [(&'static str, Cow<'_, str>); 8] {
+    let headers = if envelope.headers.is_empty() {
+        Cow::Borrowed("{}")
+    } else {
+        Cow::Owned(serde_json::to_string(&envelope.headers).unwrap_or_else(|_| "{}".to_owned()))
+    };
     [
-        ("msg_id", envelope.msg_id.as_str().to_owned()),
-        ("topic", envelope.topic.clone()),
-        ("type", envelope.event_type.clone()),
-        ("version", envelope.schema_version.to_string()),
-        ("key", envelope.key.clone()),
-        ("payload", envelope.payload.clone()),
+        ("msg_id", Cow::Borrowed(envelope.msg_id.as_str())),
+        ("topic", Cow::Borrowed(envelope.topic.as_str())),
+        ("type", Cow::Borrowed(envelope.event_type.as_str())),
+        ("version", Cow::Owned(envelope.schema_version.to_string())),
+        ("key", Cow::Borrowed(envelope.key.as_str())),
+        ("payload", Cow::Borrowed(envelope.payload.as_str())),
         ("headers", headers),
         (
             "created_at",
-            envelope
-                .created_at
-                .to_rfc3339_opts(SecondsFormat::AutoSi, true),
+            Cow::Owned(
+                envelope
+                    .created_at
+                    .to_rfc3339_opts(SecondsFormat::AutoSi, true),
+            ),
         ),
     ]
 }
@@ -137,10 +145,15 @@ mod tests {
         }
     }
 
-    fn as_map(fields: &[(&str, String)]) -> HashMap<String, Value> {
+    fn as_map<V: AsRef<str>>(fields: &[(&str, V)]) -> HashMap<String, Value> {
         fields
             .iter()
-            .map(|(k, v)| ((*k).to_owned(), Value::BulkString(v.clone().into_bytes())))
+            .map(|(k, v)| {
+                (
+                    (*k).to_owned(),
+                    Value::BulkString(v.as_ref().as_bytes().to_vec()),
+                )
+            })
             .collect()
     }
 
@@ -155,10 +168,10 @@ mod tests {
     #[test]
     fn optional_fields_default() {
         let fields = as_map(&[
-            ("msg_id", "order-7:OrderPaid".into()),
-            ("type", "OrderPaid".into()),
-            ("version", "1".into()),
-            ("payload", "{}".into()),
+            ("msg_id", "order-7:OrderPaid"),
+            ("type", "OrderPaid"),
+            ("version", "1"),
+            ("payload", "{}"),
         ]);
         let e = envelope_from_fields(&fields, "order.paid").unwrap();
         assert_eq!(e.topic, "order.paid");

@@ -166,7 +166,7 @@ impl RedisPublisher {
                     }
                     cmd.arg("*");
                     for (field, value) in entry_fields(&batch[i].envelope) {
-                        cmd.arg(field).arg(value);
+                        cmd.arg(field).arg(value.as_ref());
                     }
                 }
                 pipe
