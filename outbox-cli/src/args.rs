@@ -22,6 +22,15 @@ Broker and database outages pause the relay without spending any message's attem
 Example:
   outbox relay --redis-url redis://127.0.0.1:6379 --metrics-addr 127.0.0.1:9464";
 
+const TRIM_HELP: &str = "\
+Only entries every consumer group has acknowledged are removed: an entry still pending
+for some group, or not yet read by some group, stays. Streams without a consumer group
+are left alone, and dead-letter streams are skipped (the consumer bounds those). Safe to
+run at any time, e.g. from cron; does not need --database-url.
+
+Example:
+  outbox trim --redis-url redis://127.0.0.1:6379 --stream-prefix outbox:";
+
 const DEAD_HELP: &str = "\
 Examples:
   outbox dead list --limit 20
@@ -66,6 +75,9 @@ pub(crate) enum Command {
     /// Delete published messages and consumer dedup records past their retention.
     #[command(subcommand)]
     Purge(PurgeCommand),
+    /// Remove the Redis stream entries every consumer group has acknowledged.
+    #[command(after_help = TRIM_HELP)]
+    Trim(TrimArgs),
 }
 
 /// `outbox migrate`.
@@ -127,6 +139,23 @@ pub(crate) struct RelayArgs {
     #[cfg(feature = "metrics")]
     #[arg(long, value_name = "ADDR")]
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// `outbox trim`.
+#[derive(Debug, Args)]
+pub(crate) struct TrimArgs {
+    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) redis_url: String,
+    /// Trim every stream whose name starts with PREFIX (as `outbox relay --stream-prefix`).
+    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
+    pub(crate) stream_prefix: String,
+    /// Streams whose name ends with SUFFIX are dead-letter streams, and are skipped.
+    #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]
+    pub(crate) dead_letter_suffix: String,
+    /// Print a JSON array: [{"stream": S, "removed": N, "min_id": ID or null}, …].
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 /// The relay's claim order (`outbox relay --order`).
@@ -236,6 +265,17 @@ mod tests {
         assert!(parse(&["1", "--all"]).is_err());
         assert!(parse(&["1", "a:B"]).is_ok());
         assert!(parse(&["--all"]).is_ok());
+    }
+
+    #[test]
+    fn trim_defaults_the_prefix_and_the_dead_letter_suffix() {
+        let cli = Cli::try_parse_from(["outbox", "trim", "--redis-url", "redis://h"]).unwrap();
+        let Command::Trim(args) = cli.command else {
+            panic!("parsed as {:?}", cli.command);
+        };
+        assert_eq!(args.stream_prefix, "outbox:");
+        assert_eq!(args.dead_letter_suffix, ":dead");
+        assert!(!args.json);
     }
 
     #[test]

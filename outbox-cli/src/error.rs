@@ -54,6 +54,17 @@ pub(crate) enum CliError {
         /// The client's error.
         source: outbox_redis::Error,
     },
+    /// Redis could not be reached.
+    #[error("cannot connect to Redis `{url}`")]
+    RedisConnect {
+        /// The URL, password hidden.
+        url: String,
+        /// The client's error.
+        source: outbox_redis::Error,
+    },
+    /// A Redis command failed.
+    #[error("Redis operation failed")]
+    Redis(#[source] outbox_redis::Error),
     /// The relay could not start.
     #[error("cannot start the relay")]
     RelayStart(#[source] outbox_core::Error),
@@ -61,7 +72,7 @@ pub(crate) enum CliError {
     #[error("the relay stopped on an error")]
     Relay(#[source] outbox_core::Error),
     /// The async runtime or the signal handlers could not be set up.
-    #[error("cannot set up the relay's runtime")]
+    #[error("cannot set up the runtime or the signal handlers")]
     Runtime(#[source] io::Error),
     /// The metrics endpoint could not be started.
     #[cfg(feature = "metrics")]

@@ -11,9 +11,10 @@
 //! outbox dead purge (<ID|MSG_ID>... | --all)
 //! outbox purge sent --older-than 7d [--batch-size 1000]
 //! outbox purge consumed --older-than 30d [--batch-size 1000]
+//! outbox trim --redis-url URL [--stream-prefix outbox:] [--dead-letter-suffix :dead] [--json]
 //! ```
 //!
-//! Every command takes `--database-url` (or `DATABASE_URL`); its scheme picks the
+//! Every command except `trim` takes `--database-url` (or `DATABASE_URL`); its scheme picks the
 //! backend: `postgres://` or `postgresql://` for PostgreSQL, `mysql://` for MySQL and
 //! MariaDB, `sqlite://PATH`, `sqlite:PATH` or a path ending in `.db` / `.sqlite` for SQLite.
 //!
@@ -27,6 +28,10 @@
 //! - `dead` lists, shows, re-drives (back to NEW, retries reset) and purges DEAD messages.
 //! - `purge` deletes SENT messages and consumer dedup records past a retention, in
 //!   bounded batches.
+//! - `trim` removes the stream entries every consumer group has acknowledged
+//!   (`outbox_redis::trim_acknowledged` on each stream named `<prefix>…`, found with
+//!   `SCAN ... TYPE stream`); streams without a group and dead-letter streams are left
+//!   alone.
 //!
 //! Results go to stdout (`--json` where a script reads them), logs and errors to stderr.
 //! Failures print `error: …` with their causes and exit with 1; usage errors exit with 2.

@@ -6,6 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, Utc};
 use outbox_core::Backlog;
 use outbox_diesel::OutboxRecord;
+use outbox_redis::TrimReport;
 use serde::Serialize;
 
 /// The backlog as `outbox status --json` prints it.
@@ -70,6 +71,58 @@ impl<'a> From<&'a OutboxRecord> for RecordJson<'a> {
                 .unwrap_or_else(|_| serde_json::Value::String(e.payload.clone())),
         }
     }
+}
+
+/// One stream as `outbox trim --json` prints it.
+#[derive(Debug, Serialize)]
+pub(crate) struct TrimJson<'a> {
+    stream: &'a str,
+    removed: usize,
+    /// Entries below this id were removed; `null` when the stream has no consumer group.
+    min_id: Option<&'a str>,
+}
+
+impl<'a> From<&'a TrimReport> for TrimJson<'a> {
+    fn from(r: &'a TrimReport) -> Self {
+        Self {
+            stream: &r.stream,
+            removed: r.removed,
+            min_id: r.min_id.as_deref(),
+        }
+    }
+}
+
+/// `outbox trim`, for people: one line per stream, then the total.
+pub(crate) fn trim_reports(
+    w: &mut impl Write,
+    reports: &[TrimReport],
+    prefix: &str,
+) -> io::Result<()> {
+    if reports.is_empty() {
+        return writeln!(w, "no streams named {prefix}*");
+    }
+    let width = reports
+        .iter()
+        .map(|r| r.stream.chars().count())
+        .max()
+        .unwrap_or(0);
+    for r in reports {
+        let stream = &r.stream;
+        match &r.min_id {
+            Some(min_id) => writeln!(
+                w,
+                "{stream:<width$}  removed {} (acknowledged below {min_id})",
+                r.removed
+            )?,
+            None => writeln!(w, "{stream:<width$}  left alone: no consumer group")?,
+        }
+    }
+    let total: usize = reports.iter().map(|r| r.removed).sum();
+    writeln!(
+        w,
+        "removed {total} entries from {} stream(s)",
+        reports.len()
+    )
 }
 
 /// Writes `value` as pretty JSON and a newline.
@@ -218,6 +271,38 @@ mod tests {
         assert_eq!(one_line("short", 10), "short");
         assert_eq!(one_line("a long error text", 7), "a long…");
         assert_eq!(one_line("first\nsecond", 80), "first…");
+    }
+
+    #[test]
+    fn trim_prints_a_line_per_stream_and_the_total() {
+        let reports = [
+            TrimReport {
+                stream: "outbox:a".into(),
+                min_id: Some("5-0".into()),
+                removed: 4,
+            },
+            TrimReport {
+                stream: "outbox:bb".into(),
+                min_id: None,
+                removed: 0,
+            },
+        ];
+        let mut out = Vec::new();
+        trim_reports(&mut out, &reports, "outbox:").unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "outbox:a   removed 4 (acknowledged below 5-0)\n\
+             outbox:bb  left alone: no consumer group\n\
+             removed 4 entries from 2 stream(s)\n"
+        );
+        let mut out = Vec::new();
+        trim_reports(&mut out, &[], "x:").unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "no streams named x:*\n");
+        let j = serde_json::to_value(TrimJson::from(&reports[1])).unwrap();
+        assert_eq!(
+            j,
+            serde_json::json!({"stream": "outbox:bb", "removed": 0, "min_id": null})
+        );
     }
 
     #[test]

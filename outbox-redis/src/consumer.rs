@@ -80,6 +80,13 @@ pub struct ConsumerConfig {
     pub max_deliveries: u64,
     /// Appended to a stream's name to name its dead-letter stream (default `:dead`).
     pub dead_letter_suffix: String,
+    /// Most entries a dead-letter stream keeps (default `Some(100_000)`): each
+    /// dead-letter `XADD` carries `MAXLEN n`, so the oldest dead letters are removed
+    /// once there are `n`. The bound is exact, not `~`: dead letters are rare, so the
+    /// cost of exact trimming does not matter, and the stream never holds more than `n`.
+    /// `None` keeps every dead letter (the stream then grows until someone deletes
+    /// from it). Must be at least 1.
+    pub dead_letter_max_len: Option<usize>,
     /// Acknowledge and count entries whose event type has no handler, instead of
     /// dead-lettering them (default `false`). Useful when several consumer groups share
     /// a topic and each handles only some of its types.
@@ -88,6 +95,16 @@ pub struct ConsumerConfig {
     pub connect_timeout: Duration,
     /// Response timeout of every command except the blocking read (default 5 s).
     pub response_timeout: Duration,
+    /// Opt-in periodic trimming (default `None`): with `Some(interval)`,
+    /// [`run_until`](Consumer::run_until) calls
+    /// [`trim_acknowledged`](Consumer::trim_acknowledged) on this consumer's streams
+    /// about every `interval` (at most once per read, like claims), removing the entries
+    /// every group has acknowledged. A failed trim is logged and counted as a Redis
+    /// error and never stops the consumer. Running `outbox trim` periodically, or
+    /// [`trim_acknowledged`](crate::trim_acknowledged) from a task of your own, does
+    /// the same from outside. Dead-letter streams are bounded by
+    /// [`dead_letter_max_len`](Self::dead_letter_max_len) instead.
+    pub trim_interval: Option<Duration>,
     /// Pauses after Redis or the idempotency store fails as a whole.
     pub outage_backoff: OutageBackoff,
 }
@@ -106,9 +123,11 @@ impl Default for ConsumerConfig {
             claim_interval: Duration::from_secs(5),
             max_deliveries: 5,
             dead_letter_suffix: ":dead".to_owned(),
+            dead_letter_max_len: Some(100_000),
             ignore_unknown_types: false,
             connect_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
+            trim_interval: None,
             outage_backoff: OutageBackoff::default(),
         }
     }
@@ -141,6 +160,12 @@ impl ConsumerConfig {
         }
         if self.dead_letter_suffix.is_empty() {
             return fail("dead_letter_suffix must not be empty");
+        }
+        if self.dead_letter_max_len == Some(0) {
+            return fail("dead_letter_max_len must be at least 1 (None keeps every dead letter)");
+        }
+        if self.trim_interval.is_some_and(|i| i.is_zero()) {
+            return fail("trim_interval must not be zero");
         }
         if self.consumer_name.as_deref() == Some("") {
             return fail("consumer_name must not be empty");
@@ -702,6 +727,7 @@ where
         let mut tasks: JoinSet<Done> = JoinSet::new();
         let mut in_flight: HashSet<(Arc<str>, String)> = HashSet::new();
         let mut next_claim = Instant::now();
+        let mut next_trim = inner.config.trim_interval.map(|i| Instant::now() + i);
         let mut outages = 0u32;
         let mut reads = Reads::default();
         tracing::info!(parent: &span, streams = ?inner.streams, "consumer started");
@@ -725,6 +751,16 @@ where
                     Some(done) = tasks.join_next() => self.finished(done, &mut in_flight, &mut outages),
                 }
                 continue;
+            }
+            if let (Some(at), Some(interval)) = (next_trim, inner.config.trim_interval)
+                && Instant::now() >= at
+            {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = self.periodic_trim().instrument(span.clone()) => {}
+                }
+                next_trim = Some(Instant::now() + interval);
             }
             let claiming = Instant::now() >= next_claim;
             // Entries that fit: one per free slot, or a batch per free slot.
@@ -815,6 +851,24 @@ where
         }
         tracing::info!(parent: &span, "consumer stopped");
         Ok(())
+    }
+
+    /// One round of [`ConsumerConfig::trim_interval`]: trims, logs, never fails.
+    async fn periodic_trim(&self) {
+        match self.trim_acknowledged().await {
+            Ok(reports) => {
+                for r in reports.iter().filter(|r| r.removed > 0) {
+                    tracing::debug!(stream = %r.stream, removed = r.removed, min_id = ?r.min_id, "trimmed acknowledged entries");
+                }
+            }
+            Err(e) => {
+                if let Error::Redis(e) = &e {
+                    self.inner.commands.check(e).await;
+                }
+                self.count(Count::RedisError, None);
+                tracing::warn!(error = %e, "trimming acknowledged entries failed; trying again next interval");
+            }
+        }
     }
 
     fn finished(
@@ -1337,10 +1391,11 @@ where
         let dead = self.dead_letter_stream(&job.stream);
         let mut pipe = redis::pipe();
         pipe.atomic();
-        let xadd = pipe
-            .cmd("XADD")
-            .arg(&dead)
-            .arg("*")
+        let xadd = pipe.cmd("XADD").arg(&dead);
+        if let Some(max_len) = inner.config.dead_letter_max_len {
+            xadd.arg("MAXLEN").arg(max_len);
+        }
+        xadd.arg("*")
             .arg("reason")
             .arg(reason)
             .arg("delivery_count")

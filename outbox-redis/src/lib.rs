@@ -10,7 +10,10 @@
 //!   after the commit. Failures are retried via `XAUTOCLAIM` and end in a dead-letter
 //!   stream after a delivery limit.
 //! - [`trim_acknowledged`] bounds a stream without ever removing an entry some group still
-//!   needs.
+//!   needs; a consumer can run it periodically
+//!   ([`trim_interval`](ConsumerConfig::trim_interval)), and `outbox trim` runs it on
+//!   every stream of a prefix. Dead-letter streams keep at most
+//!   [`dead_letter_max_len`](ConsumerConfig::dead_letter_max_len) entries.
 //!
 //! # Example
 //!

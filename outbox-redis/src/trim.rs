@@ -49,8 +49,13 @@ impl std::fmt::Display for EntryId {
 /// group, or not yet read by some group, is never removed. A stream without groups is
 /// left alone: nothing says who will read it.
 ///
-/// Safe to run at any time, from any process (a periodic task is typical). A group
-/// created later that starts from `0` sees only what is left. Needs Redis 6.2+ (MINID).
+/// Safe to run at any time, from any process: `outbox trim` runs it on every stream of
+/// a prefix, and [`ConsumerConfig::trim_interval`](crate::ConsumerConfig::trim_interval)
+/// has a consumer run it periodically on its own streams. A group created later that
+/// starts from `0` sees only what is left. Dead-letter streams have no groups and are
+/// bounded by [`ConsumerConfig::dead_letter_max_len`](crate::ConsumerConfig::dead_letter_max_len)
+/// instead; a stream nobody has created a group on is bounded only by the publisher's
+/// [`max_len`](crate::PublisherConfig::max_len), if set. Needs Redis 6.2+ (MINID).
 /// Any async connection works, a cluster connection included (each command names only
 /// `stream`).
 ///

@@ -5,6 +5,7 @@ mod migrate;
 mod purge;
 mod relay;
 mod status;
+mod trim;
 
 use std::io::Write;
 
@@ -21,6 +22,7 @@ pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
         Command::Relay(args) => relay::run(&database(url)?, &args),
         Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
         Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
+        Command::Trim(args) => trim::run(&args, out),
     }
 }
 
