@@ -42,10 +42,11 @@ use crate::{Error, OutboxConnection};
 /// Speed: each message checks a connection out of the pool, and r2d2's default
 /// `test_on_check_out(true)` adds a `SELECT 1` round trip to every one of them (measured
 /// here: the consumer's single mode at 0.45 of a plain SQL loop with it, 0.8–1.2 without).
-/// Build the inbox's pool with `Pool::builder().test_on_check_out(false)`: a connection
-/// that broke since is still found out, by the message's own transaction, which fails and
-/// is retried. For many messages per transaction see the consumer's batch mode
-/// ([`Inbox::process_batch`]).
+/// `Pool::builder().test_on_check_out(false)` removes that round trip, at the price of
+/// not testing idle connections before use (keep `idle_timeout` / `max_lifetime` short
+/// if your database drops connections). A failed transaction is never acknowledged, so
+/// the message is retried either way. For many messages per transaction see the
+/// consumer's batch mode ([`Inbox::process_batch`]).
 pub struct DieselInbox<C: R2D2Connection + 'static> {
     pool: Pool<ConnectionManager<C>>,
 }
