@@ -27,8 +27,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     KEY outbox_status_next_retry (status, next_retry_at),
     -- Per-key order probe over NEW rows.
     KEY outbox_pending_key (status, msg_key, id),
-    -- Retention: SENT rows oldest first (`purge_sent`).
-    KEY outbox_sent (status, sent_at)
+    -- Retention: SENT rows oldest first (`purge_sent`). Not led by status, so that the
+    -- claim never prefers it to outbox_claim (NEW and DEAD rows have no sent_at).
+    KEY outbox_sent (sent_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 CREATE TABLE IF NOT EXISTS consumed_msg (
