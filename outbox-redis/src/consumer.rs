@@ -170,6 +170,24 @@ impl ConsumerConfig {
         if self.consumer_name.as_deref() == Some("") {
             return fail("consumer_name must not be empty");
         }
+        // Deadlines are computed from these; a day is far beyond any sensible value and
+        // keeps `Instant` arithmetic (and Redis's millisecond arguments) in range.
+        let day = Duration::from_secs(24 * 3600);
+        let longest = [
+            self.block,
+            self.min_idle,
+            self.claim_interval,
+            self.response_timeout,
+        ]
+        .into_iter()
+        .chain(self.trim_interval)
+        .max()
+        .unwrap_or_default();
+        if longest > day {
+            return fail(
+                "block, min_idle, claim_interval, response_timeout and trim_interval must be at most a day",
+            );
+        }
         Ok(())
     }
 }

@@ -623,6 +623,18 @@ async fn builder_reports_mistakes() {
         })
         .build();
     assert!(zero.unwrap_err().is_config());
+    let forever = Consumer::builder(redis_url(), "g")
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(db.clone())
+        .config(ConsumerConfig {
+            claim_interval: Duration::MAX,
+            ..ConsumerConfig::default()
+        })
+        .build();
+    assert!(
+        forever.unwrap_err().is_config(),
+        "an interval that would overflow a deadline"
+    );
     let long_group = Consumer::builder(redis_url(), "g".repeat(65))
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db.clone())
