@@ -1,5 +1,5 @@
 use diesel::connection::TransactionManager as _;
-use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
+use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use outbox_core::{BatchOutcome, ClaimedBatch, StoredMessage};
 
 use crate::{Error, OutboxConnection, OutboxRecord, Result};
@@ -109,9 +109,11 @@ fn rollback<C: R2D2Connection>(conn: &mut C) {
 }
 
 impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
-    /// Claims up to `limit` due NEW rows on a connection of `pool`.
+    /// Claims up to `limit` due NEW rows on a connection of `pool` (PostgreSQL and MySQL;
+    /// SQLite claims under its lease instead).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) async fn claim(
-        pool: Pool<ConnectionManager<C>>,
+        pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
         order: ClaimOrder,
     ) -> Result<Self> {

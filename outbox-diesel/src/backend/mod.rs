@@ -210,6 +210,33 @@ pub(crate) fn claimed<C: OutboxConnection>(
     Ok(records)
 }
 
+/// The first of some msg_ids already in the outbox (which one a multi-row insert hit).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) const FIND_ONE: &str = "SELECT msg_id FROM outbox WHERE msg_id IN ({ids}) LIMIT 1";
+
+/// Takes back the rows an `emit_all` inserted before it hit a duplicate: all or nothing.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) const TAKE_BACK: &str = "DELETE FROM outbox WHERE msg_id IN ({ids})";
+
+/// `sql` with its `{ids}` replaced by one `?` per msg_id, each bound as text: the
+/// duplicate lookup and take-back of `emit_all` on MySQL and SQLite.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) fn with_msg_ids<'a, DB>(
+    sql: &str,
+    msg_ids: &[&'a str],
+) -> diesel::query_builder::BoxedSqlQuery<'a, DB, diesel::query_builder::SqlQuery>
+where
+    DB: diesel::backend::Backend + diesel::sql_types::HasSqlType<Text>,
+    &'a str: diesel::serialize::ToSql<Text, DB>,
+{
+    let sql = sql.replace("{ids}", &vec!["?"; msg_ids.len()].join(", "));
+    msg_ids
+        .iter()
+        .fold(diesel::sql_query(sql).into_boxed::<DB>(), |q, id| {
+            q.bind::<Text, _>(*id)
+        })
+}
+
 #[derive(QueryableByName)]
 pub(crate) struct BacklogRow {
     #[diesel(sql_type = BigInt)]
@@ -232,6 +259,7 @@ impl BacklogRow {
     }
 }
 
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 #[derive(QueryableByName)]
 pub(crate) struct MsgIdRow {
     #[diesel(sql_type = Text)]
@@ -317,6 +345,7 @@ pub(crate) fn first_outside_sql(keys_of_l: &str, ids_of_l: &str) -> String {
 /// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
 /// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
 /// join over a scan of the whole table).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String {
     format!(
         "WITH l AS MATERIALIZED (SELECT id, msg_key FROM outbox o \
@@ -338,6 +367,7 @@ pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String
 }
 
 /// A row of [`first_outside_sql`].
+#[cfg(feature = "mysql")]
 #[derive(QueryableByName)]
 pub(crate) struct FirstOutside {
     #[diesel(sql_type = Text)]

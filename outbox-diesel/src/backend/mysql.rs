@@ -8,7 +8,7 @@ use diesel::sql_types::{Integer, Text};
 use diesel::{MysqlConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Dialect, MsgIdRow, Row, chunks, in_list};
+use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
 use crate::{EmitOptions, Error, OutboxConnection, Result};
 
 pub(super) const DIALECT: Dialect = Dialect {
@@ -90,10 +90,6 @@ fn named_duplicate<'a>(message: &str, rows: &[Row<'a>]) -> Option<&'a str> {
     rows.iter().map(|r| r.msg_id).find(|id| *id == named)
 }
 
-fn msg_ids_in(n: usize) -> String {
-    vec!["?"; n].join(", ")
-}
-
 fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
     let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
     let mut done: Vec<&str> = Vec::new();
@@ -108,15 +104,9 @@ fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
                 let dup = match dup {
                     Some(d) => d.to_owned(),
                     None => {
-                        let mut q = diesel::sql_query(format!(
-                            "SELECT msg_id FROM outbox WHERE msg_id IN ({}) LIMIT 1",
-                            msg_ids_in(chunk.len())
-                        ))
-                        .into_boxed::<Mysql>();
-                        for r in chunk {
-                            q = q.bind::<Text, _>(r.msg_id);
-                        }
-                        q.load::<MsgIdRow>(conn)?
+                        let ids: Vec<&str> = chunk.iter().map(|r| r.msg_id).collect();
+                        with_msg_ids::<Mysql>(FIND_ONE, &ids)
+                            .load::<MsgIdRow>(conn)?
                             .pop()
                             .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id)
                     }
@@ -124,15 +114,7 @@ fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
                 // The failed statement was rolled back by InnoDB; take back the earlier
                 // chunks of this call so that it is all or nothing.
                 if !done.is_empty() {
-                    let mut q = diesel::sql_query(format!(
-                        "DELETE FROM outbox WHERE msg_id IN ({})",
-                        msg_ids_in(done.len())
-                    ))
-                    .into_boxed::<Mysql>();
-                    for id in &done {
-                        q = q.bind::<Text, _>(*id);
-                    }
-                    q.execute(conn)?;
+                    with_msg_ids::<Mysql>(TAKE_BACK, &done).execute(conn)?;
                 }
                 return Err(Error::Duplicate(MsgId::new(dup)?));
             }

@@ -8,7 +8,7 @@ use diesel::sqlite::Sqlite;
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Dialect, MsgIdRow, Row, chunks};
+use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, with_msg_ids};
 use crate::{EmitOptions, Error, OutboxConnection, Result};
 
 /// The database clock as the tables store it: UTC text with milliseconds, whose text
@@ -117,10 +117,6 @@ impl QueryFragment<Sqlite> for Insert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for Insert<'_> {}
 
-fn placeholders(n: usize) -> String {
-    vec!["?"; n].join(", ")
-}
-
 fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
     let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
     if let [row] = rows.as_slice() {
@@ -135,28 +131,13 @@ fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
             Ok(_) => done.extend(chunk.iter().map(|r| r.msg_id)),
             Err(diesel::result::Error::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => {
                 // One writer at a time in SQLite: what is there now is what conflicted.
-                let mut q = diesel::sql_query(format!(
-                    "SELECT msg_id FROM outbox WHERE msg_id IN ({}) LIMIT 1",
-                    placeholders(chunk.len())
-                ))
-                .into_boxed::<Sqlite>();
-                for r in chunk {
-                    q = q.bind::<Text, _>(r.msg_id);
-                }
-                let dup = q
+                let ids: Vec<&str> = chunk.iter().map(|r| r.msg_id).collect();
+                let dup = with_msg_ids::<Sqlite>(FIND_ONE, &ids)
                     .load::<MsgIdRow>(conn)?
                     .pop()
                     .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id);
                 if !done.is_empty() {
-                    let mut q = diesel::sql_query(format!(
-                        "DELETE FROM outbox WHERE msg_id IN ({})",
-                        placeholders(done.len())
-                    ))
-                    .into_boxed::<Sqlite>();
-                    for id in &done {
-                        q = q.bind::<Text, _>(*id);
-                    }
-                    q.execute(conn)?;
+                    with_msg_ids::<Sqlite>(TAKE_BACK, &done).execute(conn)?;
                 }
                 return Err(Error::Duplicate(MsgId::new(dup)?));
             }
