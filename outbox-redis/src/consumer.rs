@@ -612,6 +612,8 @@ enum Screened {
     Deliver(Delivery),
     Ignore,
     DeadLetter(String),
+    /// Delivered past the limit without an outcome: see `Consumer::over_limit`.
+    OverLimit,
 }
 
 impl<I, C> Consumer<I, C>
@@ -1126,13 +1128,7 @@ where
         let inner = &self.inner;
         let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         if job.delivery_count > inner.config.max_deliveries {
-            // Delivered past the limit without an outcome: its consumers crashed or
-            // stalled past `min_idle` each time. Trying again could crash this one too.
-            let reason = format!(
-                "delivery limit exceeded: delivered {} times (limit {}) without being processed",
-                job.delivery_count, inner.config.max_deliveries
-            );
-            return self.dead_letter(job, &reason).await;
+            return self.over_limit(job).await;
         }
         let envelope = match envelope_from_fields(&job.entry.map, topic) {
             Ok(envelope) => envelope,
@@ -1170,6 +1166,44 @@ where
                 self.ack(job).await
             }
             Attempt::Failed { reason, outage } => self.failed(job, &reason, outage).await,
+        }
+    }
+
+    /// An entry delivered past the limit without an outcome: its consumers crashed or
+    /// stalled past `min_idle` each time, and running it again could crash this one too.
+    /// It is dead-lettered without running its handler, unless the inbox shows it was
+    /// applied and only its `XACK` got lost: then it is acknowledged as a duplicate (asked
+    /// by a `process` whose closure refuses, so nothing is written either way). Returns
+    /// whether Redis or the store failed as a whole.
+    async fn over_limit(&self, job: &Job) -> bool {
+        let inner = &self.inner;
+        let reason = format!(
+            "delivery limit exceeded: delivered {} times (limit {}) without being processed",
+            job.delivery_count, inner.config.max_deliveries
+        );
+        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
+        let Ok(envelope) = envelope_from_fields(&job.entry.map, topic) else {
+            return self.dead_letter(job, &reason).await;
+        };
+        let (inbox, group, refusal) = (
+            Arc::clone(&inner.inbox),
+            inner.group.clone(),
+            reason.clone(),
+        );
+        let applied = tokio::task::spawn_blocking(move || {
+            inbox.process(&group, &envelope.msg_id, |_| {
+                Err(outbox_core::HandlerError::msg(refusal))
+            })
+        })
+        .await;
+        match applied {
+            Ok(Ok(Processed::Duplicate)) => {
+                tracing::debug!("applied before; only its acknowledgement was lost");
+                self.count(Count::Duplicate, Some(&job.stream));
+                self.ack(job).await
+            }
+            Ok(Err(e)) if e.is_outage() => self.failed(job, &e.to_string(), true).await,
+            _ => self.dead_letter(job, &reason).await,
         }
     }
 
@@ -1222,6 +1256,7 @@ where
                     acks.push(job);
                 }
                 Screened::DeadLetter(reason) => outage |= self.dead_letter(job, &reason).await,
+                Screened::OverLimit => outage |= self.over_limit(job).await,
             }
         }
         if !deliveries.is_empty() {
@@ -1264,10 +1299,7 @@ where
     fn screen(&self, job: &Job) -> Screened {
         let inner = &self.inner;
         if job.delivery_count > inner.config.max_deliveries {
-            return Screened::DeadLetter(format!(
-                "delivery limit exceeded: delivered {} times (limit {}) without being processed",
-                job.delivery_count, inner.config.max_deliveries
-            ));
+            return Screened::OverLimit;
         }
         let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         let envelope = match envelope_from_fields(&job.entry.map, topic) {

@@ -244,25 +244,23 @@ async fn a_handler_failing_on_every_delivery_is_dead_lettered_with_its_reason() 
     cleanup(&prefix).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_running() {
-    let prefix = unique_prefix();
+/// Publishes one entry that two consumers of `group` took and died with (delivered
+/// twice, no outcome).
+async fn delivered_twice_to_ghosts(prefix: &str, group: &str) -> redis::aio::MultiplexedConnection {
     let stream = format!("{prefix}order.paid");
-    let group = unique_group("limit");
-    publish(&prefix, [paid(1)]).await;
+    publish(prefix, [paid(1)]).await;
     let mut conn = conn().await;
-    // Two consumers took the entry and died without an outcome.
     let _: () = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(&stream)
-        .arg(&group)
+        .arg(group)
         .arg("0")
         .query_async(&mut conn)
         .await
         .unwrap();
     let _: redis::Value = redis::cmd("XREADGROUP")
         .arg("GROUP")
-        .arg(&group)
+        .arg(group)
         .arg("ghost")
         .arg("STREAMS")
         .arg(&stream)
@@ -273,13 +271,22 @@ async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_runni
     let id = xrange(&mut conn, &stream).await.ids[0].id.clone();
     let _: redis::Value = redis::cmd("XCLAIM")
         .arg(&stream)
-        .arg(&group)
+        .arg(group)
         .arg("ghost-2")
         .arg(0)
         .arg(&id)
         .query_async(&mut conn)
         .await
         .unwrap();
+    conn
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_running() {
+    let prefix = unique_prefix();
+    let stream = format!("{prefix}order.paid");
+    let group = unique_group("limit");
+    let mut conn = delivered_twice_to_ghosts(&prefix, &group).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::ok();
     let config = ConsumerConfig {
@@ -294,6 +301,35 @@ async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_runni
     let dead = xrange(&mut conn, &c.dead_letter_stream(&stream)).await;
     assert!(field(&dead.ids[0], "reason").contains("delivery limit exceeded"));
     assert_eq!(field(&dead.ids[0], "delivery_count"), "3");
+    assert_eq!(pending_count(&mut conn, &stream, &group).await, 0);
+    cleanup(&prefix).await;
+}
+
+/// The same, but the message had been applied and only its XACK was lost: the inbox
+/// says so, and the entry is acknowledged instead of raising a false dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_applied_entry_claimed_past_the_limit_is_acked_not_dead_lettered() {
+    let prefix = unique_prefix();
+    let stream = format!("{prefix}order.paid");
+    let group = unique_group("lost-ack");
+    let mut conn = delivered_twice_to_ghosts(&prefix, &group).await;
+    let db = MemoryDb::new(Applied::new());
+    let msg_id = paid(1).msg_id;
+    assert_eq!(
+        db.process(&group, &msg_id, |_| Ok(())).unwrap(),
+        Processed::Applied
+    );
+    let handler = Recorder::ok();
+    let config = ConsumerConfig {
+        max_deliveries: 2,
+        ..fast_config(&prefix)
+    };
+    let c = consumer(config, &group, &db, handler.clone());
+    let running = Running::start(&c);
+    eventually("acknowledged as a duplicate", || c.stats().duplicates == 1).await;
+    running.stop().await;
+    assert_eq!(handler.calls(), 0);
+    assert_eq!(c.stats().dead_lettered, 0);
     assert_eq!(pending_count(&mut conn, &stream, &group).await, 0);
     cleanup(&prefix).await;
 }
