@@ -182,6 +182,41 @@ impl RecordRow {
     }
 }
 
+/// The `VALUES` tuples of an outbox insert, the same on every backend: `(msg_id, topic,
+/// event_type, msg_key, schema_version, payload{json}, headers{json}{tail})`, where `json`
+/// casts the JSON columns (PostgreSQL) and `tail` adds columns the backend fills itself.
+pub(crate) fn push_values<'b, DB>(
+    rows: &'b [Row<'_>],
+    out: &mut diesel::query_builder::AstPass<'_, 'b, DB>,
+    json: &'static str,
+    tail: &'static str,
+) -> diesel::QueryResult<()>
+where
+    DB: diesel::backend::Backend
+        + diesel::sql_types::HasSqlType<Text>
+        + diesel::sql_types::HasSqlType<Integer>,
+    str: diesel::serialize::ToSql<Text, DB>,
+    i32: diesel::serialize::ToSql<Integer, DB>,
+{
+    for (i, r) in rows.iter().enumerate() {
+        out.push_sql(if i == 0 { "(" } else { ", (" });
+        for text in [r.msg_id, r.topic, r.event_type, r.key] {
+            out.push_bind_param::<Text, str>(text)?;
+            out.push_sql(", ");
+        }
+        out.push_bind_param::<Integer, i32>(&r.schema_version)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(r.payload)?;
+        out.push_sql(json);
+        out.push_sql(", ");
+        out.push_bind_param::<Text, str>(&r.headers)?;
+        out.push_sql(json);
+        out.push_sql(tail);
+        out.push_sql(")");
+    }
+    Ok(())
+}
+
 /// Claimed rows as records. A row that cannot be read (written around this library, with
 /// an invalid msg_id or headers) is marked DEAD with the reason in the claim's own
 /// transaction, instead of failing every claim, and so the whole relay, forever.

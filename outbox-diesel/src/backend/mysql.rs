@@ -4,7 +4,7 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, Transact
 use diesel::mysql::Mysql;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::{Integer, Text};
+use diesel::sql_types::Text;
 use diesel::{MysqlConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
@@ -59,23 +59,12 @@ impl QueryFragment<Mysql> for Insert<'_> {
             "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
              headers, next_retry_at, created_at) VALUES ",
         );
-        for (i, r) in self.rows.iter().enumerate() {
-            out.push_sql(if i == 0 { "(" } else { ", (" });
-            out.push_bind_param::<Text, str>(r.msg_id)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.topic)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.event_type)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.key)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Integer, i32>(&r.schema_version)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.payload)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(&r.headers)?;
-            out.push_sql(", UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))");
-        }
+        super::push_values(
+            self.rows,
+            &mut out,
+            "",
+            ", UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)",
+        )?;
         Ok(())
     }
 }

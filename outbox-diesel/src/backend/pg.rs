@@ -44,27 +44,6 @@ pub(super) const DIALECT: Dialect = Dialect {
 const INSERT_HEAD: &str = "INSERT INTO outbox \
     (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
 
-fn push_values<'b>(rows: &'b [Row<'_>], out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-    for (i, r) in rows.iter().enumerate() {
-        out.push_sql(if i == 0 { "(" } else { ", (" });
-        out.push_bind_param::<Text, str>(r.msg_id)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(r.topic)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(r.event_type)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(r.key)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Integer, i32>(&r.schema_version)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(r.payload)?;
-        out.push_sql("::jsonb, ");
-        out.push_bind_param::<Text, str>(&r.headers)?;
-        out.push_sql("::jsonb)");
-    }
-    Ok(())
-}
-
 /// The hot path: one row, no NOTIFY. A plain `INSERT .. ON CONFLICT (msg_id) DO NOTHING`,
 /// prepared once per connection (static query id). `ON CONFLICT` turns a duplicate into
 /// "0 rows" instead of an error, which on PostgreSQL would abort the caller's transaction.
@@ -80,7 +59,7 @@ impl QueryId for PlainInsert<'_> {
 impl QueryFragment<Pg> for PlainInsert<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(INSERT_HEAD);
-        push_values(std::slice::from_ref(self.row), &mut out)?;
+        super::push_values(std::slice::from_ref(self.row), &mut out, "::jsonb", "")?;
         out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
         Ok(())
     }
@@ -140,7 +119,7 @@ impl<M: Mode> QueryFragment<Pg> for Insert<'_, M> {
         }
         out.push_sql("WITH ins AS (");
         out.push_sql(INSERT_HEAD);
-        push_values(self.rows, &mut out)?;
+        super::push_values(self.rows, &mut out, "::jsonb", "")?;
         out.push_sql(" ON CONFLICT (msg_id) DO NOTHING RETURNING id, msg_id) SELECT id, msg_id, ");
         out.push_sql(M::HEAD);
         if let Some(tail) = M::TAIL {

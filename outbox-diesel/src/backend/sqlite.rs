@@ -3,7 +3,7 @@ use std::time::Duration;
 use diesel::connection::AnsiTransactionManager;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::{Bool, Integer, Text};
+use diesel::sql_types::{Bool, Text};
 use diesel::sqlite::Sqlite;
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
@@ -91,23 +91,7 @@ impl QueryFragment<Sqlite> for Insert<'_> {
             "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
              headers, next_retry_at, created_at) VALUES ",
         );
-        for (i, r) in self.rows.iter().enumerate() {
-            out.push_sql(if i == 0 { "(" } else { ", (" });
-            out.push_bind_param::<Text, str>(r.msg_id)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.topic)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.event_type)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.key)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Integer, i32>(&r.schema_version)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(r.payload)?;
-            out.push_sql(", ");
-            out.push_bind_param::<Text, str>(&r.headers)?;
-            out.push_sql(concat!(", ", now!(), ", ", now!(), ")"));
-        }
+        super::push_values(self.rows, &mut out, "", concat!(", ", now!(), ", ", now!()))?;
         if self.rows.len() == 1 {
             out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
         }
