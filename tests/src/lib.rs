@@ -82,16 +82,35 @@ pub fn psql(sql: &str) {
 pub struct ScratchRedis {
     port: u16,
     child: Option<Child>,
+    /// With persistence: the AOF directory, kept across restarts, removed on drop.
+    dir: Option<std::path::PathBuf>,
 }
 
 impl ScratchRedis {
     /// Starts a server on a free loopback port and waits until it answers.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Starts a server that keeps its data across [`restart`](Self::restart)s (AOF with
+    /// `appendfsync always`), as a production Redis does: streams, groups and pending
+    /// entries survive, so a restart is an outage and nothing else.
+    pub fn start_persistent() -> Self {
+        let dir = std::env::temp_dir().join(unique("scratch-redis"));
+        std::fs::create_dir_all(&dir).expect("temp dir for the AOF");
+        Self::start_with(Some(dir))
+    }
+
+    fn start_with(dir: Option<std::path::PathBuf>) -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("free port")
             .port();
-        let mut redis = Self { port, child: None };
+        let mut redis = Self {
+            port,
+            child: None,
+            dir,
+        };
         redis.restart();
         redis
     }
@@ -109,20 +128,25 @@ impl ScratchRedis {
         }
     }
 
-    /// Starts the server again on the same port (empty: it keeps nothing on disk).
+    /// Starts the server again on the same port: empty, or with its data if it was
+    /// started with [`start_persistent`](Self::start_persistent).
     pub fn restart(&mut self) {
         self.stop();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
+        let port = self.port.to_string();
+        let mut args = vec!["--port", &port, "--bind", "127.0.0.1", "--save", ""];
+        match &self.dir {
+            Some(dir) => args.extend([
                 "--appendonly",
-                "no",
-            ])
+                "yes",
+                "--appendfsync",
+                "always",
+                "--dir",
+                dir.to_str().expect("temp dir is UTF-8"),
+            ]),
+            None => args.extend(["--appendonly", "no"]),
+        }
+        let child = Command::new("redis-server")
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -143,5 +167,8 @@ impl ScratchRedis {
 impl Drop for ScratchRedis {
     fn drop(&mut self) {
         self.stop();
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
