@@ -114,6 +114,9 @@ pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
 ///
 /// On fields: `#[outbox(id)]` marks the business key; several marked fields join with `:`
 /// in field order. Exactly one of field ids and a template is required.
+/// An id field (or a `{field}` of the template) that renders empty makes `msg_id()` and
+/// `msg_id_for` fail with [`InvalidMsgId::EmptyPart`] naming the field, so emit refuses
+/// the event instead of giving every such event the id `:EventType`.
 ///
 /// On enum variants: `topic`, `name`, `key` and `id` as above, and `#[outbox(id)]` fields,
 /// which replace the enum's id template for that variant. Each variant is its own event
@@ -160,4 +163,6 @@ pub mod __private {
     pub use serde::{Serialize, de::DeserializeOwned};
     pub use std::format;
     pub use std::string::{String, ToString};
+
+    pub use crate::msg_id::id_part;
 }

@@ -43,6 +43,18 @@ pub enum InvalidMsgId {
         /// Byte offset of the first offending character.
         at: usize,
     },
+    /// A part the id is built from is empty: an `#[outbox(id)]` field, a `{field}` of an
+    /// id template, or the business key or event type given to [`MsgId::from_parts`].
+    /// An empty part would give every such event one id (`:OrderPaid`), and each after
+    /// the first would be rejected as a duplicate of it.
+    #[error(
+        "msg_id part `{part}` is empty: every event with an empty `{part}` would get the same msg_id"
+    )]
+    EmptyPart {
+        /// The field (`order_id`), or `business key` / `event type` for
+        /// [`MsgId::from_parts`].
+        part: &'static str,
+    },
 }
 
 impl MsgId {
@@ -64,8 +76,27 @@ impl MsgId {
         Ok(Self(id))
     }
 
-    /// Builds the conventional id `{business_key}:{event_type}`.
+    /// Builds the conventional id `{business_key}:{event_type}`. Neither part may be
+    /// empty ([`InvalidMsgId::EmptyPart`]).
+    ///
+    /// ```
+    /// use outbox_core::{InvalidMsgId, MsgId};
+    /// assert_eq!(MsgId::from_parts("order-42", "OrderPaid")?.as_str(), "order-42:OrderPaid");
+    /// assert_eq!(
+    ///     MsgId::from_parts("", "OrderPaid"),
+    ///     Err(InvalidMsgId::EmptyPart { part: "business key" })
+    /// );
+    /// # Ok::<_, InvalidMsgId>(())
+    /// ```
     pub fn from_parts(business_key: &str, event_type: &str) -> Result<Self, InvalidMsgId> {
+        if business_key.is_empty() {
+            return Err(InvalidMsgId::EmptyPart {
+                part: "business key",
+            });
+        }
+        if event_type.is_empty() {
+            return Err(InvalidMsgId::EmptyPart { part: "event type" });
+        }
         Self::new(format!("{business_key}:{event_type}"))
     }
 
@@ -78,6 +109,17 @@ impl MsgId {
     pub fn into_string(self) -> String {
         self.0
     }
+}
+
+/// One part of a derived id, rendered: an error naming `field` if it renders empty. Used
+/// by `#[derive(OutboxEvent)]` for each id field and each `{field}` of a template.
+#[doc(hidden)]
+pub fn id_part(field: &'static str, value: &dyn fmt::Display) -> Result<String, InvalidMsgId> {
+    let part = value.to_string();
+    if part.is_empty() {
+        return Err(InvalidMsgId::EmptyPart { part: field });
+    }
+    Ok(part)
 }
 
 impl fmt::Display for MsgId {
@@ -146,6 +188,27 @@ mod tests {
             MsgId::new("ab\u{7}"),
             Err(InvalidMsgId::BadChar { at: 2, .. })
         ));
+    }
+
+    #[test]
+    fn empty_parts_are_named() {
+        assert_eq!(
+            MsgId::from_parts("", "OrderPaid"),
+            Err(InvalidMsgId::EmptyPart {
+                part: "business key"
+            })
+        );
+        assert_eq!(
+            MsgId::from_parts("order-42", ""),
+            Err(InvalidMsgId::EmptyPart { part: "event type" })
+        );
+        assert_eq!(
+            id_part("order_id", &""),
+            Err(InvalidMsgId::EmptyPart { part: "order_id" })
+        );
+        assert_eq!(id_part("n", &0).as_deref(), Ok("0"));
+        let e = InvalidMsgId::EmptyPart { part: "order_id" }.to_string();
+        assert!(e.contains("`order_id` is empty"), "{e}");
     }
 
     #[test]

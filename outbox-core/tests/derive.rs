@@ -417,3 +417,117 @@ fn consts_through_the_trait() {
     );
     assert_eq!(topics::<Wrapped<u8>>(), ["wrapped"]);
 }
+
+/// A value whose `Display` writes nothing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Blank;
+
+impl std::fmt::Display for Blank {
+    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+struct Keyword {
+    #[outbox(id)]
+    r#type: String,
+    #[outbox(id)]
+    code: Blank,
+}
+
+/// An event whose business key is written by hand: the trait's default `msg_id`.
+#[derive(Debug, Serialize, Deserialize)]
+struct HandMade {
+    key: String,
+}
+
+impl OutboxEvent for HandMade {
+    const EVENT_TYPES: &'static [&'static str] = &["HandMade"];
+    const TOPICS: &'static [&'static str] = &["hand.made"];
+    const SCHEMA_VERSION: u32 = 1;
+    fn topic(&self) -> &'static str {
+        "hand.made"
+    }
+    fn event_type(&self) -> &'static str {
+        "HandMade"
+    }
+    fn business_key(&self) -> String {
+        self.key.clone()
+    }
+}
+
+/// An empty id part used to give `:OrderPaid`, which every later event with an empty
+/// `order_id` then "duplicated". Now each part is checked and named, at emit (`msg_id`,
+/// which the envelope calls) and in `msg_id_for`.
+#[test]
+fn an_empty_id_part_is_a_typed_error_naming_the_field() {
+    let empty = |part| Err(InvalidMsgId::EmptyPart { part });
+    assert_eq!(paid("").msg_id(), empty("order_id"));
+    assert_eq!(OrderPaid::msg_id_for(""), empty("order_id"));
+    assert!(matches!(
+        Envelope::from_event(&paid(""), DEFAULT_MAX_PAYLOAD_BYTES),
+        Err(Error::InvalidMsgId(InvalidMsgId::EmptyPart {
+            part: "order_id"
+        }))
+    ));
+
+    // Several id fields: each is checked, even when the others would keep the key
+    // non-empty (`acme::3` would still be one key for every empty order number).
+    let line = |tenant: &str, order_no: &str| LineShipped {
+        tenant: tenant.into(),
+        sku: String::new(), // not an id field: may be empty
+        order_no: order_no.parse().unwrap_or(0),
+        line: 3,
+    };
+    assert_eq!(line("", "1").msg_id(), empty("tenant"));
+    assert_eq!(LineShipped::msg_id_for("acme", "", 3), empty("order_no"));
+    assert_eq!(LineShipped::msg_id_for("", "", 3), empty("tenant"));
+    assert!(line("acme", "1").msg_id().is_ok());
+
+    // Template parts: a literal around the field does not make an empty field valid.
+    let templated = Templated {
+        tenant: String::new(),
+        order_id: 7,
+        note: String::new(),
+    };
+    assert_eq!(templated.msg_id(), empty("tenant"));
+    assert_eq!(Templated::msg_id_for("", 7), empty("tenant"));
+    assert_eq!(Templated::msg_id_for("acme", ""), empty("order_id"));
+
+    // Enums: the variant's own id fields and the enum's template.
+    let placed = OrderEvent::Placed {
+        order_id: String::new(),
+        total_cents: 1,
+    };
+    assert_eq!(placed.msg_id(), empty("order_id"));
+    let opened = TenantOrder::Opened {
+        tenant: String::new(),
+        order_id: 7,
+    };
+    assert_eq!(opened.msg_id(), empty("tenant"));
+    let moved = TenantOrder::Moved {
+        tenant: String::new(), // not part of this variant's id
+        order_id: 7,
+        move_no: 4,
+    };
+    assert_eq!(moved.msg_id().unwrap().as_str(), "4:Moved");
+
+    // Any `Display` that writes nothing; raw identifiers are named without `r#`.
+    let keyword = |t: &str| Keyword {
+        r#type: t.into(),
+        code: Blank,
+    };
+    assert_eq!(keyword("").msg_id(), empty("type"));
+    assert_eq!(keyword("x").msg_id(), empty("code"));
+    assert_eq!(Keyword::msg_id_for("x", Blank), empty("code"));
+
+    // A hand-written business key goes through `MsgId::from_parts`, which refuses it too.
+    let hand = HandMade { key: String::new() };
+    assert_eq!(hand.msg_id(), empty("business key"));
+    let hand = HandMade { key: "k".into() };
+    assert_eq!(hand.msg_id().unwrap().as_str(), "k:HandMade");
+
+    let e = paid("").msg_id().unwrap_err().to_string();
+    assert!(e.contains("`order_id` is empty"), "{e}");
+}

@@ -3,7 +3,8 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, quote_spanned};
-use syn::{Data, DeriveInput, Generics, parse_quote};
+use syn::ext::IdentExt as _;
+use syn::{Data, DeriveInput, Generics, Ident, parse_quote};
 
 use crate::ast::{Event, Variant};
 
@@ -50,6 +51,7 @@ fn expand(event: &Event<'_>) -> TokenStream {
     let topic_arms = event.variants.iter().map(|v| arm(v, &v.topic));
     let name_arms = event.variants.iter().map(|v| arm(v, &v.name));
     let key_arms = event.variants.iter().map(business_key_arm);
+    let msg_id_arms = event.variants.iter().map(msg_id_arm);
     let ordering = ordering_key(event);
     let inherent = (!event.is_enum).then(|| inherent_items(event));
     quote! {
@@ -69,6 +71,10 @@ fn expand(event: &Event<'_>) -> TokenStream {
 
             fn business_key(&self) -> ::outbox_core::__private::String {
                 match self { #(#key_arms)* }
+            }
+
+            fn msg_id(&self) -> ::core::result::Result<::outbox_core::MsgId, ::outbox_core::InvalidMsgId> {
+                match self { #(#msg_id_arms)* }
             }
 
             #ordering
@@ -112,6 +118,30 @@ fn business_key_arm(v: &Variant) -> TokenStream {
     quote!(#pat => ::outbox_core::__private::format!(#format, #(#spanned_args),*),)
 }
 
+/// The id parts of `args`, each checked: an empty one returns
+/// `InvalidMsgId::EmptyPart` naming its field, before the parts are joined (a key built
+/// from empty parts, `:OrderPaid`, would make every such event one duplicate).
+fn checked_parts(args: &[Ident]) -> impl Iterator<Item = TokenStream> + '_ {
+    args.iter().map(|a| {
+        let field = a.unraw().to_string();
+        quote_spanned!(a.span()=>
+            ::outbox_core::__private::id_part(#field, &#a as &dyn ::core::fmt::Display)?
+        )
+    })
+}
+
+fn msg_id_arm(v: &Variant) -> TokenStream {
+    let pat = pattern(v, &unique(&v.id.args));
+    let (format, name) = (&v.id.format, &v.name);
+    let parts = checked_parts(&v.id.args);
+    quote! {
+        #pat => ::outbox_core::MsgId::from_parts(
+            &::outbox_core::__private::format!(#format, #(#parts),*),
+            #name,
+        ),
+    }
+}
+
 fn ordering_key(event: &Event<'_>) -> Option<TokenStream> {
     if event.variants.iter().all(|v| v.key.is_none()) {
         return None; // the trait's default: the business key
@@ -141,7 +171,7 @@ fn inherent_items(event: &Event<'_>) -> TokenStream {
     let v = &event.variants[0];
     let (topic, name, format) = (&v.topic, &v.name, &v.id.format);
     let params = unique(&v.id.args);
-    let args = &v.id.args;
+    let parts = checked_parts(&v.id.args);
     let doc_fields = params
         .iter()
         .map(|p| format!("`{p}`"))
@@ -149,7 +179,8 @@ fn inherent_items(event: &Event<'_>) -> TokenStream {
         .join(", ");
     let doc = format!(
         "The msg_id of the `{name}` event whose id field(s) {doc_fields} have these values, \
-         without building the event."
+         without building the event. A value that renders empty is an \
+         [`InvalidMsgId::EmptyPart`](::outbox_core::InvalidMsgId::EmptyPart) naming its field."
     );
     let generic_params: Vec<_> = (0..params.len())
         .map(|i| format_ident!("__OutboxId{}", i))
@@ -166,7 +197,7 @@ fn inherent_items(event: &Event<'_>) -> TokenStream {
             #vis fn msg_id_for<#(#generic_params: ::core::fmt::Display),*>(#(#params: #generic_params),*)
                 -> ::core::result::Result<::outbox_core::MsgId, ::outbox_core::InvalidMsgId>
             {
-                ::outbox_core::MsgId::from_parts(&::outbox_core::__private::format!(#format, #(#args),*), #name)
+                ::outbox_core::MsgId::from_parts(&::outbox_core::__private::format!(#format, #(#parts),*), #name)
             }
         }
     }
@@ -239,6 +270,12 @@ mod tests {
         );
         assert!(out.contains("fn msg_id_for"), "{out}");
         assert!(!out.contains("compile_error"), "{out}");
+        // Each id part is checked, by its field's name, in `msg_id` and `msg_id_for`.
+        assert_eq!(
+            out.matches("id_part (\"order_id\" , & order_id").count(),
+            2,
+            "{out}"
+        );
     }
 
     #[test]

@@ -119,8 +119,9 @@ impl Default for EmitOptions {
 /// emit is one `INSERT` (on PostgreSQL with the optional `NOTIFY` in the same statement),
 /// a statement diesel keeps prepared.
 ///
-/// The errors emit detects itself (duplicate msg_id, invalid msg_id, payload too large or
-/// not serializable, field too long) leave the transaction usable: nothing was written,
+/// The errors emit detects itself (duplicate msg_id, invalid msg_id — an empty id field
+/// among them, [`InvalidMsgId::EmptyPart`](outbox_core::InvalidMsgId::EmptyPart) —, payload
+/// too large or not serializable, field too long) leave the transaction usable: nothing was written,
 /// and you may roll back (what `?` does) or carry on. A database error (a lost
 /// connection, a statement timeout) is like any failed statement: on PostgreSQL it aborts
 /// the transaction, which can then only roll back. A duplicate msg_id is [`Error::Duplicate`]; after `?` has
