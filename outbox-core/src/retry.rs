@@ -81,11 +81,15 @@ impl RetryPolicy {
 
 /// Bounded exponential backoff for outages of the broker or database, which pause the
 /// whole relay (or consumer) and never touch per-message retries.
+///
+/// The longest pause is also how long a recovered service may wait before it is used
+/// again, so the default keeps it short (5 s): a pause costs one reconnect attempt,
+/// and a few a minute cost a down server nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutageBackoff {
     /// First pause (default 100 ms).
     pub min: Duration,
-    /// Longest pause (default 30 s).
+    /// Longest pause (default 5 s).
     pub max: Duration,
 }
 
@@ -93,7 +97,7 @@ impl Default for OutageBackoff {
     fn default() -> Self {
         Self {
             min: Duration::from_millis(100),
-            max: Duration::from_secs(30),
+            max: Duration::from_secs(5),
         }
     }
 }
@@ -190,6 +194,6 @@ mod tests {
         let b = OutageBackoff::default();
         assert_eq!(b.pause(1), Duration::from_millis(100));
         assert_eq!(b.pause(2), Duration::from_millis(200));
-        assert_eq!(b.pause(100), Duration::from_secs(30));
+        assert_eq!(b.pause(100), Duration::from_secs(5));
     }
 }

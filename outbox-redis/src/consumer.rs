@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -107,6 +107,12 @@ pub struct ConsumerConfig {
     pub trim_interval: Option<Duration>,
     /// Pauses after Redis or the idempotency store fails as a whole.
     pub outage_backoff: OutageBackoff,
+    /// How long [`run_until`](Consumer::run_until) waits, after its shutdown signal, for
+    /// the messages in flight to finish (default 20 s, inside Kubernetes's default 30 s
+    /// grace period). Those still running then are abandoned: they stay pending and
+    /// another consumer claims them after [`min_idle`](Self::min_idle); a transaction
+    /// that commits anyway makes that redelivery a duplicate.
+    pub shutdown_timeout: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -129,6 +135,7 @@ impl Default for ConsumerConfig {
             response_timeout: Duration::from_secs(5),
             trim_interval: None,
             outage_backoff: OutageBackoff::default(),
+            shutdown_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -178,6 +185,7 @@ impl ConsumerConfig {
             self.min_idle,
             self.claim_interval,
             self.response_timeout,
+            self.shutdown_timeout,
         ]
         .into_iter()
         .chain(self.trim_interval)
@@ -185,7 +193,7 @@ impl ConsumerConfig {
         .unwrap_or_default();
         if longest > day {
             return fail(
-                "block, min_idle, claim_interval, response_timeout and trim_interval must be at most a day",
+                "block, min_idle, claim_interval, response_timeout, shutdown_timeout and trim_interval must be at most a day",
             );
         }
         Ok(())
@@ -588,6 +596,77 @@ struct Job {
     delivery_count: u64,
 }
 
+/// The entries this consumer is processing, with when each started; shared by the run
+/// loop and the task that keeps them from looking idle.
+#[derive(Clone, Default)]
+struct InFlight(Arc<std::sync::Mutex<HashMap<(Arc<str>, String), Instant>>>);
+
+impl InFlight {
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, String), Instant>> {
+        // The map holds no invariant a panic could break.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `job`'s entry; false if it is in flight already.
+    fn insert(&self, job: &Job) -> bool {
+        let key = (Arc::clone(&job.stream), job.entry.id.clone());
+        match self.entries().entry(key) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Instant::now());
+                true
+            }
+        }
+    }
+
+    fn contains(&self, stream: &Arc<str>, id: &str) -> bool {
+        self.entries()
+            .contains_key(&(Arc::clone(stream), id.to_owned()))
+    }
+
+    fn remove(&self, entries: &[(Arc<str>, String)]) {
+        let mut map = self.entries();
+        for entry in entries {
+            map.remove(entry);
+        }
+    }
+
+    /// The ids of entries in flight for longer than `age`, per stream.
+    fn older_than(&self, age: Duration) -> Vec<(Arc<str>, Vec<String>)> {
+        let mut by_stream: Vec<(Arc<str>, Vec<String>)> = Vec::new();
+        for ((stream, id), started) in self.entries().iter() {
+            if started.elapsed() < age {
+                continue;
+            }
+            match by_stream.iter_mut().find(|(s, _)| s == stream) {
+                Some((_, ids)) => ids.push(id.clone()),
+                None => by_stream.push((Arc::clone(stream), vec![id.clone()])),
+            }
+        }
+        by_stream
+    }
+}
+
+/// Consecutive whole failures, by where they happened. Each kind is reset by its own
+/// success, so a success of one kind (a claim that works) can never hide that the other
+/// recovered, nor keep the loop pausing after Redis answers again.
+#[derive(Default)]
+struct Health {
+    /// Failed reads and claims.
+    redis: u32,
+    /// Messages or batches that ended in a store outage (or a failed ack).
+    work: u32,
+}
+
+impl Health {
+    fn pause(&self, backoff: &OutageBackoff) -> Option<Duration> {
+        let failures = self.redis.max(self.work);
+        (failures > 0).then(|| backoff.pause(failures))
+    }
+}
+
 /// How a job or a batch of jobs ended, reported to the run loop.
 struct Done {
     /// The entries, no longer in flight.
@@ -733,8 +812,14 @@ where
     /// type at a stream's key). Later outages of Redis or the store are logged, counted
     /// and backed off from, and never end the run.
     ///
+    /// Whatever the timings of an outage, the loop gets back to reading as soon as Redis
+    /// answers again: every failure kind (reads and claims, store outages) has its own
+    /// consecutive count that its next success resets, and a claim is always followed
+    /// by a read.
+    ///
     /// On shutdown it stops reading, lets the messages in flight finish and acknowledges
-    /// them, then returns. Entries handed to a read that the shutdown cut short stay
+    /// them, then returns, within [`shutdown_timeout`](ConsumerConfig::shutdown_timeout):
+    /// messages still in flight then stay pending. Entries handed to a read that the shutdown cut short stay
     /// pending and are claimed again after `min_idle`. Dropping the future instead
     /// abandons the messages in flight the same way: nothing is lost, and their
     /// transactions decide whether a redelivery is a duplicate.
@@ -745,18 +830,23 @@ where
         let mut shutdown = std::pin::pin!(shutdown);
         let permits = Arc::new(Semaphore::new(inner.config.max_in_flight));
         let mut tasks: JoinSet<Done> = JoinSet::new();
-        let mut in_flight: HashSet<(Arc<str>, String)> = HashSet::new();
+        let in_flight = InFlight::default();
+        let keep_alive = tokio::spawn(
+            self.clone()
+                .keep_in_flight_alive(in_flight.clone())
+                .instrument(span.clone()),
+        );
         let mut next_claim = Instant::now();
         let mut next_trim = inner.config.trim_interval.map(|i| Instant::now() + i);
-        let mut outages = 0u32;
+        let mut health = Health::default();
+        let mut claimed_last = false;
         let mut reads = Reads::default();
         tracing::info!(parent: &span, streams = ?inner.streams, "consumer started");
         loop {
             while let Some(done) = tasks.try_join_next() {
-                self.finished(done, &mut in_flight, &mut outages);
+                self.finished(done, &in_flight, &mut health);
             }
-            if outages > 0 {
-                let pause = inner.config.outage_backoff.pause(outages);
+            if let Some(pause) = health.pause(&inner.config.outage_backoff) {
                 tokio::select! {
                     biased;
                     () = &mut shutdown => break,
@@ -768,7 +858,7 @@ where
                 tokio::select! {
                     biased;
                     () = &mut shutdown => break,
-                    Some(done) = tasks.join_next() => self.finished(done, &mut in_flight, &mut outages),
+                    Some(done) = tasks.join_next() => self.finished(done, &in_flight, &mut health),
                 }
                 continue;
             }
@@ -782,7 +872,11 @@ where
                 }
                 next_trim = Some(Instant::now() + interval);
             }
-            let claiming = Instant::now() >= next_claim;
+            // A claim is always followed by a read, whatever the timings: a loop that
+            // only claimed (pauses longer than the claim interval) would never see a new
+            // entry again.
+            let claiming = !claimed_last && Instant::now() >= next_claim;
+            claimed_last = claiming;
             // Entries that fit: one per free slot, or a batch per free slot.
             let room = match inner.config.batch_size {
                 None => free.min(inner.config.read_count),
@@ -805,46 +899,14 @@ where
             }
             match jobs {
                 Ok(jobs) => {
-                    if !claiming {
-                        outages = 0;
-                    }
-                    let mut fresh = Vec::with_capacity(jobs.len());
-                    for job in jobs {
+                    // Redis answered: whatever failed before, it is back.
+                    health.redis = 0;
+                    let fresh: Vec<Job> = jobs
+                        .into_iter()
                         // Skips entries claimed back while this consumer still works on them.
-                        if in_flight.insert((Arc::clone(&job.stream), job.entry.id.clone())) {
-                            fresh.push(job);
-                        }
-                    }
-                    match inner.config.batch_size {
-                        None => {
-                            for job in fresh {
-                                let this = self.clone();
-                                let permits = Arc::clone(&permits);
-                                tasks.spawn(
-                                    async move {
-                                        let _permit = permits.acquire_owned().await;
-                                        this.process(job).await
-                                    }
-                                    .instrument(span.clone()),
-                                );
-                            }
-                        }
-                        Some(size) => {
-                            let mut fresh = fresh.into_iter().peekable();
-                            while fresh.peek().is_some() {
-                                let batch: Vec<Job> = fresh.by_ref().take(size).collect();
-                                let this = self.clone();
-                                let permits = Arc::clone(&permits);
-                                tasks.spawn(
-                                    async move {
-                                        let _permit = permits.acquire_owned().await;
-                                        this.process_batch(batch).await
-                                    }
-                                    .instrument(span.clone()),
-                                );
-                            }
-                        }
-                    }
+                        .filter(|job| in_flight.insert(job))
+                        .collect();
+                    self.spawn_work(fresh, &mut tasks, &permits, &span);
                 }
                 Err(e) => {
                     self.count(Count::RedisError, None);
@@ -853,11 +915,11 @@ where
                         tracing::warn!(parent: &span, error = %e, "consumer group missing; recreating it");
                         if let Err(e) = self.ensure_groups().await {
                             tracing::warn!(parent: &span, error = %e, "cannot recreate consumer groups");
-                            outages = outages.saturating_add(1);
+                            health.redis = health.redis.saturating_add(1);
                         }
                     } else {
                         tracing::warn!(parent: &span, error = %e, "redis read failed; backing off");
-                        outages = outages.saturating_add(1);
+                        health.redis = health.redis.saturating_add(1);
                     }
                 }
             }
@@ -866,11 +928,86 @@ where
         // pending, as with a read the shutdown cut short.
         drop(reads);
         tracing::info!(parent: &span, in_flight = tasks.len(), "consumer stopping");
-        while let Some(done) = tasks.join_next().await {
-            self.finished(done, &mut in_flight, &mut outages);
+        let grace = tokio::time::sleep(inner.config.shutdown_timeout);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                done = tasks.join_next() => match done {
+                    Some(done) => self.finished(done, &in_flight, &mut health),
+                    None => break,
+                },
+                () = &mut grace => {
+                    tracing::warn!(parent: &span, abandoned = tasks.len(), "shutdown timeout reached; the messages still in flight stay pending for other consumers");
+                    // Their store transactions roll back when their connections close
+                    // (or commit, and a redelivery is then a duplicate).
+                    tasks.abort_all();
+                    break;
+                }
+            }
         }
+        keep_alive.abort();
         tracing::info!(parent: &span, "consumer stopped");
         Ok(())
+    }
+
+    /// Starts processing `jobs`: one task per entry, or per batch in batch mode.
+    fn spawn_work(
+        &self,
+        jobs: Vec<Job>,
+        tasks: &mut JoinSet<Done>,
+        permits: &Arc<Semaphore>,
+        span: &tracing::Span,
+    ) {
+        let size = self.inner.config.batch_size.unwrap_or(1);
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            let batch: Vec<Job> = jobs.by_ref().take(size).collect();
+            let this = self.clone();
+            let permits = Arc::clone(permits);
+            tasks.spawn(
+                async move {
+                    let _permit = permits.acquire_owned().await;
+                    if this.inner.config.batch_size.is_some() {
+                        this.process_batch(batch).await
+                    } else {
+                        let job = batch.into_iter().next().expect("a batch of one");
+                        this.process(job).await
+                    }
+                }
+                .instrument(span.clone()),
+            );
+        }
+    }
+
+    /// Keeps the entries this consumer works on from looking idle: every third of
+    /// `min_idle`, an `XCLAIM ... JUSTID` to itself resets the idle time of those in
+    /// flight for longer than that, without counting a delivery. So neither another
+    /// consumer nor this one's own `XAUTOCLAIM` takes over a slow handler's entry and
+    /// runs it a second time concurrently; if this process stalls or dies, the refreshes
+    /// stop and the entries are claimed after `min_idle`, as before.
+    async fn keep_in_flight_alive(self, in_flight: InFlight) {
+        let every = self.inner.config.min_idle / 3;
+        loop {
+            tokio::time::sleep(every).await;
+            let stale = in_flight.older_than(every);
+            for (stream, ids) in stale {
+                let refreshed: RedisResult<redis::Value> = async {
+                    let mut conn = self.inner.commands.get().await?;
+                    redis::cmd("XCLAIM")
+                        .arg(&*stream)
+                        .arg(&self.inner.group)
+                        .arg(&self.inner.consumer_name)
+                        .arg(0)
+                        .arg(&ids)
+                        .arg("JUSTID")
+                        .query_async(&mut conn)
+                        .await
+                }
+                .await;
+                self.redis_done(refreshed, "cannot refresh the entries in flight")
+                    .await;
+            }
+        }
     }
 
     /// One round of [`ConsumerConfig::trim_interval`]: trims, logs, never fails.
@@ -894,20 +1031,21 @@ where
     fn finished(
         &self,
         done: Result<Done, tokio::task::JoinError>,
-        in_flight: &mut HashSet<(Arc<str>, String)>,
-        outages: &mut u32,
+        in_flight: &InFlight,
+        health: &mut Health,
     ) {
         match done {
             Ok(done) => {
-                for entry in done.entries {
-                    in_flight.remove(&entry);
-                }
-                if done.outage {
-                    *outages = outages.saturating_add(1);
-                }
+                in_flight.remove(&done.entries);
+                health.work = if done.outage {
+                    health.work.saturating_add(1)
+                } else {
+                    0
+                };
             }
-            // `process` catches handler panics; this is a bug in the runner itself. The
-            // entry stays pending and is claimed again.
+            // `process` catches handler panics; this is a bug in the runner itself, or
+            // a task aborted at the shutdown timeout. The entry stays pending and is
+            // claimed again.
             Err(e) => tracing::error!(error = %e, "consumer task failed"),
         }
     }
@@ -1036,11 +1174,7 @@ where
 
     /// Entries idle longer than `min_idle` in the group, whoever held them:
     /// `XAUTOCLAIM`, then their delivery counts from `XPENDING`.
-    async fn claim(
-        &self,
-        free: usize,
-        in_flight: &HashSet<(Arc<str>, String)>,
-    ) -> RedisResult<Vec<Job>> {
+    async fn claim(&self, free: usize, in_flight: &InFlight) -> RedisResult<Vec<Job>> {
         let inner = &self.inner;
         let mut conn = inner.commands.get().await?;
         let result = self.claim_on(&mut conn, free, in_flight).await;
@@ -1054,7 +1188,7 @@ where
         &self,
         conn: &mut Conn,
         free: usize,
-        in_flight: &HashSet<(Arc<str>, String)>,
+        in_flight: &InFlight,
     ) -> RedisResult<Vec<Job>> {
         let inner = &self.inner;
         let mut jobs: Vec<Job> = Vec::new();
@@ -1084,7 +1218,7 @@ where
                     let counts =
                         delivery_counts(conn, stream, &inner.group, &reply.claimed).await?;
                     for (entry, count) in reply.claimed.into_iter().zip(counts) {
-                        let mine = in_flight.contains(&(Arc::clone(stream), entry.id.clone()));
+                        let mine = in_flight.contains(stream, &entry.id);
                         if !mine {
                             self.count(Count::Reclaimed, Some(stream));
                             tracing::info!(stream = &**stream, entry_id = %entry.id, delivery_count = count, "pending entry claimed");
