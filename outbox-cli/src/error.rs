@@ -88,6 +88,12 @@ pub(crate) enum CliError {
     Output(#[from] io::Error),
 }
 
+/// The advice when SQLite's one relay per database is taken. A relay that died (even by
+/// SIGKILL) holds nothing: its OS file lock went with its process, so there is no lease
+/// time to wait out.
+const RELAY_CONFLICT_HINT: &str = "stop the other relay: SQLite takes one per database file \
+     (a relay that crashed or was killed holds nothing, so a restart needs no wait)";
+
 impl CliError {
     /// The process exit code: 2 for usage errors (like clap's), 1 for everything else.
     pub(crate) fn exit_code(&self) -> u8 {
@@ -113,11 +119,8 @@ impl CliError {
             Self::Database(_) | Self::Pool { .. } | Self::Relay(_) if missing_table => {
                 Some("the outbox tables are missing: run `outbox migrate` first")
             }
-            Self::RelayStart(e) | Self::Relay(e) if e.to_string().contains("another relay") => {
-                Some(
-                    "stop the other relay, or wait until its lease expires (30 s after its last heartbeat)",
-                )
-            }
+            Self::RelayStart(outbox_core::Error::RelayConflict(_))
+            | Self::Relay(outbox_core::Error::RelayConflict(_)) => Some(RELAY_CONFLICT_HINT),
             _ => None,
         }
     }

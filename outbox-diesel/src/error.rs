@@ -65,23 +65,34 @@ pub enum Error {
     #[error("connection pool: {0}")]
     Pool(#[from] diesel::r2d2::PoolError),
     /// Another relay holds this SQLite database. SQLite has no row locks, so one relay
-    /// runs per database file; a second one gets this error until the holder stops or its
-    /// lease expires.
+    /// runs per database file; a second one gets this error while the holder's process
+    /// lives (a killed holder frees the database at once).
     #[error(
-        "another relay ({owner}) holds the outbox of this SQLite database (last heartbeat {heartbeat_at}); one relay per database"
+        "another relay ({owner}) holds the outbox of this SQLite database ({lock}); one relay per database"
     )]
     RelayAlreadyRunning {
-        /// The holder's owner token.
+        /// The holder's owner token, `pid<process id>-<random>` (`unknown` if it has
+        /// not written it yet).
         owner: String,
-        /// The holder's last heartbeat (UTC).
-        heartbeat_at: String,
+        /// What it holds: the lock file's path, or the lease row of an in-memory database.
+        lock: String,
     },
-    /// This relay's SQLite lease was taken over by another relay (it stalled past the
-    /// lease time). Stop this relay.
-    #[error("this relay's lease on the SQLite outbox was taken over by {owner}")]
+    /// This relay's SQLite lock file was removed or replaced while it ran, so another
+    /// relay may be running on the same database. Stop this relay.
+    #[error(
+        "the SQLite relay lock file is no longer this relay's (now: {owner:?}); another relay may run"
+    )]
     LeaseLost {
-        /// The new holder's owner token.
+        /// The owner token now in the lock file (empty if the file is gone or empty).
         owner: String,
+    },
+    /// The SQLite relay's lock file could not be created, read or locked.
+    #[error("cannot use the SQLite relay lock file {}: {source}", path.display())]
+    RelayLock {
+        /// The lock file: the database file's path plus `.outbox-relay.lock`.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
     },
     /// A stored row holds a value this crate cannot read (unknown status, bad headers).
     #[error("corrupt outbox row {id}: {reason}")]

@@ -1,5 +1,8 @@
-//! SQLite: a single relay per database, enforced by a lease row.
+//! SQLite: a single relay per database, enforced by an OS lock on a file next to it.
 
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use diesel::SqliteConnection;
@@ -7,9 +10,9 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use outbox_core::{Backlog, BatchOutcome, ClaimedBatch, RelayStore, StoredMessage};
 
-use crate::backend::sqlite::{lease, release};
+use crate::backend::sqlite::{database_file, release, take_lease};
 use crate::relay::{blocking, stored};
-use crate::{ClaimOrder, OutboxConnection as _, Result, SqlitePool};
+use crate::{ClaimOrder, Error, OutboxConnection as _, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait
 /// for each other instead of failing with `SQLITE_BUSY`) and, by default, WAL mode (so
@@ -74,45 +77,81 @@ pub fn sqlite_pool(database_url: &str, max_size: u32) -> Result<SqlitePool> {
         .build(ConnectionManager::<SqliteConnection>::new(database_url))?)
 }
 
-/// The relay's store on SQLite. SQLite has no row locks, so one relay runs per database:
-/// the store takes a lease (`outbox_relay_lease`) when it is created, renews it with
-/// every claim, and gives it up when dropped. A second store on the same database fails
-/// with [`Error::RelayAlreadyRunning`](crate::Error::RelayAlreadyRunning) until then, or
-/// until the lease expires (its holder crashed): the lease time, 2 min by default, must
-/// exceed the relay's poll interval and its longest outage pause (30 s by default) plus
-/// a publish timeout, or a relay waiting out a broker outage could lose its lease. A
-/// relay that loses it stops: `Relay::run_until` returns
-/// [`outbox_core::Error::RelayConflict`].
+/// The relay's store on SQLite. SQLite has no row locks, so one relay runs per database;
+/// a second store on the same database fails with
+/// [`Error::RelayAlreadyRunning`](crate::Error::RelayAlreadyRunning).
 ///
-/// Claims and completions run in short immediate (write-locking) transactions, each of
-/// which checks the lease first; the batch holds no database lock while it is being
-/// published, so emitters are never blocked by a publish. Waiting for work polls.
+/// # How one relay is enforced
+///
+/// The store takes an exclusive OS lock (`flock`) on `<database file>.outbox-relay.lock`
+/// when it is created and holds it until it is dropped. The kernel releases the lock
+/// when the process ends, however it ends, so a relay killed with SIGKILL (or crashed)
+/// is replaced at once: there is no lease to wait out. The file, which records the
+/// holder's owner token for the error message, is created next to the database (its
+/// directory must be writable, as WAL mode needs anyway) and left in place: deleting a
+/// lock file that a relay holds would let a second relay lock a new file of the same
+/// name. If it is removed or replaced all the same, the relay notices at its next claim
+/// and stops: `Relay::run_until` returns [`outbox_core::Error::RelayConflict`] with
+/// [`Error::LeaseLost`](crate::Error::LeaseLost). The lock works between processes of
+/// one host and between stores of one process; SQLite itself needs its file on one host
+/// (not a network file system).
+///
+/// A database without a file (`:memory:`, a `mode=memory` URI) lives in this process
+/// only: there the store writes the `outbox_relay_lease` row once when it is created and
+/// deletes it when dropped, so two stores of this process on one shared in-memory
+/// database still exclude each other.
+///
+/// # What the relay writes
+///
+/// Nothing while it is idle: the claim is a plain read (the lock, not a write
+/// transaction, keeps other relays away), so a poll that finds nothing takes no write
+/// lock and cannot fail the application's transactions (see the crate docs, "SQLite").
+/// Completing a batch that was published takes the write lock in a short immediate
+/// transaction. The batch holds no database lock while it is being published, so
+/// emitters are never blocked by a publish. Waiting for work polls.
 #[derive(Debug)]
 pub struct SqliteRelayStore {
     pool: SqlitePool,
     owner: String,
-    lease_ttl: Duration,
+    hold: Hold,
     order: ClaimOrder,
 }
 
+/// What keeps other relays off the database while the store lives.
+#[derive(Debug)]
+enum Hold {
+    /// The locked lock file (the lock goes with the open file).
+    File { path: PathBuf, _file: File },
+    /// The `outbox_relay_lease` row of a database without a file.
+    Row,
+}
+
 impl SqliteRelayStore {
-    /// The default lease time: 2 min.
-    pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(120);
+    /// The suffix of the lock file's name: `<database file>.outbox-relay.lock`.
+    pub const LOCK_FILE_SUFFIX: &'static str = ".outbox-relay.lock";
 
-    /// Takes the database's relay lease (blocking briefly) with the default lease time.
+    /// Takes the database's relay lock, or fails with
+    /// [`Error::RelayAlreadyRunning`](crate::Error::RelayAlreadyRunning) if another
+    /// live relay holds it, or [`Error::RelayLock`](crate::Error::RelayLock) if the
+    /// lock file cannot be created.
     pub fn new(pool: SqlitePool) -> Result<Self> {
-        Self::with_lease_ttl(pool, Self::DEFAULT_LEASE_TTL)
-    }
-
-    /// Takes the database's relay lease, which expires `lease_ttl` after the last claim.
-    pub fn with_lease_ttl(pool: SqlitePool, lease_ttl: Duration) -> Result<Self> {
         let owner = format!("pid{}-{:016x}", std::process::id(), fastrand::u64(..));
         let mut conn = pool.get()?;
-        conn.immediate_transaction(|c| lease(c, &owner, lease_ttl, false))?;
+        let hold = match database_file(&mut conn)? {
+            Some(db) => {
+                let (path, file) = lock_file(Path::new(&db), &owner)?;
+                Hold::File { path, _file: file }
+            }
+            None => {
+                conn.immediate_transaction(|c| take_lease(c, &owner))?;
+                Hold::Row
+            }
+        };
+        drop(conn);
         Ok(Self {
             pool,
             owner,
-            lease_ttl,
+            hold,
             order: ClaimOrder::default(),
         })
     }
@@ -130,9 +169,17 @@ impl SqliteRelayStore {
         self.order
     }
 
-    /// This relay's owner token, as stored in the lease.
+    /// This relay's owner token, `pid<process id>-<random>`, as written to the lock file.
     pub fn owner(&self) -> &str {
         &self.owner
+    }
+
+    /// The lock file this store holds, or `None` for a database without a file.
+    pub fn lock_file(&self) -> Option<&Path> {
+        match &self.hold {
+            Hold::File { path, .. } => Some(path),
+            Hold::Row => None,
+        }
     }
 
     /// The pool.
@@ -141,26 +188,82 @@ impl SqliteRelayStore {
     }
 }
 
+/// Creates (if need be) and locks the lock file of the database file `db`, and writes
+/// `owner` into it.
+fn lock_file(db: &Path, owner: &str) -> Result<(PathBuf, File)> {
+    // Through symlinks to the real file, so that every relay of the database names the
+    // same lock file.
+    let db = std::fs::canonicalize(db).unwrap_or_else(|_| db.to_path_buf());
+    let mut name = db.into_os_string();
+    name.push(SqliteRelayStore::LOCK_FILE_SUFFIX);
+    let path = PathBuf::from(name);
+    let io_error = |source| Error::RelayLock {
+        path: path.clone(),
+        source,
+    };
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false) // it may be another relay's, still running
+        .open(&path)
+        .map_err(io_error)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = holder.trim();
+            return Err(Error::RelayAlreadyRunning {
+                owner: if holder.is_empty() { "unknown" } else { holder }.to_owned(),
+                lock: path.display().to_string(),
+            });
+        }
+        Err(TryLockError::Error(e)) => return Err(io_error(e)),
+    }
+    file.set_len(0)
+        .and_then(|()| file.write_all(owner.as_bytes()))
+        .map_err(io_error)?;
+    Ok((path, file))
+}
+
+/// Whether the lock file at `path` is still the one `owner` locked: a removed or
+/// replaced file is [`Error::LeaseLost`], as another relay may have locked its successor.
+/// A read, so that an idle relay writes nothing.
+fn check_lock(path: &Path, owner: &str) -> Result<()> {
+    match std::fs::read_to_string(path) {
+        Ok(now) if now == owner => Ok(()),
+        Ok(now) => Err(Error::LeaseLost { owner: now }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::LeaseLost {
+            owner: String::new(),
+        }),
+        Err(source) => Err(Error::RelayLock {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
 impl Drop for SqliteRelayStore {
     fn drop(&mut self) {
-        let released = self
-            .pool
-            .get()
-            .map_err(Into::into)
-            .and_then(|mut c| release(&mut c, &self.owner));
-        if let Err(e) = released {
-            tracing::warn!(error = %e, "could not release the SQLite relay lease; it expires on its own");
+        // A lock file is released with the file; the lease row must be deleted.
+        if let Hold::Row = self.hold {
+            let released = self
+                .pool
+                .get()
+                .map_err(Into::into)
+                .and_then(|mut c| release(&mut c, &self.owner));
+            if let Err(e) = released {
+                tracing::warn!(error = %e, "could not release the SQLite relay lease row");
+            }
         }
     }
 }
 
-/// A batch claimed by [`SqliteRelayStore`]. It holds no lock; the relay lease keeps other
-/// relays away. Dropping it leaves the rows NEW.
+/// A batch claimed by [`SqliteRelayStore`]. It holds no database lock; the relay's lock
+/// keeps other relays away. Dropping it leaves the rows NEW.
 #[derive(Debug)]
 pub struct SqliteBatch {
     pool: SqlitePool,
-    owner: String,
-    lease_ttl: Duration,
     messages: Vec<StoredMessage>,
 }
 
@@ -169,24 +272,26 @@ impl RelayStore for SqliteRelayStore {
 
     async fn claim(&self, limit: usize) -> Result<SqliteBatch, outbox_core::Error> {
         let pool = self.pool.clone();
-        let owner = self.owner.clone();
-        let ttl = self.lease_ttl;
+        let lock = self
+            .lock_file()
+            .map(|p| (p.to_path_buf(), self.owner.clone()));
         let order = self.order;
         let messages = blocking(move || {
+            if let Some((path, owner)) = lock {
+                check_lock(&path, &owner)?;
+            }
+            // A plain read, outside any transaction: the relay's lock already keeps other
+            // relays away, and a write lock taken here on every poll would fail other
+            // connections' deferred transactions while the relay has nothing to do.
             let mut conn = pool.get()?;
-            conn.immediate_transaction(|c| {
-                lease(c, &owner, ttl, true)?;
-                match order {
-                    ClaimOrder::PerKey => c.__claim_per_key(limit),
-                    ClaimOrder::Unordered => c.__claim(limit),
-                }
-            })
+            match order {
+                ClaimOrder::PerKey => conn.__claim_per_key(limit),
+                ClaimOrder::Unordered => conn.__claim(limit),
+            }
         })
         .await?;
         Ok(SqliteBatch {
             pool: self.pool.clone(),
-            owner: self.owner.clone(),
-            lease_ttl: self.lease_ttl,
             messages: stored(messages),
         })
     }
@@ -206,18 +311,10 @@ impl ClaimedBatch for SqliteBatch {
         if outcome.is_empty() {
             return Ok(());
         }
-        let SqliteBatch {
-            pool,
-            owner,
-            lease_ttl,
-            ..
-        } = self;
+        let pool = self.pool;
         Ok(blocking(move || {
-            let mut conn = pool.get()?;
-            conn.immediate_transaction(|c| {
-                lease(c, &owner, lease_ttl, true)?;
-                c.__complete(&outcome)
-            })
+            pool.get()?
+                .immediate_transaction(|c| c.__complete(&outcome))
         })
         .await?)
     }

@@ -1,6 +1,6 @@
 //! Relay-store behaviour that differs per backend: row locks between concurrent claimers
 //! (PostgreSQL, MariaDB), the claim's index (EXPLAIN with many SENT rows), the SQLite
-//! single-relay lease, and the PostgreSQL LISTEN/NOTIFY wake-up.
+//! single-relay lock, and the PostgreSQL LISTEN/NOTIFY wake-up.
 
 mod common;
 
@@ -202,40 +202,6 @@ fn sqlite_second_relay_gets_a_clear_error() {
     runtime().block_on(async { first.claim(10).await.unwrap() });
     drop(first);
     SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap();
-}
-
-#[test]
-fn sqlite_expired_lease_is_taken_over_and_the_stale_relay_stops() {
-    let db = Lite::create();
-    let ttl = Duration::from_millis(300);
-    let stale = SqliteRelayStore::with_lease_ttl(Lite::pool(&db, 2), ttl).unwrap();
-    std::thread::sleep(Duration::from_millis(400));
-    let fresh = SqliteRelayStore::with_lease_ttl(Lite::pool(&db, 2), ttl).unwrap();
-    runtime().block_on(async {
-        let e = stale.claim(10).await.unwrap_err();
-        assert!(!e.is_outage(), "losing the lease is no outage: {e}");
-        let outbox_core::Error::RelayConflict(inner) = &e else {
-            panic!("expected a relay conflict, got {e}");
-        };
-        let inner = inner.downcast_ref::<outbox_diesel::Error>().unwrap();
-        assert!(
-            matches!(inner, outbox_diesel::Error::LeaseLost { owner } if owner == fresh.owner()),
-            "{inner}"
-        );
-        // The stale relay stops instead of retrying forever.
-        let relay = outbox_core::Relay::new(stale, outbox_core::MemoryBroker::new());
-        let stopped = tokio::time::timeout(
-            Duration::from_secs(60),
-            relay.run_until(std::future::pending()),
-        )
-        .await
-        .expect("the stale relay stops by itself");
-        assert!(
-            matches!(stopped, Err(outbox_core::Error::RelayConflict(_))),
-            "{stopped:?}"
-        );
-        fresh.claim(10).await.unwrap();
-    });
 }
 
 /// A connection listening on the test's channel.

@@ -77,7 +77,7 @@ fn log_start(db: &Database, args: &RelayArgs) {
 }
 
 /// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
-/// on return (which gives up the SQLite relay lease).
+/// on return (which gives up the SQLite relay lock).
 fn serve<S: RelayStore>(
     runtime: &Runtime,
     store: S,

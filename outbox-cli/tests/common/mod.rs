@@ -256,7 +256,7 @@ impl Drop for TestDb {
                     admin_mysql().batch_execute(&format!("DROP DATABASE IF EXISTS {}", self.name));
             }
             Kind::Sqlite => {
-                for suffix in ["", "-wal", "-shm", "-journal"] {
+                for suffix in ["", "-wal", "-shm", "-journal", ".outbox-relay.lock"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", self.name));
                 }
             }

@@ -1,9 +1,7 @@
-use std::time::Duration;
-
 use diesel::connection::AnsiTransactionManager;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::{Bool, Text};
+use diesel::sql_types::{Nullable, Text};
 use diesel::sqlite::Sqlite;
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
@@ -44,7 +42,7 @@ pub(super) const DIALECT: Dialect = Dialect {
     ),
     now: now!(),
     ph: "?",
-    // No row locks: one relay per database, enforced by the lease.
+    // No row locks: one relay per database, enforced by the store's lock file.
     lock: "",
     backlog: concat!(
         "SELECT (SELECT count(*) FROM outbox WHERE status = 0 AND next_retry_at <= ",
@@ -188,55 +186,49 @@ impl OutboxConnection for SqliteConnection {
 }
 
 #[derive(QueryableByName)]
-struct LeaseRow {
-    #[diesel(sql_type = Text)]
-    owner: String,
-    #[diesel(sql_type = Text)]
-    heartbeat_at: String,
-    #[diesel(sql_type = Bool)]
-    fresh: bool,
+struct DatabaseFile {
+    #[diesel(sql_type = Nullable<Text>)]
+    file: Option<String>,
 }
 
-/// Takes or renews the single relay lease, inside the caller's immediate transaction.
-///
-/// `held`: whether `owner` believes it holds the lease (renewal). A fresh lease of
-/// another owner is [`Error::RelayAlreadyRunning`] when taking and [`Error::LeaseLost`]
-/// when renewing; an expired one (its holder crashed or stalled) is taken over.
-pub(crate) fn lease(
-    conn: &mut SqliteConnection,
-    owner: &str,
-    ttl: Duration,
-    held: bool,
-) -> Result<()> {
-    let current = diesel::sql_query(format!(
-        "SELECT owner, heartbeat_at, heartbeat_at >= {} AS fresh \
-         FROM outbox_relay_lease WHERE singleton = 1",
-        (DIALECT.ago)(i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX))
-    ))
-    .get_result::<LeaseRow>(conn)
-    .optional()?;
-    if let Some(row) = current
-        && row.owner != owner
-        && row.fresh
-    {
-        return Err(if held {
-            Error::LeaseLost { owner: row.owner }
-        } else {
-            Error::RelayAlreadyRunning {
-                owner: row.owner,
-                heartbeat_at: row.heartbeat_at,
-            }
-        });
-    }
-    diesel::sql_query(concat!(
+/// The file of the connection's main database as SQLite resolved it (absolute), or
+/// `None` for a database without one (`:memory:`, a shared-cache memory URI, a temporary
+/// database).
+pub(crate) fn database_file(conn: &mut SqliteConnection) -> Result<Option<String>> {
+    let row = diesel::sql_query("SELECT file FROM pragma_database_list WHERE name = 'main'")
+        .get_result::<DatabaseFile>(conn)
+        .optional()?;
+    Ok(row.and_then(|r| r.file).filter(|f| !f.is_empty()))
+}
+
+#[derive(QueryableByName)]
+struct LeaseOwner {
+    #[diesel(sql_type = Text)]
+    owner: String,
+}
+
+/// Takes the relay lease row of a database without a file, inside the caller's
+/// immediate transaction. Such a database lives and dies with this process, so the row
+/// needs no heartbeat and no expiry: it is written once here and deleted by [`release`].
+/// A row of another owner is [`Error::RelayAlreadyRunning`].
+pub(crate) fn take_lease(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
+    let taken = diesel::sql_query(concat!(
         "INSERT INTO outbox_relay_lease (singleton, owner, heartbeat_at) VALUES (1, ?, ",
         now!(),
-        ") ON CONFLICT (singleton) DO UPDATE SET owner = excluded.owner, \
-         heartbeat_at = excluded.heartbeat_at"
+        ") ON CONFLICT (singleton) DO NOTHING"
     ))
     .bind::<Text, _>(owner)
     .execute(conn)?;
-    Ok(())
+    if taken == 1 {
+        return Ok(());
+    }
+    let holder = diesel::sql_query("SELECT owner FROM outbox_relay_lease WHERE singleton = 1")
+        .get_result::<LeaseOwner>(conn)?
+        .owner;
+    Err(Error::RelayAlreadyRunning {
+        owner: holder,
+        lock: "the outbox_relay_lease row of this in-memory database".into(),
+    })
 }
 
 /// Gives the lease up if `owner` holds it.

@@ -190,7 +190,7 @@ impl Backend for Lite {
             url: url.clone(),
             name,
             cleanup: Some(Box::new(move || {
-                for suffix in ["", "-wal", "-shm"] {
+                for suffix in ["", "-wal", "-shm", ".outbox-relay.lock"] {
                     let _ = std::fs::remove_file(format!("{url}{suffix}"));
                 }
             })),
