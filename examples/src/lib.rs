@@ -9,6 +9,7 @@
 use outbox_core::OutboxEvent;
 use serde::{Deserialize, Serialize};
 
+pub mod chaos;
 pub mod memory;
 pub mod scenario;
 pub mod sql;

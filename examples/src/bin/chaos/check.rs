@@ -1,0 +1,284 @@
+//! The end-of-run checks on what the database and the stream hold.
+
+use std::collections::{HashMap, HashSet};
+
+use outbox_examples::chaos::{HandlerFault, handler_fault, parse_msg_id};
+
+use crate::db::Contents;
+
+/// What the checks found. Every count but `stream_duplicates`, `committed` and the
+/// planned handler faults must be 0 for the run to pass.
+#[derive(Debug, Default)]
+pub(crate) struct Findings {
+    /// Committed messages.
+    pub(crate) committed: u64,
+    /// Committed messages never applied.
+    pub(crate) lost: u64,
+    /// Committed messages applied more than once.
+    pub(crate) double_applied: u64,
+    /// Keys whose sum or count is not that of their sequence `1..=n`.
+    pub(crate) bad_sums: u64,
+    /// Messages whose first appearance on the stream was not the next of their key.
+    pub(crate) order_breaks: u64,
+    /// Distinct committed messages on the stream.
+    pub(crate) on_stream: u64,
+    /// Entries beyond the first of their message (a relay republished them: allowed).
+    pub(crate) stream_duplicates: u64,
+    /// Committed messages missing from the stream.
+    pub(crate) not_on_stream: u64,
+    /// Traces of rolled-back transactions: outbox rows, stream entries, applications,
+    /// dedup records.
+    pub(crate) rolled_back_seen: u64,
+    /// Committed messages without an outbox row.
+    pub(crate) outbox_missing: u64,
+    /// Outbox rows still NEW.
+    pub(crate) outbox_new: u64,
+    /// Outbox rows DEAD (no message fails on its own here: any is an outage's doing).
+    pub(crate) outbox_dead: u64,
+    /// Stream entries, applications or rows that belong to no committed message.
+    pub(crate) strangers: u64,
+    /// Committed messages picked to fail / panic on their first delivery.
+    pub(crate) planned_fail: u64,
+    pub(crate) planned_panic: u64,
+    /// Human-readable notes on the first few problems.
+    pub(crate) notes: Vec<String>,
+}
+
+impl Findings {
+    fn note(&mut self, s: String) {
+        if self.notes.len() < 20 {
+            self.notes.push(s);
+        }
+    }
+
+    /// Per-key order of first appearances, as a percentage.
+    pub(crate) fn order_percent(&self) -> f64 {
+        if self.on_stream == 0 {
+            return 100.0;
+        }
+        100.0 * (self.on_stream - self.order_breaks.min(self.on_stream)) as f64
+            / self.on_stream as f64
+    }
+
+    pub(crate) fn failed(&self) -> bool {
+        self.lost
+            + self.double_applied
+            + self.bad_sums
+            + self.order_breaks
+            + self.not_on_stream
+            + self.rolled_back_seen
+            + self.outbox_missing
+            + self.outbox_new
+            + self.outbox_dead
+            + self.strangers
+            > 0
+    }
+}
+
+/// Checks the run's end state: the database `db`, the stream's entries `stream`
+/// (`(entry id, msg_id)` in stream order), the producers' rolled-back transactions.
+pub(crate) fn check(
+    db: &Contents,
+    stream: &[(String, String)],
+    rolled_back: &HashSet<u64>,
+    fault_one_in: u64,
+) -> Findings {
+    let mut f = Findings::default();
+    let committed: HashMap<&str, i64> = db.committed.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    f.committed = committed.values().map(|&n| n as u64).sum();
+    // A committed message is (key, seq) with 1 <= seq <= n; its transaction is known from
+    // its outbox row.
+    let is_committed = |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
+
+    // Outbox rows.
+    let mut tx_of: HashMap<(String, i64), u64> = HashMap::new();
+    for (msg_id, status) in &db.outbox {
+        let Some((key, seq, tx)) = parse_msg_id(msg_id) else {
+            f.strangers += 1;
+            f.note(format!("outbox row {msg_id:?} is not a chaos message"));
+            continue;
+        };
+        if rolled_back.contains(&tx) {
+            f.rolled_back_seen += 1;
+            f.note(format!("outbox holds {msg_id} of a rolled-back transaction"));
+            continue;
+        }
+        if !is_committed(key, seq) || tx_of.insert((key.to_owned(), seq), tx).is_some() {
+            f.strangers += 1;
+            f.note(format!("outbox row {msg_id} is beyond its key's committed sequence"));
+        }
+        match status {
+            0 => f.outbox_new += 1,
+            2 => {
+                f.outbox_dead += 1;
+                f.note(format!("outbox row {msg_id} is DEAD"));
+            }
+            _ => {}
+        }
+        match handler_fault(msg_id, fault_one_in) {
+            Some(HandlerFault::Fail) => f.planned_fail += 1,
+            Some(HandlerFault::Panic) => f.planned_panic += 1,
+            None => {}
+        }
+    }
+    f.outbox_missing = f.committed.saturating_sub(tx_of.len() as u64);
+    if f.outbox_missing > 0 {
+        f.note(format!("{} committed messages have no outbox row", f.outbox_missing));
+    }
+    // A msg_id is committed if its (key, seq) is and its transaction is the one that
+    // committed that position.
+    let classify = |msg_id: &str| -> Kind {
+        match parse_msg_id(msg_id) {
+            Some((_, _, tx)) if rolled_back.contains(&tx) => Kind::RolledBack,
+            Some((key, seq, tx)) if tx_of.get(&(key.to_owned(), seq)) == Some(&tx) => {
+                Kind::Committed
+            }
+            _ => Kind::Stranger,
+        }
+    };
+
+    // The stream: first appearances per key in sequence order, duplicates, strays.
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut last_first: HashMap<&str, i64> = HashMap::new();
+    for (entry, msg_id) in stream {
+        match classify(msg_id) {
+            Kind::RolledBack => {
+                f.rolled_back_seen += 1;
+                f.note(format!("stream entry {entry} carries rolled-back {msg_id}"));
+                continue;
+            }
+            Kind::Stranger => {
+                f.strangers += 1;
+                f.note(format!("stream entry {entry} carries unknown {msg_id:?}"));
+                continue;
+            }
+            Kind::Committed => {}
+        }
+        if !seen.insert(msg_id) {
+            f.stream_duplicates += 1;
+            continue;
+        }
+        let (key, seq, _) = parse_msg_id(msg_id).expect("classified as committed");
+        let last = last_first.entry(key).or_insert(0);
+        if seq != *last + 1 {
+            f.order_breaks += 1;
+            f.note(format!(
+                "stream entry {entry}: {key} #{seq} appears first after #{last}"
+            ));
+        }
+        *last = (*last).max(seq);
+    }
+    f.on_stream = seen.len() as u64;
+    f.not_on_stream = f.committed.saturating_sub(f.on_stream);
+
+    // Applications.
+    let mut applied: HashMap<&str, u64> = HashMap::new();
+    for msg_id in &db.log {
+        match classify(msg_id) {
+            Kind::Committed => *applied.entry(msg_id).or_default() += 1,
+            Kind::RolledBack => {
+                f.rolled_back_seen += 1;
+                f.note(format!("rolled-back {msg_id} was applied"));
+            }
+            Kind::Stranger => {
+                f.strangers += 1;
+                f.note(format!("unknown {msg_id:?} was applied"));
+            }
+        }
+    }
+    for (msg_id, &n) in &applied {
+        if n > 1 {
+            f.double_applied += 1;
+            f.note(format!("{msg_id} was applied {n} times"));
+        }
+    }
+    f.lost = f.committed.saturating_sub(applied.len() as u64);
+    if f.lost > 0 {
+        let missing: Vec<String> = tx_of
+            .iter()
+            .map(|((k, s), tx)| format!("{k}/{s}/{tx}:Tick"))
+            .filter(|id| !applied.contains_key(id.as_str()))
+            .take(5)
+            .collect();
+        f.note(format!("{} committed messages never applied, e.g. {missing:?}", f.lost));
+    }
+    for msg_id in &db.consumed {
+        if classify(msg_id) == Kind::RolledBack {
+            f.rolled_back_seen += 1;
+            f.note(format!("consumed_msg records rolled-back {msg_id}"));
+        }
+    }
+
+    // The per-key effect.
+    let sums: HashMap<&str, (i64, i64)> =
+        db.sums.iter().map(|(k, t, a)| (k.as_str(), (*t, *a))).collect();
+    for (key, &n) in &committed {
+        let want = (n * (n + 1) / 2, n);
+        let got = sums.get(key).copied().unwrap_or((0, 0));
+        if got != want {
+            f.bad_sums += 1;
+            f.note(format!(
+                "{key}: sum {} count {}, expected sum {} count {}",
+                got.0, got.1, want.0, want.1
+            ));
+        }
+    }
+    f
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Committed,
+    RolledBack,
+    Stranger,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn contents(log: &[&str]) -> Contents {
+        Contents {
+            committed: vec![("k0".into(), 2), ("k1".into(), 1)],
+            sums: vec![("k0".into(), 3, 2), ("k1".into(), 1, 1)],
+            log: log.iter().map(|s| (*s).to_owned()).collect(),
+            outbox: vec![
+                ("k0/1/5:Tick".into(), 1),
+                ("k0/2/6:Tick".into(), 1),
+                ("k1/1/6:Tick".into(), 1),
+            ],
+            consumed: vec![],
+        }
+    }
+
+    fn stream(ids: &[&str]) -> Vec<(String, String)> {
+        ids.iter()
+            .enumerate()
+            .map(|(i, id)| (format!("{i}-0"), (*id).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn a_clean_run_passes_and_duplicates_on_the_stream_are_allowed() {
+        let db = contents(&["k0/1/5:Tick", "k1/1/6:Tick", "k0/2/6:Tick"]);
+        let s = stream(&["k0/1/5:Tick", "k0/2/6:Tick", "k0/1/5:Tick", "k1/1/6:Tick"]);
+        let f = check(&db, &s, &HashSet::from([7]), 0);
+        assert!(!f.failed(), "{f:?}");
+        assert_eq!((f.committed, f.on_stream, f.stream_duplicates), (3, 3, 1));
+    }
+
+    #[test]
+    fn every_kind_of_defect_is_caught() {
+        // k0/1 applied twice, k0/2 never; k1 #1 of rolled-back tx 7 applied.
+        let mut db = contents(&["k0/1/5:Tick", "k0/1/5:Tick", "k1/1/6:Tick", "k1/1/7:Tick"]);
+        db.outbox.push(("k1/1/7:Tick".into(), 1));
+        let s = stream(&["k0/2/6:Tick", "k0/1/5:Tick", "k1/1/7:Tick"]);
+        let f = check(&db, &s, &HashSet::from([7]), 0);
+        assert_eq!(f.double_applied, 1);
+        assert_eq!(f.lost, 1);
+        assert_eq!(f.order_breaks, 2, "{:?}", f.notes);
+        assert_eq!(f.not_on_stream, 1);
+        assert_eq!(f.rolled_back_seen, 3);
+        assert!(f.failed());
+    }
+}

@@ -1,0 +1,315 @@
+//! The run's own database: created, handed out to each process under a name the fault
+//! injector can find its sessions by, queried for the checks, dropped.
+
+use diesel::connection::SimpleConnection as _;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, SmallInt, Text};
+use diesel::{MysqlConnection, PgConnection};
+use outbox_examples::chaos::{self, ChaosDb as _, chaos_keys, chaos_log, chaos_sums};
+
+use crate::{Backend, BoxError};
+
+/// An open connection to the run's database.
+pub(crate) enum Conn {
+    Pg(PgConnection),
+    My(MysqlConnection),
+}
+
+/// Evaluates `$body` with `$c` bound to the connection, whatever its backend.
+macro_rules! with_conn {
+    ($conn:expr, $c:ident => $body:expr) => {
+        match $conn {
+            Conn::Pg($c) => $body,
+            Conn::My($c) => $body,
+        }
+    };
+}
+
+#[derive(QueryableByName)]
+struct OutboxRow {
+    #[diesel(sql_type = Text)]
+    msg_id: String,
+    #[diesel(sql_type = SmallInt)]
+    status: i16,
+}
+
+#[derive(QueryableByName)]
+struct MsgIdRow {
+    #[diesel(sql_type = Text)]
+    msg_id: String,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// What the database holds at the end of a run.
+pub(crate) struct Contents {
+    /// Committed messages per key (the key's last sequence number).
+    pub(crate) committed: Vec<(String, i64)>,
+    /// `(key, sum of seq, applications)` per key.
+    pub(crate) sums: Vec<(String, i64, i64)>,
+    /// The msg_id of every application, in order.
+    pub(crate) log: Vec<String>,
+    /// `(msg_id, status)` of every outbox row.
+    pub(crate) outbox: Vec<(String, i16)>,
+    /// The consumer group's dedup records.
+    pub(crate) consumed: Vec<String>,
+}
+
+/// The run's database on its server.
+pub(crate) struct Database {
+    backend: Backend,
+    admin_url: String,
+    /// The database's name.
+    pub(crate) name: String,
+    /// MariaDB users created for the processes (dropped with the database).
+    users: Vec<String>,
+    created: bool,
+}
+
+impl Database {
+    /// Creates database `name` on the server of `admin_url`, with the outbox tables and the
+    /// chaos tables for `keys` keys.
+    pub(crate) fn create(
+        backend: Backend,
+        admin_url: &str,
+        name: &str,
+        keys: usize,
+    ) -> Result<Self, BoxError> {
+        let mut db = Self {
+            backend,
+            admin_url: admin_url.to_owned(),
+            name: name.to_owned(),
+            users: Vec::new(),
+            created: false,
+        };
+        db.admin(&format!("CREATE DATABASE {name}"))?;
+        db.created = true;
+        let mut conn = db.connect("chaos-setup")?;
+        with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
+        match &mut conn {
+            Conn::Pg(c) => c.batch_execute(chaos::POSTGRES_SETUP)?,
+            Conn::My(c) => c.batch_execute(chaos::MYSQL_SETUP)?,
+        }
+        with_conn!(&mut conn, c => c.seed_keys(keys))?;
+        Ok(db)
+    }
+
+    fn admin(&self, sql: &str) -> Result<(), BoxError> {
+        match self.backend {
+            Backend::Postgres => PgConnection::establish(&self.admin_url)?.batch_execute(sql)?,
+            Backend::Mysql => MysqlConnection::establish(&self.admin_url)?.batch_execute(sql)?,
+        }
+        Ok(())
+    }
+
+    /// The URL a process called `who` connects with. On PostgreSQL `who` is the session's
+    /// `application_name`; MariaDB has no such thing, so each process gets a user of its
+    /// own, named after it.
+    pub(crate) fn url_for(&mut self, who: &str) -> Result<String, BoxError> {
+        match self.backend {
+            Backend::Postgres => Ok(self.harness_url(who)),
+            Backend::Mysql => {
+                let url = with_database(&self.admin_url, &self.name);
+                let user = self.mysql_user(who);
+                if !self.users.contains(&user) {
+                    self.admin(&format!(
+                        "CREATE USER IF NOT EXISTS '{user}'@'%';
+                         GRANT ALL ON {}.* TO '{user}'@'%';",
+                        self.name
+                    ))?;
+                    self.users.push(user.clone());
+                }
+                Ok(with_user(&url, &user))
+            }
+        }
+    }
+
+    fn mysql_user(&self, who: &str) -> String {
+        // The database name is unique to the run; users are global to the server.
+        format!("{}_{who}", self.name).replace('-', "_")
+    }
+
+    /// The URL of the harness's own sessions (the producer's, the checks'), which are
+    /// never killed: on PostgreSQL named `who`, on MariaDB the admin user.
+    pub(crate) fn harness_url(&self, who: &str) -> String {
+        let url = with_database(&self.admin_url, &self.name);
+        match self.backend {
+            Backend::Postgres => {
+                let sep = if url.contains('?') { '&' } else { '?' };
+                format!("{url}{sep}application_name={who}")
+            }
+            Backend::Mysql => url,
+        }
+    }
+
+    /// Opens a connection as `who` (see [`harness_url`](Self::harness_url)).
+    pub(crate) fn connect(&self, who: &str) -> Result<Conn, BoxError> {
+        let url = self.harness_url(who);
+        Ok(match self.backend {
+            Backend::Postgres => Conn::Pg(PgConnection::establish(&url)?),
+            Backend::Mysql => Conn::My(MysqlConnection::establish(&url)?),
+        })
+    }
+
+    /// Ends every session of process `who` (`pg_terminate_backend`, MariaDB
+    /// `KILL CONNECTION`); returns how many there were.
+    pub(crate) fn kill_sessions(&self, who: &str) -> Result<usize, BoxError> {
+        match self.backend {
+            Backend::Postgres => {
+                let mut c = PgConnection::establish(&self.admin_url)?;
+                let killed: Vec<Count> = diesel::sql_query(
+                    "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity \
+                     WHERE datname = $1 AND application_name = $2",
+                )
+                .bind::<Text, _>(&self.name)
+                .bind::<Text, _>(who)
+                .load(&mut c)?;
+                Ok(killed.first().map_or(0, |k| k.n as usize))
+            }
+            Backend::Mysql => self.kill_mysql_user(&self.mysql_user(who)),
+        }
+    }
+
+    fn kill_mysql_user(&self, user: &str) -> Result<usize, BoxError> {
+        #[derive(QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = BigInt)]
+            id: i64,
+        }
+        let mut c = MysqlConnection::establish(&self.admin_url)?;
+        let ids: Vec<Id> = diesel::sql_query(
+            "SELECT CAST(id AS SIGNED) AS id FROM information_schema.processlist WHERE user = ?",
+        )
+        .bind::<Text, _>(user)
+        .load(&mut c)?;
+        let mut killed = 0;
+        for Id { id } in ids {
+            // The session may have ended in between ("Unknown thread id").
+            if c.batch_execute(&format!("KILL CONNECTION {id}")).is_ok() {
+                killed += 1;
+            }
+        }
+        Ok(killed)
+    }
+
+    /// Committed messages, distinct messages applied, and NEW outbox rows, so far.
+    pub(crate) fn progress(&self) -> Result<(i64, i64, i64), BoxError> {
+        let mut conn = self.connect("chaos-check")?;
+        with_conn!(&mut conn, c => {
+            let committed: Vec<i64> = chaos_keys::table.select(chaos_keys::next_seq).load(c)?;
+            let applied: Vec<Count> =
+                diesel::sql_query("SELECT COUNT(DISTINCT msg_id) AS n FROM chaos_log").load(c)?;
+            let new: Vec<Count> =
+                diesel::sql_query("SELECT COUNT(*) AS n FROM outbox WHERE status = 0").load(c)?;
+            Ok((
+                committed.iter().sum(),
+                applied.first().map_or(0, |n| n.n),
+                new.first().map_or(0, |n| n.n),
+            ))
+        })
+    }
+
+    /// Everything the checks need.
+    pub(crate) fn contents(&self, group: &str) -> Result<Contents, BoxError> {
+        let mut conn = self.connect("chaos-check")?;
+        with_conn!(&mut conn, c => {
+            let committed = chaos_keys::table
+                .select((chaos_keys::k, chaos_keys::next_seq))
+                .order(chaos_keys::k)
+                .load(c)?;
+            let sums = chaos_sums::table
+                .select((chaos_sums::k, chaos_sums::total, chaos_sums::applied))
+                .order(chaos_sums::k)
+                .load(c)?;
+            let log = chaos_log::table
+                .select(chaos_log::msg_id)
+                .order(chaos_log::id)
+                .load(c)?;
+            let outbox: Vec<OutboxRow> =
+                diesel::sql_query("SELECT msg_id, status FROM outbox ORDER BY id").load(c)?;
+            let consumed: Vec<MsgIdRow> = diesel::sql_query(format!(
+                "SELECT msg_id FROM consumed_msg WHERE consumer_group = '{group}'"
+            ))
+            .load(c)?;
+            Ok(Contents {
+                committed,
+                sums,
+                log,
+                outbox: outbox.into_iter().map(|r| (r.msg_id, r.status)).collect(),
+                consumed: consumed.into_iter().map(|r| r.msg_id).collect(),
+            })
+        })
+    }
+
+    /// Drops the database (and the MariaDB users), ending its sessions first.
+    pub(crate) fn drop_all(&mut self) -> Result<(), BoxError> {
+        if !std::mem::take(&mut self.created) {
+            return Ok(());
+        }
+        match self.backend {
+            Backend::Postgres => self.admin(&format!("DROP DATABASE {} WITH (FORCE)", self.name)),
+            Backend::Mysql => {
+                for user in std::mem::take(&mut self.users) {
+                    let _ = self.kill_mysql_user(&user);
+                    self.admin(&format!("DROP USER IF EXISTS '{user}'@'%'"))?;
+                }
+                self.admin(&format!("DROP DATABASE {}", self.name))
+            }
+        }
+    }
+}
+
+/// `url` with its database (path) replaced by `db`; the query string is kept.
+fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let host_start = base.find("://").map_or(0, |i| i + 3);
+    let host_end = base[host_start..]
+        .find('/')
+        .map_or(base.len(), |i| host_start + i);
+    let mut out = format!("{}/{db}", &base[..host_end]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// `url` with its user replaced by `user` (and no password).
+fn with_user(url: &str, user: &str) -> String {
+    let Some(start) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let host_end = url[start..].find('/').map_or(url.len(), |i| start + i);
+    let host = match url[start..host_end].rfind('@') {
+        Some(at) => &url[start + at + 1..host_end],
+        None => &url[start..host_end],
+    };
+    format!("{}{user}@{host}{}", &url[..start], &url[host_end..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/test", "chaos_1"),
+            "postgres://postgres@127.0.0.1:5432/chaos_1"
+        );
+        assert_eq!(
+            with_database("postgres://h/test?sslmode=disable", "c"),
+            "postgres://h/c?sslmode=disable"
+        );
+        assert_eq!(with_database("mysql://root@h:3306", "c"), "mysql://root@h:3306/c");
+        assert_eq!(
+            with_user("mysql://root:pw@127.0.0.1:3306/c", "u1"),
+            "mysql://u1@127.0.0.1:3306/c"
+        );
+        assert_eq!(with_user("mysql://h/c", "u1"), "mysql://u1@h/c");
+    }
+}

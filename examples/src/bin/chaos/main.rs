@@ -1,0 +1,879 @@
+//! Run with: cargo build --release -p outbox-cli -p outbox-examples --bins && target/release/chaos --seed 1 --events 5000 --duration 120s [--backend mysql]
+//!
+//! The chaos run: the outbox's guarantees checked the way an operator meets faults, with
+//! real processes, real kills and real restarts.
+//!
+//! It creates a database of its own (PostgreSQL, or MariaDB with `--backend mysql`) and a
+//! private `redis-server` (AOF, `appendfsync always`, so a restart loses nothing), then
+//! runs `--relays` processes of the real `outbox relay` (per-key order, the default) and
+//! `--consumers` `chaos_consumer` processes (default consumer settings, a diesel inbox,
+//! a handler that adds each event's sequence number to a per-key sum), while producer
+//! threads commit per-key sequences in transactions of 1 to 10 events, one in ten rolled
+//! back on purpose.
+//!
+//! Faults, at seeded random times and targets: SIGKILL, SIGTERM (then a restart) and
+//! SIGSTOP for 1–40 s (past the consumer's 30 s `min_idle`, so stopped consumers' entries
+//! get claimed by others) of relays and consumers; Redis stopped (SIGKILL or SIGTERM) for
+//! 1–20 s, the first outage 12–20 s; `CLIENT KILL TYPE normal`; `pg_terminate_backend`
+//! (MariaDB: `KILL CONNECTION`) of one process's sessions; handlers that fail or panic
+//! on a message's first delivery (about one in `--handler-fault-one-in` each, picked by
+//! a hash of the msg_id).
+//!
+//! After the last fault it waits (at most `--drain-timeout`) until every committed
+//! message is applied, stops everything with SIGTERM and checks: every committed message
+//! applied exactly once (the per-key sums and counts, and a log of applications), no
+//! trace of a rolled-back message (outbox, stream, applications, dedup records), per-key
+//! order of first appearance on the stream, no DEAD row, every SIGTERM answered by exit
+//! 0 and no process exiting on its own, no process or server left behind. It prints one
+//! summary line and exits with 1 if a check failed (2 if the run itself could not run).
+//!
+//! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
+//! kind, two Redis outages, the first 12–20 s), about two minutes in all.
+//!
+//! The `outbox` and `chaos_consumer` binaries are taken from the directory of this one
+//! (build them together, as above) unless `--outbox-bin` says otherwise. Logs of every
+//! process and the Redis files are kept in a temporary directory when a check fails.
+
+mod check;
+mod db;
+mod procs;
+mod producer;
+mod redis_server;
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use outbox_core::OutboxEvent as _;
+use outbox_examples::chaos::Tick;
+
+use crate::db::Database;
+use crate::procs::{Event, Proc, Role, TERM_TIMEOUT};
+use crate::redis_server::RedisServer;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The consumer group of the run.
+const GROUP: &str = "chaos";
+
+/// The chaos run (see the file's documentation).
+#[derive(Debug, Parser)]
+#[command(name = "chaos")]
+struct Args {
+    /// Seeds every random choice: fault times, kinds, targets, durations, the
+    /// producers' transactions.
+    #[arg(long)]
+    seed: u64,
+    /// The short CI version: 2000 events, 60 s, 5 faults of each process kind, 2 Redis
+    /// outages (options given explicitly still win).
+    #[arg(long)]
+    ci: bool,
+    /// Events to commit (default 5000).
+    #[arg(long)]
+    events: Option<u64>,
+    /// How long faults are injected (default 120s); the producers spread the events over
+    /// 85% of it.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// The database.
+    #[arg(long, value_enum, default_value_t = Backend::Postgres)]
+    backend: Backend,
+    /// Faults of each process kind: SIGKILL, SIGTERM, SIGSTOP, CLIENT KILL, session
+    /// kill (default 10).
+    #[arg(long)]
+    faults_per_kind: Option<usize>,
+    /// Redis outages of 1–20 s (default: as many as fit in 60% of the duration, at most
+    /// `--faults-per-kind`).
+    #[arg(long)]
+    redis_outages: Option<usize>,
+    /// About one message in N fails, and another one in N panics, on its first delivery
+    /// (default: events / (1.5 × faults per kind)).
+    #[arg(long)]
+    handler_fault_one_in: Option<u64>,
+    /// Relay processes.
+    #[arg(long, default_value_t = 2)]
+    relays: usize,
+    /// Consumer processes.
+    #[arg(long, default_value_t = 3)]
+    consumers: usize,
+    /// Producer threads.
+    #[arg(long, default_value_t = 2)]
+    producers: usize,
+    /// Ordering keys.
+    #[arg(long, default_value_t = 32)]
+    keys: usize,
+    /// Longest wait, after the last fault, for every committed message to be applied
+    /// (default 300s; 100s with --ci).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    drain_timeout: Option<Duration>,
+    /// PostgreSQL server to create the run's database on.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    database_url: String,
+    /// MariaDB / MySQL server to create the run's database on (`--backend mysql`).
+    #[arg(long, env = "MYSQL_URL", default_value = "mysql://root@127.0.0.1:3306/test")]
+    mysql_url: String,
+    /// The `outbox` binary (default: next to this one).
+    #[arg(long)]
+    outbox_bin: Option<PathBuf>,
+    /// Keep the database and the logs even when every check passes.
+    #[arg(long)]
+    keep: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Postgres,
+    Mysql,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::Mysql => "mysql",
+        }
+    }
+}
+
+/// The settings after `--ci` and the defaults.
+struct Config {
+    seed: u64,
+    events: u64,
+    duration: Duration,
+    backend: Backend,
+    faults_per_kind: usize,
+    redis_outages: usize,
+    fault_one_in: u64,
+    relays: usize,
+    consumers: usize,
+    producers: usize,
+    keys: usize,
+    drain_timeout: Duration,
+    admin_url: String,
+    outbox_bin: PathBuf,
+    consumer_bin: PathBuf,
+    keep: bool,
+}
+
+impl Config {
+    fn from_args(a: Args) -> Result<Self, BoxError> {
+        let events = a.events.unwrap_or(if a.ci { 2000 } else { 5000 });
+        let duration = a
+            .duration
+            .unwrap_or(Duration::from_secs(if a.ci { 60 } else { 120 }));
+        let faults_per_kind = a.faults_per_kind.unwrap_or(if a.ci { 5 } else { 10 });
+        // An outage lasts 10.5 s on average; keep Redis up 40% of the time.
+        let fit = (duration.as_secs_f64() * 0.6 / 10.5) as usize;
+        let redis_outages = a
+            .redis_outages
+            .unwrap_or(if a.ci { 2 } else { faults_per_kind.min(fit) })
+            .max(1);
+        let fault_one_in = a
+            .handler_fault_one_in
+            .unwrap_or_else(|| (events * 2 / (3 * faults_per_kind.max(1) as u64)).max(2));
+        let here = std::env::current_exe()?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let outbox_bin = a.outbox_bin.unwrap_or_else(|| here.join("outbox"));
+        let consumer_bin = here.join("chaos_consumer");
+        for bin in [&outbox_bin, &consumer_bin] {
+            if !bin.is_file() {
+                return Err(format!(
+                    "{} not found: build it with the same profile, e.g. \
+                     `cargo build --release -p outbox-cli -p outbox-examples --bins`",
+                    bin.display()
+                )
+                .into());
+            }
+        }
+        if a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
+            return Err("--relays, --consumers, --keys and --events must be at least 1".into());
+        }
+        Ok(Self {
+            seed: a.seed,
+            events,
+            duration,
+            backend: a.backend,
+            faults_per_kind,
+            redis_outages,
+            fault_one_in,
+            relays: a.relays,
+            consumers: a.consumers,
+            producers: a.producers,
+            keys: a.keys,
+            drain_timeout: a
+                .drain_timeout
+                .unwrap_or(Duration::from_secs(if a.ci { 100 } else { 300 })),
+            admin_url: match a.backend {
+                Backend::Postgres => a.database_url,
+                Backend::Mysql => a.mysql_url,
+            },
+            outbox_bin,
+            consumer_bin,
+            keep: a.keep,
+        })
+    }
+}
+
+/// Set by SIGINT or SIGTERM of the harness: the run stops and cleans up.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+fn watch_interrupts() {
+    std::thread::spawn(|| {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            let Ok(mut term) = signal(SignalKind::terminate()) else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("chaos: interrupted, cleaning up");
+            INTERRUPTED.store(true, Ordering::SeqCst);
+        });
+    });
+}
+
+fn interrupted() -> Result<(), BoxError> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        Err("interrupted".into())
+    } else {
+        Ok(())
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    watch_interrupts();
+    let config = match Config::from_args(args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&config) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("chaos: the run failed: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Everything the run started; dropping it (also on a panic or an error) kills the
+/// processes, stops Redis and, unless kept, drops the database and the directory.
+struct World {
+    procs: Vec<Proc>,
+    redis: Option<RedisServer>,
+    db: Option<Database>,
+    dir: PathBuf,
+    keep: bool,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.procs.clear();
+        self.redis = None;
+        if self.keep {
+            eprintln!("chaos: kept the logs and Redis files in {}", self.dir.display());
+            if let Some(db) = &self.db {
+                eprintln!("chaos: kept database {}", db.name);
+            }
+            return;
+        }
+        if let Some(mut db) = self.db.take()
+            && let Err(e) = db.drop_all()
+        {
+            eprintln!("chaos: could not drop database {}: {e}", db.name);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The kinds of process-level faults, in the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    SigKill,
+    SigTerm,
+    SigStop,
+    ClientKill,
+    SessionKill,
+}
+
+impl Fault {
+    const ALL: [Self; 5] = [
+        Self::SigKill,
+        Self::SigTerm,
+        Self::SigStop,
+        Self::ClientKill,
+        Self::SessionKill,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::SigKill => "sigkill",
+            Self::SigTerm => "sigterm",
+            Self::SigStop => "sigstop",
+            Self::ClientKill => "client_kill",
+            Self::SessionKill => "session_kill",
+        }
+    }
+}
+
+/// When each fault happens, from the start of the run.
+struct Plan {
+    faults: Vec<(Duration, Fault)>,
+    /// `(start, length, by SIGKILL)`.
+    outages: Vec<(Duration, Duration, bool)>,
+}
+
+impl Plan {
+    fn new(c: &Config, rng: &mut fastrand::Rng) -> Result<Self, BoxError> {
+        let d = c.duration.as_secs_f64();
+        let mut faults: Vec<(Duration, Fault)> = Fault::ALL
+            .iter()
+            .flat_map(|&f| std::iter::repeat_n(f, c.faults_per_kind))
+            .map(|f| (Duration::from_secs_f64(rng.f64() * d * 0.97), f))
+            .collect();
+        faults.sort_by_key(|&(t, _)| t);
+        // Outages of 1–20 s; the first one longer than the consumer's claim interval and
+        // its outage backoff's growth to several seconds.
+        let lengths: Vec<f64> = (0..c.redis_outages)
+            .map(|i| if i == 0 { 12.0 + rng.f64() * 8.0 } else { 1.0 + rng.f64() * 19.0 })
+            .collect();
+        let down: f64 = lengths.iter().sum();
+        let up = d - down;
+        if up < 2.0 * (lengths.len() + 1) as f64 {
+            return Err(format!(
+                "{} Redis outages ({down:.0} s) do not fit in {d:.0} s; lengthen --duration",
+                lengths.len()
+            )
+            .into());
+        }
+        let weights: Vec<f64> = (0..=lengths.len()).map(|_| 0.5 + rng.f64()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut t = 0.0;
+        let mut outages = Vec::new();
+        for (len, w) in lengths.iter().zip(&weights) {
+            t += up * w / total;
+            outages.push((
+                Duration::from_secs_f64(t),
+                Duration::from_secs_f64(*len),
+                rng.bool(),
+            ));
+            t += len;
+        }
+        Ok(Self { faults, outages })
+    }
+}
+
+/// What happened during the run.
+#[derive(Default)]
+struct Tally {
+    /// Faults injected by kind, and by kind and role.
+    faults: BTreeMap<&'static str, u64>,
+    by_role: BTreeMap<(&'static str, &'static str), u64>,
+    /// Processes that exited without being told to.
+    unexpected_exits: Vec<String>,
+    /// SIGTERMs answered by something else than a prompt exit 0.
+    bad_terms: Vec<String>,
+    terms_answered: u64,
+    slowest_term: Duration,
+    /// Faults that could not be injected (the harness's own trouble).
+    injection_errors: Vec<String>,
+    redis_down: Duration,
+}
+
+impl Tally {
+    fn fault(&mut self, kind: &'static str, role: Option<Role>) {
+        *self.faults.entry(kind).or_default() += 1;
+        if let Some(r) = role {
+            *self.by_role.entry((kind, r.name())).or_default() += 1;
+        }
+    }
+
+    fn event(&mut self, e: Event) {
+        match e {
+            Event::UnexpectedExit(name, status) => {
+                eprintln!("chaos: {name} exited on its own: {status}");
+                self.unexpected_exits.push(format!("{name}: {status}"));
+            }
+            Event::TermAnswered(name, status, after) => {
+                self.terms_answered += 1;
+                self.slowest_term = self.slowest_term.max(after);
+                if !status.success() {
+                    eprintln!("chaos: {name} answered SIGTERM with {status}");
+                    self.bad_terms.push(format!("{name}: {status}"));
+                }
+            }
+            Event::TermIgnored(name) => {
+                eprintln!("chaos: {name} did not exit within {TERM_TIMEOUT:?} of SIGTERM");
+                self.bad_terms.push(format!("{name}: no exit in {TERM_TIMEOUT:?}"));
+            }
+        }
+    }
+}
+
+fn run(c: &Config) -> Result<bool, BoxError> {
+    let tag = format!("chaos_{}_{}", c.seed, std::process::id());
+    let dir = std::env::temp_dir().join(&tag);
+    std::fs::create_dir_all(&dir)?;
+    let mut rng = fastrand::Rng::with_seed(c.seed);
+    let plan = Plan::new(c, &mut rng)?;
+    let mut world = World {
+        procs: Vec::new(),
+        redis: None,
+        db: None,
+        dir: dir.clone(),
+        keep: c.keep,
+    };
+    eprintln!(
+        "chaos: seed {} on {}: {} events over {:?}, {} relays, {} consumers, {} faults of each \
+         process kind, {} Redis outages, handler faults 1 in {}; files in {}",
+        c.seed,
+        c.backend.name(),
+        c.events,
+        c.duration,
+        c.relays,
+        c.consumers,
+        c.faults_per_kind,
+        plan.outages.len(),
+        c.fault_one_in,
+        dir.display()
+    );
+    let db = world
+        .db
+        .insert(Database::create(c.backend, &c.admin_url, &tag, c.keys)?);
+    let redis = RedisServer::start(&dir)?;
+    let redis_url = redis.url();
+    let prefix = format!("{tag}:");
+    let stream = format!("{prefix}{}", Tick::TOPICS[0]);
+    for i in 1..=c.relays {
+        let name = format!("relay-{i}");
+        let args: Vec<OsString> = vec![
+            "relay".into(),
+            "--database-url".into(),
+            db.url_for(&name)?.into(),
+            "--redis-url".into(),
+            redis_url.clone().into(),
+            "--stream-prefix".into(),
+            prefix.clone().into(),
+        ];
+        let log = dir.join(format!("{name}.log"));
+        world
+            .procs
+            .push(Proc::new(name, Role::Relay, c.outbox_bin.clone(), args, log));
+    }
+    for i in 1..=c.consumers {
+        let name = format!("consumer-{i}");
+        let args: Vec<OsString> = vec![
+            "--backend".into(),
+            c.backend.name().into(),
+            "--database-url".into(),
+            db.url_for(&name)?.into(),
+            "--redis-url".into(),
+            redis_url.clone().into(),
+            "--stream-prefix".into(),
+            prefix.clone().into(),
+            "--group".into(),
+            GROUP.into(),
+            "--fault-one-in".into(),
+            c.fault_one_in.to_string().into(),
+        ];
+        let log = dir.join(format!("{name}.log"));
+        world.procs.push(Proc::new(
+            name,
+            Role::Consumer,
+            c.consumer_bin.clone(),
+            args,
+            log,
+        ));
+    }
+    let producer_url = db.harness_url("chaos-producer");
+    world.redis = Some(redis);
+    for p in &mut world.procs {
+        p.start()?;
+    }
+
+    let stop_producers = Arc::new(AtomicBool::new(false));
+    let settings = producer::Settings {
+        backend: c.backend,
+        url: producer_url,
+        seed: c.seed,
+        events: c.events,
+        keys: c.keys,
+        within: c.duration.mul_f64(0.85),
+    };
+    let producers = producer::start(&settings, c.producers, stop_producers.clone());
+    let result = chaos_phase(c, &plan, &mut rng, &mut world);
+    if result.is_err() {
+        stop_producers.store(true, Ordering::SeqCst);
+    }
+    let mut produced = producer::Produced::default();
+    for p in producers {
+        let part = p
+            .join()
+            .map_err(|_| "a producer thread panicked")?
+            .map_err(|e| format!("producer: {e}"))?;
+        produced.events += part.events;
+        produced.txs += part.txs;
+        produced.errors += part.errors;
+        produced.rolled_back_events += part.rolled_back_events;
+        produced.rolled_back.extend(part.rolled_back);
+    }
+    let (mut tally, last_fault_end) = result?;
+
+    // Drain: everything is up; wait until every committed message is applied.
+    let drain = drain(c, &mut world, &mut tally)?;
+    let drained_after = drain.map(|at| at.duration_since(last_fault_end));
+
+    // Stop every process with SIGTERM: each must exit with 0.
+    let mut final_terms = 0;
+    for p in &mut world.procs {
+        if let Some(e) = p.terminate_and_wait()? {
+            final_terms += 1;
+            tally.event(e);
+        }
+    }
+
+    // The checks, on a quiet system.
+    let redis = world.redis.as_ref().expect("started");
+    let entries = redis.read_stream(&stream)?;
+    let dead_letters = redis.len(&format!("{stream}:dead"))?;
+    let contents = world
+        .db
+        .as_mut()
+        .expect("created")
+        .contents(GROUP)?;
+    let rolled_back: HashSet<u64> = produced.rolled_back.iter().copied().collect();
+    let findings = check::check(&contents, &entries, &rolled_back, c.fault_one_in);
+    let (seen_fail, seen_panic) = handler_faults_in_logs(&world.procs);
+    tally.faults.insert("handler_fail", seen_fail as u64);
+    tally.faults.insert("handler_panic", seen_panic as u64);
+
+    // Nothing may be left behind.
+    let mut pids: Vec<u32> = world.procs.iter().filter_map(Proc::pid).collect();
+    world.procs.clear();
+    if let Some(mut redis) = world.redis.take() {
+        let port = redis.port();
+        redis.down(false)?;
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            pids.push(0);
+        }
+    }
+    let leftovers = leftovers(&tag);
+
+    let failed = findings.failed()
+        || drained_after.is_none()
+        || !tally.unexpected_exits.is_empty()
+        || !tally.bad_terms.is_empty()
+        || !leftovers.is_empty()
+        || !pids.is_empty()
+        || dead_letters > 0
+        || !tally.injection_errors.is_empty();
+    for note in &findings.notes {
+        eprintln!("chaos: {note}");
+    }
+    for e in &tally.injection_errors {
+        eprintln!("chaos: fault not injected: {e}");
+    }
+    for l in &leftovers {
+        eprintln!("chaos: left behind: {l}");
+    }
+    let faults: Vec<String> = tally.faults.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let roles: Vec<String> = tally
+        .by_role
+        .iter()
+        .map(|((k, r), v)| format!("{k}/{r}={v}"))
+        .collect();
+    eprintln!(
+        "chaos: by role: {}; Redis down {:.0} s in all; producer: {} transactions committed, \
+         {} rolled back ({} events), {} failed; planned handler faults: {} fail, {} panic; \
+         SIGTERMs answered: {} (slowest {:.1} s, {} at the end)",
+        roles.join(" "),
+        tally.redis_down.as_secs_f64(),
+        produced.txs,
+        produced.rolled_back.len(),
+        produced.rolled_back_events,
+        produced.errors,
+        findings.planned_fail,
+        findings.planned_panic,
+        tally.terms_answered,
+        tally.slowest_term.as_secs_f64(),
+        final_terms,
+    );
+    println!(
+        "chaos seed={} backend={} events={} faults: {} | lost={} double_applied={} \
+         order={:.3}% order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
+         dead_letters={} bad_sums={} unexpected_exits={} bad_sigterms={} leftovers={} \
+         drain={} | {}",
+        c.seed,
+        c.backend.name(),
+        findings.committed,
+        faults.join(" "),
+        findings.lost,
+        findings.double_applied,
+        findings.order_percent(),
+        findings.order_breaks,
+        findings.stream_duplicates,
+        findings.rolled_back_seen,
+        findings.outbox_dead,
+        dead_letters,
+        findings.bad_sums,
+        tally.unexpected_exits.len(),
+        tally.bad_terms.len(),
+        leftovers.len() + pids.len(),
+        drained_after.map_or("timeout".to_owned(), |d| format!("{:.1}s", d.as_secs_f64())),
+        if failed { "FAIL" } else { "PASS" },
+    );
+    world.keep |= failed;
+    Ok(!failed)
+}
+
+/// Injects the planned faults while supervising the processes; returns the tally and
+/// when the last fault ended (everything restored).
+fn chaos_phase(
+    c: &Config,
+    plan: &Plan,
+    rng: &mut fastrand::Rng,
+    world: &mut World,
+) -> Result<(Tally, Instant), BoxError> {
+    let mut tally = Tally::default();
+    let start = Instant::now();
+    let mut faults = plan.faults.iter().copied().peekable();
+    let mut outages = plan.outages.iter().copied().peekable();
+    let mut redis_back_at: Option<Instant> = None;
+    let mut down_since = start;
+    while start.elapsed() < c.duration {
+        interrupted()?;
+        let now = Instant::now();
+        let t = now.duration_since(start);
+        let redis = world.redis.as_mut().expect("started");
+        if let Some(back) = redis_back_at
+            && now >= back
+        {
+            redis.up()?;
+            tally.redis_down += now.duration_since(down_since);
+            redis_back_at = None;
+        }
+        if redis_back_at.is_none()
+            && let Some(&(at, len, crash)) = outages.peek()
+            && t >= at
+        {
+            outages.next();
+            redis.down(crash)?;
+            tally.fault("redis_outage", None);
+            down_since = now;
+            redis_back_at = Some(now + len);
+        }
+        while let Some(&(at, fault)) = faults.peek() {
+            if t < at {
+                break;
+            }
+            match inject(fault, rng, world, now) {
+                Ok(Some(role)) => {
+                    tally.fault(fault.name(), role);
+                    faults.next();
+                }
+                // No target now (all down, or Redis down for CLIENT KILL): try again soon.
+                Ok(None) => break,
+                Err(e) => {
+                    tally.injection_errors.push(format!("{}: {e}", fault.name()));
+                    faults.next();
+                }
+            }
+        }
+        for p in &mut world.procs {
+            if let Some(e) = p.poll(now, true)? {
+                tally.event(e);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left = faults.count();
+    if left > 0 {
+        tally
+            .injection_errors
+            .push(format!("{left} planned faults found no target before the end"));
+    }
+    // The end of the faults: Redis up, every process resumed or started again.
+    let now = Instant::now();
+    let redis = world.redis.as_mut().expect("started");
+    if !redis.is_up() {
+        redis.up()?;
+        tally.redis_down += now.duration_since(down_since);
+    }
+    for p in &mut world.procs {
+        p.resume()?;
+        p.restart_now(now);
+        if let Some(e) = p.poll(now, true)? {
+            tally.event(e);
+        }
+    }
+    // A process told to stop just before the end is restarted once it has exited.
+    let mut last = Instant::now();
+    while world
+        .procs
+        .iter()
+        .any(|p| !p.is_running() && p.restart_due().is_none())
+    {
+        interrupted()?;
+        std::thread::sleep(Duration::from_millis(20));
+        let now = Instant::now();
+        for p in &mut world.procs {
+            if let Some(e) = p.poll(now, false)? {
+                tally.event(e);
+            }
+            p.restart_now(now);
+            if let Some(e) = p.poll(now, true)? {
+                tally.event(e);
+            }
+        }
+        last = now;
+    }
+    for p in &mut world.procs {
+        if let Some(e) = p.poll(last, true)? {
+            tally.event(e);
+        }
+    }
+    Ok((tally, last))
+}
+
+/// Injects `fault` on a random target; `Ok(None)` if there is none right now.
+fn inject(
+    fault: Fault,
+    rng: &mut fastrand::Rng,
+    world: &mut World,
+    now: Instant,
+) -> Result<Option<Option<Role>>, BoxError> {
+    if fault == Fault::ClientKill {
+        let redis = world.redis.as_ref().expect("started");
+        if !redis.is_up() {
+            return Ok(None);
+        }
+        redis.kill_clients()?;
+        return Ok(Some(None));
+    }
+    let candidates: Vec<usize> = (0..world.procs.len())
+        .filter(|&i| {
+            let p = &world.procs[i];
+            p.is_running() || (fault == Fault::SessionKill && p.is_stopped())
+        })
+        .collect();
+    if candidates.is_empty() {
+        return Ok(None);
+    }
+    let p = &mut world.procs[candidates[rng.usize(..candidates.len())]];
+    match fault {
+        Fault::SigKill => p.sigkill(now + Duration::from_secs_f64(0.5 + rng.f64() * 2.5))?,
+        Fault::SigTerm => p.sigterm(now)?,
+        Fault::SigStop => p.sigstop(now + Duration::from_secs_f64(1.0 + rng.f64() * 39.0))?,
+        Fault::SessionKill => {
+            let killed = world
+                .db
+                .as_ref()
+                .expect("created")
+                .kill_sessions(&p.name)?;
+            if killed == 0 {
+                // Between connections (e.g. just restarted): pick again later.
+                return Ok(None);
+            }
+        }
+        Fault::ClientKill => unreachable!("handled above"),
+    }
+    Ok(Some(Some(p.role)))
+}
+
+/// Waits until every committed message is applied and no outbox row is NEW; returns
+/// when, or `None` after `--drain-timeout`.
+fn drain(c: &Config, world: &mut World, tally: &mut Tally) -> Result<Option<Instant>, BoxError> {
+    let started = Instant::now();
+    let mut last_report = started;
+    loop {
+        interrupted()?;
+        let now = Instant::now();
+        for p in &mut world.procs {
+            if let Some(e) = p.poll(now, true)? {
+                tally.event(e);
+            }
+        }
+        let db = world.db.as_mut().expect("created");
+        let (committed, applied, new) = db.progress()?;
+        if applied >= committed && new == 0 {
+            return Ok(Some(now));
+        }
+        if now.duration_since(started) > c.drain_timeout {
+            eprintln!(
+                "chaos: not drained after {:?}: {applied} of {committed} applied, {new} NEW",
+                c.drain_timeout
+            );
+            return Ok(None);
+        }
+        if now.duration_since(last_report) > Duration::from_secs(10) {
+            eprintln!("chaos: draining: {applied} of {committed} applied, {new} NEW");
+            last_report = now;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Distinct messages whose handler failed / panicked, as the consumers' logs tell.
+fn handler_faults_in_logs(procs: &[Proc]) -> (usize, usize) {
+    let mut fail = HashSet::new();
+    let mut panic = HashSet::new();
+    for p in procs.iter().filter(|p| p.role == Role::Consumer) {
+        let Ok(text) = std::fs::read_to_string(p.log_path()) else {
+            continue;
+        };
+        for line in text.lines() {
+            for (needle, set) in [
+                (" fails on its first delivery", &mut fail),
+                (" panics on its first delivery", &mut panic),
+            ] {
+                if let Some(end) = line.find(needle)
+                    && let Some(start) = line[..end].rfind("chaos: ")
+                {
+                    set.insert(line[start + 7..end].to_owned());
+                }
+            }
+        }
+    }
+    (fail.len(), panic.len())
+}
+
+/// Processes other than this one whose command line names the run.
+fn leftovers(tag: &str) -> Vec<String> {
+    let me = std::process::id().to_string();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+        .filter(|e| e.file_name() != me.as_str())
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains(tag)
+                .then(|| format!("pid {}: {cmd}", e.file_name().to_string_lossy()))
+        })
+        .collect()
+}

@@ -1,0 +1,152 @@
+//! Run with: cargo run -p outbox-examples --bin chaos_consumer -- --backend postgres --database-url URL --redis-url URL --stream-prefix PREFIX
+//!
+//! The consumer process of the chaos run (`bin/chaos.rs` starts several of them): a
+//! [`Consumer`] with the default [`ConsumerConfig`](outbox_redis::ConsumerConfig) (only
+//! the stream prefix is set), a diesel inbox, and the [`ApplyTick`] handler, which adds
+//! each message's sequence number to a per-key sum in the dedup transaction. It stops on
+//! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use diesel::{MysqlConnection, PgConnection};
+use outbox_diesel::{DieselInbox, OutboxConnection};
+use outbox_examples::chaos::{ApplyTick, ChaosDb, Tick};
+use outbox_redis::Consumer;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The chaos run's consumer process.
+#[derive(Debug, Parser)]
+struct Args {
+    /// The database's kind.
+    #[arg(long, value_enum)]
+    backend: Backend,
+    /// The database holding `consumed_msg` and the chaos tables.
+    #[arg(long)]
+    database_url: String,
+    /// The Redis the relays publish to.
+    #[arg(long)]
+    redis_url: String,
+    /// The relays' `--stream-prefix`.
+    #[arg(long)]
+    stream_prefix: String,
+    /// The consumer group.
+    #[arg(long, default_value = "chaos")]
+    group: String,
+    /// About one message in N fails, and another one in N panics, on its first delivery
+    /// (0: none).
+    #[arg(long, default_value_t = 0)]
+    fault_one_in: u64,
+    /// Connections in the inbox's pool.
+    #[arg(long, default_value_t = 4)]
+    pool_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Backend {
+    Postgres,
+    Mysql,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: no runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let stopped = stop_signal()?;
+        match args.backend {
+            Backend::Postgres => serve::<PgConnection>(&args, stopped).await,
+            Backend::Mysql => serve::<MysqlConnection>(&args, stopped).await,
+        }
+    });
+    // Blocking database work still running (a handler stuck on a dead session) must not
+    // hold the exit up for long.
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A channel that turns true at the first SIGTERM or SIGINT. The handlers are installed
+/// before anything else, so an early signal is not lost.
+fn stop_signal() -> Result<watch::Receiver<bool>, BoxError> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        eprintln!("chaos_consumer: {name}: stopping");
+        let _ = tx.send(true);
+    });
+    Ok(rx)
+}
+
+async fn wait_stop(mut stopped: watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|&s| s).await;
+}
+
+async fn serve<C>(args: &Args, stopped: watch::Receiver<bool>) -> Result<(), BoxError>
+where
+    C: ChaosDb + OutboxConnection + R2D2Connection,
+{
+    let manager = ConnectionManager::<C>::new(args.database_url.as_str());
+    // r2d2 opens its first connections while building; the database is up in a chaos
+    // run (its sessions get killed, the server stays).
+    let size = args.pool_size;
+    let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
+        .await??;
+    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
+        .stream_prefix(args.stream_prefix.as_str())
+        .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
+        .idempotency(DieselInbox::new(pool))
+        .build()?;
+    // `run_until` fails when Redis is unreachable at start (it creates the groups
+    // first); a deployment restarts the process, here it waits for Redis itself.
+    loop {
+        let attempt = tokio::select! {
+            () = wait_stop(stopped.clone()) => return Ok(()),
+            r = consumer.ensure_groups() => r,
+        };
+        match attempt {
+            Ok(()) => break,
+            Err(e) if e.is_outage() => {
+                eprintln!("chaos_consumer: Redis unreachable at start, retrying: {e}");
+                tokio::select! {
+                    () = wait_stop(stopped.clone()) => return Ok(()),
+                    () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    consumer.run_until(wait_stop(stopped)).await?;
+    eprintln!("chaos_consumer: stopped cleanly: {:?}", consumer.stats());
+    Ok(())
+}
