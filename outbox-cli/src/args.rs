@@ -114,6 +114,11 @@ pub(crate) struct RelayArgs {
     /// Longest wait for new messages while idle (PostgreSQL wakes the relay at commit).
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub(crate) poll_interval: Duration,
+    /// How long the batch in hand may take to finish after SIGINT or SIGTERM; past it
+    /// the batch is released (its rows stay NEW for the next relay) and the relay exits
+    /// 0. The default fits inside Kubernetes's 30 s grace period.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) shutdown_timeout: Duration,
     /// Failed attempts after which a message is dead-lettered (outages never count).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) max_attempts: u32,

@@ -16,7 +16,10 @@ use predicates::str::contains;
 /// Fail-safe for waits on the subprocess and Redis; no test relies on it for timing.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-on_every_backend!(relay_publishes_committed_messages_and_stops_on_sigterm);
+on_every_backend!(
+    relay_publishes_committed_messages_and_stops_on_sigterm,
+    relay_process_publishes_everything_after_a_12_s_redis_outage
+);
 
 fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
     db.migrate();
@@ -52,6 +55,37 @@ fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
         db.json(&["dead", "show", "7:Ping", "--json"])["status"],
         "SENT"
     );
+}
+
+/// The relay process against a private Redis (AOF on) killed for 12 s, longer than the
+/// claim interval plus the longest outage backoff: it publishes what was committed
+/// before, during and after, each message once and in order, spends no retry, and still
+/// stops on SIGTERM.
+fn relay_process_publishes_everything_after_a_12_s_redis_outage(db: &TestDb) {
+    db.migrate();
+    let mut redis = outbox_tests::ScratchRedis::start_persistent();
+    let streams = Streams::on(&redis.url());
+    let mut relay = RelayProcess::start_on(db, &redis.url(), &streams.prefix, &[]);
+    db.emit(1..=20);
+    streams.wait_for(20, &mut relay);
+
+    redis.stop();
+    db.emit(21..=40);
+    std::thread::sleep(Duration::from_secs(12));
+    redis.restart();
+    db.emit(41..=60);
+
+    let published = streams.wait_for(60, &mut relay);
+    let expected: Vec<String> = (1..=60).map(|n| format!("{n}:Ping")).collect();
+    assert_eq!(published, expected, "every message once, in commit order");
+    let backlog = db.status();
+    assert_eq!(
+        (backlog["due"].as_u64(), backlog["dead"].as_u64()),
+        (Some(0), Some(0)),
+        "an outage spends no retry"
+    );
+    relay.signal("TERM");
+    assert!(relay.wait().success(), "log:\n{}", relay.log());
 }
 
 #[test]
@@ -163,8 +197,12 @@ struct Streams {
 
 impl Streams {
     fn new() -> Self {
-        let url = redis_url();
-        let redis = redis::Client::open(url.as_str()).expect("a Redis URL");
+        Self::on(&redis_url())
+    }
+
+    /// Streams on the Redis at `url`.
+    fn on(url: &str) -> Self {
+        let redis = redis::Client::open(url).expect("a Redis URL");
         let mut con = redis
             .get_connection()
             .unwrap_or_else(|e| panic!("Redis at {url} is needed: {e}"));
@@ -244,19 +282,18 @@ struct RelayProcess {
 
 impl RelayProcess {
     fn start(db: &TestDb, prefix: &str, extra: &[&str]) -> Self {
+        Self::start_on(db, &redis_url(), prefix, extra)
+    }
+
+    /// A relay publishing to the Redis at `redis`.
+    fn start_on(db: &TestDb, redis: &str, prefix: &str, extra: &[&str]) -> Self {
         let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_relay")));
         let stderr = File::create(&log).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
             .env_remove("DATABASE_URL")
             .env_remove("REDIS_URL")
             .env("RUST_LOG", "info")
-            .args([
-                "--database-url",
-                &db.url,
-                "relay",
-                "--redis-url",
-                &redis_url(),
-            ])
+            .args(["--database-url", &db.url, "relay", "--redis-url", redis])
             .args(["--stream-prefix", prefix, "--poll-interval", "100ms"])
             .args(extra)
             .stdin(Stdio::null())

@@ -93,11 +93,28 @@ fn serve<S: RelayStore>(
         if let Some(addr) = args.metrics_addr {
             serve_metrics(addr)?;
         }
-        #[cfg(not(feature = "metrics"))]
-        let _ = args;
-        let shutdown = shutdown_signal().map_err(CliError::Runtime)?;
+        let signal = shutdown_signal().map_err(CliError::Runtime)?;
+        let (stopping, mut stopped) = tokio::sync::watch::channel(false);
+        let shutdown = async move {
+            signal.await;
+            let _ = stopping.send(true);
+        };
+        // A batch stuck in a lock wait or on a broker that does not answer must not hold
+        // the process past its supervisor's grace period: dropping the batch rolls its
+        // claim back, so its rows stay NEW for the next relay.
+        let timeout = args.shutdown_timeout;
+        let deadline = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+            tokio::time::sleep(timeout).await;
+        };
         tracing::info!("relay running; stop it with SIGINT or SIGTERM");
-        relay.run_until(shutdown).await.map_err(CliError::Relay)
+        tokio::select! {
+            result = relay.run_until(shutdown) => result.map_err(CliError::Relay),
+            () = deadline => {
+                tracing::warn!(?timeout, "shutdown timeout reached; the batch in hand is released and stays NEW");
+                Ok(())
+            }
+        }
     })
 }
 
