@@ -31,7 +31,7 @@
 //! kind, two Redis outages, the first 12–20 s), about two minutes in all.
 //!
 //! The `outbox` and `chaos_consumer` binaries are taken from the directory of this one
-//! (build them together, as above) unless `--outbox-bin` says otherwise. Logs of every
+//! (build them together, as above) unless `--outbox-bin` / `--consumer-bin` say otherwise. Logs of every
 //! process and the Redis files are kept in a temporary directory when a check fails.
 
 mod check;
@@ -119,11 +119,19 @@ struct Args {
     )]
     database_url: String,
     /// MariaDB / MySQL server to create the run's database on (`--backend mysql`).
-    #[arg(long, env = "MYSQL_URL", default_value = "mysql://root@127.0.0.1:3306/test")]
+    #[arg(
+        long,
+        env = "MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
     mysql_url: String,
     /// The `outbox` binary (default: next to this one).
     #[arg(long)]
     outbox_bin: Option<PathBuf>,
+    /// The `chaos_consumer` binary (default: next to this one); e.g. one built from an
+    /// older commit, to see the run catch a defect.
+    #[arg(long)]
+    consumer_bin: Option<PathBuf>,
     /// Keep the database and the logs even when every check passes.
     #[arg(long)]
     keep: bool,
@@ -185,7 +193,9 @@ impl Config {
             .map(Path::to_path_buf)
             .unwrap_or_default();
         let outbox_bin = a.outbox_bin.unwrap_or_else(|| here.join("outbox"));
-        let consumer_bin = here.join("chaos_consumer");
+        let consumer_bin = a
+            .consumer_bin
+            .unwrap_or_else(|| here.join("chaos_consumer"));
         for bin in [&outbox_bin, &consumer_bin] {
             if !bin.is_file() {
                 return Err(format!(
@@ -211,9 +221,11 @@ impl Config {
             consumers: a.consumers,
             producers: a.producers,
             keys: a.keys,
-            drain_timeout: a
-                .drain_timeout
-                .unwrap_or(Duration::from_secs(if a.ci { 100 } else { 300 })),
+            drain_timeout: a.drain_timeout.unwrap_or(Duration::from_secs(if a.ci {
+                100
+            } else {
+                300
+            })),
             admin_url: match a.backend {
                 Backend::Postgres => a.database_url,
                 Backend::Mysql => a.mysql_url,
@@ -294,7 +306,10 @@ impl Drop for World {
         self.procs.clear();
         self.redis = None;
         if self.keep {
-            eprintln!("chaos: kept the logs and Redis files in {}", self.dir.display());
+            eprintln!(
+                "chaos: kept the logs and Redis files in {}",
+                self.dir.display()
+            );
             if let Some(db) = &self.db {
                 eprintln!("chaos: kept database {}", db.name);
             }
@@ -358,7 +373,13 @@ impl Plan {
         // Outages of 1–20 s; the first one longer than the consumer's claim interval and
         // its outage backoff's growth to several seconds.
         let lengths: Vec<f64> = (0..c.redis_outages)
-            .map(|i| if i == 0 { 12.0 + rng.f64() * 8.0 } else { 1.0 + rng.f64() * 19.0 })
+            .map(|i| {
+                if i == 0 {
+                    12.0 + rng.f64() * 8.0
+                } else {
+                    1.0 + rng.f64() * 19.0
+                }
+            })
             .collect();
         let down: f64 = lengths.iter().sum();
         let up = d - down;
@@ -427,7 +448,8 @@ impl Tally {
             }
             Event::TermIgnored(name) => {
                 eprintln!("chaos: {name} did not exit within {TERM_TIMEOUT:?} of SIGTERM");
-                self.bad_terms.push(format!("{name}: no exit in {TERM_TIMEOUT:?}"));
+                self.bad_terms
+                    .push(format!("{name}: no exit in {TERM_TIMEOUT:?}"));
             }
         }
     }
@@ -479,9 +501,13 @@ fn run(c: &Config) -> Result<bool, BoxError> {
             prefix.clone().into(),
         ];
         let log = dir.join(format!("{name}.log"));
-        world
-            .procs
-            .push(Proc::new(name, Role::Relay, c.outbox_bin.clone(), args, log));
+        world.procs.push(Proc::new(
+            name,
+            Role::Relay,
+            c.outbox_bin.clone(),
+            args,
+            log,
+        ));
     }
     for i in 1..=c.consumers {
         let name = format!("consumer-{i}");
@@ -559,11 +585,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     let redis = world.redis.as_ref().expect("started");
     let entries = redis.read_stream(&stream)?;
     let dead_letters = redis.len(&format!("{stream}:dead"))?;
-    let contents = world
-        .db
-        .as_mut()
-        .expect("created")
-        .contents(GROUP)?;
+    let contents = world.db.as_mut().expect("created").contents(GROUP)?;
     let rolled_back: HashSet<u64> = produced.rolled_back.iter().copied().collect();
     let findings = check::check(&contents, &entries, &rolled_back, c.fault_one_in);
     let (seen_fail, seen_panic) = handler_faults_in_logs(&world.procs);
@@ -599,7 +621,11 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     for l in &leftovers {
         eprintln!("chaos: left behind: {l}");
     }
-    let faults: Vec<String> = tally.faults.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let faults: Vec<String> = tally
+        .faults
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     let roles: Vec<String> = tally
         .by_role
         .iter()
@@ -697,7 +723,9 @@ fn chaos_phase(
                 // No target now (all down, or Redis down for CLIENT KILL): try again soon.
                 Ok(None) => break,
                 Err(e) => {
-                    tally.injection_errors.push(format!("{}: {e}", fault.name()));
+                    tally
+                        .injection_errors
+                        .push(format!("{}: {e}", fault.name()));
                     faults.next();
                 }
             }
@@ -711,9 +739,9 @@ fn chaos_phase(
     }
     let left = faults.count();
     if left > 0 {
-        tally
-            .injection_errors
-            .push(format!("{left} planned faults found no target before the end"));
+        tally.injection_errors.push(format!(
+            "{left} planned faults found no target before the end"
+        ));
     }
     // The end of the faults: Redis up, every process resumed or started again.
     let now = Instant::now();
@@ -788,11 +816,7 @@ fn inject(
         Fault::SigTerm => p.sigterm(now)?,
         Fault::SigStop => p.sigstop(now + Duration::from_secs_f64(1.0 + rng.f64() * 39.0))?,
         Fault::SessionKill => {
-            let killed = world
-                .db
-                .as_ref()
-                .expect("created")
-                .kill_sessions(&p.name)?;
+            let killed = world.db.as_ref().expect("created").kill_sessions(&p.name)?;
             if killed == 0 {
                 // Between connections (e.g. just restarted): pick again later.
                 return Ok(None);
@@ -867,7 +891,11 @@ fn leftovers(tag: &str) -> Vec<String> {
         return Vec::new();
     };
     dir.filter_map(Result::ok)
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
         .filter(|e| e.file_name() != me.as_str())
         .filter_map(|e| {
             let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
