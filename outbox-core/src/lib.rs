@@ -93,7 +93,7 @@ pub use message::{
     DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage, TRACEPARENT,
 };
 pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
-pub use publish::{PublishOutcomes, Publisher, Rejected};
+pub use publish::{PublishOutcomes, Publisher, RejectKind, Rejected};
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};
 pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};

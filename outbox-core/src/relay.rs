@@ -6,7 +6,7 @@ use chrono::Utc;
 use tracing::Instrument as _;
 
 use crate::{
-    BatchOutcome, ClaimedBatch, Error, OutageBackoff, Publisher, Rejected, RelayStore,
+    BatchOutcome, ClaimedBatch, Error, OutageBackoff, Publisher, RejectKind, Rejected, RelayStore,
     RetryDecision, RetryPolicy,
 };
 
@@ -81,6 +81,19 @@ pub struct BatchReport {
 /// causes like a wrongly typed stream key, which then refuses every later entry of that
 /// stream too). Outages are not affected: a failed call marks nothing.
 ///
+/// # Faults that hit part of a batch
+///
+/// A broker may take part of a call and then fail: run out of memory, time out after
+/// some of its round trips, refuse one topic. The publisher then reports what it took
+/// and what it did not ([`Rejected`] with a [`RejectKind`]), and the relay marks what was
+/// taken SENT (publishing it again would add duplicates after later messages of its
+/// key), leaves the rest NEW with its retries untouched, and backs off as after any
+/// outage. Only [`RejectKind::Message`] spends a retry. A topic the broker refuses as a
+/// whole ([`RejectKind::Topic`], such as a Redis key of another type at the stream's
+/// name) also logs an error and counts `outbox_relay_topic_errors_total` (label
+/// `topic`), since it lasts until an operator fixes it; the other topics of each batch
+/// go on meanwhile.
+///
 /// ```
 /// # #[cfg(feature = "memory")] {
 /// use outbox_core::{MemoryBroker, MemoryDb, OutboxEvent, Relay};
@@ -137,10 +150,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// Claims, publishes and completes one batch.
     ///
     /// A broker outage or database error is returned as is and leaves every claimed row
-    /// as it was (NEW, retries unchanged), except that an outage between the round trips
-    /// of a batch that holds retries (see [`Relay`]) first records what was published.
-    /// Rows held back behind a rejected retry of their key are released untouched:
-    /// `claimed - sent - retried - dead` of the report.
+    /// as it was (NEW, retries unchanged), except that what the broker took before it
+    /// failed (an outage part-way through the batch, see [`Relay`]) is first recorded as
+    /// SENT, and the outage returned afterwards. Rows held back behind a rejected retry
+    /// of their key are released untouched: `claimed - sent - retried - dead` of the
+    /// report.
     pub async fn run_once(&self) -> Result<BatchReport, Error> {
         let started = Instant::now();
         let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
@@ -201,8 +215,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// batches that hold a retry followed by a message of the same key.
     ///
     /// Returns one entry per message (`None`: not published) and the error that
-    /// interrupted a later wave, if any: the waves before it were published and are
-    /// recorded. An error in the first wave is returned as is.
+    /// interrupted the batch after something was published, if any: what was published
+    /// is recorded first. A message the broker did not take for a fault of its own or of
+    /// the topic ([`RejectKind::Unavailable`], [`RejectKind::Topic`]) ends the waves with
+    /// such an error. A whole call that fails in the first wave is returned as is.
     async fn publish_in_waves(
         &self,
         messages: &[crate::StoredMessage],
@@ -255,22 +271,29 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 Err(e) => return Ok((results, Some(e))),
             };
             let mut failed_here: HashSet<&str> = HashSet::new();
+            let mut halted = Halted::default();
             for (&i, result) in wave.iter().zip(outcomes) {
                 let key = messages[i].envelope.key.as_str();
                 match &result {
-                    Err(_) => {
+                    Err(rejected) => {
                         failed_here.insert(key);
                         rejected_keys.insert(key);
+                        halted.note(&messages[i].envelope.topic, rejected);
                     }
                     Ok(()) if failed_here.contains(key) => {
                         // Published in the same call as an earlier message of its key
-                        // that the broker rejected: this key is now out of order.
-                        tracing::warn!(msg_id = %messages[i].envelope.msg_id, key, "published after a rejected message of its key");
+                        // that the broker did not take: this key is now out of order.
+                        tracing::warn!(msg_id = %messages[i].envelope.msg_id, key, "published after an unpublished message of its key");
                         metrics::counter!("outbox_relay_key_order_broken_total").increment(1);
                     }
                     Ok(()) => {}
                 }
                 results[i] = Some(result);
+            }
+            if let Some(e) = halted.into_error(wave.len()) {
+                // The broker or a topic is at fault: what it took is recorded, the rest
+                // (including later waves) stays NEW, and the relay backs off.
+                return Ok((results, Some(e)));
             }
             pending = later;
             first = false;
@@ -292,6 +315,9 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 outcome.sent.push(m.id);
                 continue;
             };
+            if !rejected.spends_retry() {
+                continue; // the broker's or the topic's fault: released untouched
+            }
             let failures = m.retries.saturating_add(1);
             match self.config.retry.decide_now(failures) {
                 RetryDecision::RetryAfter(delay) => {
@@ -383,6 +409,56 @@ const LONGEST_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 enum Idle {
     Poll,
     Outage(Duration),
+}
+
+/// The messages of one call that the broker did not take for a fault of its own
+/// ([`RejectKind::Unavailable`]) or of their topic ([`RejectKind::Topic`]).
+#[derive(Default)]
+struct Halted {
+    unavailable: usize,
+    first_unavailable: Option<String>,
+    /// Per topic: how many messages, and the first reason.
+    topics: Vec<(String, usize, String)>,
+}
+
+impl Halted {
+    fn note(&mut self, topic: &str, rejected: &Rejected) {
+        match rejected.kind {
+            RejectKind::Message => {}
+            RejectKind::Unavailable => {
+                self.unavailable += 1;
+                self.first_unavailable
+                    .get_or_insert_with(|| rejected.reason.clone());
+            }
+            RejectKind::Topic => match self.topics.iter_mut().find(|(t, ..)| t == topic) {
+                Some((_, n, _)) => *n += 1,
+                None => self
+                    .topics
+                    .push((topic.to_owned(), 1, rejected.reason.clone())),
+            },
+        }
+    }
+
+    /// The error that ends the batch, if any message was held back; logs and counts each
+    /// topic the broker refuses.
+    fn into_error(self, called: usize) -> Option<Error> {
+        let mut parts = Vec::new();
+        if let Some(reason) = self.first_unavailable {
+            parts.push(format!(
+                "{} of {called} messages not taken by the broker: {reason}",
+                self.unavailable
+            ));
+        }
+        for (topic, n, reason) in self.topics {
+            tracing::error!(topic, messages = n, %reason, "the broker refuses every message of this topic: they wait, spending no retries, until an operator fixes the topic");
+            metrics::counter!("outbox_relay_topic_errors_total", "topic" => topic.clone())
+                .increment(1);
+            parts.push(format!(
+                "topic `{topic}` refuses every message ({n} held back): {reason}"
+            ));
+        }
+        (!parts.is_empty()).then(|| Error::broker_unavailable(parts.join("; ")))
+    }
 }
 
 #[cfg(all(test, feature = "memory"))]
@@ -614,7 +690,7 @@ mod tests {
     #[derive(Default)]
     struct Picky {
         broker: MemoryBroker,
-        reject: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+        reject: std::sync::Mutex<std::collections::HashMap<String, (RejectKind, u32)>>,
         outage_on_call: Option<usize>,
         calls: std::sync::atomic::AtomicUsize,
     }
@@ -622,8 +698,15 @@ mod tests {
     impl Picky {
         fn rejecting(msg_id: &str, times: u32) -> Self {
             let p = Self::default();
-            p.reject.lock().unwrap().insert(msg_id.into(), times);
+            p.refuse(msg_id, RejectKind::Message, times);
             p
+        }
+
+        fn refuse(&self, msg_id: &str, kind: RejectKind, times: u32) {
+            self.reject
+                .lock()
+                .unwrap()
+                .insert(msg_id.into(), (kind, times));
         }
 
         fn order(&self) -> Vec<String> {
@@ -654,14 +737,14 @@ mod tests {
                     .unwrap()
                     .get_mut(m.envelope.msg_id.as_str())
                 {
-                    Some(n) if *n > 0 => {
+                    Some((kind, n)) if *n > 0 => {
                         *n -= 1;
-                        true
+                        Some(*kind)
                     }
-                    _ => false,
+                    _ => None,
                 };
-                if rejected {
-                    out.push(Err(Rejected::new("picky")));
+                if let Some(kind) = rejected {
+                    out.push(Err(Rejected::of_kind(kind, "picky")));
                 } else {
                     out.extend(self.broker.publish(std::slice::from_ref(m)).await?);
                 }
@@ -721,6 +804,98 @@ mod tests {
         assert_eq!(db.row("1:Moved").unwrap().status, Status::New);
         assert_eq!(relay.run_once().await.unwrap().sent, 1);
         assert_eq!(relay.publisher.order(), ["0:Moved", "1:Moved"]);
+    }
+
+    /// A broker that takes the start of a call and then cannot take more (out of memory,
+    /// a timeout between round trips): what it took is SENT and never published again,
+    /// the rest waits without spending a retry, and the relay reports an outage.
+    #[tokio::test]
+    async fn an_outage_part_way_through_a_call_records_what_the_broker_took() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| (0..4).try_for_each(|n| tx.emit(moved(n, "a")).map(drop)))
+            .unwrap();
+        let picky = Picky::default();
+        picky.refuse("2:Moved", RejectKind::Unavailable, 1);
+        picky.refuse("3:Moved", RejectKind::Unavailable, 1);
+        let relay = Relay::new(db.clone(), picky)
+            .with_config(config(1, 10))
+            .unwrap();
+        let err = relay.run_once().await.unwrap_err();
+        assert!(err.is_outage(), "{err}");
+        assert!(err.to_string().contains("2 of 4"), "{err}");
+        let rows: Vec<(Status, u32)> = db.rows().iter().map(|r| (r.status, r.retries)).collect();
+        assert_eq!(
+            rows,
+            [
+                (Status::Sent, 0),
+                (Status::Sent, 0),
+                (Status::New, 0),
+                (Status::New, 0)
+            ]
+        );
+        assert_eq!(relay.run_once().await.unwrap().sent, 2);
+        assert_eq!(
+            relay.publisher.order(),
+            ["0:Moved", "1:Moved", "2:Moved", "3:Moved"],
+            "each once, in order"
+        );
+    }
+
+    /// A message the broker did not take for the broker's fault ends the batch: a
+    /// later wave (here the rest of a key behind a retried message) is not published.
+    #[tokio::test]
+    async fn an_unavailable_message_stops_the_later_waves() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| tx.emit(moved(0, "a"))).unwrap();
+        let picky = Picky::rejecting("0:Moved", 1);
+        let relay = Relay::new(db.clone(), picky)
+            .with_config(config(5, 10))
+            .unwrap();
+        assert_eq!(relay.run_once().await.unwrap().retried, 1);
+        db.transaction(|tx| {
+            tx.emit(moved(1, "a"))?;
+            tx.emit(moved(2, "b"))
+        })
+        .unwrap();
+        relay
+            .publisher
+            .refuse("0:Moved", RejectKind::Unavailable, 1);
+        assert!(relay.run_once().await.unwrap_err().is_outage());
+        assert_eq!(relay.publisher.order(), ["2:Moved"]);
+        let a: Vec<(Status, u32)> = ["0:Moved", "1:Moved"]
+            .iter()
+            .map(|id| db.row(id).map(|r| (r.status, r.retries)).unwrap())
+            .collect();
+        assert_eq!(a, [(Status::New, 1), (Status::New, 0)], "no retry spent");
+        assert_eq!(relay.run_once().await.unwrap().sent, 2);
+        assert_eq!(relay.publisher.order(), ["2:Moved", "0:Moved", "1:Moved"]);
+    }
+
+    /// A topic the broker refuses as a whole spends no retry, however often it is
+    /// tried, while the other topics of the batch are published.
+    #[tokio::test]
+    async fn a_refused_topic_spends_no_retries_and_holds_back_only_itself() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| {
+            tx.emit(moved(0, "a"))?;
+            tx.emit(Ping { n: 7 })
+        })
+        .unwrap();
+        let picky = Picky::default();
+        picky.refuse("0:Moved", RejectKind::Topic, 3);
+        let relay = Relay::new(db.clone(), picky)
+            .with_config(config(1, 10))
+            .unwrap();
+        for _ in 0..3 {
+            let err = relay.run_once().await.unwrap_err();
+            assert!(err.is_outage(), "{err}");
+            assert!(err.to_string().contains("topic `moved`"), "{err}");
+        }
+        let row = db.row("0:Moved").unwrap();
+        assert_eq!((row.status, row.retries), (Status::New, 0));
+        assert_eq!(db.row("7:Ping").unwrap().status, Status::Sent);
+        assert_eq!(relay.run_once().await.unwrap().sent, 1);
+        assert_eq!(relay.publisher.order(), ["0:Moved"]);
     }
 
     async fn wait_until(done: impl Fn() -> bool) {

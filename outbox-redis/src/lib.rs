@@ -113,12 +113,12 @@
 //!   new streams.) The prefix must not contain `{` or `}`; `build` and the publisher's
 //!   constructor refuse one.
 //! - **Publisher**: a batch is split per slot (per topic) and each part is one
-//!   pipeline; the parts are sent concurrently, so a batch costs one round trip to each
-//!   node it touches, at once, and keeps its order per topic. A part that fails as a
-//!   whole (a node down, a timeout) makes the batch an outage; the parts already written
-//!   are published again on the retry and consumers skip them as duplicates. A slot
-//!   that moved (`MOVED`/`ASK` replies) is also an outage: the connection is replaced
-//!   and the next attempt uses the new slot map.
+//!   pipeline (or several, past `max_pipeline_bytes`); the parts are sent concurrently,
+//!   so a batch costs one round trip to each node it touches, at once, and keeps its
+//!   order per topic. A part that fails as a whole (a node down, a timeout) is an outage
+//!   for its messages, which stay NEW, while the parts already written are recorded as
+//!   SENT. A slot that moved (`MOVED`/`ASK` replies) is also an outage: the connection
+//!   is replaced and the next attempt uses the new slot map.
 //! - **Consumer**: it reads each slot's streams (each topic's stream, in practice) with
 //!   its own `XREADGROUP ... BLOCK`, on its own cluster connection, since a blocked read
 //!   holds up its connection to that node; the reads run side by side and entries are
@@ -144,7 +144,8 @@
 //! `stream`: `outbox_consumer_consumed_total`, `outbox_consumer_duplicates_total`,
 //! `outbox_consumer_failures_total`, `outbox_consumer_dead_lettered_total`,
 //! `outbox_consumer_ignored_total`, `outbox_consumer_reclaimed_total`,
-//! `outbox_consumer_redis_errors_total`; and `outbox_redis_publish_rejected_total`. The
+//! `outbox_consumer_redis_errors_total`; and, unlabelled, `outbox_redis_publish_rejected_total`,
+//! `outbox_redis_publish_timeouts_total` and `outbox_redis_durability_unmet_total`. The
 //! same counts are available as [`Consumer::stats`]. Each message is handled in an
 //! `outbox.consume` tracing span.
 #![doc(test(attr(deny(warnings))))]
@@ -159,7 +160,9 @@ mod trim;
 pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfig, ConsumerStats, NoInbox, StartFrom};
 pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};
-pub use publisher::{DEFAULT_STREAM_PREFIX, PublisherConfig, RedisPublisher};
+pub use publisher::{
+    DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig, RedisPublisher,
+};
 pub use trim::{TrimReport, trim_acknowledged};
 
 /// The redis crate, for the types this API names.

@@ -234,6 +234,45 @@ async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes()
     );
 }
 
+/// Pipelines capped by bytes and a durability wait on a cluster: the `WAIT` travels in
+/// each slot's pipeline to the node that took its entries. The cluster has no replicas:
+/// `WAIT 0` is met, `WAIT 1` is an outage that marks nothing published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_pipelines_and_replica_waits_work_per_node() {
+    let cluster = Cluster::start();
+    let topics = ["order.paid", "order.refunded", "invoice.sent"];
+    let batch = stored((0..30).map(|n| with_topic(paid(n), topics[n % topics.len()])));
+    let config = |replicas| PublisherConfig {
+        max_pipeline_bytes: 1,
+        durability: outbox_redis::Durability::Replicas {
+            replicas,
+            timeout: std::time::Duration::from_millis(50),
+        },
+        ..PublisherConfig::default()
+    };
+    let publisher = RedisPublisher::cluster_with_config(cluster.urls(), config(0)).unwrap();
+    assert_eq!(publisher.publish(&batch).await.unwrap(), vec![Ok(()); 30]);
+    let mut conn = cluster.conn().await;
+    for (t, topic) in topics.iter().enumerate() {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(publisher.stream_for(topic))
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let ids: Vec<String> = reply.ids.iter().map(|e| field(e, "msg_id")).collect();
+        let expected: Vec<String> = (0..30)
+            .filter(|n| n % topics.len() == t)
+            .map(|n| format!("order-{n}:OrderPaid"))
+            .collect();
+        assert_eq!(ids, expected, "topic {topic}");
+    }
+    let waiting = RedisPublisher::cluster_with_config(cluster.urls(), config(1)).unwrap();
+    let err = waiting.publish(&batch).await.unwrap_err();
+    assert!(err.is_outage(), "{err}");
+}
+
 #[tokio::test]
 async fn a_cluster_prefix_with_a_brace_is_refused_and_builders_name_streams_alike() {
     // No server is contacted: these are configuration checks.

@@ -3,9 +3,11 @@
 mod common;
 
 use common::*;
-use outbox_core::{Envelope, Publisher};
+use std::time::Duration;
+
+use outbox_core::{Envelope, Publisher, RejectKind};
 use outbox_redis::redis::{self, Value};
-use outbox_redis::{PublisherConfig, RedisPublisher, trim_acknowledged};
+use outbox_redis::{Durability, PublisherConfig, RedisPublisher, trim_acknowledged};
 
 #[tokio::test]
 async fn a_batch_lands_in_one_stream_per_topic_with_every_field_in_order() {
@@ -107,8 +109,11 @@ async fn credential_and_permission_errors_are_outages() {
         .unwrap();
 }
 
+/// A key of another type at a stream's name refuses every entry of that stream: the
+/// topic's fault, reported as such (no retry spent), while the other streams of the
+/// batch are written.
 #[tokio::test]
-async fn an_entry_redis_refuses_fails_alone() {
+async fn a_stream_key_of_another_type_refuses_its_topic_only() {
     let prefix = unique_prefix();
     let mut conn = conn().await;
     // The refunds stream's key holds a string: XADD there is WRONGTYPE.
@@ -132,6 +137,8 @@ async fn an_entry_redis_refuses_fails_alone() {
     assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
     let rejected = outcomes[1].as_ref().unwrap_err();
     assert!(rejected.reason.contains("WRONGTYPE"), "{rejected:?}");
+    assert_eq!(rejected.kind, RejectKind::Topic);
+    assert!(!rejected.spends_retry());
     assert_eq!(
         xrange(&mut conn, &format!("{prefix}order.paid"))
             .await
@@ -283,4 +290,168 @@ async fn trimming_never_removes_pending_or_unread_entries() {
         .unwrap();
     assert_eq!((missing.removed, missing.min_id), (0, None));
     cleanup(&prefix).await;
+}
+
+fn config_with(prefix: &str, change: impl FnOnce(&mut PublisherConfig)) -> PublisherConfig {
+    let mut config = PublisherConfig {
+        stream_prefix: prefix.to_owned(),
+        ..PublisherConfig::default()
+    };
+    change(&mut config);
+    config
+}
+
+async fn msg_ids(stream: &str) -> Vec<String> {
+    xrange(&mut conn().await, stream)
+        .await
+        .ids
+        .iter()
+        .map(|e| field(e, "msg_id"))
+        .collect()
+}
+
+/// A batch over the pipeline cap goes in several pipelines, in order; a message larger
+/// than the cap goes alone rather than not at all.
+#[tokio::test]
+async fn a_batch_over_the_pipeline_cap_is_split_in_order() {
+    let prefix = unique_prefix();
+    for cap in [1, 600] {
+        let config = config_with(&prefix, |c| c.max_pipeline_bytes = cap);
+        let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+        let outcomes = publisher.publish(&stored((0..20).map(paid))).await.unwrap();
+        assert_eq!(outcomes, vec![Ok(()); 20], "cap {cap}");
+    }
+    let want: Vec<String> = (0..20)
+        .chain(0..20)
+        .map(|n| format!("order-{n}:OrderPaid"))
+        .collect();
+    assert_eq!(msg_ids(&format!("{prefix}order.paid")).await, want);
+    let err = RedisPublisher::with_config(
+        redis_url(),
+        config_with(&prefix, |c| c.max_pipeline_bytes = 0),
+    )
+    .unwrap_err();
+    assert!(err.is_config(), "{err}");
+    cleanup(&prefix).await;
+}
+
+/// `WAIT 0`: every entry counts as published at once.
+#[tokio::test]
+async fn waiting_for_zero_replicas_publishes() {
+    let prefix = unique_prefix();
+    let config = config_with(&prefix, |c| {
+        c.durability = Durability::Replicas {
+            replicas: 0,
+            timeout: Duration::from_millis(100),
+        }
+    });
+    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    publisher.check().await.unwrap();
+    let outcomes = publisher.publish(&stored((0..3).map(paid))).await.unwrap();
+    assert_eq!(outcomes, vec![Ok(()); 3]);
+    assert_eq!(msg_ids(&format!("{prefix}order.paid")).await.len(), 3);
+    cleanup(&prefix).await;
+}
+
+/// `WAIT 1` on a server without replicas times out: the entries are not counted as
+/// published, as an outage (no retry spent), never as the messages' own failure.
+#[tokio::test]
+async fn waiting_for_a_missing_replica_is_an_outage() {
+    let mut c = conn().await;
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(
+        info.contains("connected_slaves:0"),
+        "the test needs a Redis without replicas: {info}"
+    );
+    let prefix = unique_prefix();
+    let config = config_with(&prefix, |c| {
+        c.durability = Durability::Replicas {
+            replicas: 1,
+            timeout: Duration::from_millis(50),
+        }
+    });
+    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    let err = publisher
+        .publish(&stored((0..3).map(paid)))
+        .await
+        .unwrap_err();
+    assert!(err.is_outage(), "{err}");
+    assert!(err.to_string().contains("0 of 1 replicas"), "{err}");
+    cleanup(&prefix).await;
+}
+
+/// `WAITAOF` is Redis 7.2; on an older server the publisher refuses to write with a
+/// configuration error, before it writes anything.
+#[tokio::test]
+async fn waitaof_on_a_server_without_it_is_a_config_error() {
+    let mut c = conn().await;
+    let version: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let version = version
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let prefix = unique_prefix();
+    let config = config_with(&prefix, |c| {
+        c.durability = Durability::Aof {
+            local: false,
+            replicas: 0,
+            timeout: Duration::from_millis(100),
+        }
+    });
+    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    let older = version
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap())
+        .collect::<Vec<_>>()
+        < vec![7, 2];
+    assert!(
+        older,
+        "this test needs Redis before 7.2; the server is {version}"
+    );
+    let err = publisher
+        .publish(&stored((0..3).map(paid)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, outbox_core::Error::Config(_)), "{err:?}");
+    assert!(!err.is_outage());
+    let text = err.to_string();
+    assert!(text.contains("WAITAOF") && text.contains("7.2"), "{text}");
+    assert!(
+        msg_ids(&format!("{prefix}order.paid")).await.is_empty(),
+        "nothing written"
+    );
+    let err = publisher.check().await.unwrap_err();
+    assert!(err.is_config(), "{err}");
+    cleanup(&prefix).await;
+}
+
+/// A durability timeout of zero (which would block the server's reply without end) or
+/// not below the response timeout is refused.
+#[test]
+fn durability_timeouts_are_checked() {
+    for timeout in [
+        Duration::ZERO,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    ] {
+        let config = PublisherConfig {
+            durability: Durability::Replicas {
+                replicas: 1,
+                timeout,
+            },
+            ..PublisherConfig::default()
+        };
+        let err = RedisPublisher::with_config(redis_url(), config).unwrap_err();
+        assert!(err.is_config(), "{timeout:?}: {err}");
+    }
 }
