@@ -84,11 +84,13 @@ pub(crate) fn check(
     fault_one_in: u64,
 ) -> Findings {
     let mut f = Findings::default();
-    let committed: HashMap<&str, i64> = db.committed.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    let committed: HashMap<&str, i64> =
+        db.committed.iter().map(|(k, n)| (k.as_str(), *n)).collect();
     f.committed = committed.values().map(|&n| n as u64).sum();
     // A committed message is (key, seq) with 1 <= seq <= n; its transaction is known from
     // its outbox row.
-    let is_committed = |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
+    let is_committed =
+        |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
 
     // Outbox rows.
     let mut tx_of: HashMap<(String, i64), u64> = HashMap::new();
@@ -100,12 +102,16 @@ pub(crate) fn check(
         };
         if rolled_back.contains(&tx) {
             f.rolled_back_seen += 1;
-            f.note(format!("outbox holds {msg_id} of a rolled-back transaction"));
+            f.note(format!(
+                "outbox holds {msg_id} of a rolled-back transaction"
+            ));
             continue;
         }
         if !is_committed(key, seq) || tx_of.insert((key.to_owned(), seq), tx).is_some() {
             f.strangers += 1;
-            f.note(format!("outbox row {msg_id} is beyond its key's committed sequence"));
+            f.note(format!(
+                "outbox row {msg_id} is beyond its key's committed sequence"
+            ));
         }
         match status {
             0 => f.outbox_new += 1,
@@ -123,7 +129,10 @@ pub(crate) fn check(
     }
     f.outbox_missing = f.committed.saturating_sub(tx_of.len() as u64);
     if f.outbox_missing > 0 {
-        f.note(format!("{} committed messages have no outbox row", f.outbox_missing));
+        f.note(format!(
+            "{} committed messages have no outbox row",
+            f.outbox_missing
+        ));
     }
     // A msg_id is committed if its (key, seq) is and its transaction is the one that
     // committed that position.
@@ -200,7 +209,10 @@ pub(crate) fn check(
             .filter(|id| !applied.contains_key(id.as_str()))
             .take(5)
             .collect();
-        f.note(format!("{} committed messages never applied, e.g. {missing:?}", f.lost));
+        f.note(format!(
+            "{} committed messages never applied, e.g. {missing:?}",
+            f.lost
+        ));
     }
     for msg_id in &db.consumed {
         if classify(msg_id) == Kind::RolledBack {
@@ -210,8 +222,11 @@ pub(crate) fn check(
     }
 
     // The per-key effect.
-    let sums: HashMap<&str, (i64, i64)> =
-        db.sums.iter().map(|(k, t, a)| (k.as_str(), (*t, *a))).collect();
+    let sums: HashMap<&str, (i64, i64)> = db
+        .sums
+        .iter()
+        .map(|(k, t, a)| (k.as_str(), (*t, *a)))
+        .collect();
     for (key, &n) in &committed {
         let want = (n * (n + 1) / 2, n);
         let got = sums.get(key).copied().unwrap_or((0, 0));

@@ -265,7 +265,9 @@ impl Database {
 
 /// `url` with its database (path) replaced by `db`; the query string is kept.
 fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
     let host_start = base.find("://").map_or(0, |i| i + 3);
     let host_end = base[host_start..]
         .find('/')
@@ -305,7 +307,10 @@ mod tests {
             with_database("postgres://h/test?sslmode=disable", "c"),
             "postgres://h/c?sslmode=disable"
         );
-        assert_eq!(with_database("mysql://root@h:3306", "c"), "mysql://root@h:3306/c");
+        assert_eq!(
+            with_database("mysql://root@h:3306", "c"),
+            "mysql://root@h:3306/c"
+        );
         assert_eq!(
             with_user("mysql://root:pw@127.0.0.1:3306/c", "u1"),
             "mysql://u1@127.0.0.1:3306/c"

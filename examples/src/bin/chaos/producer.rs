@@ -153,7 +153,9 @@ impl Producer {
                     failures_in_a_row += 1;
                     eprintln!("chaos: producer {}: transaction failed: {e}", self.id);
                     if failures_in_a_row > 20 {
-                        return Err(format!("producer {}: 20 failures in a row: {e}", self.id).into());
+                        return Err(
+                            format!("producer {}: 20 failures in a row: {e}", self.id).into()
+                        );
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }

@@ -53,7 +53,14 @@ impl RedisServer {
             .open(self.dir.join("redis.log"))?;
         let child = with_parent_death("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--appendonly", "yes", "--appendfsync", "always", "--save", ""])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
             .arg("--dir")
             .arg(&self.dir)
             .stdin(Stdio::null())
