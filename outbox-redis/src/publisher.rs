@@ -190,7 +190,9 @@ pub struct PublisherConfig {
     /// How long one pipeline may wait for its replies (default 5 s), sending included.
     /// A timeout is an outage: what earlier pipelines of the batch published is
     /// recorded, the rest is published again later, and the next pipelines are made
-    /// smaller (see [`max_pipeline_bytes`](Self::max_pipeline_bytes)).
+    /// smaller (see [`max_pipeline_bytes`](Self::max_pipeline_bytes)). Set it above the
+    /// time one of your largest messages takes to reach Redis: a message that cannot
+    /// make it alone within the timeout stays an outage (logged, never dead-lettered).
     pub response_timeout: Duration,
     /// The most bytes of entries one pipeline carries (default
     /// [`DEFAULT_MAX_PIPELINE_BYTES`], 8 MiB); a larger batch is sent as several
