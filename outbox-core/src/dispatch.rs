@@ -48,6 +48,12 @@ pub trait Handler<E: OutboxEvent>: Send + Sync + 'static {
 
     /// Applies `event`. An error (or panic) rolls back the transaction and leaves the
     /// message unacknowledged, to be retried.
+    ///
+    /// Return database errors (with `?`) rather than going on after them: a deadlock, a
+    /// serialization failure or a lock wait timeout is then recognised by the inbox as
+    /// [`Error::Transient`] and retried soon, without counting as the handler's failure.
+    /// After a deadlock, MySQL and MariaDB have already rolled the transaction back, and
+    /// whatever the handler writes next is outside it.
     fn handle(
         &self,
         event: E,
@@ -233,9 +239,10 @@ impl<C: 'static> Dispatcher<C> {
     /// (a panic is caught and reported as [`Error::Handler`] with the panic's message);
     /// the others commit together.
     ///
-    /// The result has one outcome per delivery, in order. The outer `Err` is the store's
-    /// failure as a whole (see [`Inbox::process_batch`]): nothing is known to have
-    /// committed.
+    /// The result has one outcome per delivery, in order; a message's transient conflict
+    /// is its [`Error::Transient`]. The outer `Err` is the store's failure as a whole, or
+    /// [`Error::TransientBatch`] when a conflict rolled back the whole transaction (see
+    /// [`Inbox::process_batch`]): nothing is known to have committed.
     ///
     /// ```
     /// use outbox_core::{Delivery, Dispatcher, Envelope, Handler, HandlerError, MemoryDb,

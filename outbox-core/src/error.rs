@@ -55,6 +55,30 @@ pub enum Error {
     /// The database failed (connection, query, transaction).
     #[error("store error: {0}")]
     Store(#[source] BoxError),
+    /// The message's transaction met a transient conflict with another transaction — a
+    /// deadlock, a serialization failure, a lock wait that gave up — in its handler or
+    /// its dedup insert, and nothing of it committed. Neither the message's fault nor an
+    /// outage: running it again is expected to succeed. Retry it soon, without counting
+    /// the attempt against its delivery limit, within a bound of its own
+    /// ([`is_transient`](Self::is_transient)).
+    #[error("transient database conflict, nothing committed; retry: {0}")]
+    Transient(#[source] BoxError),
+    /// A transient conflict in message `msg_id` made the database roll back the whole
+    /// transaction of a batch ([`Inbox::process_batch`](crate::Inbox::process_batch)):
+    /// MySQL and MariaDB end the transaction on a deadlock, savepoints included. Nothing
+    /// of the batch committed and no message failed on its own: retry the batch, or its
+    /// messages one by one ([`is_transient`](Self::is_transient)).
+    #[error(
+        "transient database conflict{} rolled back the whole batch, nothing committed; retry: {source}",
+        during(.msg_id)
+    )]
+    TransientBatch {
+        /// The message whose handler or dedup insert met the conflict; `None` when it
+        /// came at the batch's `COMMIT` (a serialization failure).
+        msg_id: Option<MsgId>,
+        /// The database's error.
+        source: BoxError,
+    },
     /// The broker as a whole is unreachable or timed out. The relay backs off without
     /// spending any message's retries.
     #[error("broker unavailable: {0}")]
@@ -77,6 +101,11 @@ impl Error {
         Self::Store(e.into())
     }
 
+    /// Wraps a transient conflict between transactions ([`Error::Transient`]).
+    pub fn transient(e: impl Into<BoxError>) -> Self {
+        Self::Transient(e.into())
+    }
+
     /// Wraps a broker connection error or timeout.
     pub fn broker_unavailable(e: impl Into<BoxError>) -> Self {
         Self::BrokerUnavailable(e.into())
@@ -93,11 +122,27 @@ impl Error {
         matches!(self, Self::BrokerUnavailable(_) | Self::Store(_))
     }
 
+    /// A transient conflict between transactions (deadlock, serialization failure, lock
+    /// wait timeout), of one message ([`Error::Transient`]) or of a whole batch
+    /// ([`Error::TransientBatch`]): nothing of it committed. Retry soon, without counting
+    /// it as the message's failure, within a bound of its own; it is neither an outage
+    /// ([`is_outage`](Self::is_outage)) nor a reason to dead-letter.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Transient(_) | Self::TransientBatch { .. })
+    }
+
     /// A message that can never be processed as it is (bad payload, no handler): it goes
     /// to the dead-letter stream at once.
     pub fn is_poison(&self) -> bool {
         matches!(self, Self::Decode { .. } | Self::UnknownEventType(_))
     }
+}
+
+/// ` in `msg_id``, or nothing.
+fn during(msg_id: &Option<MsgId>) -> String {
+    msg_id
+        .as_ref()
+        .map_or_else(String::new, |id| format!(" in `{id}`"))
 }
 
 /// The error a [`Handler`](crate::Handler) returns. Anything that implements
@@ -149,5 +194,39 @@ impl From<HandlerError> for BoxError {
 impl From<HandlerError> for Box<dyn std::error::Error> {
     fn from(e: HandlerError) -> Self {
         e.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_conflicts_are_neither_outages_nor_poison() {
+        let one = Error::transient("deadlock detected");
+        let batch = Error::TransientBatch {
+            msg_id: Some(MsgId::new("b:Credit").unwrap()),
+            source: "deadlock detected".into(),
+        };
+        let at_commit = Error::TransientBatch {
+            msg_id: None,
+            source: "could not serialize access".into(),
+        };
+        for e in [&one, &batch, &at_commit] {
+            assert!(e.is_transient(), "{e}");
+            assert!(!e.is_outage() && !e.is_poison() && !e.is_duplicate(), "{e}");
+        }
+        assert!(!Error::store("down").is_transient());
+        assert!(!Error::Handler("refused".into()).is_transient());
+        assert_eq!(
+            batch.to_string(),
+            "transient database conflict in `b:Credit` rolled back the whole batch, nothing \
+             committed; retry: deadlock detected"
+        );
+        assert!(
+            at_commit
+                .to_string()
+                .starts_with("transient database conflict rolled back")
+        );
     }
 }

@@ -30,10 +30,22 @@ pub trait Inbox: Send + Sync + 'static {
     /// transaction's connection; commit if both succeeded, roll back otherwise.
     ///
     /// A duplicate is `Ok(Processed::Duplicate)`, not an error, and does not run `handle`.
-    /// A handler failure is `Err(Error::Handler(..))` and leaves no dedup row.
+    /// A handler failure is `Err(Error::Handler(..))` and leaves no dedup row. A transient
+    /// conflict with another transaction (a deadlock, a serialization failure, a lock
+    /// wait that gave up), in the handler or the dedup insert, is
+    /// `Err(Error::Transient(..))`: nothing committed, retry soon
+    /// ([`Error::is_transient`]). Rolled-back work is never reported `Applied`.
     fn process<F>(&self, group: &str, msg_id: &MsgId, handle: F) -> Result<Processed, Error>
     where
         F: FnOnce(&mut Self::Conn) -> Result<(), HandlerError>;
+
+    /// How many transactions the store can run at once, if it is bounded (a pool's
+    /// size). The consumer runs at most that many at once, so that waiting for a
+    /// connection is back-pressure in the runner, never a check-out timeout mistaken
+    /// for an outage. The default, `None`, means unbounded.
+    fn capacity(&self) -> Option<usize> {
+        None
+    }
 
     /// Processes many messages, ideally in one transaction with a savepoint per message:
     /// for each `msg_ids[i]` in order, insert the dedup row and, if it was new, run
@@ -44,9 +56,13 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`process`](Self::process) would report it. `handle` is called at most once per
     /// index, only for messages not recorded before (a msg_id that appears twice in the
     /// batch is a [`Processed::Duplicate`] the second time, unless the first attempt
-    /// failed). The outer `Err` means the store failed as a whole (connection lost,
-    /// commit failed): nothing of the batch is known to have committed, and a redelivery
-    /// finds out which messages did.
+    /// failed). A message's transient conflict is its outcome `Err(Error::Transient(..))`
+    /// when only its own savepoint rolled back. The outer `Err` means nothing of the batch
+    /// is known to have committed: the store failed as a whole (connection lost, commit
+    /// failed), and a redelivery finds out which messages did; or
+    /// [`Error::TransientBatch`]: a transient conflict made the database roll back the
+    /// whole transaction (MySQL and MariaDB on a deadlock), so nothing committed and the
+    /// batch (or each of its messages alone) is to be retried soon.
     ///
     /// A panic in `handle` unwinds out of this method, and what the batch had not
     /// committed yet is rolled back. [`Dispatcher::consume_batch`](crate::Dispatcher::consume_batch)

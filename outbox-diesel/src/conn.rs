@@ -77,6 +77,16 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
         status: Option<Status>,
         after_id: i64,
         limit: usize,
+    /// Whether the transaction this connection began is still open on the server.
+    /// MySQL and MariaDB end a transaction themselves on a deadlock (1213), savepoints
+    /// included, and run the statements that follow in autocommit mode while diesel
+    /// still counts the transaction open; PostgreSQL keeps an aborted transaction open
+    /// until it is rolled back ([`__check_committable`](Self::__check_committable)).
+    #[doc(hidden)]
+    fn __transaction_open(&mut self) -> Result<bool> {
+        Ok(true)
+    }
+
     ) -> Result<Vec<OutboxRecord>>;
 
     /// The row with this msg_id.
@@ -156,6 +166,9 @@ where
     }
     fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRecord>> {
         (**self).__find(msg_id)
+    fn __transaction_open(&mut self) -> Result<bool> {
+        (**self).__transaction_open()
+    }
     }
     fn __redrive(&mut self, ids: Option<&[i64]>) -> Result<usize> {
         (**self).__redrive(ids)

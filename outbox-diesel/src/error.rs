@@ -132,6 +132,17 @@ impl Error {
         )
     }
 
+    /// A transient conflict between transactions: a deadlock, a serialization failure,
+    /// a lock wait that gave up (see [`is_transient`]). Running the transaction again is
+    /// expected to succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Database(e) => is_transient(e),
+            Self::Core(e) => e.is_transient(),
+            _ => false,
+        }
+    }
+
     /// A second relay on one SQLite database ([`Error::RelayAlreadyRunning`] or
     /// [`Error::LeaseLost`]).
     pub fn is_relay_conflict(&self) -> bool {
@@ -187,6 +198,72 @@ pub fn is_duplicate(e: &diesel::result::Error) -> bool {
         }
         other => Error::from_diesel_ref(other).is_some_and(Error::is_duplicate),
     }
+}
+
+/// Whether a diesel error is a transient conflict between transactions, one that running
+/// the transaction again is expected to resolve:
+///
+/// | | PostgreSQL | MySQL / MariaDB |
+/// |---|---|---|
+/// | deadlock | `40P01` deadlock_detected | 1213 `ER_LOCK_DEADLOCK` (rolls back the whole transaction) |
+/// | serialization failure | `40001` serialization_failure | — |
+/// | lock wait gave up | `55P03` lock_not_available (`NOWAIT`, `lock_timeout`) | 1205 `ER_LOCK_WAIT_TIMEOUT` |
+///
+/// diesel reports `40001` (and MySQL's 1213 from a prepared statement) as
+/// [`DatabaseErrorKind::SerializationFailure`]; it gives no code for the others, which are
+/// recognised by the server's message in English, the default (`lc_messages`). The
+/// consumer's inbox uses this to report a handler's conflict as
+/// [`outbox_core::Error::Transient`], to be retried soon, instead of a handler failure.
+///
+/// ```
+/// use diesel::result::{DatabaseErrorKind, Error as DieselError};
+/// let deadlock = DieselError::DatabaseError(
+///     DatabaseErrorKind::Unknown,
+///     Box::new("Deadlock found when trying to get lock; try restarting transaction".to_owned()),
+/// );
+/// assert!(outbox_diesel::is_transient(&deadlock));
+/// assert!(!outbox_diesel::is_transient(&DieselError::NotFound));
+/// ```
+pub fn is_transient(e: &diesel::result::Error) -> bool {
+    /// The leading words of each transient error's message.
+    const MESSAGES: [&str; 6] = [
+        "deadlock detected",                       // PostgreSQL 40P01
+        "could not serialize access",              // PostgreSQL 40001
+        "could not obtain lock on",                // PostgreSQL 55P03 (NOWAIT)
+        "canceling statement due to lock timeout", // PostgreSQL 55P03 (lock_timeout)
+        "Deadlock found when trying to get lock",  // MySQL 1213
+        "Lock wait timeout exceeded",              // MySQL 1205
+    ];
+    match e {
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            MESSAGES.iter().any(|m| info.message().starts_with(m))
+        }
+        other => Error::from_diesel_ref(other).is_some_and(Error::is_transient),
+    }
+}
+
+/// Whether `e`, or an error in its `source()` chain, is a transient diesel error
+/// ([`is_transient`]): how a handler's error is classified, whatever it wrapped it in.
+pub(crate) fn has_transient_cause(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let transient = match (
+            e.downcast_ref::<diesel::result::Error>(),
+            e.downcast_ref::<Error>(),
+            e.downcast_ref::<outbox_core::Error>(),
+        ) {
+            (Some(d), _, _) => is_transient(d),
+            (_, Some(o), _) => o.is_transient(),
+            (_, _, Some(c)) => c.is_transient(),
+            _ => false,
+        };
+        if transient {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// The details of a duplicate emit as diesel sees them: a unique violation of
@@ -296,5 +373,51 @@ mod tests {
         assert!(core.is_duplicate());
         let store: outbox_core::Error = Error::Task("boom".into()).into();
         assert!(store.is_outage());
+    }
+
+    fn db(kind: DatabaseErrorKind, message: &str) -> diesel::result::Error {
+        diesel::result::Error::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn transient_errors_are_recognised_by_kind_and_message() {
+        use DatabaseErrorKind::{SerializationFailure, UniqueViolation, Unknown};
+        for transient in [
+            db(SerializationFailure, "anything"),
+            db(Unknown, "deadlock detected"),
+            db(
+                Unknown,
+                "could not serialize access due to concurrent update",
+            ),
+            db(
+                Unknown,
+                "could not obtain lock on row in relation \"accounts\"",
+            ),
+            db(Unknown, "canceling statement due to lock timeout"),
+            db(
+                Unknown,
+                "Deadlock found when trying to get lock; try restarting transaction",
+            ),
+            db(
+                Unknown,
+                "Lock wait timeout exceeded; try restarting transaction",
+            ),
+        ] {
+            assert!(is_transient(&transient), "{transient}");
+            assert!(Error::Database(transient).is_transient());
+        }
+        for other in [
+            db(UniqueViolation, "deadlock detected"),
+            db(Unknown, "relation \"x\" does not exist"),
+            db(Unknown, "SAVEPOINT diesel_savepoint_1 does not exist"),
+            diesel::result::Error::NotFound,
+        ] {
+            assert!(!is_transient(&other), "{other}");
+        }
+        // Wrapped, as a handler's `?` or its own error type would carry it.
+        let wrapped: BoxError = Box::new(Error::Database(db(Unknown, "deadlock detected")));
+        assert!(has_transient_cause(&*wrapped));
+        let plain: BoxError = "deadlock detected".into();
+        assert!(!has_transient_cause(&*plain));
     }
 }

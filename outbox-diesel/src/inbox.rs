@@ -2,10 +2,11 @@ use std::num::NonZeroU32;
 
 use diesel::connection::TransactionManager;
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
-use outbox_core::{BatchOutcomes, HandlerError, Inbox, MsgId, Processed};
+use outbox_core::{BatchOutcomes, BoxError, HandlerError, Inbox, MsgId, Processed};
 
 use crate::backend::check_group;
-use crate::{Error, OutboxConnection};
+use crate::error::has_transient_cause;
+use crate::{Error, OutboxConnection, is_transient};
 
 /// The consumer's idempotency store over a pool: records `(consumer_group, msg_id)` in
 /// `consumed_msg` in the same transaction as the handler's writes.
@@ -29,6 +30,28 @@ use crate::{Error, OutboxConnection};
 /// A handler that returns `Ok` with a transaction of its own still open, or whose writes
 /// cannot be released (PostgreSQL after a failed statement the handler ignored), fails
 /// as its own message; its savepoint is rolled back.
+///
+/// # Transient conflicts
+///
+/// A deadlock, a serialization failure or a lock wait that gave up ([`is_transient`])
+/// in a handler's error (returned with `?`, or wrapped in an error whose `source()`
+/// chain holds it) or in the dedup insert is [`outbox_core::Error::Transient`], not a
+/// handler failure and not an outage: nothing of the message committed, and the
+/// consumer retries it soon without counting the attempt against its delivery limit.
+/// In batch mode it is that message's outcome when its savepoint could be rolled back
+/// (PostgreSQL; a MySQL lock wait timeout), and the others commit.
+///
+/// MySQL and MariaDB roll back the whole transaction on a deadlock, savepoints included,
+/// and run whatever follows in autocommit mode. The inbox asks the server whether its
+/// transaction is still open after every handler that did not end cleanly (and, in
+/// single mode, after every handler, one round trip): if it is not, the message (single
+/// mode) is [`Transient`](outbox_core::Error::Transient) and the batch
+/// [`TransientBatch`](outbox_core::Error::TransientBatch) — nothing of it committed, and
+/// nothing is reported `Applied`. A handler should return such an error rather than go
+/// on: on MySQL and MariaDB the statements it runs after the deadlock are outside the
+/// transaction, each committed on its own, and run again on the retry. On PostgreSQL a
+/// handler that goes on after a failed statement fails as its own message (the cause
+/// cannot be told afterwards, so it is a handler failure).
 ///
 /// A panic in the closure given to `process_batch` unwinds through it: the connection,
 /// still inside the batch's transaction, is discarded by the pool, so the whole batch
@@ -80,6 +103,8 @@ impl<C: R2D2Connection + 'static> DieselInbox<C> {
 enum TxError {
     Store(Error),
     Handler(HandlerError),
+    /// The database ended the transaction while the handler ran.
+    Ended,
 }
 
 impl From<diesel::result::Error> for TxError {
@@ -94,8 +119,48 @@ impl From<Error> for TxError {
     }
 }
 
+impl TxError {
+    fn into_core(self) -> outbox_core::Error {
+        match self {
+            Self::Store(e) => store_error(e),
+            Self::Handler(e) => handler_error(e),
+            Self::Ended => outbox_core::Error::Transient(ENDED.into()),
+        }
+    }
+}
+
+/// What a handler that went on after MySQL ended its transaction did.
+const ENDED: &str = "the database ended the transaction while the handler ran (MySQL and \
+    MariaDB roll it back on a deadlock), so the dedup row is gone; the handler went on, and \
+    its statements after that point ran outside the transaction, each committed on its own";
+
+/// A handler's error: [`outbox_core::Error::Transient`] if it carries a transient database
+/// error, [`outbox_core::Error::Handler`] otherwise.
+fn handler_error(e: HandlerError) -> outbox_core::Error {
+    let e = e.into_inner();
+    if has_transient_cause(&*e) {
+        outbox_core::Error::Transient(e)
+    } else {
+        outbox_core::Error::Handler(e)
+    }
+}
+
+/// An error of the inbox's own statements (dedup insert, savepoints, commit): a transient
+/// conflict is named as one, anything else is the store's failure.
+fn store_error(e: Error) -> outbox_core::Error {
+    if e.is_transient() {
+        outbox_core::Error::Transient(Box::new(e))
+    } else {
+        e.into()
+    }
+}
+
 impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
     type Conn = C;
+
+    fn capacity(&self) -> Option<usize> {
+        Some(self.pool.max_size() as usize)
+    }
 
     fn process<F>(
         &self,
@@ -109,19 +174,15 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         check_group(group, msg_id)?;
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
-        let processed = c.transaction(|c| {
+        c.transaction(|c| {
             if !c.__insert_consumed(group, msg_id.as_str())? {
                 return Ok(Processed::Duplicate);
             }
             handle(c).map_err(TxError::Handler)?;
             check_handler_left_committable(c)?;
             Ok::<_, TxError>(Processed::Applied)
-        });
-        match processed {
-            Ok(p) => Ok(p),
-            Err(TxError::Handler(e)) => Err(e.into()),
-            Err(TxError::Store(e)) => Err(e.into()),
-        }
+        })
+        .map_err(TxError::into_core)
     }
 
     fn process_batch<F>(
@@ -139,14 +200,24 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         check_group(group, first)?;
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
-        Tm::<C>::begin_transaction(c).map_err(Error::from)?;
+        Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
         let mut run = || {
             let mut outcomes = Vec::with_capacity(msg_ids.len());
             for (i, msg_id) in msg_ids.iter().enumerate() {
                 outcomes.push(in_savepoint(c, group, msg_id, |c| handle(i, c))?);
             }
-            Tm::<C>::commit_transaction(c)?;
-            Ok::<_, Error>(outcomes)
+            Tm::<C>::commit_transaction(c).map_err(|e| {
+                // PostgreSQL checks SERIALIZABLE transactions at COMMIT.
+                if is_transient(&e) {
+                    outbox_core::Error::TransientBatch {
+                        msg_id: None,
+                        source: Box::new(Error::from(e)),
+                    }
+                } else {
+                    store_error(e.into())
+                }
+            })?;
+            Ok::<_, outbox_core::Error>(outcomes)
         };
         let outcomes = run();
         if outcomes.is_err() {
@@ -154,15 +225,17 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
             // state is broken, is not returned to the pool, and the server rolls back.
             let _ = unwind_to(c, 0);
         }
-        Ok(outcomes?)
+        outcomes
     }
 }
 
 /// A handler that returned `Ok` must not have left the transaction unable to commit:
-/// a nested transaction of its own still open would make our commit only release it, and
-/// an ignored failed statement makes PostgreSQL's commit a silent rollback. Either way
-/// the message would be acknowledged with nothing written; report a handler error so
-/// everything rolls back and the message is retried.
+/// a nested transaction of its own still open would make our commit only release it, an
+/// ignored failed statement makes PostgreSQL's commit a silent rollback, and a deadlock
+/// the handler swallowed on MySQL has already rolled everything back (our commit would
+/// then commit nothing, and the dedup row is gone). Either way the message would be
+/// acknowledged with nothing written; report an error so everything rolls back and the
+/// message is retried.
 fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), TxError> {
     if depth(c)? != 1 {
         unwind_to(c, 1)?;
@@ -174,7 +247,11 @@ fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), 
         TxError::Handler(HandlerError::msg(format_args!(
             "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
         )))
-    })
+    })?;
+    if !c.__transaction_open()? {
+        return Err(TxError::Ended);
+    }
+    Ok(())
 }
 
 type Tm<C> = <C as diesel::Connection>::TransactionManager;
@@ -190,44 +267,127 @@ fn depth<C: diesel::Connection>(c: &mut C) -> Result<u32, Error> {
     Ok(depth.map_or(0, NonZeroU32::get))
 }
 
-/// Rolls back savepoints (and at 0 the transaction) until the depth is `target`.
+/// Rolls back savepoints (and at 0 the transaction) until the depth is `target`, going
+/// on past a savepoint that cannot be rolled back (MySQL has dropped every savepoint when
+/// it ended the transaction itself; diesel still counts the level as left). Returns the
+/// first error, or an error if no level could be left (the connection is unusable).
 fn unwind_to<C: diesel::Connection>(c: &mut C, target: u32) -> Result<(), Error> {
-    while depth(c)? > target {
-        Tm::<C>::rollback_transaction(c)?;
+    let mut first = None;
+    loop {
+        let before = depth(c)?;
+        if before <= target {
+            return first.map_or(Ok(()), Err);
+        }
+        if let Err(e) = Tm::<C>::rollback_transaction(c) {
+            if depth(c)? >= before {
+                return Err(e.into());
+            }
+            first.get_or_insert(e.into());
+        }
     }
-    Ok(())
+}
+
+/// Why a message of a batch did not end with its savepoint released.
+enum Failure {
+    /// The handler failed, or returned with a nested transaction still open.
+    Handler(BoxError),
+    /// The dedup insert failed.
+    Store(Error),
+    /// Releasing the savepoint failed (PostgreSQL after an ignored failed statement;
+    /// MySQL after it ended the transaction).
+    Release(diesel::result::Error),
+}
+
+impl Failure {
+    /// A transient conflict between transactions ([`is_transient`]).
+    fn is_transient(&self) -> bool {
+        match self {
+            Self::Handler(e) => has_transient_cause(&**e),
+            Self::Store(e) => e.is_transient(),
+            Self::Release(e) => is_transient(e),
+        }
+    }
+
+    fn into_source(self) -> BoxError {
+        match self {
+            Self::Handler(e) => e,
+            Self::Store(e) => Box::new(e),
+            Self::Release(e) => Box::new(Error::from(e)),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Handler(e) => write!(f, "the handler failed: {e}"),
+            Self::Store(e) => write!(f, "the dedup insert failed: {e}"),
+            Self::Release(e) => write!(f, "its savepoint could not be released: {e}"),
+        }
+    }
 }
 
 /// One message of a batch in its own savepoint. The inner result is the message's
-/// outcome; the outer error is a store failure that ends the batch.
+/// outcome; the outer error ends the batch, with nothing committed: a store failure, or
+/// [`outbox_core::Error::TransientBatch`] when the database ended the batch's transaction.
 fn in_savepoint<C: OutboxConnection>(
     c: &mut C,
     group: &str,
     msg_id: &MsgId,
     handle: impl FnOnce(&mut C) -> Result<(), HandlerError>,
-) -> Result<Result<Processed, outbox_core::Error>, Error> {
-    let outer = depth(c)?;
-    Tm::<C>::begin_transaction(c)?;
-    if !c.__insert_consumed(group, msg_id.as_str())? {
-        Tm::<C>::commit_transaction(c)?;
-        return Ok(Ok(Processed::Duplicate));
-    }
-    let handled = handle(c);
-    let balanced = depth(c)? == outer + 1;
-    let failure = match handled {
-        Ok(()) if balanced => match Tm::<C>::commit_transaction(c) {
-            Ok(()) => return Ok(Ok(Processed::Applied)),
-            Err(e) => HandlerError::msg(format_args!(
-                "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
-            )),
-        },
-        Ok(()) => {
-            HandlerError::msg("the handler returned with a transaction of its own still open")
+) -> Result<Result<Processed, outbox_core::Error>, outbox_core::Error> {
+    let outer = depth(c).map_err(store_error)?;
+    Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
+    let failure = match c.__insert_consumed(group, msg_id.as_str()) {
+        Ok(false) => {
+            Tm::<C>::commit_transaction(c).map_err(|e| store_error(e.into()))?;
+            return Ok(Ok(Processed::Duplicate));
         }
-        Err(e) => e,
+        Err(e) => Failure::Store(e),
+        Ok(true) => {
+            let handled = handle(c);
+            let balanced = depth(c).map_err(store_error)? == outer + 1;
+            match handled {
+                Ok(()) if balanced => match Tm::<C>::commit_transaction(c) {
+                    Ok(()) => return Ok(Ok(Processed::Applied)),
+                    Err(e) => Failure::Release(e),
+                },
+                Ok(()) => Failure::Handler(
+                    "the handler returned with a transaction of its own still open".into(),
+                ),
+                Err(e) => Failure::Handler(e.into_inner()),
+            }
+        }
     };
-    // Rolls back the handler's own open savepoints too, then this message's. If that
-    // fails the connection is unusable, and the batch fails as a whole.
-    unwind_to(c, outer)?;
-    Ok(Err(failure.into()))
+    // Rolls back the handler's own open savepoints too, then this message's.
+    let unwound = unwind_to(c, outer);
+    // A deadlock on MySQL has ended the whole transaction, and diesel may even report the
+    // savepoint's rollback as done (after a `SerializationFailure` it tolerates failed
+    // savepoint rollbacks): ask the server. If the batch's transaction is gone, nothing of
+    // it committed, the earlier messages' work included.
+    if !c.__transaction_open().map_err(store_error)? {
+        let source = if failure.is_transient() {
+            failure.into_source()
+        } else {
+            format!("{ENDED}; then {failure}").into()
+        };
+        return Err(outbox_core::Error::TransientBatch {
+            msg_id: Some(msg_id.clone()),
+            source,
+        });
+    }
+    // Otherwise a failed rollback leaves the connection unusable: the batch fails.
+    unwound.map_err(store_error)?;
+    if failure.is_transient() {
+        return Ok(Err(outbox_core::Error::Transient(failure.into_source())));
+    }
+    Ok(Err(match failure {
+        Failure::Handler(e) => outbox_core::Error::Handler(e),
+        // The dedup insert failed: the store, as a whole.
+        Failure::Store(e) => return Err(e.into()),
+        Failure::Release(e) => HandlerError::msg(format_args!(
+            "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
+        ))
+        .into(),
+    }))
 }

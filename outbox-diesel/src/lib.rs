@@ -101,6 +101,31 @@
 //! serialized (see [`ClaimOrder`]). [`SqliteRelayStore`] runs one relay per database; its
 //! per-key mode holds a key back only behind a retry.
 //!
+//! # SQLite
+//!
+//! SQLite has one writer at a time, and a transaction begun with a plain `BEGIN`
+//! (diesel's [`Connection::transaction`](diesel::Connection::transaction)) asks for the
+//! write lock only at its first write. If another connection wrote, or held the write
+//! lock, between such a transaction's first read and its first write, SQLite fails it
+//! with `database is locked` at once: the busy timeout does not apply to that upgrade
+//! (waiting could deadlock, or the transaction's snapshot is already stale). The other
+//! writer may be the relay marking a batch SENT, or another thread of yours. So on SQLite:
+//!
+//! - run each transaction that reads and then writes (most business transactions,
+//!   emitting ones included) with
+//!   [`SqliteConnection::immediate_transaction`](diesel::SqliteConnection::immediate_transaction):
+//!   it takes the write lock at `BEGIN`, where the busy timeout makes it wait for the
+//!   other writer instead of failing;
+//! - give every connection a busy timeout ([`sqlite_pool`] installs [`SqliteCustomizer`]:
+//!   5 s, and WAL mode so that readers and the writer do not block each other); a
+//!   transaction whose first statement writes needs nothing more;
+//! - or retry a transaction that failed with `database is locked`.
+//!
+//! The relay writes only when it has work: an idle relay polls with reads and takes no
+//! write lock. [`SqliteRelayStore`] runs one relay per database file, held by an OS lock
+//! on `<database file>.outbox-relay.lock` that goes with the process, so a relay killed
+//! with SIGKILL can be restarted at once.
+//!
 //! # Wake-up on PostgreSQL
 //!
 //! Emit can `NOTIFY` the relay inside your transaction (delivered at commit):
@@ -138,7 +163,7 @@ mod sqlite_relay;
 
 pub use conn::OutboxConnection;
 pub use emit::{Emit, EmitOptions, Notify};
-pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate};
+pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
 pub use inbox::DieselInbox;
 #[cfg(feature = "postgres")]
 pub use listen::PgRelayStore;

@@ -160,6 +160,21 @@ impl OutboxConnection for MysqlConnection {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
+    fn __transaction_open(&mut self) -> Result<bool> {
+        // Outside a transaction a savepoint ends with its own statement, so releasing it
+        // fails (1305) exactly when no transaction is open. (`@@in_transaction` would
+        // say it directly, but only MariaDB has it.) One round trip.
+        if self
+            .batch_execute("SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe")
+            .is_ok()
+        {
+            return Ok(true);
+        }
+        // The probe also fails on a lost connection: that is a store error.
+        self.batch_execute("DO 0")?;
+        Ok(false)
+    }
+
     /// MariaDB allows no row locks in a CTE: the per-key claim takes two statements in
     /// the claim's transaction. This one locks `L` (due NEW rows whose key's head is
     /// due); [`__key_probe_sql`](OutboxConnection::__key_probe_sql) then finds, per key
