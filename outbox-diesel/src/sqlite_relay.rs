@@ -16,7 +16,9 @@ use crate::{ClaimOrder, Error, OutboxConnection as _, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait
 /// for each other instead of failing with `SQLITE_BUSY`) and, by default, WAL mode (so
-/// readers do not block the writer).
+/// readers do not block the writer). The busy timeout does not cover a deferred
+/// transaction that read before it writes: use `immediate_transaction` for those (see
+/// the crate docs, "SQLite").
 ///
 /// ```
 /// use outbox_diesel::SqliteCustomizer;

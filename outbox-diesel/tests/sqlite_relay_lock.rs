@@ -90,6 +90,78 @@ fn idle_claims_take_no_write_lock_and_write_nothing() {
     );
 }
 
+/// The crate docs' advice for SQLite: a transaction that reads, then writes, run with
+/// `immediate_transaction` on a connection with a busy timeout, waits for a relay that is
+/// busy writing (marking batches SENT) instead of failing with `database is locked`.
+/// (With a plain `transaction` instead, 62 to 95 of the 2,000 failed in four runs here.)
+#[test]
+fn immediate_transactions_wait_for_a_working_relay() {
+    let db = Lite::create();
+    let store = SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap();
+    let broker = outbox_core::MemoryBroker::new();
+    let config = outbox_core::RelayConfig {
+        poll_interval: Duration::from_millis(10),
+        ..Default::default()
+    };
+    let relay = outbox_core::Relay::new(store, broker.clone())
+        .with_config(config)
+        .unwrap();
+    let rt = runtime();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = rt.spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let mut app = Lite::connect(&db); // busy_timeout 5 s, WAL
+    const N: u32 = 2000;
+    let mut failed = Vec::new();
+    for n in 1..=N {
+        let done = app.immediate_transaction(|c| {
+            let balance = diesel::sql_query("SELECT balance AS n FROM accounts WHERE id = 'alice'")
+                .get_result::<Balance>(c)?
+                .n;
+            diesel::sql_query(format!(
+                "UPDATE accounts SET balance = {} WHERE id = 'alice'",
+                balance - 1
+            ))
+            .execute(c)?;
+            c.emit(Pinged { n })?;
+            Ok::<_, diesel::result::Error>(())
+        });
+        if let Err(e) = done {
+            failed.push(e.to_string());
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    // The relay was working all along: it publishes every message.
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while broker.published("pinged").len() < N as usize {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("every message published");
+    });
+    stop.send(()).unwrap();
+    rt.block_on(running).unwrap().unwrap();
+}
+
+#[derive(QueryableByName)]
+struct Balance {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
 /// A relay in another process holds the database: a second one gets the typed error
 /// naming it and the lock file. Once that process is killed with SIGKILL, which runs no
 /// clean-up, a new relay starts at once.
