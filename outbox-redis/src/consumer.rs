@@ -599,10 +599,13 @@ struct Job {
 /// The entries this consumer is processing, with when each started; shared by the run
 /// loop and the task that keeps them from looking idle.
 #[derive(Clone, Default)]
-struct InFlight(Arc<std::sync::Mutex<HashMap<(Arc<str>, String), Instant>>>);
+struct InFlight(Arc<std::sync::Mutex<Started>>);
+
+/// When each entry in flight, by stream and id, started.
+type Started = HashMap<(Arc<str>, String), Instant>;
 
 impl InFlight {
-    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, String), Instant>> {
+    fn entries(&self) -> std::sync::MutexGuard<'_, Started> {
         // The map holds no invariant a panic could break.
         self.0
             .lock()
@@ -828,7 +831,15 @@ where
         let inner = &self.inner;
         let span = tracing::info_span!("outbox.consumer", group = %inner.group, consumer = %inner.consumer_name);
         let mut shutdown = std::pin::pin!(shutdown);
-        let permits = Arc::new(Semaphore::new(inner.config.max_in_flight));
+        // No more transactions at once than the store can run: a task waiting for a
+        // pooled connection would time out and look like a store outage.
+        let permits = Arc::new(Semaphore::new(
+            inner
+                .config
+                .max_in_flight
+                .min(inner.inbox.capacity().unwrap_or(usize::MAX))
+                .max(1),
+        ));
         let mut tasks: JoinSet<Done> = JoinSet::new();
         let in_flight = InFlight::default();
         let keep_alive = tokio::spawn(

@@ -55,7 +55,14 @@ struct Case {
     batch: bool,
     /// Short claim interval and backoff instead of the defaults.
     short: bool,
-    outage: Duration,
+    fault: Fault,
+}
+
+enum Fault {
+    /// The server killed, kept down this long, and started again.
+    Restart(Duration),
+    /// `CLIENT KILL TYPE normal` about every second, this long.
+    ClientKills(Duration),
 }
 
 struct Fixture {
@@ -179,18 +186,32 @@ async fn survives(case: Case) {
     fx.publish(0..100).await;
     fx.wait_applied(100, "before the outage").await;
 
-    tokio::task::block_in_place(|| {
-        fx.redis.stop();
-        std::thread::sleep(case.outage);
-        fx.redis.restart();
-    });
+    match case.fault {
+        Fault::Restart(outage) => tokio::task::block_in_place(|| {
+            fx.redis.stop();
+            std::thread::sleep(outage);
+            fx.redis.restart();
+        }),
+        Fault::ClientKills(during) => {
+            let client = redis::Client::open(fx.redis.url()).unwrap();
+            let until = tokio::time::Instant::now() + during;
+            while tokio::time::Instant::now() < until {
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                // Kills every normal client, this one included.
+                let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("TYPE")
+                    .arg("normal")
+                    .query_async(&mut conn)
+                    .await;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
     fx.publish(100..200).await;
     fx.wait_applied(
         200,
-        &format!(
-            "after a {:?} outage (claim interval + longest backoff {longest_pause:?})",
-            case.outage
-        ),
+        &format!("after the fault (claim interval + longest backoff {longest_pause:?})"),
     )
     .await;
 
@@ -214,7 +235,7 @@ async fn default_consumer_reads_again_after_a_12_s_outage() {
         consumers: 1,
         batch: false,
         short: false,
-        outage: Duration::from_secs(12),
+        fault: Fault::Restart(Duration::from_secs(12)),
     })
     .await;
 }
@@ -225,7 +246,7 @@ async fn two_default_batch_consumers_read_again_after_a_12_s_outage() {
         consumers: 2,
         batch: true,
         short: false,
-        outage: Duration::from_secs(12),
+        fault: Fault::Restart(Duration::from_secs(12)),
     })
     .await;
 }
@@ -236,7 +257,7 @@ async fn default_consumer_survives_an_outage_shorter_than_the_claim_interval() {
         consumers: 1,
         batch: false,
         short: false,
-        outage: Duration::from_secs(2),
+        fault: Fault::Restart(Duration::from_secs(2)),
     })
     .await;
 }
@@ -247,7 +268,7 @@ async fn short_settings_two_consumers_survive_a_long_outage() {
         consumers: 2,
         batch: false,
         short: true,
-        outage: Duration::from_secs(4),
+        fault: Fault::Restart(Duration::from_secs(4)),
     })
     .await;
 }
@@ -258,7 +279,20 @@ async fn short_settings_batch_consumer_survives_a_short_outage() {
         consumers: 1,
         batch: true,
         short: true,
-        outage: Duration::from_millis(150),
+        fault: Fault::Restart(Duration::from_millis(150)),
+    })
+    .await;
+}
+
+/// What a user saw stop two consumers for good: every client killed about every second
+/// for 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_default_consumers_survive_15_s_of_client_kills() {
+    survives(Case {
+        consumers: 2,
+        batch: false,
+        short: false,
+        fault: Fault::ClientKills(Duration::from_secs(15)),
     })
     .await;
 }
