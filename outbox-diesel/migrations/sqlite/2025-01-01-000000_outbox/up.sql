@@ -34,7 +34,9 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
 );
 CREATE INDEX IF NOT EXISTS consumed_msg_consumed_at ON consumed_msg (consumed_at);
 
--- SQLite has no row locks: one relay per database, held by this lease.
+-- SQLite has no row locks: one relay per database. The relay holds an OS lock on
+-- `<database file>.outbox-relay.lock`; this row serves only databases without a file
+-- (in memory), where it is written when the relay starts and deleted when it stops.
 CREATE TABLE IF NOT EXISTS outbox_relay_lease (
     singleton    INTEGER PRIMARY KEY CHECK (singleton = 1),
     owner        TEXT    NOT NULL,
