@@ -70,13 +70,6 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
         Ok(())
     }
 
-    /// Rows with `id > after_id`, optionally of one status, in id order.
-    #[doc(hidden)]
-    fn __list(
-        &mut self,
-        status: Option<Status>,
-        after_id: i64,
-        limit: usize,
     /// Whether the transaction this connection began is still open on the server.
     /// MySQL and MariaDB end a transaction themselves on a deadlock (1213), savepoints
     /// included, and run the statements that follow in autocommit mode while diesel
@@ -87,6 +80,13 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
         Ok(true)
     }
 
+    /// Rows with `id > after_id`, optionally of one status, in id order.
+    #[doc(hidden)]
+    fn __list(
+        &mut self,
+        status: Option<Status>,
+        after_id: i64,
+        limit: usize,
     ) -> Result<Vec<OutboxRecord>>;
 
     /// The row with this msg_id.
@@ -156,6 +156,9 @@ where
     fn __check_committable(&mut self) -> Result<()> {
         (**self).__check_committable()
     }
+    fn __transaction_open(&mut self) -> Result<bool> {
+        (**self).__transaction_open()
+    }
     fn __list(
         &mut self,
         status: Option<Status>,
@@ -166,9 +169,6 @@ where
     }
     fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRecord>> {
         (**self).__find(msg_id)
-    fn __transaction_open(&mut self) -> Result<bool> {
-        (**self).__transaction_open()
-    }
     }
     fn __redrive(&mut self, ids: Option<&[i64]>) -> Result<usize> {
         (**self).__redrive(ids)
