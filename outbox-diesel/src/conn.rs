@@ -24,6 +24,13 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
     #[doc(hidden)]
     fn __begin_claim(&mut self) -> Result<()>;
 
+    /// Opens the claim transaction with server-side bounds on how long a stalled holder
+    /// keeps its row locks (`Duration::ZERO`: the server's own settings).
+    #[doc(hidden)]
+    fn __begin_bounded_claim(&mut self, _stall: std::time::Duration) -> Result<()> {
+        self.__begin_claim()
+    }
+
     /// The claim statement (exposed for EXPLAIN tests).
     #[doc(hidden)]
     fn __claim_sql(limit: usize) -> String;
@@ -131,6 +138,9 @@ where
     }
     fn __begin_claim(&mut self) -> Result<()> {
         (**self).__begin_claim()
+    }
+    fn __begin_bounded_claim(&mut self, stall: std::time::Duration) -> Result<()> {
+        (**self).__begin_bounded_claim(stall)
     }
     fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
         (**self).__claim(limit)

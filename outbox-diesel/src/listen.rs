@@ -16,7 +16,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 
 use crate::backend::NOTIFY_IDLE_SLACK;
-use crate::relay::{LockedBatch, blocking};
+use crate::relay::{DEFAULT_STALL_TIMEOUT, LockedBatch, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, OutboxConnection as _, PgPool, Result};
 
 /// How long opening the LISTEN connection may take at least, even when the wait that
@@ -54,12 +54,40 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///   `~/.pgpass`: put what it needs in the URL.
 ///
 /// Everything else (claims, marks of the pool, emits) goes through libpq as before.
+///
+/// # The claim's transaction
+///
+/// Each claim runs in a `READ COMMITTED` transaction whatever the database's
+/// `default_transaction_isolation`: under `REPEATABLE READ` a claim that meets a row
+/// another relay has just marked SENT fails with a serialization error instead of
+/// skipping it.
+///
+/// # A stalled relay
+///
+/// A relay that stops answering while it holds a batch (its process stopped, its VM
+/// paused, its network cut) holds that batch's row locks, and in per-key order the
+/// later messages of its keys, until the server drops its session: with TCP's defaults,
+/// hours. The store bounds that by the [stall timeout](Self::with_stall_timeout)
+/// (default 30 s), set for each claim's transaction (`SET LOCAL`, so nothing stays on
+/// the pooled connection):
+///
+/// - `idle_in_transaction_session_timeout`: the server ends a session that sits idle
+///   inside its transaction that long, which rolls the batch back and releases its
+///   rows to the other relays;
+/// - `lock_timeout`: no statement of the claim waits longer for a lock (a migration's
+///   `ALTER TABLE`, say).
+///
+/// The relay itself notices a dead server sooner with TCP keepalives on its
+/// connections: [`connect`](Self::connect) adds libpq's `keepalives_idle=10`,
+/// `keepalives_interval=5` and `keepalives_count=3` to a URL that sets none of them;
+/// for a pool you build yourself, put them in its URL.
 #[derive(Debug, Clone)]
 pub struct PgRelayStore {
     pool: PgPool,
     listener: Option<Arc<Listener>>,
     channel: String,
     order: ClaimOrder,
+    stall: Duration,
     seen: Arc<Seen>,
 }
 
@@ -81,8 +109,27 @@ impl PgRelayStore {
             listener: None,
             channel: DEFAULT_CHANNEL.to_owned(),
             order: ClaimOrder::default(),
+            stall: DEFAULT_STALL_TIMEOUT,
             seen: Arc::default(),
         }
+    }
+
+    /// Sets the stall timeout (default 30 s): how long the server keeps a claimed batch
+    /// whose relay has gone silent before it rolls the batch back, so that another relay
+    /// takes its rows and keys over (see [a stalled relay](Self#a-stalled-relay)). It
+    /// must exceed the longest time a relay may take to publish one batch (with the
+    /// Redis publisher, its response timeout, 5 s by default, per round trip of the
+    /// batch): a batch that takes longer loses its claim, is published again by another
+    /// relay, and the slow relay backs off as after a database outage.
+    /// `Duration::ZERO` sets nothing: the server's settings apply.
+    pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall = timeout;
+        self
+    }
+
+    /// The stall timeout.
+    pub fn stall_timeout(&self) -> Duration {
+        self.stall
     }
 
     /// Sets the claim order.
@@ -97,11 +144,16 @@ impl PgRelayStore {
     }
 
     /// Builds a pool of `max_size` connections to `database_url` and a store that
-    /// listens for wake-ups on a dedicated connection to the same URL.
+    /// listens for wake-ups on a dedicated connection to the same URL. The pool's
+    /// connections get TCP keepalives (see [a stalled relay](Self#a-stalled-relay))
+    /// unless the URL sets its own.
     pub fn connect(database_url: &str, max_size: u32) -> Result<Self> {
-        let pool = Pool::builder()
-            .max_size(max_size)
-            .build(ConnectionManager::<PgConnection>::new(database_url))?;
+        let pool =
+            Pool::builder()
+                .max_size(max_size)
+                .build(ConnectionManager::<PgConnection>::new(with_keepalives(
+                    database_url,
+                )))?;
         Ok(Self::new(pool).with_listener(database_url))
     }
 
@@ -150,7 +202,7 @@ impl RelayStore for PgRelayStore {
         } else {
             0
         };
-        let batch = LockedBatch::claim(self.pool.clone(), limit, self.order).await?;
+        let batch = LockedBatch::claim(self.pool.clone(), limit, self.order, self.stall).await?;
         let empty = batch.messages().is_empty();
         self.seen.empty.store(empty, Ordering::Relaxed);
         self.seen
@@ -173,6 +225,37 @@ impl RelayStore for PgRelayStore {
         let pool = self.pool.clone();
         Ok(blocking(move || pool.get()?.__backlog()).await?)
     }
+}
+
+/// libpq's TCP keepalive parameters for the relay's pool: a dead server or a cut
+/// network is noticed after about 25 s of silence instead of the system's two hours.
+const KEEPALIVES: [(&str, &str); 4] = [
+    ("keepalives", "1"),
+    ("keepalives_idle", "10"),
+    ("keepalives_interval", "5"),
+    ("keepalives_count", "3"),
+];
+
+/// `url` with [`KEEPALIVES`] added, unless it sets a keepalive parameter itself. Takes
+/// both of libpq's forms: `postgres://..` URIs and `key=value` strings.
+fn with_keepalives(url: &str) -> String {
+    if url.contains("keepalives") {
+        return url.to_owned();
+    }
+    let is_uri = ["postgres://", "postgresql://"].iter().any(|scheme| {
+        url.get(..scheme.len())
+            .is_some_and(|s| s.eq_ignore_ascii_case(scheme))
+    });
+    let mut out = url.to_owned();
+    for (i, (key, value)) in KEEPALIVES.iter().enumerate() {
+        let sep = match (is_uri, i) {
+            (false, _) => " ",
+            (true, 0) if !url.contains('?') => "?",
+            (true, _) => "&",
+        };
+        out.push_str(&format!("{sep}{key}={value}"));
+    }
+    out
 }
 
 #[derive(QueryableByName)]
@@ -504,5 +587,29 @@ impl Drop for Marked<'_> {
         if self.armed {
             self.live.clear(self.relay_id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_keepalives;
+
+    #[test]
+    fn keepalives_join_either_form_of_url_unless_it_has_its_own() {
+        let keep = "keepalives=1&keepalives_idle=10&keepalives_interval=5&keepalives_count=3";
+        assert_eq!(
+            with_keepalives("postgres://u@h/db"),
+            format!("postgres://u@h/db?{keep}")
+        );
+        assert_eq!(
+            with_keepalives("postgresql://h/db?options=-c%20search_path%3Dx"),
+            format!("postgresql://h/db?options=-c%20search_path%3Dx&{keep}")
+        );
+        assert_eq!(
+            with_keepalives("host=h dbname=db"),
+            format!("host=h dbname=db {}", keep.replace('&', " "))
+        );
+        let own = "postgres://h/db?keepalives_idle=60";
+        assert_eq!(with_keepalives(own), own);
     }
 }

@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use diesel::connection::TransactionManager as _;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use outbox_core::{BatchOutcome, ClaimedBatch, StoredMessage};
@@ -79,6 +81,11 @@ pub enum ClaimOrder {
     Unordered,
 }
 
+/// The default stall timeout (`with_stall_timeout`) of the stores with row locks: 30 s, well above the Redis publisher's 5 s response timeout and under
+/// a minute.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A batch claimed with row locks (PostgreSQL, MySQL/MariaDB): it owns a pooled
 /// connection whose transaction holds `FOR UPDATE` locks on the claimed rows, so
 /// concurrent relays skip them (`SKIP LOCKED`).
@@ -110,17 +117,19 @@ fn rollback<C: R2D2Connection>(conn: &mut C) {
 
 impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// Claims up to `limit` due NEW rows on a connection of `pool` (PostgreSQL and MySQL;
-    /// SQLite claims under its lease instead).
+    /// SQLite claims under its lease instead), in a transaction that the server ends if
+    /// it sits idle for `stall` (the store's `with_stall_timeout`).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) async fn claim(
         pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
         order: ClaimOrder,
+        stall: Duration,
     ) -> Result<Self> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
-            c.__begin_claim()?;
+            c.__begin_bounded_claim(stall)?;
             let claimed = match order {
                 ClaimOrder::PerKey => c.__claim_per_key(limit),
                 ClaimOrder::Unordered => c.__claim(limit),
@@ -196,6 +205,8 @@ pub use mysql_store::MysqlRelayStore;
 
 #[cfg(feature = "mysql")]
 mod mysql_store {
+    use std::time::Duration;
+
     use diesel::MysqlConnection;
     use outbox_core::{Backlog, RelayStore};
 
@@ -206,10 +217,29 @@ mod mysql_store {
     /// READ COMMITTED transaction on a pooled connection, so any number of relays can
     /// run side by side, in per-key order by default ([`ClaimOrder`]). Waiting for work
     /// polls.
+    ///
+    /// # A stalled relay
+    ///
+    /// A relay that stops answering while it holds a batch (its process stopped, its VM
+    /// paused, its network cut) holds that batch's row locks, and in per-key order the
+    /// later messages of its keys, until the server drops its connection. The store
+    /// bounds that by the [stall timeout](Self::with_stall_timeout) (default 30 s): it
+    /// sets these session variables on the connection of each claim:
+    ///
+    /// - `idle_transaction_timeout` (MariaDB 10.3+): the server closes a connection that
+    ///   sits idle inside a transaction that long, which rolls the batch back and
+    ///   releases its rows to the other relays;
+    /// - `innodb_lock_wait_timeout`: no statement of the relay waits longer for a lock.
+    ///
+    /// MySQL has no `idle_transaction_timeout` (the setting is skipped there): bound a
+    /// stalled relay with a `wait_timeout` on the relay's connections instead. The
+    /// variables are session settings, so they stay on the pooled connections: give
+    /// the store a pool of its own rather than your application's.
     #[derive(Debug, Clone)]
     pub struct MysqlRelayStore {
         pool: MysqlPool,
         order: ClaimOrder,
+        stall: Duration,
     }
 
     impl MysqlRelayStore {
@@ -219,7 +249,27 @@ mod mysql_store {
             Self {
                 pool,
                 order: ClaimOrder::default(),
+                stall: super::DEFAULT_STALL_TIMEOUT,
             }
+        }
+
+        /// Sets the stall timeout (default 30 s, whole seconds, rounded up): how long the
+        /// server keeps a claimed batch whose relay has gone silent before it rolls the
+        /// batch back, so that another relay takes its rows and keys over (see
+        /// [a stalled relay](Self#a-stalled-relay)). It must exceed the longest time a
+        /// relay may take to publish one batch (with the Redis publisher, its response
+        /// timeout, 5 s by default, per round trip of the batch): a batch that takes
+        /// longer loses its claim, is published again by another relay, and the slow relay
+        /// backs off as after a database outage. `Duration::ZERO` sets nothing: the
+        /// server's settings apply.
+        pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+            self.stall = timeout;
+            self
+        }
+
+        /// The stall timeout.
+        pub fn stall_timeout(&self) -> Duration {
+            self.stall
         }
 
         /// Sets the claim order.
@@ -243,7 +293,7 @@ mod mysql_store {
         type Batch = LockedBatch<MysqlConnection>;
 
         async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
-            Ok(LockedBatch::claim(self.pool.clone(), limit, self.order).await?)
+            Ok(LockedBatch::claim(self.pool.clone(), limit, self.order, self.stall).await?)
         }
 
         async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {

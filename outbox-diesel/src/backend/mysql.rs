@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::time::Duration;
 
 use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager};
 use diesel::mysql::Mysql;
@@ -33,6 +34,32 @@ pub(super) const DIALECT: Dialect = Dialect {
         format!("DELETE FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}")
     },
 };
+
+/// What the claim's connection runs before `BEGIN`, in one round trip.
+///
+/// READ COMMITTED for the claim: InnoDB then takes no gap locks, so a claim that reaches
+/// the end of the NEW rows does not block emitters' inserts while the batch is being
+/// published. Applies to the next transaction only.
+///
+/// Unless `stall` is zero, bounds for a relay that stalls while it holds the batch (see
+/// `MysqlRelayStore`), in whole seconds (rounded up): `idle_transaction_timeout` (inside
+/// `/*M! */`, which only MariaDB runs: MySQL has no such variable) and
+/// `innodb_lock_wait_timeout`. Session variables: they stay on the connection.
+fn prepare_claim_sql(stall: Duration) -> String {
+    const ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+    if stall.is_zero() {
+        return ISOLATION.to_owned();
+    }
+    // innodb_lock_wait_timeout's range is 1 ..= 1073741824 s; one year is plenty.
+    let secs = stall
+        .as_secs()
+        .saturating_add(u64::from(stall.subsec_nanos() > 0))
+        .clamp(1, 365 * 24 * 3600);
+    format!(
+        "SET SESSION innodb_lock_wait_timeout = {secs} \
+         /*M! , idle_transaction_timeout = {secs} */; {ISOLATION}"
+    )
+}
 
 /// `INSERT INTO outbox .. VALUES (..)[, (..)]`, timestamps from the server's UTC clock.
 /// Cached when it holds one row.
@@ -149,10 +176,11 @@ impl OutboxConnection for MysqlConnection {
     }
 
     fn __begin_claim(&mut self) -> Result<()> {
-        // READ COMMITTED for the claim: InnoDB then takes no gap locks, so a claim that
-        // reaches the end of the NEW rows does not block emitters' inserts while the
-        // batch is being published. Applies to the next transaction only.
-        self.batch_execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")?;
+        self.__begin_bounded_claim(Duration::ZERO)
+    }
+
+    fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
+        self.batch_execute(&prepare_claim_sql(stall))?;
         Ok(AnsiTransactionManager::begin_transaction(self)?)
     }
 

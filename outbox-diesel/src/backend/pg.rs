@@ -2,7 +2,7 @@ use std::collections::HashSet;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::connection::{AnsiTransactionManager, SimpleConnection as _};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::QueryResult;
@@ -40,6 +40,24 @@ pub(super) const DIALECT: Dialect = Dialect {
         )
     },
 };
+
+/// The claim's `BEGIN`, in one round trip: READ COMMITTED whatever the database's
+/// default (under REPEATABLE READ, locking a row that another relay has marked SENT
+/// since the claim's snapshot is a serialization failure, not a skip), and, unless
+/// `stall` is zero, bounds for a relay that stalls while it holds the batch (see
+/// `PgRelayStore`): `SET LOCAL`, so they end with the transaction.
+fn begin_claim_sql(stall: Duration) -> String {
+    const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+    if stall.is_zero() {
+        return BEGIN.to_owned();
+    }
+    // Milliseconds, at least 1 (0 would disable the timeouts), at most PostgreSQL's limit.
+    let ms = stall.as_millis().clamp(1, i32::MAX as u128);
+    format!(
+        "{BEGIN}; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
+         SET LOCAL lock_timeout = {ms}"
+    )
+}
 
 const INSERT_HEAD: &str = "INSERT INTO outbox \
     (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
@@ -225,7 +243,17 @@ impl OutboxConnection for PgConnection {
     }
 
     fn __begin_claim(&mut self) -> Result<()> {
-        Ok(AnsiTransactionManager::begin_transaction(self)?)
+        self.__begin_bounded_claim(Duration::ZERO)
+    }
+
+    fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
+        let begun = AnsiTransactionManager::begin_transaction_sql(self, &begin_claim_sql(stall));
+        if begun.is_err() {
+            // BEGIN may have run before a later statement of the string failed: leave
+            // no transaction open on a connection that goes back to the pool.
+            let _ = self.batch_execute("ROLLBACK");
+        }
+        Ok(begun?)
     }
 
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
