@@ -1,3 +1,4 @@
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use std::time::Duration;
 
 use diesel::connection::TransactionManager as _;

@@ -316,8 +316,8 @@ pub(crate) struct Dialect {
     pub(crate) lock: &'static str,
     /// `due`, `oldest_us`, `dead` in one row.
     pub(crate) backlog: &'static str,
-    /// A timestamp literal.
-    pub(crate) ts: fn(DateTime<Utc>) -> String,
+    /// The database clock plus this many microseconds.
+    pub(crate) later: fn(i64) -> String,
     /// The database clock minus this many microseconds.
     pub(crate) ago: fn(i64) -> String,
     /// `DELETE .. LIMIT n` of rows matching `where` (table, where, order column, n).
@@ -335,6 +335,20 @@ pub(crate) fn in_list(ids: &[i64]) -> String {
     s
 }
 
+/// The retry delay that ends at `at`, in microseconds (0 if `at` has passed).
+///
+/// The relay picks `at` on its own clock, but the claim compares `next_retry_at` with the
+/// database's: a relay whose clock is off would make retries due early or late by the
+/// difference. Both ends of the delay are on the relay's clock, so the store writes the
+/// database's clock plus the delay. (The outcome is completed right after it is decided,
+/// so `at` minus now is the delay the relay chose, less a few milliseconds.)
+pub(crate) fn retry_delay_us(at: DateTime<Utc>) -> i64 {
+    (at - Utc::now())
+        .num_microseconds()
+        .unwrap_or(i64::MAX)
+        .max(0)
+}
+
 pub(crate) fn truncate(s: &str) -> &str {
     match s.char_indices().nth(LAST_ERROR_LEN) {
         Some((at, _)) => &s[..at],
@@ -342,15 +356,25 @@ pub(crate) fn truncate(s: &str) -> &str {
     }
 }
 
+/// SQL that is true when two `msg_key` expressions are the same key: byte for byte, as
+/// Rust compares them. A plain `=` on PostgreSQL (deterministic collations break ties
+/// by bytes) and SQLite (BINARY).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn same_key(a: &str, b: &str) -> String {
+    format!("{a} = {b}")
+}
+
 /// The per-key claim's filter on candidate rows: the oldest NEW row of the row's key (its
 /// "head", possibly the row itself) is due. A key whose head waits for its retry time
 /// thus stays out of the batch altogether, so its later rows do not crowd other keys out
 /// of the LIMIT. Not needed for correctness (the probe after the lock decides), only for
 /// progress. One index probe per candidate on the NEW rows by `(msg_key, id)`.
-pub(crate) fn head_is_due(d: &Dialect, table: &str) -> String {
+/// `same_key` compares keys (see [`same_key`]).
+pub(crate) fn head_is_due(d: &Dialect, table: &str, same_key: fn(&str, &str) -> String) -> String {
     format!(
-        "(SELECT h.next_retry_at FROM outbox h WHERE h.status = 0 AND h.msg_key = {table}.msg_key \
+        "(SELECT h.next_retry_at FROM outbox h WHERE h.status = 0 AND {key} \
          ORDER BY h.id LIMIT 1) <= {now}",
+        key = same_key("h.msg_key", &format!("{table}.msg_key")),
         now = d.now
     )
 }
@@ -361,11 +385,16 @@ pub(crate) fn head_is_due(d: &Dialect, table: &str) -> String {
 /// "no NEW row p outside L with p.key = o.key AND p.id < o.id", asked once per key
 /// rather than once per row, so that a key with many rows in the batch costs a walk
 /// over its rows instead of a walk per row.
-pub(crate) fn first_outside_sql(keys_of_l: &str, ids_of_l: &str) -> String {
+pub(crate) fn first_outside_sql(
+    keys_of_l: &str,
+    ids_of_l: &str,
+    same_key: fn(&str, &str) -> String,
+) -> String {
     format!(
         "SELECT k.msg_key, (SELECT p.id FROM outbox p WHERE p.status = 0 \
-         AND p.msg_key = k.msg_key AND p.id < k.last AND p.id NOT IN ({ids_of_l}) \
-         ORDER BY p.id LIMIT 1) AS first_out FROM ({keys_of_l}) k"
+         AND {key} AND p.id < k.last AND p.id NOT IN ({ids_of_l}) \
+         ORDER BY p.id LIMIT 1) AS first_out FROM ({keys_of_l}) k",
+        key = same_key("p.msg_key", "k.msg_key"),
     )
 }
 
@@ -391,11 +420,12 @@ pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String
            AND NOT EXISTS (SELECT 1 FROM g WHERE g.msg_key = outbox.msg_key AND g.first_out < outbox.id) \
          ORDER BY id",
         now = d.now,
-        head = head_is_due(d, "o"),
+        head = head_is_due(d, "o", same_key),
         lock = d.lock,
         gaps = first_outside_sql(
             "SELECT msg_key, max(id) AS last FROM l GROUP BY msg_key",
-            "SELECT id FROM l"
+            "SELECT id FROM l",
+            same_key,
         ),
         columns = d.columns,
     )
@@ -443,7 +473,7 @@ macro_rules! common_methods {
             for (id, at, error) in &outcome.retry {
                 diesel::sql_query(format!(
                     "UPDATE outbox SET retries = retries + 1, next_retry_at = {}, last_error = {} WHERE status = 0 AND id = {}",
-                    (d.ts)(*at),
+                    (d.later)($crate::backend::retry_delay_us(*at)),
                     d.ph,
                     id
                 ))

@@ -27,13 +27,23 @@ pub(super) const DIALECT: Dialect = Dialect {
         (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) \
            FROM outbox WHERE status = 0 AND next_retry_at <= UTC_TIMESTAMP(6)) AS oldest_us, \
         (SELECT COUNT(*) FROM outbox WHERE status = 2) AS dead",
-    ts: |t| format!("'{}'", t.format("%Y-%m-%d %H:%M:%S%.6f")),
+    later: |us| format!("(UTC_TIMESTAMP(6) + INTERVAL {us} MICROSECOND)"),
     ago: |us| format!("(UTC_TIMESTAMP(6) - INTERVAL {us} MICROSECOND)"),
     // MySQL has DELETE .. ORDER BY .. LIMIT (and no LIMIT in IN subqueries).
     delete_limited: |table, filter, order, n| {
         format!("DELETE FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}")
     },
 };
+
+/// SQL that is true when two `msg_key` expressions are the same key, byte for byte, as
+/// Rust compares them. The shipped tables' `utf8mb4_bin` is a PAD SPACE collation on
+/// MariaDB (and MySQL), where `'k' = 'k '`: with that alone, a key's rows could be
+/// held back by, or grouped with, another key's, and a later `k ` row published ahead
+/// of an older one. The plain `=` keeps the `(status, msg_key, id)` index usable (it
+/// selects both keys, in id order); the binary comparison then keeps the exact key.
+fn same_key(a: &str, b: &str) -> String {
+    format!("{a} = {b} AND CAST({a} AS BINARY) = CAST({b} AS BINARY)")
+}
 
 /// What the claim's connection runs before `BEGIN`, in one round trip.
 ///
@@ -213,18 +223,22 @@ impl OutboxConnection for MysqlConnection {
              ORDER BY id LIMIT {limit}{}",
             DIALECT.columns,
             DIALECT.now,
-            super::head_is_due(&DIALECT, "o"),
+            super::head_is_due(&DIALECT, "o", same_key),
             DIALECT.lock
         )
     }
 
     fn __key_probe_sql(ids: &[i64]) -> String {
         let ids = in_list(ids);
+        // Grouped by the key's bytes (see `same_key`); all of a group's keys are equal,
+        // so MIN picks that key.
         super::first_outside_sql(
             &format!(
-                "SELECT msg_key, MAX(id) AS last FROM outbox WHERE id IN ({ids}) GROUP BY msg_key"
+                "SELECT MIN(msg_key) AS msg_key, MAX(id) AS last FROM outbox \
+                 WHERE id IN ({ids}) GROUP BY CAST(msg_key AS BINARY)"
             ),
             &ids,
+            same_key,
         )
     }
 

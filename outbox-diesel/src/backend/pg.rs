@@ -31,7 +31,9 @@ pub(super) const DIALECT: Dialect = Dialect {
         (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
            FROM outbox WHERE status = 0 AND next_retry_at <= now()) AS oldest_us, \
         (SELECT count(*) FROM outbox WHERE status = 2) AS dead",
-    ts: |t| format!("'{}'::timestamptz", t.format("%Y-%m-%d %H:%M:%S%.6f+00")),
+    // The statement's start, not the transaction's: the claim's transaction began
+    // before the batch was published.
+    later: |us| format!("(statement_timestamp() + interval '{us} microseconds')"),
     ago: |us| format!("(now() - interval '{us} microseconds')"),
     delete_limited: |table, filter, order, n| {
         format!(

@@ -52,7 +52,13 @@ pub(super) const DIALECT: Dialect = Dialect {
         now!(),
         ") AS oldest_us, (SELECT count(*) FROM outbox WHERE status = 2) AS dead"
     ),
-    ts: |t| format!("'{}'", t.format("%Y-%m-%d %H:%M:%S%.3f")),
+    later: |us| {
+        format!(
+            "strftime('%Y-%m-%d %H:%M:%f', 'now', '+{}.{:06} seconds')",
+            us / 1_000_000,
+            us % 1_000_000
+        )
+    },
     ago: |us| {
         format!(
             "strftime('%Y-%m-%d %H:%M:%f', 'now', '-{}.{:06} seconds')",
