@@ -95,7 +95,9 @@ pub(crate) const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// batch instead rolls the transaction back on a blocking thread, leaving every row as
 /// it was; should that fail, the pool discards the connection (it is still inside a
 /// transaction) and the server rolls back when it closes. A crashed relay's locks go
-/// with its connection, so its rows become claimable again without an operator.
+/// with its connection, so its rows become claimable again without an operator; a
+/// stalled one's go when the server ends its transaction after the store's stall
+/// timeout.
 pub struct LockedBatch<C: R2D2Connection + 'static> {
     conn: Option<PooledConnection<ConnectionManager<C>>>,
     messages: Vec<StoredMessage>,

@@ -269,6 +269,22 @@ mod tests {
     use std::borrow::Cow;
 
     #[test]
+    fn the_claim_sets_its_stall_bounds_in_whole_seconds() {
+        assert_eq!(
+            prepare_claim_sql(Duration::ZERO),
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        );
+        let sql = prepare_claim_sql(Duration::from_millis(1500));
+        assert_eq!(
+            sql,
+            "SET SESSION innodb_lock_wait_timeout = 2 /*M! , idle_transaction_timeout = 2 */; \
+             SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        );
+        assert!(prepare_claim_sql(Duration::from_millis(1)).contains("= 1 "));
+        assert!(prepare_claim_sql(Duration::MAX).contains("= 31536000 "));
+    }
+
+    #[test]
     fn names_the_duplicate_from_the_message() {
         let row = |msg_id| Row {
             msg_id,

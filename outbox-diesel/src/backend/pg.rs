@@ -279,3 +279,29 @@ impl OutboxConnection for PgConnection {
 
     super::common_methods!(DIALECT);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_claim_begins_read_committed_with_its_stall_bounds() {
+        assert_eq!(
+            begin_claim_sql(Duration::ZERO),
+            "BEGIN ISOLATION LEVEL READ COMMITTED"
+        );
+        let sql = begin_claim_sql(Duration::from_secs(30));
+        assert!(
+            sql.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED; "),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("SET LOCAL idle_in_transaction_session_timeout = 30000;"),
+            "{sql}"
+        );
+        assert!(sql.ends_with("SET LOCAL lock_timeout = 30000"), "{sql}");
+        // Never 0 (which disables the timeouts), never past PostgreSQL's limit.
+        assert!(begin_claim_sql(Duration::from_micros(1)).contains("timeout = 1;"));
+        assert!(begin_claim_sql(Duration::MAX).contains(&format!("= {};", i32::MAX)));
+    }
+}
