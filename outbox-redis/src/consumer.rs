@@ -219,6 +219,11 @@ pub struct ConsumerStats {
     pub ignored: u64,
     /// Entries taken over with `XAUTOCLAIM` (`outbox_consumer_reclaimed_total`).
     pub reclaimed: u64,
+    /// Transactions that met a transient conflict (deadlock, serialization failure,
+    /// lock wait timeout) and ran again (`outbox_consumer_conflicts_total`). A few
+    /// immediate runs again do not count as deliveries; a conflict that persists
+    /// through them is a failed delivery.
+    pub conflicts: u64,
     /// Failed reads, claims and acks: Redis errors the runner backed off from
     /// (`outbox_consumer_redis_errors_total`).
     pub redis_errors: u64,
@@ -232,6 +237,7 @@ struct Counters {
     dead_lettered: AtomicU64,
     ignored: AtomicU64,
     reclaimed: AtomicU64,
+    conflicts: AtomicU64,
     redis_errors: AtomicU64,
 }
 
@@ -243,6 +249,7 @@ enum Count {
     DeadLettered,
     Ignored,
     Reclaimed,
+    Conflict,
     RedisError,
 }
 
@@ -680,13 +687,33 @@ struct Done {
 
 enum Attempt {
     Processed(Processed),
-    Failed { reason: String, outage: bool },
+    Failed {
+        reason: String,
+        outage: bool,
+        /// A deadlock or serialization failure: nothing committed, run it again soon.
+        conflict: bool,
+    },
 }
 
 /// A batch whose store transaction failed as a whole.
 struct BatchFailed {
     reason: String,
     outage: bool,
+    /// A deadlock or serialization failure rolled the whole batch back.
+    conflict: bool,
+}
+
+/// Immediate runs again of a message whose transaction met a transient conflict
+/// (deadlock, serialization failure, lock wait timeout), before the conflict counts as
+/// a failed delivery. A conflict is nobody's fault and usually gone at once; running
+/// it again from the loop would wait `min_idle` for nothing.
+const CONFLICT_RETRIES: u32 = 3;
+
+/// The pause before the `n`-th run again after a conflict: 10, 20, 40 ms plus up to as
+/// much again at random, so that the two sides of a deadlock do not meet again.
+fn conflict_pause(n: u32) -> Duration {
+    let base = Duration::from_millis(10) * (1 << n.min(6));
+    base + base.mul_f64(fastrand::f64())
 }
 
 /// What the checks before the store decided for an entry in batch mode.
@@ -747,6 +774,7 @@ where
             dead_lettered: get(&c.dead_lettered),
             ignored: get(&c.ignored),
             reclaimed: get(&c.reclaimed),
+            conflicts: get(&c.conflicts),
             redis_errors: get(&c.redis_errors),
         }
     }
@@ -1070,6 +1098,7 @@ where
             Count::DeadLettered => (&c.dead_lettered, "outbox_consumer_dead_lettered_total"),
             Count::Ignored => (&c.ignored, "outbox_consumer_ignored_total"),
             Count::Reclaimed => (&c.reclaimed, "outbox_consumer_reclaimed_total"),
+            Count::Conflict => (&c.conflicts, "outbox_consumer_conflicts_total"),
             Count::RedisError => (&c.redis_errors, "outbox_consumer_redis_errors_total"),
         };
         atomic.fetch_add(1, Ordering::Relaxed);
@@ -1286,7 +1315,7 @@ where
         if let Some(parent) = envelope.headers.get(outbox_core::TRACEPARENT) {
             span.record("traceparent", parent.as_str());
         }
-        let prepared = match inner.dispatcher.prepare(&envelope) {
+        let mut prepared = match inner.dispatcher.prepare(&envelope) {
             Ok(prepared) => prepared,
             Err(outbox_core::Error::UnknownEventType(t)) if inner.config.ignore_unknown_types => {
                 tracing::debug!(event_type = %t, "no handler for this event type; acknowledged");
@@ -1300,7 +1329,28 @@ where
             delivery_count: job.delivery_count,
             entry_id: Some(job.entry.id.clone()),
         };
-        match self.attempt(prepared, delivery).await {
+        let mut conflicts = 0;
+        let attempt = loop {
+            match self.attempt(prepared, delivery.clone()).await {
+                Attempt::Failed {
+                    reason,
+                    conflict: true,
+                    ..
+                } if conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    self.count(Count::Conflict, Some(&job.stream));
+                    tracing::debug!(%reason, conflicts, "transient database conflict; running the message again");
+                    tokio::time::sleep(conflict_pause(conflicts)).await;
+                    // Decoded before, so it decodes again.
+                    prepared = match inner.dispatcher.prepare(&delivery.envelope) {
+                        Ok(prepared) => prepared,
+                        Err(e) => return self.dead_letter(job, &e.to_string()).await,
+                    };
+                }
+                attempt => break attempt,
+            }
+        };
+        match attempt {
             Attempt::Processed(Processed::Applied) => {
                 self.count(Count::Consumed, Some(&job.stream));
                 self.ack(job).await
@@ -1310,7 +1360,7 @@ where
                 self.count(Count::Duplicate, Some(&job.stream));
                 self.ack(job).await
             }
-            Attempt::Failed { reason, outage } => self.failed(job, &reason, outage).await,
+            Attempt::Failed { reason, outage, .. } => self.failed(job, &reason, outage).await,
         }
     }
 
@@ -1348,6 +1398,11 @@ where
                 self.ack(job).await
             }
             Ok(Err(e)) if e.is_outage() => self.failed(job, &e.to_string(), true).await,
+            // Asking met a conflict: nothing is known yet; ask again at the next claim.
+            Ok(Err(e)) if e.is_transient() => {
+                self.count(Count::Conflict, Some(&job.stream));
+                false
+            }
             _ => self.dead_letter(job, &reason).await,
         }
     }
@@ -1420,6 +1475,12 @@ where
                             Err(e) if e.is_poison() => {
                                 outage |= self.dead_letter(job, &e.to_string()).await;
                             }
+                            Err(e) if e.is_transient() => {
+                                // Only its savepoint rolled back: it runs again on its own.
+                                tracing::debug!(error = %e, "transient database conflict; running the message again on its own");
+                                self.count(Count::Conflict, Some(&job.stream));
+                                outage |= self.process_inner(job).await;
+                            }
                             Err(e) => {
                                 outage |= self.failed(job, &e.to_string(), e.is_outage()).await;
                             }
@@ -1427,8 +1488,26 @@ where
                     }
                 }
                 Err(BatchFailed {
+                    conflict: true,
+                    reason,
+                    ..
+                }) => {
+                    // The database rolled the whole batch back (MySQL ends the
+                    // transaction on a deadlock, savepoints included): nobody's fault.
+                    // Each message runs again on its own, so a conflict costs its own
+                    // message at most.
+                    tracing::debug!(%reason, "transient database conflict rolled the batch back; running its messages one by one");
+                    for job in &runs {
+                        self.count(Count::Conflict, Some(&job.stream));
+                    }
+                    for job in runs {
+                        outage |= self.process_inner(job).await;
+                    }
+                }
+                Err(BatchFailed {
                     reason,
                     outage: store_down,
+                    ..
                 }) => {
                     for job in runs {
                         outage |= self.failed(job, &reason, store_down).await;
@@ -1480,10 +1559,12 @@ where
             Ok(Ok(outcomes)) => Ok(outcomes),
             Ok(Err(e)) => Err(BatchFailed {
                 outage: e.is_outage(),
+                conflict: e.is_transient(),
                 reason: e.to_string(),
             }),
             // Handler panics are caught per message; this is the store's own panic.
             Err(e) => Err(BatchFailed {
+                conflict: false,
                 reason: match e.try_into_panic() {
                     Ok(panic) => format!("batch panicked: {}", panic_message(&*panic)),
                     Err(e) => format!("batch task failed: {e}"),
@@ -1546,9 +1627,11 @@ where
             Ok(Ok(processed)) => Attempt::Processed(processed),
             Ok(Err(e)) => Attempt::Failed {
                 outage: e.is_outage(),
+                conflict: e.is_transient(),
                 reason: e.to_string(),
             },
             Err(e) => Attempt::Failed {
+                conflict: false,
                 reason: match e.try_into_panic() {
                     Ok(panic) => format!("handler panicked: {}", panic_message(&*panic)),
                     Err(e) => format!("handler task failed: {e}"),

@@ -69,7 +69,7 @@ impl Fixture {
         outbox_diesel::migrate(&mut conn).unwrap();
         conn.batch_execute(
             "CREATE TABLE applied (n TEXT PRIMARY KEY, times BIGINT NOT NULL);
-             CREATE TABLE hot (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO hot VALUES (1, 0);",
+             CREATE TABLE hot (id INT PRIMARY KEY, v INT NOT NULL); INSERT INTO hot VALUES (1, 0), (2, 0);",
         )
         .unwrap();
         Self {
@@ -349,4 +349,64 @@ async fn a_consumer_stuck_in_lock_waits_shuts_down_within_its_bound() {
     assert_eq!(fx.applied(), (10, 1), "each message applied exactly once");
     eprintln!("shutdown took {took:?} with a 1 s shutdown timeout");
     fx.cleanup().await;
+}
+
+/// A handler whose first run is the victim of a real deadlock, with one delivery
+/// allowed: the consumer runs it again at once instead of counting a failed delivery,
+/// so the message is applied once and not dead-lettered.
+async fn a_deadlocked_handler_runs_again(batch: Option<usize>) {
+    let fx = Fixture::new();
+    fx.publish(3).await;
+    // The rival holds row 2, then (told to) asks for row 1, which the handler holds
+    // while it waits for row 2. Its own deadlock check waits 60 s, so the handler's
+    // session (PostgreSQL's default 1 s) finds the deadlock and is the victim.
+    let (go, told) = std::sync::mpsc::channel::<()>();
+    let url = fx.schema.url.clone();
+    let rival = std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        conn.batch_execute(
+            "SET deadlock_timeout = '60s'; BEGIN; UPDATE hot SET v = v + 1 WHERE id = 2;",
+        )
+        .unwrap();
+        told.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        conn.batch_execute("UPDATE hot SET v = v + 1 WHERE id = 1; COMMIT;")
+            .unwrap();
+    });
+    let go = std::sync::Mutex::new(Some(go));
+    let work = Work::new(move |call, conn| {
+        diesel::sql_query("UPDATE hot SET v = v + 1 WHERE id = 1").execute(conn)?;
+        if call == 1 {
+            go.lock().unwrap().take().unwrap().send(()).unwrap();
+        }
+        diesel::sql_query("UPDATE hot SET v = v + 1 WHERE id = 2").execute(conn)?;
+        Ok(())
+    });
+    let config = ConsumerConfig {
+        max_deliveries: 1,
+        batch_size: batch,
+        ..fx.config()
+    };
+    let consumer = fx.consumer(config, work, fx.pool(4, Duration::from_secs(30)));
+    run_until_applied(&fx, std::slice::from_ref(&consumer), 3).await;
+    rival.join().unwrap();
+    assert_eq!(fx.applied(), (3, 1));
+    let stats = consumer.stats();
+    assert!(stats.conflicts >= 1, "the deadlock was seen: {stats:?}");
+    assert_eq!(
+        (stats.failures, stats.dead_lettered, stats.consumed),
+        (0, 0, 3),
+        "{stats:?}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlocked_handler_runs_again_instead_of_spending_a_delivery() {
+    a_deadlocked_handler_runs_again(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_in_a_batch_runs_the_message_again_on_its_own() {
+    a_deadlocked_handler_runs_again(Some(10)).await;
 }
