@@ -14,21 +14,25 @@
 //! Faults, at seeded random times and targets: SIGKILL, SIGTERM (then a restart) and
 //! SIGSTOP for 1–40 s (past the consumer's 30 s `min_idle`, so stopped consumers' entries
 //! get claimed by others) of relays and consumers; Redis stopped (SIGKILL or SIGTERM) for
-//! 1–20 s, the first outage 12–20 s; `CLIENT KILL TYPE normal`; `pg_terminate_backend`
+//! 1–20 s; `CLIENT KILL TYPE normal`; `pg_terminate_backend`
 //! (MariaDB: `KILL CONNECTION`) of one process's sessions; handlers that fail or panic
 //! on a message's first delivery (about one in `--handler-fault-one-in` each, picked by
-//! a hash of the msg_id).
+//! a hash of the msg_id). The run ends with a Redis outage of 12–20 s (longer than the
+//! consumer's claim interval plus its longest outage backoff) and no other fault after
+//! it, so no restart can hide a process that does not recover on its own.
 //!
 //! After the last fault it waits (at most `--drain-timeout`) until every committed
 //! message is applied, stops everything with SIGTERM and checks: every committed message
 //! applied exactly once (the per-key sums and counts, and a log of applications), no
 //! trace of a rolled-back message (outbox, stream, applications, dedup records), per-key
-//! order of first appearance on the stream, no DEAD row, every SIGTERM answered by exit
-//! 0 and no process exiting on its own, no process or server left behind. It prints one
+//! order of first appearance on the stream, no DEAD row, every consumer process reading
+//! again (an `XREADGROUP` of its own within 10 s, seen with `MONITOR`), every SIGTERM
+//! answered by exit 0 and no process exiting on its own, no process or server left
+//! behind. It prints one
 //! summary line and exits with 1 if a check failed (2 if the run itself could not run).
 //!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
-//! kind, two Redis outages, the first 12–20 s), about two minutes in all.
+//! kind, two Redis outages, the last 12–20 s), under two minutes in all.
 //!
 //! The `outbox` and `chaos_consumer` binaries are taken from the directory of this one
 //! (build them together, as above) unless `--outbox-bin` / `--consumer-bin` say otherwise. Logs of every
@@ -77,7 +81,7 @@ struct Args {
     #[arg(long)]
     events: Option<u64>,
     /// How long faults are injected (default 120s); the producers spread the events over
-    /// 85% of it.
+    /// it.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
     /// The database.
@@ -364,29 +368,28 @@ struct Plan {
 impl Plan {
     fn new(c: &Config, rng: &mut fastrand::Rng) -> Result<Self, BoxError> {
         let d = c.duration.as_secs_f64();
+        // The run ends with a Redis outage of 12–20 s, longer than the consumer's claim
+        // interval plus its longest outage backoff, and nothing else after it: every
+        // process must get back to work on its own, no restart hides a stuck one.
+        let last_len = 12.0 + rng.f64() * 8.0;
+        let last_start = d - last_len;
+        let before = last_start - 1.0;
         let mut faults: Vec<(Duration, Fault)> = Fault::ALL
             .iter()
             .flat_map(|&f| std::iter::repeat_n(f, c.faults_per_kind))
-            .map(|f| (Duration::from_secs_f64(rng.f64() * d * 0.97), f))
+            .map(|f| (Duration::from_secs_f64(rng.f64() * before.max(0.0)), f))
             .collect();
         faults.sort_by_key(|&(t, _)| t);
-        // Outages of 1–20 s; the first one longer than the consumer's claim interval and
-        // its outage backoff's growth to several seconds.
-        let lengths: Vec<f64> = (0..c.redis_outages)
-            .map(|i| {
-                if i == 0 {
-                    12.0 + rng.f64() * 8.0
-                } else {
-                    1.0 + rng.f64() * 19.0
-                }
-            })
+        let lengths: Vec<f64> = (1..c.redis_outages)
+            .map(|_| 1.0 + rng.f64() * 19.0)
             .collect();
         let down: f64 = lengths.iter().sum();
-        let up = d - down;
+        let up = before - down;
         if up < 2.0 * (lengths.len() + 1) as f64 {
             return Err(format!(
-                "{} Redis outages ({down:.0} s) do not fit in {d:.0} s; lengthen --duration",
-                lengths.len()
+                "{} Redis outages ({:.0} s) do not fit in {d:.0} s; lengthen --duration",
+                c.redis_outages,
+                down + last_len
             )
             .into());
         }
@@ -403,6 +406,11 @@ impl Plan {
             ));
             t += len;
         }
+        outages.push((
+            Duration::from_secs_f64(last_start),
+            Duration::from_secs_f64(last_len),
+            rng.bool(),
+        ));
         Ok(Self { faults, outages })
     }
 }
@@ -547,7 +555,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         seed: c.seed,
         events: c.events,
         keys: c.keys,
-        within: c.duration.mul_f64(0.85),
+        within: c.duration,
     };
     let producers = producer::start(&settings, c.producers, stop_producers.clone());
     let result = chaos_phase(c, &plan, &mut rng, &mut world);
@@ -571,6 +579,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     // Drain: everything is up; wait until every committed message is applied.
     let drain = drain(c, &mut world, &mut tally)?;
     let drained_after = drain.map(|at| at.duration_since(last_fault_end));
+
+    // Every consumer process must be reading again, not only enough of them to drain.
+    let stuck = stuck_consumers(&world)?;
 
     // Stop every process with SIGTERM: each must exit with 0.
     let mut final_terms = 0;
@@ -611,12 +622,16 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         || !leftovers.is_empty()
         || !pids.is_empty()
         || dead_letters > 0
-        || !tally.injection_errors.is_empty();
+        || !tally.injection_errors.is_empty()
+        || !stuck.is_empty();
     for note in &findings.notes {
         eprintln!("chaos: {note}");
     }
     for e in &tally.injection_errors {
         eprintln!("chaos: fault not injected: {e}");
+    }
+    for s in &stuck {
+        eprintln!("chaos: consumer not reading after the last fault: {s}");
     }
     for l in &leftovers {
         eprintln!("chaos: left behind: {l}");
@@ -650,7 +665,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     println!(
         "chaos seed={} backend={} events={} faults: {} | lost={} double_applied={} \
          order={:.3}% order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
-         dead_letters={} bad_sums={} unexpected_exits={} bad_sigterms={} leftovers={} \
+         dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={} \
          drain={} | {}",
         c.seed,
         c.backend.name(),
@@ -665,6 +680,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         findings.outbox_dead,
         dead_letters,
         findings.bad_sums,
+        stuck.len(),
         tally.unexpected_exits.len(),
         tally.bad_terms.len(),
         leftovers.len() + pids.len(),
@@ -858,6 +874,23 @@ fn drain(c: &Config, world: &mut World, tally: &mut Tally) -> Result<Option<Inst
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// The consumer processes that do not read: each one's consumer (named
+/// `<host>-<pid>-<random>` by default) must issue an `XREADGROUP` within 10 s (its
+/// blocking read lasts 2 s).
+fn stuck_consumers(world: &World) -> Result<Vec<String>, BoxError> {
+    let redis = world.redis.as_ref().expect("started");
+    let readers = redis.readers(Duration::from_secs(10))?;
+    Ok(world
+        .procs
+        .iter()
+        .filter(|p| p.role == Role::Consumer)
+        .filter_map(|p| {
+            let pid = format!("-{}-", p.pid()?);
+            (!readers.iter().any(|name| name.contains(&pid))).then(|| p.name.clone())
+        })
+        .collect())
 }
 
 /// Distinct messages whose handler failed / panicked, as the consumers' logs tell.

@@ -1,6 +1,7 @@
 //! The run's private `redis-server`: AOF with `appendfsync always`, so that stopping it
 //! (even with SIGKILL) and starting it again is an outage and nothing else.
 
+use std::collections::HashSet;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -154,6 +155,48 @@ impl RedisServer {
                 out.push((entry.id.clone(), msg_id));
             }
         }
+    }
+
+    /// The consumer names that issue `XREADGROUP` within `window`, seen with `MONITOR`.
+    /// (`XINFO CONSUMERS` cannot tell: Redis 7.0 does not count a read that returns
+    /// nothing as activity.)
+    pub(crate) fn readers(&self, window: Duration) -> Result<HashSet<String>, BoxError> {
+        use std::io::{BufRead as _, BufReader, Write as _};
+        // A plain socket: the redis crate's connection gives up after a read timeout.
+        let mut socket = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
+        socket.write_all(b"MONITOR\r\n")?;
+        socket.set_read_timeout(Some(Duration::from_millis(200)))?;
+        let mut lines = BufReader::new(socket);
+        let deadline = Instant::now() + window;
+        let mut names = HashSet::new();
+        let mut line = Vec::new();
+        while Instant::now() < deadline {
+            match lines.read_until(b'\n', &mut line) {
+                Ok(0) => return Err("MONITOR connection closed".into()),
+                Ok(_) if line.ends_with(b"\n") => {}
+                Ok(_) => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+            // +1796058611.609978 [0 127.0.0.1:41332] "XREADGROUP" "GROUP" "chaos" "NAME" ...
+            let text = String::from_utf8_lossy(&line);
+            let mut quoted = text.split('"').skip(1).step_by(2);
+            if quoted.next() == Some("XREADGROUP")
+                && let (Some(_), Some(_), Some(name)) =
+                    (quoted.next(), quoted.next(), quoted.next())
+            {
+                names.insert(name.to_owned());
+            }
+            line.clear();
+        }
+        Ok(names)
     }
 
     /// `XLEN stream`.
