@@ -119,6 +119,11 @@ pub(crate) struct RelayArgs {
     /// 0. The default fits inside Kubernetes's 30 s grace period.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub(crate) shutdown_timeout: Duration,
+    /// How long a relay that stops answering (paused, cut off) may hold its claimed rows
+    /// before the database ends its transaction and another relay takes them over
+    /// (PostgreSQL and MariaDB; `0s` leaves the server's settings).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) stall_timeout: Duration,
     /// Failed attempts after which a message is dead-lettered (outages never count).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) max_attempts: u32,

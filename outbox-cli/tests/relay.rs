@@ -21,6 +21,16 @@ on_every_backend!(
     relay_process_publishes_everything_after_a_12_s_redis_outage
 );
 
+#[test]
+fn postgres_stalled_relay_process_releases_its_rows() {
+    stalled_relay_process_releases_its_rows(&TestDb::postgres());
+}
+
+#[test]
+fn mariadb_stalled_relay_process_releases_its_rows() {
+    stalled_relay_process_releases_its_rows(&TestDb::mysql());
+}
+
 fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
     db.migrate();
     db.emit(1..=5);
@@ -86,6 +96,42 @@ fn relay_process_publishes_everything_after_a_12_s_redis_outage(db: &TestDb) {
     );
     relay.signal("TERM");
     assert!(relay.wait().success(), "log:\n{}", relay.log());
+}
+
+/// `outbox relay --stall-timeout 2s` SIGSTOPped while it works through a backlog (so it
+/// holds a claimed batch): the database ends its transaction after the bound and a
+/// second relay publishes every message, where it would otherwise wait for the stopped
+/// process's locks for as long as TCP keeps the connection (hours).
+fn stalled_relay_process_releases_its_rows(db: &TestDb) {
+    db.migrate();
+    for chunk in 0..10 {
+        db.emit(chunk * 2000 + 1..=(chunk + 1) * 2000);
+    }
+    let streams = Streams::new();
+    let bound = ["--stall-timeout", "2s", "--batch-size", "200"];
+    let mut stalled = RelayProcess::start(db, &streams.prefix, &bound);
+    streams.wait_for(1, &mut stalled);
+    stalled.signal("STOP");
+    let mut rescuer = RelayProcess::start(db, &streams.prefix, &bound);
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let mut published = streams.msg_ids();
+        published.sort();
+        published.dedup();
+        if published.len() == 20_000 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of 20000 published with one relay stopped; log:\n{}",
+            published.len(),
+            rescuer.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stalled.signal("CONT");
+    rescuer.signal("TERM");
+    assert!(rescuer.wait().success(), "log:\n{}", rescuer.log());
 }
 
 #[test]

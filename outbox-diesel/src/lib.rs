@@ -166,12 +166,14 @@ pub use emit::{Emit, EmitOptions, Notify};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
 pub use inbox::DieselInbox;
 #[cfg(feature = "postgres")]
-pub use listen::PgRelayStore;
+pub use listen::{PgRelayStore, with_keepalives};
 pub use migrate::{MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate};
 pub use ops::{
     OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
     purge_sent, redrive, redrive_all,
 };
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use relay::DEFAULT_STALL_TIMEOUT;
 #[cfg(feature = "mysql")]
 pub use relay::MysqlRelayStore;
 pub use relay::{ClaimOrder, LockedBatch};

@@ -82,10 +82,10 @@ pub enum ClaimOrder {
     Unordered,
 }
 
-/// The default stall timeout (`with_stall_timeout`) of the stores with row locks: 30 s, well above the Redis publisher's 5 s response timeout and under
-/// a minute.
+/// The default stall timeout (`with_stall_timeout`) of the stores with row locks:
+/// 30 s, well above the Redis publisher's 5 s response timeout and under a minute.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A batch claimed with row locks (PostgreSQL, MySQL/MariaDB): it owns a pooled
 /// connection whose transaction holds `FOR UPDATE` locks on the claimed rows, so

@@ -39,14 +39,19 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     log_start(db, args);
     let result = match db.kind {
         BackendKind::Postgres => {
-            let store = PgRelayStore::new(pool::<PgConnection>(db, args.pool_size)?)
+            // Keepalives: a relay cut off from its database notices within a minute.
+            let url = outbox_diesel::with_keepalives(&db.target);
+            let store = PgRelayStore::new(pool::<PgConnection>(db, &url, args.pool_size)?)
                 .with_listener(db.target.clone())
-                .with_order(args.order.into());
+                .with_order(args.order.into())
+                .with_stall_timeout(args.stall_timeout);
             serve(&runtime, store, publisher, config, args)
         }
         BackendKind::Mysql => {
-            let store = MysqlRelayStore::new(pool::<MysqlConnection>(db, args.pool_size)?)
-                .with_order(args.order.into());
+            let store =
+                MysqlRelayStore::new(pool::<MysqlConnection>(db, &db.target, args.pool_size)?)
+                    .with_order(args.order.into())
+                    .with_stall_timeout(args.stall_timeout);
             serve(&runtime, store, publisher, config, args)
         }
         BackendKind::Sqlite => {
@@ -144,14 +149,17 @@ fn config(args: &RelayArgs) -> RelayConfig {
     }
 }
 
+/// A pool of `size` connections to `url` (the database's, perhaps with parameters
+/// added); errors name `db` with its password hidden.
 fn pool<C: R2D2Connection + 'static>(
     db: &Database,
+    url: &str,
     size: u32,
 ) -> Result<Pool<ConnectionManager<C>>, CliError> {
     Pool::builder()
         .max_size(size)
         .connection_timeout(POOL_TIMEOUT)
-        .build(ConnectionManager::new(db.target.as_str()))
+        .build(ConnectionManager::new(url))
         .map_err(|e| pool_error(db, e.into()))
 }
 
