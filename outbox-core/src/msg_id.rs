@@ -27,8 +27,10 @@ pub enum InvalidMsgId {
     /// The id is empty.
     #[error("msg_id is empty")]
     Empty,
-    /// The id is longer than [`MAX_MSG_ID_LEN`] bytes.
-    #[error("msg_id `{id}` is {len} bytes long; the limit is {MAX_MSG_ID_LEN}")]
+    /// The id is longer than [`MAX_MSG_ID_LEN`] bytes. The message shows only its
+    /// beginning: ids reach logs and dead-letter reasons, and a foreign producer's may
+    /// be megabytes long.
+    #[error("msg_id `{}` is {len} bytes long; the limit is {MAX_MSG_ID_LEN}", shown(id))]
     TooLong {
         /// The rejected id.
         id: String,
@@ -36,7 +38,7 @@ pub enum InvalidMsgId {
         len: usize,
     },
     /// The id contains whitespace or a control character.
-    #[error("msg_id {id:?} contains whitespace or a control character at byte {at}")]
+    #[error("msg_id {:?} contains whitespace or a control character at byte {at}", shown(id))]
     BadChar {
         /// The rejected id.
         id: String,
@@ -109,6 +111,19 @@ impl MsgId {
     pub fn into_string(self) -> String {
         self.0
     }
+}
+
+/// The beginning of a rejected id, for messages: at most [`MAX_MSG_ID_LEN`] bytes (cut at
+/// a character boundary) and `…` when there is more.
+fn shown(id: &str) -> std::borrow::Cow<'_, str> {
+    if id.len() <= MAX_MSG_ID_LEN {
+        return id.into();
+    }
+    let end = (0..=MAX_MSG_ID_LEN)
+        .rev()
+        .find(|&i| id.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("{}…", &id[..end]).into()
 }
 
 /// One part of a derived id, rendered: an error naming `field` if it renders empty. Used
