@@ -52,7 +52,7 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
     }
 
     /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
-    /// of their key precedes (DESIGN "Order per key").
+    /// of their key precedes (ARCHITECTURE.md, "Order per key").
     #[doc(hidden)]
     fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<OutboxRecord>>;
 

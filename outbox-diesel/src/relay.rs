@@ -35,7 +35,7 @@ pub(crate) fn stored(records: Vec<OutboxRecord>) -> Vec<StoredMessage> {
 ///
 /// Messages that share a key (by default the msg_id's business key) reach the broker in
 /// id order, also across retries and with any number of relay instances, by a stateless
-/// rule (DESIGN "Order per key"):
+/// rule (ARCHITECTURE.md, "Order per key"):
 ///
 /// 1. lock a batch `L`: due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`,
 ///    skipping keys whose oldest NEW row waits for its retry time;

@@ -381,7 +381,7 @@ pub(crate) fn head_is_due(d: &Dialect, table: &str, same_key: fn(&str, &str) -> 
 
 /// The per-key probe over the locked set `L` (given as a subquery or an id list): for
 /// each key of `L`, the first NEW row of that key outside `L` and below the key's last
-/// row in `L`, if any. A row of `L` may be published only below it. This is DESIGN's
+/// row in `L`, if any. A row of `L` may be published only below it. This is ARCHITECTURE.md's
 /// "no NEW row p outside L with p.key = o.key AND p.id < o.id", asked once per key
 /// rather than once per row, so that a key with many rows in the batch costs a walk
 /// over its rows instead of a walk per row.
