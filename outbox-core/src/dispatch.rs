@@ -177,10 +177,22 @@ impl<C: 'static> Dispatcher<C> {
         }))
     }
 
-    fn route<E: OutboxEvent>(&mut self, route: Route<C>) -> Result<(), Error> {
+    fn route<E: OutboxEvent>(&mut self, decode: Route<C>) -> Result<(), Error> {
         if let Some(taken) = E::EVENT_TYPES.iter().find(|t| self.routes.contains_key(*t)) {
             return Err(Error::DuplicateHandler((*taken).to_owned()));
         }
+        // A payload of a newer schema than `E` may carry fields `E` does not know, which
+        // serde would drop without a word: refuse it before decoding.
+        let route: Route<C> = Arc::new(move |envelope: &Envelope| {
+            if envelope.schema_version > E::SCHEMA_VERSION {
+                return Err(Error::UnsupportedSchemaVersion {
+                    event_type: envelope.event_type.clone(),
+                    version: envelope.schema_version,
+                    supported: E::SCHEMA_VERSION,
+                });
+            }
+            decode(envelope)
+        });
         for t in E::EVENT_TYPES {
             self.routes.insert(t, Arc::clone(&route));
         }
@@ -203,7 +215,9 @@ impl<C: 'static> Dispatcher<C> {
     }
 
     /// Finds the handler and decodes the payload, before any transaction is opened.
-    /// Unknown types and undecodable payloads are errors ([`Error::is_poison`]).
+    /// Unknown types, payloads of a newer schema version than the handler's event type
+    /// ([`OutboxEvent::SCHEMA_VERSION`]; older ones are decoded) and undecodable payloads
+    /// are errors ([`Error::is_poison`]).
     pub fn prepare(&self, envelope: &Envelope) -> Result<Prepared<C>, Error> {
         let route = self
             .routes

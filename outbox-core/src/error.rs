@@ -43,6 +43,21 @@ pub enum Error {
         /// serde's error.
         source: serde_json::Error,
     },
+    /// The message carries a newer schema version of its event type than the handler's
+    /// type ([`OutboxEvent::SCHEMA_VERSION`](crate::OutboxEvent::SCHEMA_VERSION)): it
+    /// was written by a newer producer, and decoding it could silently drop what the
+    /// newer schema added. Deploy the newer consumer, then re-drive the message.
+    #[error(
+        "`{event_type}` payload has schema version {version}; this consumer handles versions up to {supported}"
+    )]
+    UnsupportedSchemaVersion {
+        /// The message's event type.
+        event_type: String,
+        /// The message's schema version.
+        version: u32,
+        /// The highest version the handler's event type knows.
+        supported: u32,
+    },
     /// No handler is registered for this event type.
     #[error("no handler for event type `{0}`")]
     UnknownEventType(String),
@@ -131,10 +146,13 @@ impl Error {
         matches!(self, Self::Transient(_) | Self::TransientBatch { .. })
     }
 
-    /// A message that can never be processed as it is (bad payload, no handler): it goes
-    /// to the dead-letter stream at once.
+    /// A message that can never be processed as it is (bad payload, no handler, a newer
+    /// schema version than the handler knows): it goes to the dead-letter stream at once.
     pub fn is_poison(&self) -> bool {
-        matches!(self, Self::Decode { .. } | Self::UnknownEventType(_))
+        matches!(
+            self,
+            Self::Decode { .. } | Self::UnknownEventType(_) | Self::UnsupportedSchemaVersion { .. }
+        )
     }
 }
 

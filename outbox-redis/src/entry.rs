@@ -58,12 +58,47 @@ pub fn entry_fields(envelope: &Envelope) -> [(&'static str, Cow<'_, str>); 8] {
     ]
 }
 
+/// Longest `type` and `topic` accepted, in bytes: the outbox's `VARCHAR(128)` columns.
+/// Both reach logs (the event type is a field of the consume span) and error messages,
+/// so a foreign producer's megabytes are refused rather than repeated.
+pub(crate) const MAX_NAME_LEN: usize = 128;
+
+/// Messages quote at most this many bytes of a field's value.
+const QUOTED_LEN: usize = 64;
+
 fn text(fields: &HashMap<String, Value>, name: &str) -> Result<Option<String>> {
+    let malformed = |why: String| Error::MalformedEntry(format!("field `{name}` {why}"));
     match fields.get(name) {
         None => Ok(None),
+        // Not through `from_redis_value_ref`: its errors quote the whole value.
+        Some(Value::BulkString(bytes)) => std::str::from_utf8(bytes)
+            .map(|s| Some(s.to_owned()))
+            .map_err(|e| malformed(format!("is not UTF-8 text: {e}"))),
         Some(v) => redis::from_redis_value_ref::<String>(v)
             .map(Some)
-            .map_err(|e| Error::MalformedEntry(format!("field `{name}` is not text: {e}"))),
+            .map_err(|_| malformed("is not text".to_owned())),
+    }
+}
+
+/// The beginning of `value`, for messages.
+fn quoted(value: &str) -> Cow<'_, str> {
+    if value.len() <= QUOTED_LEN {
+        return Cow::Borrowed(value);
+    }
+    let end = (0..=QUOTED_LEN)
+        .rev()
+        .find(|&i| value.is_char_boundary(i))
+        .unwrap_or(0);
+    Cow::Owned(format!("{}… ({} bytes)", &value[..end], value.len()))
+}
+
+fn name(fields: &HashMap<String, Value>, field: &str) -> Result<Option<String>> {
+    match text(fields, field)? {
+        Some(v) if v.len() > MAX_NAME_LEN => Err(Error::MalformedEntry(format!(
+            "field `{field}` is {} bytes long; the limit is {MAX_NAME_LEN}",
+            v.len()
+        ))),
+        v => Ok(v),
     }
 }
 
@@ -76,6 +111,12 @@ fn required(fields: &HashMap<String, Value>, name: &str) -> Result<String> {
 /// `msg_id`, `type`, `version` and `payload` are required. The others have defaults, so
 /// entries written by other producers work too: `topic` defaults to `default_topic`,
 /// `key` to the msg_id's business key, `headers` to none and `created_at` to now.
+///
+/// Anything else is an [`Error::MalformedEntry`] naming the field, never a panic: a
+/// missing field, a value that is not UTF-8, a msg_id [`MsgId::new`] refuses, a `type`
+/// or `topic` over 128 bytes (the outbox's columns), a `version` that is not a `u32`,
+/// `headers` that are not a JSON object of strings, a `created_at` that is not RFC 3339.
+/// Messages quote at most 64 bytes of a value. The payload is not parsed here.
 pub fn envelope_from_fields(
     fields: &HashMap<String, Value>,
     default_topic: &str,
@@ -83,13 +124,18 @@ pub fn envelope_from_fields(
     let msg_id = required(fields, "msg_id")?;
     let msg_id =
         MsgId::new(msg_id).map_err(|e| Error::MalformedEntry(format!("field `msg_id`: {e}")))?;
-    let event_type = required(fields, "type")?;
+    let event_type = name(fields, "type")?
+        .ok_or_else(|| Error::MalformedEntry("missing field `type`".to_owned()))?;
     let version = required(fields, "version")?;
     let schema_version = version.parse().map_err(|_| {
-        Error::MalformedEntry(format!("field `version` is not a number: {version:?}"))
+        Error::MalformedEntry(format!(
+            "field `version` is not a schema version (0 to {}): {:?}",
+            u32::MAX,
+            quoted(&version)
+        ))
     })?;
     let payload = required(fields, "payload")?;
-    let topic = text(fields, "topic")?.unwrap_or_else(|| default_topic.to_owned());
+    let topic = name(fields, "topic")?.unwrap_or_else(|| default_topic.to_owned());
     let key = match text(fields, "key")? {
         Some(key) => key,
         None => msg_id
