@@ -30,7 +30,10 @@ pub enum InvalidMsgId {
     /// The id is longer than [`MAX_MSG_ID_LEN`] bytes. The message shows only its
     /// beginning: ids reach logs and dead-letter reasons, and a foreign producer's may
     /// be megabytes long.
-    #[error("msg_id `{}` is {len} bytes long; the limit is {MAX_MSG_ID_LEN}", shown(id))]
+    #[error(
+        "msg_id `{}` is {len} bytes long; the limit is {MAX_MSG_ID_LEN}",
+        shown(id)
+    )]
     TooLong {
         /// The rejected id.
         id: String,
@@ -38,7 +41,10 @@ pub enum InvalidMsgId {
         len: usize,
     },
     /// The id contains whitespace or a control character.
-    #[error("msg_id {:?} contains whitespace or a control character at byte {at}", shown(id))]
+    #[error(
+        "msg_id {:?} contains whitespace or a control character at byte {at}",
+        shown(id)
+    )]
     BadChar {
         /// The rejected id.
         id: String,
