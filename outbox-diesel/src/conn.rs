@@ -115,6 +115,11 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
     /// Deletes up to `batch` dedup rows older than `older_than_us`.
     #[doc(hidden)]
     fn __purge_consumed(&mut self, older_than_us: i64, batch: usize) -> Result<usize>;
+
+    /// The highest migration version recorded in `outbox_migrations`; `None` when the
+    /// table is missing (never migrated, or migrated before the table existed) or empty.
+    #[doc(hidden)]
+    fn __migration_version(&mut self) -> Result<Option<i32>>;
 }
 
 /// Implements the trait for a pooled connection by delegating to the inner connection.
@@ -191,6 +196,9 @@ where
     }
     fn __purge_consumed(&mut self, older_than_us: i64, batch: usize) -> Result<usize> {
         (**self).__purge_consumed(older_than_us, batch)
+    }
+    fn __migration_version(&mut self) -> Result<Option<i32>> {
+        (**self).__migration_version()
     }
 }
 

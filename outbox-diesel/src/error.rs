@@ -102,6 +102,20 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The outbox tables were migrated by a newer release: the version recorded in
+    /// `outbox_migrations` is above [`MIGRATION_VERSION`](crate::MIGRATION_VERSION).
+    /// [`migrate`](crate::migrate) refuses to run this release's migration over them and
+    /// changes nothing; run the newer release (or its `outbox` command) instead.
+    #[error(
+        "the outbox tables are at migration version {found}, newer than this release knows \
+         ({supported}): nothing was changed; use the release that migrated them"
+    )]
+    SchemaTooNew {
+        /// The highest version recorded in the database.
+        found: i32,
+        /// The highest version this release knows ([`MIGRATION_VERSION`](crate::MIGRATION_VERSION)).
+        supported: i32,
+    },
     /// A blocking database task panicked or was cancelled.
     #[error("database task failed: {0}")]
     Task(String),

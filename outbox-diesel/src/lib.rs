@@ -167,7 +167,9 @@ pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
 pub use inbox::DieselInbox;
 #[cfg(feature = "postgres")]
 pub use listen::{PgRelayStore, with_keepalives};
-pub use migrate::{MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate};
+pub use migrate::{
+    MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
+};
 pub use ops::{
     OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
     purge_sent, redrive, redrive_all,

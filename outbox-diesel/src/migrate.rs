@@ -40,12 +40,31 @@ pub const SQLITE_MIGRATION: Migration = Migration {
     down: include_str!("../migrations/sqlite/2025-01-01-000000_outbox/down.sql"),
 };
 
+/// The migration version of the tables this release creates and works with. The
+/// migration records it in the `outbox_migrations` table (one row per version); a later
+/// release that changes the tables ships a migration that records a higher one.
+pub const MIGRATION_VERSION: i32 = 1;
+
 /// Creates the outbox tables and indexes on `conn`'s database (PostgreSQL: in the first
-/// schema of the `search_path`) if they do not exist yet. Safe to run at every start.
+/// schema of the `search_path`) if they do not exist yet, and records
+/// [`MIGRATION_VERSION`]. Safe to run at every start.
+///
+/// Tables migrated by a newer release (a higher version recorded) are left alone:
+/// [`Error::SchemaTooNew`](crate::Error::SchemaTooNew), before any statement that could
+/// change them (an older migration would, for instance, re-create an index the newer one
+/// dropped).
 ///
 /// The same SQL ships as plain files under `migrations/<backend>/` for users who
 /// prefer to copy them into their own diesel migrations.
 pub fn migrate<C: OutboxConnection>(conn: &mut C) -> Result<()> {
+    if let Some(found) = conn.__migration_version()?
+        && found > MIGRATION_VERSION
+    {
+        return Err(crate::Error::SchemaTooNew {
+            found,
+            supported: MIGRATION_VERSION,
+        });
+    }
     conn.batch_execute(C::__MIGRATION)?;
     Ok(())
 }

@@ -3,6 +3,10 @@
 //!
 //! Service tests fail, never skip, when a service is unreachable.
 
+mod secured;
+
+pub use secured::{PasswordRedis, ScratchPostgres};
+
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

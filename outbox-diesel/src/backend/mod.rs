@@ -441,6 +441,27 @@ pub(crate) struct FirstOutside {
     pub(crate) first_out: Option<i64>,
 }
 
+/// `SELECT MAX(version) AS version FROM outbox_migrations`.
+#[derive(QueryableByName)]
+pub(crate) struct VersionRow {
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub(crate) version: Option<i32>,
+}
+
+/// Whether `e` says that `table` does not exist, in PostgreSQL's (`relation "t" does not
+/// exist`), MySQL's and MariaDB's (`Table 'db.t' doesn't exist`) or SQLite's (`no such
+/// table: t`) words.
+pub(crate) fn is_missing_table(e: &diesel::result::Error, table: &str) -> bool {
+    let diesel::result::Error::DatabaseError(_, info) = e else {
+        return false;
+    };
+    let message = info.message();
+    message.contains(table)
+        && (message.contains("does not exist")
+            || message.contains("doesn't exist")
+            || message.contains("no such table"))
+}
+
 /// The methods of `OutboxConnection` whose SQL differs only by [`Dialect`].
 macro_rules! common_methods {
     ($d:expr) => {
@@ -570,6 +591,21 @@ macro_rules! common_methods {
             let filter = format!("consumed_at < {}", (d.ago)(older_than_us));
             Ok(diesel::sql_query((d.delete_limited)("consumed_msg", &filter, "consumed_at", batch))
                 .execute(self)?)
+        }
+
+        fn __migration_version(&mut self) -> $crate::Result<Option<i32>> {
+            use diesel::{Connection as _, RunQueryDsl as _};
+            // In a transaction (a savepoint inside the caller's): on PostgreSQL a failed
+            // statement would otherwise abort a transaction the caller has open.
+            let probe = self.transaction(|c| {
+                diesel::sql_query("SELECT MAX(version) AS version FROM outbox_migrations")
+                    .get_result::<$crate::backend::VersionRow>(c)
+            });
+            match probe {
+                Ok(row) => Ok(row.version),
+                Err(e) if $crate::backend::is_missing_table(&e, "outbox_migrations") => Ok(None),
+                Err(e) => Err(e.into()),
+            }
         }
     };
 }

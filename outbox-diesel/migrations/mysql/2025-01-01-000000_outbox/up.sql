@@ -39,3 +39,13 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
     PRIMARY KEY (consumer_group, msg_id),
     KEY consumed_msg_consumed_at (consumed_at)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- The migration versions applied, one row each. `outbox_diesel::migrate` (and `outbox
+-- migrate`) refuses to run over tables a newer release migrated (a higher version here).
+CREATE TABLE IF NOT EXISTS outbox_migrations (
+    version    INT          NOT NULL,
+    applied_at DATETIME(6)  NOT NULL,
+    PRIMARY KEY (version)
+) ENGINE = InnoDB;
+-- IGNORE: only the primary key can collide here (a second run).
+INSERT IGNORE INTO outbox_migrations (version, applied_at) VALUES (1, UTC_TIMESTAMP(6));

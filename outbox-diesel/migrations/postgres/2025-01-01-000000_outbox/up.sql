@@ -48,3 +48,11 @@ CREATE TABLE IF NOT EXISTS outbox_relay_idle (
     relay_id   VARCHAR(64)  PRIMARY KEY,
     idle_until TIMESTAMPTZ  NOT NULL
 );
+
+-- The migration versions applied, one row each. `outbox_diesel::migrate` (and `outbox
+-- migrate`) refuses to run over tables a newer release migrated (a higher version here).
+CREATE TABLE IF NOT EXISTS outbox_migrations (
+    version    INT          PRIMARY KEY,
+    applied_at TIMESTAMPTZ  NOT NULL DEFAULT now()
+);
+INSERT INTO outbox_migrations (version) VALUES (1) ON CONFLICT (version) DO NOTHING;

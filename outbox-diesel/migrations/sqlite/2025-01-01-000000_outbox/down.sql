@@ -1,3 +1,4 @@
+DROP TABLE IF EXISTS outbox_migrations;
 DROP TABLE IF EXISTS outbox_relay_lease;
 DROP TABLE IF EXISTS consumed_msg;
 DROP TABLE IF EXISTS outbox;

@@ -42,3 +42,11 @@ CREATE TABLE IF NOT EXISTS outbox_relay_lease (
     owner        TEXT    NOT NULL,
     heartbeat_at TEXT    NOT NULL
 );
+
+-- The migration versions applied, one row each. `outbox_diesel::migrate` (and `outbox
+-- migrate`) refuses to run over tables a newer release migrated (a higher version here).
+CREATE TABLE IF NOT EXISTS outbox_migrations (
+    version    INTEGER PRIMARY KEY,
+    applied_at TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))
+);
+INSERT OR IGNORE INTO outbox_migrations (version) VALUES (1);

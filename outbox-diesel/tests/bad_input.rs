@@ -1,0 +1,627 @@
+//! Bad input at the database side, on each backend (PostgreSQL and MariaDB on this
+//! machine, SQLite in a temp file): events that make no valid message, missing tables,
+//! tables a newer release migrated, wrong passwords and unreachable servers. Each is a
+//! typed error with a clear message, and nothing committed changes: the tests compare
+//! the outbox rows and the business rows before and after.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, Lite, My, Pg, TestDb, exec, runtime};
+use diesel::connection::SimpleConnection as _;
+use diesel::r2d2::{ConnectionManager, Pool};
+use diesel::{Connection, MysqlConnection, PgConnection};
+use outbox_core::{Inbox as _, InvalidMsgId, MsgId, OutboxEvent, RelayStore as _};
+use outbox_diesel::{
+    DieselInbox, Emit, Error, MIGRATION_VERSION, MysqlRelayStore, OutboxRecord, PgRelayStore,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+struct OrderPaid {
+    #[outbox(id)]
+    order_id: String,
+    amount_cents: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(id = "{tenant}/{order_id}")]
+struct TenantOrderPaid {
+    tenant: String,
+    order_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+struct Attachment {
+    #[outbox(id)]
+    name: String,
+    body: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(key = region)]
+struct Routed {
+    #[outbox(id)]
+    order_id: String,
+    region: String,
+}
+
+fn paid(order_id: &str) -> OrderPaid {
+    OrderPaid {
+        order_id: order_id.into(),
+        amount_cents: 1999,
+    }
+}
+
+/// Everything committed that a bad input could touch: the outbox rows (every column
+/// the operations queries read) and the two accounts.
+#[derive(Debug, PartialEq, Eq, Clone)]
+struct Snapshot {
+    outbox: Vec<OutboxRecord>,
+    balances: (i64, i64),
+}
+
+fn snapshot<B: Backend>(c: &mut B::Conn) -> Snapshot {
+    Snapshot {
+        outbox: outbox_diesel::list_messages(c, None, 0, 10_000).expect("outbox rows"),
+        balances: balances::<B>(c),
+    }
+}
+
+fn balances<B: Backend>(c: &mut B::Conn) -> (i64, i64) {
+    let balance = |c: &mut B::Conn, id: &str| {
+        B::scalar(
+            c,
+            &format!("SELECT balance AS n FROM accounts WHERE id = '{id}'"),
+        )
+    };
+    (balance(c, "alice"), balance(c, "bob"))
+}
+
+/// In one transaction: a transfer and a good event, then `bad` (which must fail as
+/// `expected` says), then another good event, and commit. The bad event's error leaves
+/// the transaction usable; afterwards the outbox holds exactly the two good events more
+/// and the transfer, and nothing of the bad one.
+fn refused_and_the_transaction_goes_on<B: Backend>(
+    db: &TestDb,
+    bad: impl FnOnce(&mut B::Conn) -> Result<(), Error>,
+    expected: impl FnOnce(&Error) -> bool,
+) -> Error {
+    let mut conn = B::connect(db);
+    let before = snapshot::<B>(&mut conn);
+    let mut refused = None;
+    conn.transaction(|c| {
+        exec(
+            c,
+            "UPDATE accounts SET balance = balance - 100 WHERE id = 'alice'",
+        );
+        c.emit(paid("good-1"))?;
+        let e = bad(c).expect_err("the bad input was accepted");
+        assert!(expected(&e), "unexpected error: {e:?}");
+        refused = Some(e);
+        c.emit(paid("good-2"))?;
+        exec(
+            c,
+            "UPDATE accounts SET balance = balance + 100 WHERE id = 'bob'",
+        );
+        Ok::<_, Error>(())
+    })
+    .expect("the transaction commits after the refused event");
+    let after = snapshot::<B>(&mut conn);
+    let mut expected_outbox = before.outbox.clone();
+    for id in ["good-1", "good-2"] {
+        let row = after
+            .outbox
+            .iter()
+            .find(|r| r.envelope.msg_id.as_str() == format!("{id}:OrderPaid"))
+            .expect("the good events are in the outbox");
+        expected_outbox.push(row.clone());
+    }
+    assert_eq!(
+        after.outbox, expected_outbox,
+        "the outbox changed beyond the good events"
+    );
+    assert_eq!(after.balances, (900, 100));
+    refused.unwrap()
+}
+
+fn an_empty_id_field_is_refused<B: Backend>() {
+    let db = B::create();
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| c.emit(paid("")).map(drop),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: "order_id" })
+            )
+        },
+    );
+    assert!(e.is_invalid_event());
+    assert!(
+        e.to_string().contains("msg_id part `order_id` is empty"),
+        "{e}"
+    );
+}
+
+fn an_empty_template_part_is_refused<B: Backend>() {
+    let db = B::create();
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| {
+            c.emit(TenantOrderPaid {
+                tenant: String::new(),
+                order_id: "o-1".into(),
+            })
+            .map(drop)
+        },
+        |e| {
+            matches!(
+                e,
+                Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: "tenant" })
+            )
+        },
+    );
+    assert!(e.to_string().contains("`tenant` is empty"), "{e}");
+}
+
+fn an_overlong_id_is_refused<B: Backend>() {
+    let db = B::create();
+    // 56 + ":OrderPaid" = 66 bytes, over the VARCHAR(64) of msg_id: never truncated.
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| c.emit(paid(&"9".repeat(56))).map(drop),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidMsgId(InvalidMsgId::TooLong { len: 66, .. })
+            )
+        },
+    );
+    assert!(
+        e.to_string().contains("is 66 bytes long; the limit is 64"),
+        "{e}"
+    );
+}
+
+fn whitespace_or_control_characters_in_an_id_are_refused<B: Backend>() {
+    let db = B::create();
+    for (id, at) in [
+        ("order 7", 5),
+        ("order-7\t", 7),
+        ("order\u{0}7", 5),
+        ("\u{1b}[31m", 0),
+    ] {
+        let e = refused_and_the_transaction_goes_on::<B>(
+            &db,
+            |c| c.emit(paid(id)).map(drop),
+            |e| matches!(e, Error::InvalidMsgId(InvalidMsgId::BadChar { at: a, .. }) if *a == at),
+        );
+        assert!(
+            e.to_string().contains("whitespace or a control character"),
+            "{e}"
+        );
+        // Each round commits its two good events; clear them for the next round.
+        exec(&mut B::connect(&db), "DELETE FROM outbox");
+        exec(
+            &mut B::connect(&db),
+            "UPDATE accounts SET balance = CASE WHEN id = 'alice' THEN 1000 ELSE 0 END",
+        );
+    }
+}
+
+fn a_2_mib_payload_is_refused<B: Backend>() {
+    let db = B::create();
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| {
+            c.emit(Attachment {
+                name: "scan-1".into(),
+                body: "x".repeat(2 << 20),
+            })
+            .map(drop)
+        },
+        |e| matches!(e, Error::PayloadTooLarge { limit, size, .. } if *limit == 1 << 20 && *size > 2 << 20),
+    );
+    assert!(e.is_invalid_event());
+    assert!(e.to_string().contains("the limit is 1048576"), "{e}");
+}
+
+fn an_overlong_ordering_key_is_refused<B: Backend>() {
+    let db = B::create();
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| {
+            c.emit(Routed {
+                order_id: "o-1".into(),
+                region: "r".repeat(256),
+            })
+            .map(drop)
+        },
+        |e| {
+            matches!(
+                e,
+                Error::FieldTooLong {
+                    field: "key",
+                    len: 256,
+                    limit: 255,
+                    ..
+                }
+            )
+        },
+    );
+    assert!(e.is_invalid_event());
+}
+
+fn a_duplicate_is_refused_and_the_first_stays<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.transaction(|c| c.emit(paid("dup")).map(drop)).unwrap();
+    let e = refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| {
+            c.emit(OrderPaid {
+                order_id: "dup".into(),
+                amount_cents: 1,
+            })
+            .map(drop)
+        },
+        |e| matches!(e, Error::Duplicate(id) if id.as_str() == "dup:OrderPaid"),
+    );
+    assert!(e.is_duplicate());
+}
+
+fn one_bad_event_in_emit_all_writes_none_of_them<B: Backend>() {
+    let db = B::create();
+    refused_and_the_transaction_goes_on::<B>(
+        &db,
+        |c| {
+            c.emit_all([paid("batch-1"), paid(""), paid("batch-3")])
+                .map(drop)
+        },
+        |e| matches!(e, Error::InvalidMsgId(InvalidMsgId::EmptyPart { .. })),
+    );
+    let mut conn = B::connect(&db);
+    assert_eq!(
+        B::scalar(
+            &mut conn,
+            "SELECT COUNT(*) AS n FROM outbox WHERE msg_id LIKE 'batch-%'"
+        ),
+        0
+    );
+}
+
+/// A database nobody migrated: emit fails with the database's own words naming the
+/// table, the caller's transaction (which propagates it) rolls back, and the consumer's
+/// inbox reports a store failure without applying anything.
+fn missing_tables_are_a_clear_error_and_nothing_commits<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    exec(&mut conn, "DROP TABLE consumed_msg; DROP TABLE outbox;");
+    let before = balances::<B>(&mut conn);
+    let result = conn.transaction(|c| {
+        exec(c, "UPDATE accounts SET balance = 0 WHERE id = 'alice'");
+        c.emit(paid("o-1"))?;
+        Ok::<_, Error>(())
+    });
+    let e = result.unwrap_err();
+    assert!(matches!(e, Error::Database(_)), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("outbox") && (text.contains("exist") || text.contains("no such table")),
+        "{text}"
+    );
+    assert!(!e.is_invalid_event() && !e.is_duplicate());
+    let after = balances::<B>(&mut conn);
+    assert_eq!(
+        after, before,
+        "the business write committed without its event"
+    );
+
+    let inbox = DieselInbox::new(B::pool(&db, 1));
+    let id = MsgId::new("o-1:OrderPaid").unwrap();
+    let mut ran = false;
+    let e = inbox
+        .process("g", &id, |c: &mut B::Conn| {
+            ran = true;
+            c.batch_execute("UPDATE accounts SET balance = 0 WHERE id = 'bob'")?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(!ran, "the handler ran without a dedup table");
+    assert!(e.is_outage(), "{e:?}");
+    assert!(e.to_string().contains("consumed_msg"), "{e}");
+}
+
+/// Each backend's SQL for recording a migration version and checking an index.
+fn newer_release_sql<B: Backend>() -> (&'static str, &'static str, &'static str) {
+    match B::NAME {
+        "PostgreSQL" => (
+            "INSERT INTO outbox_migrations (version) VALUES (2)",
+            "DROP INDEX outbox_sent",
+            "SELECT COUNT(*) AS n FROM pg_indexes WHERE indexname = 'outbox_sent' \
+             AND schemaname = current_schema()",
+        ),
+        "MariaDB" => (
+            "INSERT INTO outbox_migrations (version, applied_at) VALUES (2, UTC_TIMESTAMP(6))",
+            "DROP INDEX outbox_sent ON outbox",
+            "SELECT COUNT(*) AS n FROM information_schema.statistics \
+             WHERE table_schema = DATABASE() AND index_name = 'outbox_sent'",
+        ),
+        _ => (
+            "INSERT INTO outbox_migrations (version) VALUES (2)",
+            "DROP INDEX outbox_sent",
+            "SELECT COUNT(*) AS n FROM sqlite_master WHERE name = 'outbox_sent'",
+        ),
+    }
+}
+
+/// Tables a newer release migrated (it recorded version 2 and, say, replaced an index):
+/// this release's migrate refuses with `SchemaTooNew` and changes nothing, instead of
+/// re-creating what the newer one removed.
+fn tables_of_a_newer_release_are_left_alone<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.transaction(|c| c.emit(paid("kept")).map(drop))
+        .unwrap();
+    let (record, drop_index, count_index) = newer_release_sql::<B>();
+    exec(&mut conn, record);
+    exec(&mut conn, drop_index);
+    let before = snapshot::<B>(&mut conn);
+
+    let e = outbox_diesel::migrate(&mut conn).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::SchemaTooNew {
+                found: 2,
+                supported: MIGRATION_VERSION
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "the outbox tables are at migration version 2, newer than this release knows (1): \
+         nothing was changed; use the release that migrated them"
+    );
+    assert_eq!(
+        B::scalar(&mut conn, count_index),
+        0,
+        "migrate re-created the index"
+    );
+    assert_eq!(snapshot::<B>(&mut conn), before);
+    assert_eq!(
+        B::scalar(&mut conn, "SELECT COUNT(*) AS n FROM outbox_migrations"),
+        2
+    );
+}
+
+/// Tables migrated before `outbox_migrations` existed are brought up to date; running
+/// migrate again records nothing twice.
+fn tables_without_a_recorded_version_are_migrated<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    exec(&mut conn, "DROP TABLE outbox_migrations");
+    outbox_diesel::migrate(&mut conn).unwrap();
+    outbox_diesel::migrate(&mut conn).unwrap();
+    assert_eq!(
+        B::scalar(
+            &mut conn,
+            "SELECT COUNT(*) AS n FROM outbox_migrations WHERE version = 1"
+        ),
+        1
+    );
+    assert_eq!(
+        B::scalar(
+            &mut conn,
+            "SELECT COUNT(*) AS n FROM outbox_migrations WHERE version <> 1"
+        ),
+        0
+    );
+}
+
+macro_rules! on_every_backend {
+    ($($scenario:ident),* $(,)?) => {
+        mod postgres { $(#[test] fn $scenario() { super::$scenario::<super::Pg>() })* }
+        mod mariadb { $(#[test] fn $scenario() { super::$scenario::<super::My>() })* }
+        mod sqlite { $(#[test] fn $scenario() { super::$scenario::<super::Lite>() })* }
+    };
+}
+
+on_every_backend!(
+    an_empty_id_field_is_refused,
+    an_empty_template_part_is_refused,
+    an_overlong_id_is_refused,
+    whitespace_or_control_characters_in_an_id_are_refused,
+    a_2_mib_payload_is_refused,
+    an_overlong_ordering_key_is_refused,
+    a_duplicate_is_refused_and_the_first_stays,
+    one_bad_event_in_emit_all_writes_none_of_them,
+    missing_tables_are_a_clear_error_and_nothing_commits,
+    tables_of_a_newer_release_are_left_alone,
+    tables_without_a_recorded_version_are_migrated,
+);
+
+/// On PostgreSQL migrate may run inside the caller's transaction: the version probe on
+/// a database without `outbox_migrations` does not abort it.
+#[test]
+fn postgres_migrate_inside_a_transaction_leaves_it_usable() {
+    let db = Pg::create();
+    let mut conn = Pg::connect(&db);
+    exec(&mut conn, "DROP TABLE outbox_migrations");
+    conn.transaction(|c| {
+        outbox_diesel::migrate(c)?;
+        c.emit(paid("after-migrate"))?;
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    assert_eq!(
+        Pg::scalar(
+            &mut conn,
+            "SELECT COUNT(*) AS n FROM outbox WHERE msg_id = 'after-migrate:OrderPaid'"
+        ),
+        1
+    );
+}
+
+// ---- wrong passwords and unreachable servers, through the library ----
+
+/// Neither the error's `Display` (with its sources) nor its `Debug` holds `secret`.
+fn assert_hidden(e: &dyn std::error::Error, secret: &str) {
+    let mut text = format!("{e}\n{e:?}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!("\n{s}\n{s:?}"));
+        source = s.source();
+    }
+    assert!(!text.contains(secret), "the password leaked: {text}");
+}
+
+/// A pool that does not connect until asked, so that each use meets the server.
+fn lazy_pool<C: diesel::r2d2::R2D2Connection + 'static>(url: &str) -> Pool<ConnectionManager<C>> {
+    Pool::builder()
+        .max_size(1)
+        .connection_timeout(Duration::from_secs(3))
+        .build_unchecked(ConnectionManager::new(url))
+}
+
+#[test]
+fn postgres_wrong_password_is_a_clear_error_without_the_password() {
+    let server = outbox_tests::ScratchPostgres::start();
+    let secret = "Wr0ng-PG-Secret";
+    let url = server.url_with_password(secret);
+
+    // The one-call constructor: its pool cannot open a connection.
+    let e = PgRelayStore::connect(&url, 1).unwrap_err();
+    assert!(matches!(e, Error::Pool(_)), "{e:?}");
+    assert!(
+        e.to_string().contains("password authentication failed"),
+        "{e}"
+    );
+    assert_hidden(&e, secret);
+
+    // A store over a pool that connects lazily: every claim is an outage (the relay
+    // backs off as a whole, spending no message's retries), with the server's words.
+    let store = PgRelayStore::new(lazy_pool(&url)).with_listener(url.clone());
+    let rt = runtime();
+    let e = rt.block_on(store.claim(10)).unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert!(
+        e.to_string().contains("password authentication failed"),
+        "{e}"
+    );
+    assert_hidden(&e, secret);
+    // Waiting with the listener fails quietly (it logs and polls); nothing to leak there.
+    rt.block_on(outbox_core::RelayStore::wait_for_work(
+        &store,
+        Duration::from_millis(100),
+    ));
+    assert!(!format!("{store:?}").contains(secret), "{store:?}");
+
+    let inbox = DieselInbox::<PgConnection>::new(lazy_pool(&url));
+    let e = inbox
+        .process("g", &MsgId::new("a:B").unwrap(), |_| Ok(()))
+        .unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert_hidden(&e, secret);
+    assert!(!format!("{inbox:?}").contains(secret));
+
+    // The right password works: the refusal was the password's.
+    let mut ok =
+        PgConnection::establish(&server.url_with_password(outbox_tests::ScratchPostgres::PASSWORD))
+            .expect("the right password connects");
+    exec(&mut ok, "SELECT 1");
+}
+
+/// A MariaDB user with a password, on the shared server; dropped on drop.
+struct MariaUser {
+    name: String,
+    db: TestDb,
+}
+
+impl MariaUser {
+    const PASSWORD: &'static str = "right-maria-pass";
+
+    fn new() -> Self {
+        let db = My::create();
+        let name = format!("bad_input_{:08x}", fastrand::u32(..));
+        let mut admin = MysqlConnection::establish(&common::mysql_url()).unwrap();
+        exec(
+            &mut admin,
+            &format!(
+                "CREATE USER '{name}'@'%' IDENTIFIED BY '{}'; \
+                 GRANT ALL ON {}.* TO '{name}'@'%'",
+                Self::PASSWORD,
+                db.name
+            ),
+        );
+        Self { name, db }
+    }
+
+    fn url(&self, password: &str) -> String {
+        let base = common::mysql_url();
+        let host = base
+            .split_once('@')
+            .map_or("127.0.0.1:3306/test", |(_, h)| h);
+        let host = host.split_once('/').map_or(host, |(h, _)| h);
+        format!("mysql://{}:{password}@{host}/{}", self.name, self.db.name)
+    }
+}
+
+impl Drop for MariaUser {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = MysqlConnection::establish(&common::mysql_url()) {
+            let _ = admin.batch_execute(&format!("DROP USER IF EXISTS '{}'@'%'", self.name));
+        }
+    }
+}
+
+#[test]
+fn mariadb_wrong_password_is_a_clear_error_without_the_password() {
+    let user = MariaUser::new();
+    let secret = "Wr0ng-Maria-Secret";
+    let url = user.url(secret);
+
+    let Err(e) = MysqlConnection::establish(&url) else {
+        panic!("a wrong password connected");
+    };
+    let e = Error::from(e);
+    assert!(e.to_string().contains("Access denied"), "{e}");
+    assert_hidden(&e, secret);
+
+    let store = MysqlRelayStore::new(lazy_pool(&url));
+    let e = runtime().block_on(store.claim(10)).unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert!(e.to_string().contains("Access denied"), "{e}");
+    assert_hidden(&e, secret);
+
+    let inbox = DieselInbox::<MysqlConnection>::new(lazy_pool(&url));
+    let e = inbox
+        .process("g", &MsgId::new("a:B").unwrap(), |_| Ok(()))
+        .unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert_hidden(&e, secret);
+
+    // The right password works: the refusal was the password's.
+    let mut ok = MysqlConnection::establish(&user.url(MariaUser::PASSWORD)).expect("connects");
+    exec(&mut ok, "SELECT 1");
+}
+
+#[test]
+fn unreachable_servers_are_outages_with_the_drivers_words() {
+    // Port 1 on the loopback: nothing listens, the connection is refused at once.
+    let rt = runtime();
+    let pg = PgRelayStore::new(lazy_pool("postgres://u:Pg-Secret-1@127.0.0.1:1/db"));
+    let e = rt.block_on(pg.claim(1)).unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert!(e.to_string().contains("Connection refused"), "{e}");
+    assert_hidden(&e, "Pg-Secret-1");
+
+    let my = MysqlRelayStore::new(lazy_pool("mysql://u:My-Secret-1@127.0.0.1:1/db"));
+    let e = rt.block_on(my.claim(1)).unwrap_err();
+    assert!(e.is_outage(), "{e:?}");
+    assert!(e.to_string().contains("Can't connect"), "{e}");
+    assert_hidden(&e, "My-Secret-1");
+}
