@@ -531,3 +531,66 @@ fn an_empty_id_part_is_a_typed_error_naming_the_field() {
     let e = paid("").msg_id().unwrap_err().to_string();
     assert!(e.contains("`order_id` is empty"), "{e}");
 }
+
+// `outbox-core` under another name, as in a crate that renames the dependency.
+extern crate outbox_core as renamed;
+
+/// `#[outbox(crate = "...")]`: the generated code reaches `outbox-core` by that path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(crate = "renamed", key = account)]
+struct Transferred {
+    #[outbox(id)]
+    transfer_id: String,
+    account: String,
+}
+
+/// A crate that wraps `outbox-core` and re-exports it, derive included.
+mod facade {
+    pub(crate) use outbox_core as outbox;
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, facade::outbox::OutboxEvent)]
+#[outbox(crate = "crate::facade::outbox", id = "{tenant}/{n}", topic = "ledger")]
+enum Ledger<T> {
+    Booked {
+        tenant: String,
+        n: u64,
+        entry: T,
+    },
+    #[outbox(key = tenant)]
+    Reversed {
+        tenant: String,
+        n: u64,
+    },
+}
+
+#[test]
+fn crate_attribute_names_outbox_core_by_another_path() {
+    let e = Transferred {
+        transfer_id: "t-1".into(),
+        account: "a-9".into(),
+    };
+    assert_eq!(Transferred::TOPIC, "transferred");
+    assert_eq!(e.msg_id().unwrap().as_str(), "t-1:Transferred");
+    assert_eq!(e.ordering_key(), "a-9");
+    assert_eq!(
+        Transferred::msg_id_for("").unwrap_err(),
+        InvalidMsgId::EmptyPart {
+            part: "transfer_id"
+        }
+    );
+
+    let booked = Ledger::Booked {
+        tenant: "acme".into(),
+        n: 7,
+        entry: 1999_i64,
+    };
+    assert_eq!(<Ledger<i64> as OutboxEvent>::TOPICS, ["ledger"]);
+    assert_eq!(booked.msg_id().unwrap().as_str(), "acme/7:Booked");
+    assert_eq!(booked.ordering_key(), "acme/7");
+    let reversed = Ledger::<i64>::Reversed {
+        tenant: "acme".into(),
+        n: 7,
+    };
+    assert_eq!(reversed.ordering_key(), "acme");
+}

@@ -1,7 +1,6 @@
-//! Parsing of `#[outbox(...)]` attributes. Every mistake is recorded with its span in a
-//! [`Ctxt`] so the user sees all of them in one build.
-
-use std::cell::RefCell;
+//! Parsing of `#[outbox(...)]` attributes into plain values. Mistakes in an attribute's own
+//! syntax (unknown item, wrong value type, duplicate) are recorded here; whether the values
+//! make a valid event is `valid`'s business.
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::ToTokens as _;
@@ -9,35 +8,10 @@ use syn::meta::ParseNestedMeta;
 use syn::spanned::Spanned as _;
 use syn::{Attribute, Ident, LitInt, LitStr, Path, Token};
 
-/// Collects errors instead of stopping at the first one (as serde's `internals::Ctxt`).
-#[derive(Default)]
-pub(crate) struct Ctxt {
-    errors: RefCell<Vec<syn::Error>>,
-}
-
-impl Ctxt {
-    pub(crate) fn push(&self, error: syn::Error) {
-        self.errors.borrow_mut().push(error);
-    }
-
-    pub(crate) fn error(&self, span: Span, msg: impl std::fmt::Display) {
-        self.push(syn::Error::new(span, msg));
-    }
-
-    /// All recorded errors folded into one, or `Ok` when there were none.
-    pub(crate) fn finish(self) -> Result<(), syn::Error> {
-        let mut errors = self.errors.into_inner().into_iter();
-        let Some(mut first) = errors.next() else {
-            return Ok(());
-        };
-        for e in errors {
-            first.combine(e);
-        }
-        Err(first)
-    }
-}
+use crate::ctxt::Ctxt;
 
 /// A value with the span it was written at.
+#[derive(Clone)]
 pub(crate) struct Spanned<T> {
     pub(crate) value: T,
     pub(crate) span: Span,
@@ -51,6 +25,8 @@ pub(crate) struct ContainerAttrs {
     pub(crate) version: Option<Spanned<u32>>,
     pub(crate) key: Option<Ident>,
     pub(crate) id_template: Option<Spanned<String>>,
+    /// `crate = "path"`: how generated code names `outbox-core`.
+    pub(crate) krate: Option<Path>,
     /// A bare `#[outbox(id)]` was written here; already reported, so "no msg_id" is not.
     pub(crate) misplaced_id: bool,
 }
@@ -63,15 +39,31 @@ pub(crate) enum Place {
 }
 
 const CONTAINER_HELP: &str = "expected one of `topic = \"...\"`, `name = \"...\"`, \
-     `version = N`, `key = field`, `id = \"{field}...\"`";
+     `version = N`, `key = field`, `id = \"{field}...\"`, `crate = \"path\"`";
 const VARIANT_HELP: &str =
     "expected one of `topic = \"...\"`, `name = \"...\"`, `key = field`, `id = \"{field}...\"`";
 
+const TOPIC_EXPECTED: &str =
+    "#[outbox(topic)] expects a string\nhelp: `#[outbox(topic = \"order.paid\")]`";
+const NAME_EXPECTED: &str =
+    "#[outbox(name)] expects a string\nhelp: `#[outbox(name = \"OrderPaid\")]`";
+const VERSION_EXPECTED: &str = "#[outbox(version)] must be an integer from 1 to 4294967295\n\
+     help: `#[outbox(version = 2)]`";
+const KEY_EXPECTED: &str =
+    "#[outbox(key)] expects a field name\nhelp: `#[outbox(key = customer_id)]`";
+const ID_EXPECTED: &str = "#[outbox(id)] on a type expects a template string\n\
+     help: `#[outbox(id = \"{tenant}/{order_id}\")]`";
+const CRATE_EXPECTED: &str = "#[outbox(crate)] expects a path to `outbox_core` in a string\n\
+     help: `#[outbox(crate = \"my_app::outbox\")]`";
+
+/// Records a duplicate instead of overwriting the first value.
 fn set_once<T>(cx: &Ctxt, slot: &mut Option<T>, value: T, span: Span, what: &str) {
     if slot.is_some() {
-        cx.error(
+        let msg = format!("duplicate #[outbox({what})] attribute");
+        cx.help(
             span,
-            format!("duplicate #[outbox({what})] attribute\nhelp: remove this `{what}`; each attribute is given once"),
+            msg,
+            format!("remove this `{what}`; each attribute is given once"),
         );
     } else {
         *slot = Some(value);
@@ -110,27 +102,29 @@ impl Value {
     /// Parses `= <T>`; on anything else records `msg` at the value (or at `path`) and
     /// returns `None`.
     fn parse<T: syn::parse::Parse>(self, cx: &Ctxt, path: &Path, msg: &str) -> Option<T> {
-        match self {
+        let tokens = match self {
+            Self::Eq(tokens) if tokens.is_empty() => None,
             Self::Eq(tokens) => match syn::parse2::<T>(tokens.clone()) {
-                Ok(v) => Some(v),
-                Err(_) if tokens.is_empty() => {
-                    cx.error(path.span(), msg);
-                    None
-                }
-                Err(_) => {
-                    cx.push(syn::Error::new_spanned(tokens, msg));
-                    None
-                }
+                Ok(v) => return Some(v),
+                Err(_) => Some(tokens),
             },
-            Self::List(tokens) => {
-                cx.push(syn::Error::new_spanned(tokens, msg));
-                None
-            }
-            Self::None => {
-                cx.error(path.span(), msg);
-                None
-            }
+            Self::List(tokens) => Some(tokens),
+            Self::None => None,
+        };
+        match tokens {
+            Some(tokens) => cx.push(syn::Error::new_spanned(tokens, msg)),
+            None => cx.error(path.span(), msg),
         }
+        None
+    }
+
+    /// Parses `= "..."`.
+    fn string(self, cx: &Ctxt, path: &Path, msg: &str) -> Option<Spanned<String>> {
+        let lit: LitStr = self.parse(cx, path, msg)?;
+        Some(Spanned {
+            value: lit.value(),
+            span: lit.span(),
+        })
     }
 }
 
@@ -138,86 +132,13 @@ fn path_string(path: &Path) -> String {
     path.to_token_stream().to_string().replace(' ', "")
 }
 
-fn string(cx: &Ctxt, path: &Path, value: Value, msg: &str) -> Option<Spanned<String>> {
-    let lit: LitStr = value.parse(cx, path, msg)?;
-    Some(Spanned {
-        value: lit.value(),
-        span: lit.span(),
-    })
-}
-
+/// Parses every `#[outbox(...)]` of a struct, enum or variant.
 pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute], place: Place) -> ContainerAttrs {
     let mut out = ContainerAttrs::default();
     for attr in outbox_attrs(attrs) {
         let parsed = attr.parse_nested_meta(|meta| {
-            let path = &meta.path;
-            let span = path.span();
             let value = value(&meta)?;
-            if path.is_ident("topic") {
-                let msg = "#[outbox(topic)] expects a string\nhelp: `#[outbox(topic = \"order.paid\")]`";
-                if let Some(v) = string(cx, path, value, msg) {
-                    set_once(cx, &mut out.topic, v, span, "topic");
-                }
-            } else if path.is_ident("name") {
-                let msg = "#[outbox(name)] expects a string\nhelp: `#[outbox(name = \"OrderPaid\")]`";
-                if let Some(v) = string(cx, path, value, msg) {
-                    set_once(cx, &mut out.name, v, span, "name");
-                }
-            } else if path.is_ident("version") && place == Place::Container {
-                let msg = "#[outbox(version)] must be an integer from 1 to 4294967295\n\
-                           help: `#[outbox(version = 2)]`";
-                let lit: Option<LitInt> = value.parse(cx, path, msg);
-                match lit.map(|l| (l.base10_parse::<u32>(), l.span())) {
-                    Some((Ok(v), span)) if v >= 1 => {
-                        set_once(cx, &mut out.version, Spanned { value: v, span }, path.span(), "version");
-                    }
-                    Some((_, span)) => cx.error(span, msg),
-                    None => {}
-                }
-            } else if path.is_ident("version") {
-                cx.error(
-                    span,
-                    "#[outbox(version)] belongs on the enum: its variants share one payload schema\n\
-                     help: move `version = N` to the enum's #[outbox(...)]",
-                );
-            } else if path.is_ident("key") {
-                if let Value::Eq(tokens) = &value
-                    && let Ok(lit) = syn::parse2::<LitStr>(tokens.clone())
-                {
-                        cx.error(
-                            lit.span(),
-                            format!(
-                                "#[outbox(key)] takes a field name, not a string\n\
-                                 help: `#[outbox(key = {})]`",
-                                lit.value()
-                            ),
-                        );
-                        return Ok(());
-                }
-                let msg = "#[outbox(key)] expects a field name\nhelp: `#[outbox(key = customer_id)]`";
-                if let Some(field) = value.parse::<Ident>(cx, path, msg) {
-                    set_once(cx, &mut out.key, field, span, "key");
-                }
-            } else if path.is_ident("id") {
-                if let Value::None = value {
-                    out.misplaced_id = true;
-                    cx.error(
-                        span,
-                        "#[outbox(id)] without a template belongs on a field\n\
-                         help: mark the field, or write `#[outbox(id = \"{tenant}/{order_id}\")]` here",
-                    );
-                    return Ok(());
-                }
-                let msg = "#[outbox(id)] on a type expects a template string\n\
-                           help: `#[outbox(id = \"{tenant}/{order_id}\")]`";
-                if let Some(v) = string(cx, path, value, msg) {
-                    set_once(cx, &mut out.id_template, v, span, "id");
-                }
-            } else {
-                let help = if place == Place::Container { CONTAINER_HELP } else { VARIANT_HELP };
-                let name = path_string(path);
-                cx.error(span, format!("unknown outbox attribute `{name}`\nhelp: {help}"));
-            }
+            container_item(cx, &mut out, &meta.path, value, place);
             Ok(())
         });
         if let Err(e) = parsed {
@@ -225,6 +146,116 @@ pub(crate) fn container(cx: &Ctxt, attrs: &[Attribute], place: Place) -> Contain
         }
     }
     out
+}
+
+/// One `word = value` item of a container attribute.
+fn container_item(cx: &Ctxt, out: &mut ContainerAttrs, path: &Path, value: Value, place: Place) {
+    let span = path.span();
+    let on_type = place == Place::Container;
+    if path.is_ident("topic") {
+        if let Some(v) = value.string(cx, path, TOPIC_EXPECTED) {
+            set_once(cx, &mut out.topic, v, span, "topic");
+        }
+    } else if path.is_ident("name") {
+        if let Some(v) = value.string(cx, path, NAME_EXPECTED) {
+            set_once(cx, &mut out.name, v, span, "name");
+        }
+    } else if path.is_ident("version") && on_type {
+        if let Some(v) = version(cx, path, value) {
+            set_once(cx, &mut out.version, v, span, "version");
+        }
+    } else if path.is_ident("key") {
+        if let Some(field) = key(cx, path, value) {
+            set_once(cx, &mut out.key, field, span, "key");
+        }
+    } else if path.is_ident("id") {
+        if let Value::None = value {
+            out.misplaced_id = true;
+            cx.help(
+                span,
+                "#[outbox(id)] without a template belongs on a field",
+                "mark the field, or write `#[outbox(id = \"{tenant}/{order_id}\")]` here",
+            );
+        } else if let Some(v) = value.string(cx, path, ID_EXPECTED) {
+            set_once(cx, &mut out.id_template, v, span, "id");
+        }
+    } else if path.is_ident("crate") && on_type {
+        if let Some(krate) = krate(cx, path, value) {
+            set_once(cx, &mut out.krate, krate, span, "crate");
+        }
+    } else if path.is_ident("version") || path.is_ident("crate") {
+        misplaced_on_variant(cx, path);
+    } else {
+        let help = if on_type {
+            CONTAINER_HELP
+        } else {
+            VARIANT_HELP
+        };
+        let name = path_string(path);
+        cx.help(span, format!("unknown outbox attribute `{name}`"), help);
+    }
+}
+
+/// `version = N`, N from 1.
+fn version(cx: &Ctxt, path: &Path, value: Value) -> Option<Spanned<u32>> {
+    let lit: LitInt = value.parse(cx, path, VERSION_EXPECTED)?;
+    match lit.base10_parse::<u32>() {
+        Ok(value) if value >= 1 => Some(Spanned {
+            value,
+            span: lit.span(),
+        }),
+        _ => {
+            cx.error(lit.span(), VERSION_EXPECTED);
+            None
+        }
+    }
+}
+
+/// `key = field`; a string (`key = "field"`) gets its own hint.
+fn key(cx: &Ctxt, path: &Path, value: Value) -> Option<Ident> {
+    if let Value::Eq(tokens) = &value
+        && let Ok(lit) = syn::parse2::<LitStr>(tokens.clone())
+    {
+        let help = format!("`#[outbox(key = {})]`", lit.value());
+        cx.help(
+            lit.span(),
+            "#[outbox(key)] takes a field name, not a string",
+            help,
+        );
+        return None;
+    }
+    value.parse(cx, path, KEY_EXPECTED)
+}
+
+/// `crate = "path"`, a module-style path (`::a::b`, `crate::a`, no generics). Its tokens
+/// carry the string's span, so a path that does not resolve is reported at the string.
+fn krate(cx: &Ctxt, path: &Path, value: Value) -> Option<Path> {
+    let lit: LitStr = value.parse(cx, path, CRATE_EXPECTED)?;
+    match lit.parse_with(Path::parse_mod_style) {
+        Ok(krate) => Some(krate),
+        Err(_) => {
+            cx.error(lit.span(), CRATE_EXPECTED);
+            None
+        }
+    }
+}
+
+/// `version` and `crate` hold for the whole enum, not for one variant.
+fn misplaced_on_variant(cx: &Ctxt, path: &Path) {
+    let (what, why, example) = if path.is_ident("version") {
+        (
+            "version",
+            "its variants share one payload schema",
+            "version = N",
+        )
+    } else {
+        ("crate", "its variants share one impl", "crate = \"...\"")
+    };
+    cx.help(
+        path.span(),
+        format!("#[outbox({what})] belongs on the enum: {why}"),
+        format!("move `{example}` to the enum's #[outbox(...)]"),
+    );
 }
 
 /// Whether a field carries `#[outbox(id)]`; anything else on a field is an error.
@@ -237,20 +268,13 @@ pub(crate) fn field_is_id(cx: &Ctxt, attrs: &[Attribute]) -> Option<Span> {
             if meta.path.is_ident("id") {
                 // Still counts as the id, so the mistake does not also cause "no msg_id".
                 if !matches!(value, Value::None) {
-                    cx.error(
-                        span,
-                        "#[outbox(id)] on a field takes no value\n\
-                         help: write `#[outbox(id)]`, or put a template on the type: \
-                         `#[outbox(id = \"{tenant}/{order_id}\")]`",
-                    );
+                    field_id_with_value(cx, span);
                 }
                 set_once(cx, &mut id, span, span, "id");
             } else {
                 let name = path_string(&meta.path);
-                cx.error(
-                    span,
-                    format!("unknown outbox field attribute `{name}`\nhelp: fields take only `#[outbox(id)]`"),
-                );
+                let msg = format!("unknown outbox field attribute `{name}`");
+                cx.help(span, msg, "fields take only `#[outbox(id)]`");
             }
             Ok(())
         });
@@ -259,6 +283,15 @@ pub(crate) fn field_is_id(cx: &Ctxt, attrs: &[Attribute]) -> Option<Span> {
         }
     }
     id
+}
+
+fn field_id_with_value(cx: &Ctxt, span: Span) {
+    cx.help(
+        span,
+        "#[outbox(id)] on a field takes no value",
+        "write `#[outbox(id)]`, or put a template on the type: \
+         `#[outbox(id = \"{tenant}/{order_id}\")]`",
+    );
 }
 
 fn outbox_attrs(attrs: &[Attribute]) -> impl Iterator<Item = &Attribute> {

@@ -1,21 +1,31 @@
-//! Code generation. Paths are fully qualified and reach `outbox-core` through its hidden
-//! `__private` module, so the user needs no imports besides the derive.
+//! Code generation from a validated [`Event`]. Paths are fully qualified and reach
+//! `outbox-core` through its hidden `__private` module (by `::outbox_core`, or the path of
+//! `#[outbox(crate = "...")]`), so the user needs no imports besides the derive.
+//!
+//! Every impl is `#[automatically_derived]` and allows `unused_qualifications`: a path from
+//! `#[outbox(crate = "...")]` carries the user's span, so rustc lints it as the user's
+//! code, and `my_app::outbox::__private::String` names the prelude's `String` in full.
 
-use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
+use proc_macro2::{Span, TokenStream};
+use quote::{ToTokens as _, format_ident, quote, quote_spanned};
 use syn::ext::IdentExt as _;
 use syn::{Data, DeriveInput, Generics, Ident, parse_quote};
 
-use crate::ast::{Event, Variant};
+use crate::ast::{Event, Shape, Variant};
+use crate::ctxt::Ctxt;
+use crate::valid;
 
 /// Expands the derive; on error, the errors plus a stub impl so the user sees the real
 /// mistakes and not a cascade of "trait not implemented".
 pub(crate) fn derive(input: &DeriveInput) -> TokenStream {
-    match Event::from_input(input) {
-        Ok(event) => expand(&event),
+    let cx = Ctxt::default();
+    let event = Event::from_input(&cx, input);
+    valid::check(&cx, &event);
+    match cx.finish() {
+        Ok(()) => expand(&event),
         Err(e) => {
             let mut out = e.into_compile_error();
-            out.extend(fallback(input));
+            out.extend(fallback(&event));
             out
         }
     }
@@ -23,12 +33,12 @@ pub(crate) fn derive(input: &DeriveInput) -> TokenStream {
 
 /// The generics of the trait impl: the type's own, plus what the trait requires of `Self`
 /// when the type is generic (so the impl states it rather than failing inside).
-fn impl_generics(input: &DeriveInput) -> Generics {
+fn impl_generics(input: &DeriveInput, krate: &TokenStream) -> Generics {
     let mut generics = input.generics.clone();
     if !generics.params.is_empty() {
         generics.make_where_clause().predicates.push(parse_quote! {
-            Self: ::outbox_core::__private::Serialize
-                + ::outbox_core::__private::DeserializeOwned
+            Self: #krate::__private::Serialize
+                + #krate::__private::DeserializeOwned
                 + ::core::marker::Send + 'static
         });
     }
@@ -37,26 +47,28 @@ fn impl_generics(input: &DeriveInput) -> Generics {
 
 fn expand(event: &Event<'_>) -> TokenStream {
     let input = event.input;
-    let ident = &input.ident;
-    let generics = impl_generics(input);
+    let (ident, krate) = (&input.ident, &krate(event));
+    let generics = impl_generics(input, krate);
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
-    let event_types = event.variants.iter().map(|v| &v.name);
+    let event_types = event.variants.iter().map(|v| &v.name.value);
     let mut topics: Vec<&str> = Vec::new();
     for v in &event.variants {
-        if !topics.contains(&v.topic.as_str()) {
-            topics.push(&v.topic);
+        if !topics.contains(&v.topic.value.as_str()) {
+            topics.push(&v.topic.value);
         }
     }
     let version = event.version;
-    let topic_arms = event.variants.iter().map(|v| arm(v, &v.topic));
-    let name_arms = event.variants.iter().map(|v| arm(v, &v.name));
-    let key_arms = event.variants.iter().map(business_key_arm);
-    let msg_id_arms = event.variants.iter().map(msg_id_arm);
+    let topic_arms = event.variants.iter().map(|v| arm(v, &v.topic.value));
+    let name_arms = event.variants.iter().map(|v| arm(v, &v.name.value));
+    let key_arms = event.variants.iter().map(|v| business_key_arm(event, v));
+    let msg_id_arms = event.variants.iter().map(|v| msg_id_arm(event, v));
     let ordering = ordering_key(event);
-    let inherent = (!event.is_enum).then(|| inherent_items(event));
+    let inherent = matches!(event.shape, Shape::Struct).then(|| inherent_items(event));
+    let msg_id = quote!(::core::result::Result<#krate::MsgId, #krate::InvalidMsgId>);
     quote! {
         #[automatically_derived]
-        impl #impl_generics ::outbox_core::OutboxEvent for #ident #ty_generics #where_clause {
+        #[allow(unused_qualifications)]
+        impl #impl_generics #krate::OutboxEvent for #ident #ty_generics #where_clause {
             const EVENT_TYPES: &'static [&'static str] = &[#(#event_types),*];
             const TOPICS: &'static [&'static str] = &[#(#topics),*];
             const SCHEMA_VERSION: u32 = #version;
@@ -69,11 +81,11 @@ fn expand(event: &Event<'_>) -> TokenStream {
                 match self { #(#name_arms)* }
             }
 
-            fn business_key(&self) -> ::outbox_core::__private::String {
+            fn business_key(&self) -> #krate::__private::String {
                 match self { #(#key_arms)* }
             }
 
-            fn msg_id(&self) -> ::core::result::Result<::outbox_core::MsgId, ::outbox_core::InvalidMsgId> {
+            fn msg_id(&self) -> #msg_id {
                 match self { #(#msg_id_arms)* }
             }
 
@@ -85,12 +97,12 @@ fn expand(event: &Event<'_>) -> TokenStream {
 }
 
 /// `Self::Variant { .. } => "value",` (or `Self { .. }` for a struct).
-fn arm(v: &Variant, value: &str) -> TokenStream {
+fn arm(v: &Variant<'_>, value: &str) -> TokenStream {
     let pat = pattern(v, &[]);
     quote!(#pat => #value,)
 }
 
-fn pattern(v: &Variant, bind: &[&syn::Ident]) -> TokenStream {
+fn pattern(v: &Variant<'_>, bind: &[&Ident]) -> TokenStream {
     let path = match &v.ident {
         Some(variant) => quote!(Self::#variant),
         None => quote!(Self),
@@ -98,8 +110,8 @@ fn pattern(v: &Variant, bind: &[&syn::Ident]) -> TokenStream {
     quote!(#path { #(#bind,)* .. })
 }
 
-fn unique(fields: &[syn::Ident]) -> Vec<&syn::Ident> {
-    let mut out: Vec<&syn::Ident> = Vec::new();
+fn unique(fields: &[Ident]) -> Vec<&Ident> {
+    let mut out: Vec<&Ident> = Vec::new();
     for f in fields {
         if !out.contains(&f) {
             out.push(f);
@@ -108,35 +120,64 @@ fn unique(fields: &[syn::Ident]) -> Vec<&syn::Ident> {
     out
 }
 
-fn business_key_arm(v: &Variant) -> TokenStream {
-    let args = &v.id.args;
-    let pat = pattern(v, &unique(args));
-    let format = &v.id.format;
-    let spanned_args = args
+fn business_key_arm(event: &Event<'_>, v: &Variant<'_>) -> TokenStream {
+    let krate = krate(event);
+    let id = v.id();
+    let pat = pattern(v, &unique(&id.args));
+    let format = &id.format;
+    let spanned_args = id
+        .args
         .iter()
         .map(|a| quote_spanned!(a.span()=> &#a as &dyn ::core::fmt::Display));
-    quote!(#pat => ::outbox_core::__private::format!(#format, #(#spanned_args),*),)
+    quote!(#pat => #krate::__private::format!(#format, #(#spanned_args),*),)
 }
 
 /// The id parts of `args`, each checked: an empty one returns
 /// `InvalidMsgId::EmptyPart` naming its field, before the parts are joined (a key built
 /// from empty parts, `:OrderPaid`, would make every such event one duplicate).
-fn checked_parts(args: &[Ident]) -> impl Iterator<Item = TokenStream> + '_ {
-    args.iter().map(|a| {
+fn checked_parts<'a>(event: &'a Event<'_>, args: &'a [Ident]) -> impl Iterator<Item = TokenStream> {
+    args.iter().map(move |a| {
         let field = a.unraw().to_string();
-        quote_spanned!(a.span()=>
-            ::outbox_core::__private::id_part(#field, &#a as &dyn ::core::fmt::Display)?
-        )
+        let id_part = private_at(event, a.span(), &["id_part"]);
+        quote_spanned!(a.span()=> #id_part(#field, &#a as &dyn ::core::fmt::Display)?)
     })
 }
 
-fn msg_id_arm(v: &Variant) -> TokenStream {
-    let pat = pattern(v, &unique(&v.id.args));
-    let (format, name) = (&v.id.format, &v.name);
-    let parts = checked_parts(&v.id.args);
+/// The path generated code reaches `outbox-core` by. A path from `crate = "..."` keeps the
+/// span of its string, so a path that resolves to nothing is reported there.
+fn krate(event: &Event<'_>) -> TokenStream {
+    match &event.krate {
+        Some(path) => path.to_token_stream(),
+        None => quote!(::outbox_core),
+    }
+}
+
+/// `krate::__private::<segments>`, for code reported at a field's `span`. The default path
+/// is spanned at the field as a whole. A `crate = "..."` path keeps its string's span and
+/// the rest is the macro's: one path spanning both the string and the field would make
+/// rustc suggest edits across the attribute.
+fn private_at(event: &Event<'_>, span: Span, segments: &[&str]) -> TokenStream {
+    match &event.krate {
+        None => {
+            let segments = segments.iter().map(|s| Ident::new(s, span));
+            quote_spanned!(span=> ::outbox_core::__private #(::#segments)*)
+        }
+        Some(path) => {
+            let segments = segments.iter().map(|s| format_ident!("{s}"));
+            quote!(#path::__private #(::#segments)*)
+        }
+    }
+}
+
+fn msg_id_arm(event: &Event<'_>, v: &Variant<'_>) -> TokenStream {
+    let krate = krate(event);
+    let id = v.id();
+    let pat = pattern(v, &unique(&id.args));
+    let (format, name) = (&id.format, &v.name.value);
+    let parts = checked_parts(event, &id.args);
     quote! {
-        #pat => ::outbox_core::MsgId::from_parts(
-            &::outbox_core::__private::format!(#format, #(#parts),*),
+        #pat => #krate::MsgId::from_parts(
+            &#krate::__private::format!(#format, #(#parts),*),
             #name,
         ),
     }
@@ -146,18 +187,20 @@ fn ordering_key(event: &Event<'_>) -> Option<TokenStream> {
     if event.variants.iter().all(|v| v.key.is_none()) {
         return None; // the trait's default: the business key
     }
+    let krate = krate(event);
     let arms = event.variants.iter().map(|v| match &v.key {
         Some(k) => {
             let pat = pattern(v, &[k]);
-            quote_spanned!(k.span()=> #pat => ::outbox_core::__private::ToString::to_string(#k),)
+            let to_string = private_at(event, k.span(), &["ToString", "to_string"]);
+            quote_spanned!(k.span()=> #pat => #to_string(#k),)
         }
         None => {
             let pat = pattern(v, &[]);
-            quote!(#pat => ::outbox_core::OutboxEvent::business_key(self),)
+            quote!(#pat => #krate::OutboxEvent::business_key(self),)
         }
     });
     Some(quote! {
-        fn ordering_key(&self) -> ::outbox_core::__private::String {
+        fn ordering_key(&self) -> #krate::__private::String {
             match self { #(#arms)* }
         }
     })
@@ -166,27 +209,23 @@ fn ordering_key(event: &Event<'_>) -> Option<TokenStream> {
 /// `TOPIC`, `EVENT_TYPE` and `msg_id_for` on a struct, usable without the trait in scope.
 fn inherent_items(event: &Event<'_>) -> TokenStream {
     let input = event.input;
-    let (ident, vis) = (&input.ident, &input.vis);
+    let (ident, vis, krate) = (&input.ident, &input.vis, krate(event));
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    let v = &event.variants[0];
-    let (topic, name, format) = (&v.topic, &v.name, &v.id.format);
-    let params = unique(&v.id.args);
-    let parts = checked_parts(&v.id.args);
-    let doc_fields = params
-        .iter()
-        .map(|p| format!("`{p}`"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let doc = format!(
-        "The msg_id of the `{name}` event whose id field(s) {doc_fields} have these values, \
-         without building the event. A value that renders empty is an \
-         [`InvalidMsgId::EmptyPart`](::outbox_core::InvalidMsgId::EmptyPart) naming its field."
-    );
+    let Some(v) = event.variants.first() else {
+        return TokenStream::new(); // a struct is one variant
+    };
+    let id = v.id();
+    let (topic, name, format) = (&v.topic.value, &v.name.value, &id.format);
+    let params = unique(&id.args);
+    let parts = checked_parts(event, &id.args);
+    let doc = msg_id_for_doc(name, &params, &krate);
     let generic_params: Vec<_> = (0..params.len())
         .map(|i| format_ident!("__OutboxId{}", i))
         .collect();
+    let msg_id = quote!(::core::result::Result<#krate::MsgId, #krate::InvalidMsgId>);
     quote! {
         #[automatically_derived]
+        #[allow(unused_qualifications)]
         impl #impl_generics #ident #ty_generics #where_clause {
             /// The stream topic this event is published to.
             #vis const TOPIC: &'static str = #topic;
@@ -194,32 +233,51 @@ fn inherent_items(event: &Event<'_>) -> TokenStream {
             #vis const EVENT_TYPE: &'static str = #name;
 
             #[doc = #doc]
-            #vis fn msg_id_for<#(#generic_params: ::core::fmt::Display),*>(#(#params: #generic_params),*)
-                -> ::core::result::Result<::outbox_core::MsgId, ::outbox_core::InvalidMsgId>
-            {
-                ::outbox_core::MsgId::from_parts(&::outbox_core::__private::format!(#format, #(#parts),*), #name)
+            #vis fn msg_id_for<#(#generic_params: ::core::fmt::Display),*>(
+                #(#params: #generic_params),*
+            ) -> #msg_id {
+                #krate::MsgId::from_parts(
+                    &#krate::__private::format!(#format, #(#parts),*),
+                    #name
+                )
             }
         }
     }
 }
 
+fn msg_id_for_doc(name: &str, params: &[&Ident], krate: &TokenStream) -> String {
+    let fields = params
+        .iter()
+        .map(|p| format!("`{p}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let krate = krate.to_string().replace(' ', "");
+    format!(
+        "The msg_id of the `{name}` event whose id field(s) {fields} have these values, \
+         without building the event. A value that renders empty is an \
+         [`InvalidMsgId::EmptyPart`]({krate}::InvalidMsgId::EmptyPart) naming its field."
+    )
+}
+
 /// A stub impl, so that code using the event reports the derive's errors only. Not for
 /// unions and borrowing or const-generic types: an impl for them would fail on its own.
-fn fallback(input: &DeriveInput) -> Option<TokenStream> {
+fn fallback(event: &Event<'_>) -> Option<TokenStream> {
+    let input = event.input;
     let unsupported = matches!(input.data, Data::Union(_))
         || input.generics.lifetimes().next().is_some()
         || input.generics.const_params().next().is_some();
     if unsupported {
         return None;
     }
-    let (ident, vis) = (&input.ident, &input.vis);
-    let generics = impl_generics(input);
+    let (ident, vis, krate) = (&input.ident, &input.vis, &krate(event));
+    let generics = impl_generics(input, krate);
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     // `msg_id_for` cannot be stubbed: its parameters come from the attributes in error.
     let inherent = matches!(input.data, Data::Struct(_)).then(|| {
         let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
         quote! {
             #[automatically_derived]
+            #[allow(unused_qualifications)]
             impl #impl_generics #ident #ty_generics #where_clause {
                 /// Not generated: `#[derive(OutboxEvent)]` failed.
                 #vis const TOPIC: &'static str = "";
@@ -232,13 +290,14 @@ fn fallback(input: &DeriveInput) -> Option<TokenStream> {
         #inherent
 
         #[automatically_derived]
-        impl #impl_generics ::outbox_core::OutboxEvent for #ident #ty_generics #where_clause {
+        #[allow(unused_qualifications)]
+        impl #impl_generics #krate::OutboxEvent for #ident #ty_generics #where_clause {
             const EVENT_TYPES: &'static [&'static str] = &[];
             const TOPICS: &'static [&'static str] = &[];
             const SCHEMA_VERSION: u32 = 0;
             fn topic(&self) -> &'static str { ::core::unreachable!() }
             fn event_type(&self) -> &'static str { ::core::unreachable!() }
-            fn business_key(&self) -> ::outbox_core::__private::String { ::core::unreachable!() }
+            fn business_key(&self) -> #krate::__private::String { ::core::unreachable!() }
         }
     })
 }
