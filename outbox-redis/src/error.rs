@@ -70,9 +70,18 @@ const OUTAGE_CODES: &[&str] = &[
     "WRONGPASS",
 ];
 
+/// A `-ERR Protocol error: …` reply: the server closes the connection after it. Redis
+/// sends one to a client that has not authenticated yet and sends a long command (a
+/// pipelined `XADD`: `unauthenticated multibulk length`), so without this a missing
+/// password would look like a fault of each message and spend their retries.
+fn is_protocol_error(e: &RedisError) -> bool {
+    e.code() == Some("ERR") && e.detail().is_some_and(|d| d.starts_with("Protocol error"))
+}
+
 /// Whether `e` is a failure of the connection or of the server as a whole.
 pub(crate) fn is_outage(e: &RedisError) -> bool {
-    e.is_io_error()
+    is_protocol_error(e)
+        || e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -85,7 +94,8 @@ pub(crate) fn is_outage(e: &RedisError) -> bool {
 /// Whether the connection that produced `e` should be replaced (a cluster connection
 /// also when its slot map proved stale).
 pub(crate) fn breaks_connection(e: &RedisError) -> bool {
-    e.is_io_error()
+    is_protocol_error(e)
+        || e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
