@@ -111,6 +111,7 @@ pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
 /// | `#[outbox(version = 2)]` | the payload's schema version | `1` |
 /// | `#[outbox(key = field)]` | the ordering key: messages sharing it are published in order | the business key |
 /// | `#[outbox(id = "{tenant}/{order_id}")]` | the business key as a template over fields | — |
+/// | `#[outbox(crate = "my_app::outbox")]` | the path the generated code reaches `outbox-core` by | `::outbox_core` |
 ///
 /// On fields: `#[outbox(id)]` marks the business key; several marked fields join with `:`
 /// in field order. Exactly one of field ids and a template is required.
@@ -151,6 +152,24 @@ pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
 /// assert_eq!(r.msg_id().unwrap().as_str(), "acme/7:Refund");
 /// assert_eq!(r.topic(), "refunds");
 /// assert_eq!(Billing::EVENT_TYPES, ["Invoiced", "Refund"]);
+/// ```
+///
+/// A crate that renames the `outbox-core` dependency, or re-exports it to its own users,
+/// names the path with `crate` (a string, as serde's `#[serde(crate = "...")]`); a path
+/// that resolves to nothing is reported at that string:
+///
+/// ```
+/// mod facade {
+///     pub use outbox_core as outbox; // e.g. a crate re-exporting outbox-core
+/// }
+///
+/// #[derive(serde::Serialize, serde::Deserialize, facade::outbox::OutboxEvent)]
+/// #[outbox(crate = "facade::outbox")]
+/// struct OrderPaid { #[outbox(id)] order_id: String }
+///
+/// let e = OrderPaid { order_id: "order-42".into() };
+/// assert_eq!(facade::outbox::OutboxEvent::topic(&e), "order.paid");
+/// assert_eq!(OrderPaid::msg_id_for("order-42").unwrap().as_str(), "order-42:OrderPaid");
 /// ```
 ///
 /// Mistakes are compile errors pointing at the attribute, all reported in one build.

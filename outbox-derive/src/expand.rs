@@ -304,132 +304,190 @@ fn fallback(event: &Event<'_>) -> Option<TokenStream> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use proc_macro2::TokenStream;
+    use quote::quote;
+    use syn::DeriveInput;
 
-    fn expand_str(src: &str) -> String {
-        let input: DeriveInput = syn::parse_str(src).unwrap();
-        derive(&input).to_string()
+    /// The expansion of `#[derive(OutboxEvent)]` on `input`, pretty-printed. Parsing it
+    /// as a file also checks that the expansion is well-formed items.
+    fn expand(input: TokenStream) -> String {
+        let input: DeriveInput = syn::parse2(input).expect("a derive input");
+        let file: syn::File = syn::parse2(super::derive(&input)).expect("items");
+        prettyplease::unparse(&file)
     }
 
+    /// The expansion of an input the derive accepts: no `compile_error!` in it.
+    fn expand_ok(input: TokenStream) -> String {
+        let out = expand(input);
+        assert!(!out.contains("compile_error!"), "{out}");
+        out
+    }
+
+    /// Each id part is checked, by its field's name, in `msg_id` and `msg_id_for`.
     #[test]
     fn struct_with_one_id_field() {
-        let out =
-            expand_str("struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }");
-        assert!(
-            out.contains("const EVENT_TYPES : & 'static [& 'static str] = & [\"OrderPaid\"]"),
-            "{out}"
-        );
-        assert!(
-            out.contains("const TOPICS : & 'static [& 'static str] = & [\"order.paid\"]"),
-            "{out}"
-        );
-        assert!(
-            out.contains("const TOPIC : & 'static str = \"order.paid\""),
-            "{out}"
-        );
-        assert!(out.contains("fn msg_id_for"), "{out}");
-        assert!(!out.contains("compile_error"), "{out}");
-        // Each id part is checked, by its field's name, in `msg_id` and `msg_id_for`.
-        assert_eq!(
-            out.matches("id_part (\"order_id\" , & order_id").count(),
-            2,
-            "{out}"
-        );
+        insta::assert_snapshot!(expand_ok(quote! {
+            struct OrderPaid {
+                #[outbox(id)]
+                order_id: String,
+                amount_cents: i64,
+            }
+        }));
     }
 
     #[test]
     fn several_id_fields_join_with_colon() {
-        let out = expand_str(
-            "struct A { #[outbox(id)] tenant: String, x: u8, #[outbox(id)] order: u64 }",
-        );
-        assert!(out.contains("format ! (\"{}:{}\""), "{out}");
+        insta::assert_snapshot!(expand_ok(quote! {
+            struct A {
+                #[outbox(id)]
+                tenant: String,
+                x: u8,
+                #[outbox(id)]
+                order: u64,
+            }
+        }));
     }
 
     #[test]
     fn template_becomes_format_string() {
-        let out = expand_str(
-            r#"#[outbox(id = "{tenant}/{order_id}", topic = "orders", name = "Paid", version = 3)] struct A { tenant: String, order_id: u64 }"#,
-        );
-        assert!(out.contains("format ! (\"{}/{}\""), "{out}");
-        assert!(out.contains("& [\"orders\"]"), "{out}");
-        assert!(out.contains("& [\"Paid\"]"), "{out}");
-        assert!(out.contains("SCHEMA_VERSION : u32 = 3u32"), "{out}");
+        insta::assert_snapshot!(expand_ok(quote! {
+            #[outbox(id = "{tenant}/{order_id}", topic = "orders", name = "Paid", version = 3)]
+            struct A {
+                tenant: String,
+                order_id: u64,
+            }
+        }));
     }
 
+    /// Enums have no single-type builder (`msg_id_for`, `TOPIC`).
     #[test]
     fn enum_variants_are_event_types() {
-        let out = expand_str(
-            r#"#[outbox(id = "{order_id}")] enum OrderEvent { Paid { order_id: String }, #[outbox(topic = "refunds")] Refunded { order_id: String } }"#,
-        );
-        assert!(out.contains("& [\"Paid\" , \"Refunded\"]"), "{out}");
-        assert!(out.contains("& [\"order.event\" , \"refunds\"]"), "{out}");
-        assert!(
-            !out.contains("msg_id_for"),
-            "enums have no single-type builder: {out}"
-        );
+        insta::assert_snapshot!(expand_ok(quote! {
+            #[outbox(id = "{order_id}")]
+            enum OrderEvent {
+                Paid { order_id: String },
+                #[outbox(topic = "refunds")]
+                Refunded { order_id: String },
+            }
+        }));
     }
 
     #[test]
     fn key_field_overrides_ordering_key() {
-        let out = expand_str(
-            "#[outbox(key = account)] struct A { #[outbox(id)] id: String, account: String }",
-        );
-        assert!(out.contains("fn ordering_key"), "{out}");
+        insta::assert_snapshot!(expand_ok(quote! {
+            #[outbox(key = account)]
+            struct A {
+                #[outbox(id)]
+                id: String,
+                account: String,
+            }
+        }));
     }
 
+    /// Three errors, then the stub impls that keep code using the type from cascading.
     #[test]
     fn errors_are_collected_and_stub_emitted() {
-        let out = expand_str(r#"#[outbox(topic = "", colour = "red")] struct A { x: String }"#);
-        assert_eq!(out.matches("compile_error").count(), 3, "{out}");
-        assert!(out.contains("unreachable"), "stub impl expected: {out}");
+        insta::assert_snapshot!(expand(quote! {
+            #[outbox(topic = "", colour = "red")]
+            struct A {
+                x: String,
+            }
+        }));
     }
 
     #[test]
     fn a_bad_item_does_not_hide_the_next() {
-        let out = expand_str(
-            r#"#[outbox(colour = "red", topic = "", version = x)] struct A { #[outbox(id = "x", skip(y))] a: String }"#,
-        );
-        for msg in [
-            "unknown outbox attribute `colour`",
-            "#[outbox(topic)] is empty",
-            "#[outbox(version)] must be an integer",
-            "#[outbox(id)] on a field takes no value",
-            "unknown outbox field attribute `skip`",
-        ] {
-            assert!(out.contains(msg), "missing {msg:?}: {out}");
-        }
-        assert_eq!(out.matches("compile_error").count(), 5, "{out}");
+        insta::assert_snapshot!(expand(quote! {
+            #[outbox(colour = "red", topic = "", version = x)]
+            struct A {
+                #[outbox(id = "x", skip(y))]
+                a: String,
+            }
+        }));
     }
 
     #[test]
     fn generic_bounds_extend_an_existing_where_clause() {
-        let out = expand_str("struct A<T> where T: Clone, { #[outbox(id)] id: String, t: T }");
-        assert!(!out.contains(", ,"), "{out}");
-        assert!(
-            out.contains("where T : Clone , Self : :: outbox_core :: __private :: Serialize"),
-            "{out}"
-        );
+        insta::assert_snapshot!(expand_ok(quote! {
+            struct A<T>
+            where
+                T: Clone,
+            {
+                #[outbox(id)]
+                id: String,
+                t: T,
+            }
+        }));
     }
 
+    /// Only the error: an impl for these types would fail on its own.
     #[test]
     fn no_stub_impl_where_it_would_fail_on_its_own() {
-        for src in [
-            "union U { #[outbox(id)] a: u64 }",
-            "struct A<'a> { #[outbox(id)] id: &'a str }",
-            "struct A<const N: usize> { #[outbox(id)] id: String }",
-        ] {
-            let out = expand_str(src);
-            assert_eq!(out.matches("compile_error").count(), 1, "{out}");
-            assert!(!out.contains("impl"), "{src}: {out}");
+        let cases = [
+            ("union", quote!(union U { #[outbox(id)] a: u64 })),
+            (
+                "lifetime",
+                quote!(
+                    struct A<'a> {
+                        #[outbox(id)]
+                        id: &'a str,
+                    }
+                ),
+            ),
+            (
+                "const",
+                quote!(
+                    struct A<const N: usize> {
+                        #[outbox(id)]
+                        id: String,
+                    }
+                ),
+            ),
+        ];
+        for (name, input) in cases {
+            insta::assert_snapshot!(format!("no_stub_impl_{name}"), expand(input));
         }
     }
 
     #[test]
     fn variant_field_ids_replace_the_enum_template() {
-        let out = expand_str(
-            r#"#[outbox(id = "{a}")] enum E { X { a: String }, Y { a: String, #[outbox(id)] b: u8 } }"#,
-        );
-        assert!(!out.contains("compile_error"), "{out}");
-        assert!(out.contains("Self :: Y { b , .. }"), "{out}");
+        insta::assert_snapshot!(expand_ok(quote! {
+            #[outbox(id = "{a}")]
+            enum E {
+                X { a: String },
+                Y { a: String, #[outbox(id)] b: u8 },
+            }
+        }));
+    }
+
+    /// Every path to `outbox-core` is the one given, also in the `msg_id_for` doc link.
+    #[test]
+    fn crate_attribute_replaces_every_path() {
+        let out = expand_ok(quote! {
+            #[outbox(crate = "my_app::outbox", key = account)]
+            struct A<T> {
+                #[outbox(id)]
+                id: String,
+                account: String,
+                t: T,
+            }
+        });
+        assert!(!out.contains("outbox_core"), "{out}");
+        insta::assert_snapshot!(out);
+    }
+
+    /// The stub impl after an error uses the given path too: no second error for a crate
+    /// that is not named `outbox_core`.
+    #[test]
+    fn crate_attribute_reaches_the_stub() {
+        let out = expand(quote! {
+            #[outbox(crate = "my_app::outbox", topic = "")]
+            struct A {
+                #[outbox(id)]
+                id: String,
+            }
+        });
+        assert!(!out.contains("outbox_core"), "{out}");
+        insta::assert_snapshot!(out);
     }
 }
