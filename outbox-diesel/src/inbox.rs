@@ -53,6 +53,18 @@ use crate::{Error, OutboxConnection, is_transient};
 /// handler that goes on after a failed statement fails as its own message (the cause
 /// cannot be told afterwards, so it is a handler failure).
 ///
+/// # A stalled consumer
+///
+/// A consumer process that stops between its dedup insert and its commit (SIGSTOP, a
+/// paused VM) keeps the dedup row's lock. After `min_idle` another consumer claims the
+/// entry, and its own dedup insert waits for that lock: on MariaDB for
+/// `innodb_lock_wait_timeout` (50 s by default) and then a transient conflict, on
+/// PostgreSQL for as long as the stopped session lives. Give the inbox pool's sessions a
+/// bound, e.g. `?options=-c%20idle_in_transaction_session_timeout%3D60s` in the
+/// PostgreSQL URL (keep it above your slowest handler): the server then ends the stopped
+/// transaction and the waiting one goes on. The consumer's own shutdown is bounded
+/// either way (`ConsumerConfig::shutdown_timeout` in `outbox-redis`).
+///
 /// A panic in the closure given to `process_batch` unwinds through it: the connection,
 /// still inside the batch's transaction, is discarded by the pool, so the whole batch
 /// rolls back. [`Dispatcher::consume_batch`](outbox_core::Dispatcher::consume_batch),
