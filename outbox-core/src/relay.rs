@@ -81,6 +81,18 @@ pub struct BatchReport {
 /// causes like a wrongly typed stream key, which then refuses every later entry of that
 /// stream too). Outages are not affected: a failed call marks nothing.
 ///
+/// # Claiming ahead
+///
+/// [`run_until`](Relay::run_until) claims the next batch while it publishes a full one,
+/// when the store allows it ([`RelayStore::claims_ahead`]: the PostgreSQL and MySQL
+/// stores, whose claims skip rows locked by another claim). The batch claimed ahead is
+/// published after the current one is completed, so a relay still publishes in id
+/// order, and with per-key claims the batch claimed ahead holds no key of the current
+/// one. A relay then holds two pooled connections while it is behind. A claim ahead
+/// that comes back nearly empty (the backlog ends, or its rows wait behind the batch
+/// in hand, as with a few hot keys) pauses claiming ahead for a few batches.
+/// [`run_once`](Relay::run_once) always claims one batch.
+///
 /// # Faults that hit part of a batch
 ///
 /// A broker may take part of a call and then fail: run out of memory, time out after
@@ -170,6 +182,57 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
 
     async fn batch(&self) -> Result<BatchReport, Error> {
         let batch = self.store.claim(self.config.batch_size).await?;
+        self.finish(batch).await
+    }
+
+    /// One batch of [`run_until`](Self::run_until): the batch claimed ahead by the last
+    /// one, or a new claim. While a full batch is published and completed, the next one
+    /// is claimed beside it if the store allows it ([`RelayStore::claims_ahead`]): a
+    /// relay that is behind keeps the database and the broker busy at once instead of
+    /// one after the other. The batch claimed ahead is published after this one is
+    /// completed, so a relay still publishes in id order; with per-key claims it holds
+    /// no row of a key this batch holds (the store's claim skips this batch's rows and
+    /// holds back the later rows of their keys).
+    async fn run_ahead(
+        &self,
+        ahead: &mut Option<S::Batch>,
+        lookahead: &mut Lookahead,
+    ) -> Result<BatchReport, Error> {
+        let started = Instant::now();
+        let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
+        let limit = self.config.batch_size;
+        let report = async {
+            let batch = match ahead.take() {
+                Some(batch) => batch,
+                None => self.store.claim(limit).await?,
+            };
+            let full = batch.messages().len() >= limit;
+            if !(full && self.store.claims_ahead() && lookahead.allows()) {
+                return self.finish(batch).await;
+            }
+            let (report, next) = tokio::join!(self.finish(batch), self.store.claim(limit));
+            // After a failure the relay backs off: it does not hold a batch meanwhile.
+            let report = report?;
+            let next = next?;
+            lookahead.saw(next.messages().len(), limit);
+            if !next.messages().is_empty() {
+                *ahead = Some(next);
+            }
+            Ok(report)
+        }
+        .instrument(span)
+        .await;
+        if let Ok(r) = &report
+            && r.claimed > 0
+        {
+            metrics::histogram!("outbox_relay_batch_seconds")
+                .record(started.elapsed().as_secs_f64());
+        }
+        report
+    }
+
+    /// Publishes a claimed batch and completes it.
+    async fn finish(&self, batch: S::Batch) -> Result<BatchReport, Error> {
         let claimed = batch.messages().len();
         tracing::Span::current().record("claimed", claimed);
         if claimed == 0 {
@@ -345,12 +408,15 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut outages = 0u32;
         let mut backlog_due = Instant::now(); // read it on the first turn
+        // A batch claimed ahead is released (rolled back) when the relay stops.
+        let mut ahead = None;
+        let mut lookahead = Lookahead::default();
         loop {
             if Instant::now() >= backlog_due {
                 backlog_due = Instant::now() + self.config.backlog_interval.min(LONGEST_DELAY);
                 self.record_backlog().await;
             }
-            let idle = match self.run_once().await {
+            let idle = match self.run_ahead(&mut ahead, &mut lookahead).await {
                 Ok(report) => {
                     outages = 0;
                     // A busy relay claims again at once; an idle one waits for work.
@@ -409,6 +475,35 @@ const LONGEST_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 enum Idle {
     Poll,
     Outage(Duration),
+}
+
+/// When [`Relay::run_ahead`] claims ahead. A claim ahead that comes back nearly empty
+/// although the last batch was full found the rows held back behind the batch in hand
+/// (per-key claims over few hot keys): it cost a claim for nothing, so the relay claims
+/// one batch at a time for the next few batches before it tries again.
+#[derive(Default)]
+struct Lookahead {
+    /// Batches left to run without claiming ahead.
+    pause: u32,
+}
+
+impl Lookahead {
+    /// Batches without a claim ahead after one that came back nearly empty.
+    const PAUSE: u32 = 8;
+
+    fn allows(&mut self) -> bool {
+        if self.pause == 0 {
+            return true;
+        }
+        self.pause -= 1;
+        false
+    }
+
+    fn saw(&mut self, claimed: usize, limit: usize) {
+        if claimed < limit.div_ceil(4) {
+            self.pause = Self::PAUSE;
+        }
+    }
 }
 
 /// The messages of one call that the broker did not take for a fault of its own
@@ -896,6 +991,109 @@ mod tests {
         assert_eq!(db.row("7:Ping").unwrap().status, Status::Sent);
         assert_eq!(relay.run_once().await.unwrap().sent, 1);
         assert_eq!(relay.publisher.order(), ["0:Moved"]);
+    }
+
+    /// A [`MemoryDb`] that lets the relay claim ahead, counting the batches it holds.
+    struct AheadDb {
+        db: MemoryDb<()>,
+        held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        most_held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    struct Held {
+        batch: Option<crate::MemoryBatch<()>>,
+        held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    impl ClaimedBatch for Held {
+        fn messages(&self) -> &[crate::StoredMessage] {
+            self.batch.as_ref().map_or(&[], |b| b.messages())
+        }
+
+        async fn complete(mut self, outcome: BatchOutcome) -> Result<(), Error> {
+            match self.batch.take() {
+                Some(batch) => batch.complete(outcome).await,
+                None => Ok(()),
+            }
+        }
+    }
+
+    impl RelayStore for AheadDb {
+        type Batch = Held;
+
+        async fn claim(&self, limit: usize) -> Result<Held, Error> {
+            let batch = self.db.claim(limit).await?;
+            let now = self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            self.most_held
+                .fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            Ok(Held {
+                batch: Some(batch),
+                held: self.held.clone(),
+            })
+        }
+
+        async fn backlog(&self) -> Result<crate::Backlog, Error> {
+            self.db.backlog().await
+        }
+
+        fn claims_ahead(&self) -> bool {
+            true
+        }
+    }
+
+    /// Takes a moment per call, as a real broker does.
+    struct SlowBroker(MemoryBroker);
+
+    impl Publisher for SlowBroker {
+        async fn publish(
+            &self,
+            batch: &[crate::StoredMessage],
+        ) -> Result<crate::PublishOutcomes, Error> {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            self.0.publish(batch).await
+        }
+    }
+
+    #[tokio::test]
+    async fn run_until_claims_the_next_batch_while_publishing_and_keeps_id_order() {
+        let db = db_with(1000);
+        let store = AheadDb {
+            db: db.clone(),
+            held: Default::default(),
+            most_held: Default::default(),
+        };
+        let most_held = store.most_held.clone();
+        let broker = MemoryBroker::new();
+        let relay = Relay::new(store, SlowBroker(broker.clone()))
+            .with_config(config(3, 100))
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task =
+            tokio::spawn(
+                async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await },
+            );
+        wait_until(|| broker.published("ping").len() >= 1000).await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+        let published: Vec<String> = broker
+            .published("ping")
+            .iter()
+            .map(|e| e.msg_id.to_string())
+            .collect();
+        let expected: Vec<String> = (0..1000).map(|n| format!("{n}:Ping")).collect();
+        assert_eq!(published, expected, "every message once, in id order");
+        assert!(db.rows().iter().all(|r| r.status == Status::Sent));
+        assert_eq!(
+            most_held.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "the next batch was claimed while one was in hand"
+        );
     }
 
     async fn wait_until(done: impl Fn() -> bool) {

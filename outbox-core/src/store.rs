@@ -53,6 +53,17 @@ pub trait RelayStore: Send + Sync {
 
     /// Backlog statistics.
     fn backlog(&self) -> impl Future<Output = Result<Backlog, Error>> + Send;
+
+    /// Whether this store may claim again while a batch it returned is still in hand:
+    /// the second claim must skip the first batch's rows (as row locks make another
+    /// relay's claim skip them) and keep per-key order around them. Then
+    /// [`Relay::run_until`](crate::Relay::run_until) claims its next batch while it
+    /// publishes the current one, and holds two batches (two pooled connections with
+    /// row locks) at a time. The default, `false`, claims one batch at a time (a store
+    /// whose claim takes no locks, like SQLite's, must keep it).
+    fn claims_ahead(&self) -> bool {
+        false
+    }
 }
 
 /// Rows claimed by [`RelayStore::claim`].

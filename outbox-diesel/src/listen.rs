@@ -225,6 +225,12 @@ impl RelayStore for PgRelayStore {
         let pool = self.pool.clone();
         Ok(blocking(move || pool.get()?.__backlog()).await?)
     }
+
+    /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the per-key
+    /// claim holds back the later rows of their keys.
+    fn claims_ahead(&self) -> bool {
+        true
+    }
 }
 
 /// libpq's TCP keepalive parameters for the relay's pool: a dead server or a cut

@@ -303,5 +303,11 @@ mod mysql_store {
             let pool = self.pool.clone();
             Ok(blocking(move || pool.get()?.__backlog()).await?)
         }
+
+        /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the
+        /// per-key claim holds back the later rows of their keys.
+        fn claims_ahead(&self) -> bool {
+            true
+        }
     }
 }
