@@ -54,13 +54,19 @@ pub struct ConsumerConfig {
     /// to [`batch_size`](Self::batch_size) entries per free batch instead.
     pub read_count: usize,
     /// Most messages processed at once (default 16); with a database inbox, at most the
-    /// pool's size is useful. In batch mode: most batches (transactions) at once.
+    /// pool's size is useful. In batch mode: most batches (transactions) at once. Up to
+    /// as many entries again (batches in batch mode) are read ahead and wait for a free
+    /// slot, so that the next message is at hand when one finishes.
     pub max_in_flight: usize,
     /// Opt-in batch mode (default `None`: one transaction per message). With `Some(n)`,
     /// the entries of one read are split into batches of at most `n` messages, and each
     /// batch is one transaction of the idempotency store with a savepoint per message
     /// ([`Inbox::process_batch`]); the applied and duplicate entries are acknowledged
-    /// after the commit, with one `XACK` per stream. A failing or panicking handler rolls
+    /// after the commit, with one `XACK` per stream. The entries of one key (the entry's
+    /// `key` field) of a read stay together, in one batch or in consecutive batches of
+    /// one task, so that the batches running side by side share no key; within a batch
+    /// the keys come in byte order, so that consumers whose batches share keys lock
+    /// their rows in the same order and do not deadlock (see [`Consumer`]). A failing or panicking handler rolls
     /// back only its own message, which stays pending and is retried and dead-lettered
     /// as in single mode. A store failure fails the whole batch as an outage (nothing
     /// committed; delivery counts are set back). `Some(100)` is a good start; a larger
@@ -408,6 +414,7 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
                 commands,
                 counters: Counters::default(),
             }),
+            acks: None,
         })
     }
 }
@@ -455,6 +462,21 @@ fn default_name() -> String {
 /// inbox without savepoints (the default [`Inbox::process_batch`]) it behaves like
 /// single mode.
 ///
+/// Batches are formed per key: the entries of one key in a read go to one task, which
+/// runs them in stream order, in batches one after another; the tasks running side by
+/// side share no key, so handlers that update their key's row (an account, an order)
+/// never wait for a sibling batch. Within a batch the keys come in byte order: batches
+/// of two consumer processes that share keys lock those rows in the same order, and
+/// wait for each other instead of deadlocking.
+///
+/// # Acknowledgements
+///
+/// An entry is acknowledged only after its transaction committed (or after it was
+/// dead-lettered). The acks of entries finished around the same time share one `XACK`
+/// per stream, sent by a task of the run while the next messages are processed; on
+/// shutdown the run sends the queued acks before it returns. A failed `XACK` leaves
+/// its entries pending: they are claimed again and found to be duplicates.
+///
 /// Dead-letter entries (`<stream>:dead` by default) carry `reason`, `delivery_count`,
 /// `group`, `stream` and `entry_id`, followed by the original entry's fields.
 ///
@@ -468,12 +490,15 @@ fn default_name() -> String {
 /// as its own target: a crash after the call and before the commit repeats it.
 pub struct Consumer<I, C = <I as Inbox>::Conn> {
     inner: Arc<Inner<I, C>>,
+    /// Inside [`run_until`](Consumer::run_until): where finished work queues its acks.
+    acks: Option<AckQueue>,
 }
 
 impl<I, C> Clone for Consumer<I, C> {
     fn clone(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
+            acks: self.acks.clone(),
         }
     }
 }
@@ -658,6 +683,22 @@ impl InFlight {
         by_stream
     }
 }
+
+/// The acknowledgements of one [`run_until`](Consumer::run_until): work whose
+/// transaction committed queues its entries here and is done; a task sends what has
+/// queued meanwhile as one `XACK` per stream ([`Consumer::flush_acks`]). An ack
+/// still follows its commit, but no longer holds up the next message: at one message in
+/// flight the `XACK` round trip overlaps the next transaction, and under load many
+/// entries share one `XACK`.
+#[derive(Clone)]
+struct AckQueue {
+    queue: tokio::sync::mpsc::UnboundedSender<(Arc<str>, String)>,
+    /// An `XACK` failed since the run loop last looked (it then backs off).
+    failed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Most entries one `XACK` round of the ack queue sends.
+const ACK_BATCH: usize = 1024;
 
 /// Consecutive whole failures, by where they happened. Each kind is reset by its own
 /// success, so a success of one kind (a claim that works) can never hide that the other
@@ -848,8 +889,9 @@ where
     /// consecutive count that its next success resets, and a claim is always followed
     /// by a read.
     ///
-    /// On shutdown it stops reading, lets the messages in flight finish and acknowledges
-    /// them, then returns, within [`shutdown_timeout`](ConsumerConfig::shutdown_timeout):
+    /// On shutdown it stops reading, lets the messages in flight (and those read ahead
+    /// for them, see [`max_in_flight`](ConsumerConfig::max_in_flight)) finish, sends their
+    /// acknowledgements, then returns, within [`shutdown_timeout`](ConsumerConfig::shutdown_timeout):
     /// messages still in flight then stay pending. Entries handed to a read that the shutdown cut short stay
     /// pending and are claimed again after `min_idle`. Dropping the future instead
     /// abandons the messages in flight the same way: nothing is lost, and their
@@ -875,6 +917,26 @@ where
                 .keep_in_flight_alive(in_flight.clone())
                 .instrument(span.clone()),
         );
+        // Work spawned by this run acks through `acks`; the flusher ends once every
+        // copy of its sender is gone (this run's `this` and its tasks), after sending
+        // what they queued.
+        let (queue, queued) = tokio::sync::mpsc::unbounded_channel();
+        let acks = AckQueue {
+            queue,
+            failed: Arc::default(),
+        };
+        let flusher = tokio::spawn(
+            self.clone()
+                .flush_acks(queued, Arc::clone(&acks.failed))
+                .instrument(span.clone()),
+        );
+        let this = Consumer {
+            inner: Arc::clone(&self.inner),
+            acks: Some(acks.clone()),
+        };
+        // Entries read beyond the free slots wait for a slot (a permit) in their task, so
+        // that the next message is at hand when one finishes instead of a read away.
+        let task_limit = inner.config.max_in_flight.saturating_mul(2);
         let mut next_claim = Instant::now();
         let mut next_trim = inner.config.trim_interval.map(|i| Instant::now() + i);
         let mut health = Health::default();
@@ -885,6 +947,9 @@ where
             while let Some(done) = tasks.try_join_next() {
                 self.finished(done, &in_flight, &mut health);
             }
+            if acks.failed.swap(false, Ordering::Relaxed) {
+                health.work = health.work.saturating_add(1);
+            }
             if let Some(pause) = health.pause(&inner.config.outage_backoff) {
                 tokio::select! {
                     biased;
@@ -892,7 +957,7 @@ where
                     () = tokio::time::sleep(pause) => {}
                 }
             }
-            let free = inner.config.max_in_flight.saturating_sub(tasks.len());
+            let free = task_limit.saturating_sub(tasks.len());
             if free == 0 {
                 tokio::select! {
                     biased;
@@ -945,7 +1010,7 @@ where
                         // Skips entries claimed back while this consumer still works on them.
                         .filter(|job| in_flight.insert(job))
                         .collect();
-                    self.spawn_work(fresh, &mut tasks, &permits, &span);
+                    this.spawn_work(fresh, free, &mut tasks, &permits, &span);
                 }
                 Err(e) => {
                     self.count(Count::RedisError, None);
@@ -985,33 +1050,55 @@ where
             }
         }
         keep_alive.abort();
+        // Acks of what finished go out before the run returns.
+        drop((this, acks));
+        if let Err(e) = flusher.await {
+            tracing::error!(parent: &span, error = %e, "ack task failed");
+        }
         tracing::info!(parent: &span, "consumer stopped");
         Ok(())
     }
 
-    /// Starts processing `jobs`: one task per entry, or per batch in batch mode.
+    /// Starts processing `jobs`: one task per entry; in batch mode one task per lane of
+    /// at most `free` lanes (see [`lanes`]), which runs its batches one after another.
     fn spawn_work(
         &self,
         jobs: Vec<Job>,
+        free: usize,
         tasks: &mut JoinSet<Done>,
         permits: &Arc<Semaphore>,
         span: &tracing::Span,
     ) {
-        let size = self.inner.config.batch_size.unwrap_or(1);
-        let mut jobs = jobs.into_iter().peekable();
-        while jobs.peek().is_some() {
-            let batch: Vec<Job> = jobs.by_ref().take(size).collect();
+        let Some(size) = self.inner.config.batch_size else {
+            for job in jobs {
+                let this = self.clone();
+                let permits = Arc::clone(permits);
+                tasks.spawn(
+                    async move {
+                        let _permit = permits.acquire_owned().await;
+                        this.process(job).await
+                    }
+                    .instrument(span.clone()),
+                );
+            }
+            return;
+        };
+        for lane in lanes(jobs, size, free) {
             let this = self.clone();
             let permits = Arc::clone(permits);
             tasks.spawn(
                 async move {
                     let _permit = permits.acquire_owned().await;
-                    if this.inner.config.batch_size.is_some() {
-                        this.process_batch(batch).await
-                    } else {
-                        let job = batch.into_iter().next().expect("a batch of one");
-                        this.process(job).await
+                    let mut done = Done {
+                        entries: Vec::new(),
+                        outage: false,
+                    };
+                    for batch in lane {
+                        let batch_done = this.clone().process_batch(batch).await;
+                        done.entries.extend(batch_done.entries);
+                        done.outage |= batch_done.outage;
                     }
+                    done
                 }
                 .instrument(span.clone()),
             );
@@ -1574,17 +1661,54 @@ where
         }
     }
 
-    /// `XACK` of many entries, one command per stream in one pipeline (on a cluster, one
-    /// pipeline per hash slot, sent concurrently); returns whether Redis failed.
+    /// Acknowledges entries whose work committed: through this run's ack queue, or (outside
+    /// [`run_until`](Self::run_until)) at once. Returns whether Redis failed; a queued ack
+    /// reports its failure to the run loop instead.
     async fn ack_all(&self, jobs: &[&Job]) -> bool {
         if jobs.is_empty() {
             return false;
         }
+        if let Some(acks) = &self.acks {
+            let queued = jobs.iter().all(|job| {
+                acks.queue
+                    .send((Arc::clone(&job.stream), job.entry.id.clone()))
+                    .is_ok()
+            });
+            if queued {
+                return false;
+            }
+        }
+        let entries: Vec<(Arc<str>, String)> = jobs
+            .iter()
+            .map(|job| (Arc::clone(&job.stream), job.entry.id.clone()))
+            .collect();
+        self.xack(&entries).await
+    }
+
+    /// Sends the queued acks of a run until every sender is gone: each round takes what
+    /// has queued (up to [`ACK_BATCH`]) and sends it as one `XACK` per stream.
+    async fn flush_acks(
+        self,
+        mut queued: tokio::sync::mpsc::UnboundedReceiver<(Arc<str>, String)>,
+        failed: Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let mut entries = Vec::new();
+        while queued.recv_many(&mut entries, ACK_BATCH).await > 0 {
+            if self.xack(&entries).await {
+                failed.store(true, Ordering::Relaxed);
+            }
+            entries.clear();
+        }
+    }
+
+    /// `XACK` of many entries, one command per stream in one pipeline (on a cluster, one
+    /// pipeline per hash slot, sent concurrently); returns whether Redis failed.
+    async fn xack(&self, entries: &[(Arc<str>, String)]) -> bool {
         let inner = &self.inner;
         let mut streams: Vec<&Arc<str>> = Vec::new();
-        for job in jobs {
-            if !streams.contains(&&job.stream) {
-                streams.push(&job.stream);
+        for (stream, _) in entries {
+            if !streams.contains(&stream) {
+                streams.push(stream);
             }
         }
         let pipes = by_slot(inner.cluster, streams, |s| s)
@@ -1593,8 +1717,8 @@ where
                 let mut pipe = redis::pipe();
                 for stream in streams {
                     let cmd = pipe.cmd("XACK").arg(&**stream).arg(&inner.group);
-                    for job in jobs.iter().filter(|j| j.stream == *stream) {
-                        cmd.arg(&job.entry.id);
+                    for (_, id) in entries.iter().filter(|(s, _)| s == stream) {
+                        cmd.arg(id);
                     }
                     cmd.ignore();
                 }
@@ -1641,24 +1765,9 @@ where
         }
     }
 
-    /// `XACK`; returns whether Redis failed.
+    /// `XACK` of one entry, through the ack queue; returns whether Redis failed.
     async fn ack(&self, job: &Job) -> bool {
-        let inner = &self.inner;
-        let acked: RedisResult<i64> = async {
-            let mut conn = inner.commands.get().await?;
-            redis::cmd("XACK")
-                .arg(&*job.stream)
-                .arg(&inner.group)
-                .arg(&job.entry.id)
-                .query_async(&mut conn)
-                .await
-        }
-        .await;
-        self.redis_done(
-            acked,
-            "ack failed; the entry stays pending and is claimed again",
-        )
-        .await
+        self.ack_all(&[job]).await
     }
 
     /// Copies the entry to the dead-letter stream and acks it, in one transaction (on a
@@ -1751,6 +1860,67 @@ where
     }
 }
 
+/// The ordering key of an entry, as the relay wrote it (the `key` field; an entry of
+/// another producer without one falls back to its `msg_id`).
+fn entry_key(entry: &StreamId) -> Vec<u8> {
+    entry
+        .map
+        .get("key")
+        .or_else(|| entry.map.get("msg_id"))
+        .map(value_bytes)
+        .unwrap_or_default()
+}
+
+/// Splits the entries of one read in batch mode into at most `lanes` lanes, each a list
+/// of batches of at most `size` entries that one task runs one after another:
+///
+/// - all entries of a key go to one lane, so the transactions running side by side in
+///   this consumer never write the rows of the same key (a handler that updates its
+///   key's row would otherwise wait for, or deadlock with, a sibling batch), and a
+///   key's entries run in stream order;
+/// - within a lane, keys come in byte order, so that batches of different consumers
+///   lock the rows of shared keys in the same order: they wait for each other, but do
+///   not deadlock;
+/// - keys go to the lane with the fewest entries so far, in order of first appearance.
+fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<Vec<Vec<Job>>> {
+    let size = size.max(1);
+    let mut keys: Vec<(Vec<u8>, Vec<Job>)> = Vec::new();
+    let mut index: HashMap<Vec<u8>, usize> = HashMap::new();
+    let total = jobs.len();
+    for job in jobs {
+        let key = entry_key(&job.entry);
+        match index.get(&key) {
+            Some(&i) => keys[i].1.push(job),
+            None => {
+                index.insert(key.clone(), keys.len());
+                keys.push((key, vec![job]));
+            }
+        }
+    }
+    let count = lanes.min(total.div_ceil(size)).max(1);
+    let mut lanes: Vec<Vec<(Vec<u8>, Vec<Job>)>> = (0..count).map(|_| Vec::new()).collect();
+    let mut loads = vec![0usize; count];
+    for key in keys {
+        let lightest = (0..count).min_by_key(|&i| loads[i]).unwrap_or(0);
+        loads[lightest] += key.1.len();
+        lanes[lightest].push(key);
+    }
+    lanes
+        .into_iter()
+        .filter(|lane| !lane.is_empty())
+        .map(|mut lane| {
+            lane.sort_by(|a, b| a.0.cmp(&b.0));
+            let jobs: Vec<Job> = lane.into_iter().flat_map(|(_, jobs)| jobs).collect();
+            let mut batches = Vec::with_capacity(jobs.len().div_ceil(size));
+            let mut jobs = jobs.into_iter().peekable();
+            while jobs.peek().is_some() {
+                batches.push(jobs.by_ref().take(size).collect());
+            }
+            batches
+        })
+        .collect()
+}
+
 /// Fields a dead-letter entry sets before the original entry's fields.
 const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
 
@@ -1788,4 +1958,91 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("non-text panic payload")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(id: usize, key: &str) -> Job {
+        let mut map = HashMap::new();
+        map.insert(
+            "key".to_owned(),
+            redis::Value::BulkString(key.as_bytes().to_vec()),
+        );
+        Job {
+            stream: Arc::from("s"),
+            entry: StreamId {
+                id: format!("{id}-0"),
+                map,
+                ..StreamId::default()
+            },
+            delivery_count: 1,
+        }
+    }
+
+    fn ids(batch: &[Job]) -> Vec<&str> {
+        batch.iter().map(|j| j.entry.id.as_str()).collect()
+    }
+
+    #[test]
+    fn lanes_keep_each_key_in_one_lane_in_stream_order_with_keys_sorted() {
+        // 12 entries over keys c, a, b; batches of 2, at most 3 lanes.
+        let keys = ["c", "a", "b", "a", "c", "a", "b", "a", "c", "a", "b", "a"];
+        let jobs = keys.iter().enumerate().map(|(i, k)| job(i, k)).collect();
+        let lanes = lanes(jobs, 2, 3);
+        assert_eq!(lanes.len(), 3);
+        let mut seen = Vec::new();
+        for lane in &lanes {
+            assert!(
+                lane.iter()
+                    .all(|batch| !batch.is_empty() && batch.len() <= 2)
+            );
+            let flat: Vec<&Job> = lane.iter().flatten().collect();
+            let lane_keys: Vec<Vec<u8>> = flat.iter().map(|j| entry_key(&j.entry)).collect();
+            let mut sorted = lane_keys.clone();
+            sorted.sort();
+            assert_eq!(lane_keys, sorted, "keys in byte order within a lane");
+            for j in flat {
+                seen.push((entry_key(&j.entry), j.entry.id.clone()));
+            }
+        }
+        // Each key in exactly one lane, its entries in stream order.
+        for key in ["a", "b", "c"] {
+            let holders = lanes
+                .iter()
+                .filter(|lane| {
+                    lane.iter()
+                        .flatten()
+                        .any(|j| entry_key(&j.entry) == key.as_bytes())
+                })
+                .count();
+            assert_eq!(holders, 1, "key {key} in one lane");
+            let order: Vec<usize> = seen
+                .iter()
+                .filter(|(k, _)| k == key.as_bytes())
+                .map(|(_, id)| id.trim_end_matches("-0").parse().unwrap())
+                .collect();
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(order, sorted, "key {key} in stream order");
+        }
+        assert_eq!(seen.len(), 12);
+    }
+
+    #[test]
+    fn lanes_are_no_more_than_needed_or_allowed() {
+        let jobs = (0..5).map(|i| job(i, &format!("k{i}"))).collect();
+        let lanes1 = lanes(jobs, 10, 8);
+        assert_eq!(lanes1.len(), 1, "5 entries fit one batch of 10");
+        assert_eq!(ids(&lanes1[0][0]), ["0-0", "1-0", "2-0", "3-0", "4-0"]);
+        let jobs = (0..40).map(|i| job(i, &format!("k{}", i % 4))).collect();
+        let lanes4 = lanes(jobs, 5, 8);
+        assert_eq!(lanes4.len(), 4, "one lane per key when keys are few");
+        assert!(lanes4.iter().all(|lane| lane.len() == 2));
+        let one_key = (0..7).map(|i| job(i, "hot")).collect();
+        let hot = lanes(one_key, 3, 4);
+        assert_eq!(hot.len(), 1, "a single key is one lane");
+        assert_eq!(hot[0].iter().map(Vec::len).collect::<Vec<_>>(), [3, 3, 1]);
+    }
 }
