@@ -42,6 +42,7 @@ pub(crate) struct Text {
     pub(crate) origin: Origin,
 }
 
+/// Where a [`Text`] comes from.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Origin {
     /// Written in an attribute.
@@ -85,7 +86,7 @@ pub(crate) enum IdSource {
     /// The variant has both its own template (span) and `#[outbox(id)]` fields.
     Both(Span),
     /// Neither. `reported` when a bare `#[outbox(id)]` on the type was already reported,
-    /// so "no msg_id" would only repeat it.
+    /// so "no `msg_id`" would only repeat it.
     Missing { reported: bool },
 }
 
@@ -97,6 +98,7 @@ pub(crate) struct Template {
     pub(crate) unbalanced: bool,
 }
 
+/// A part of a [`Template`].
 pub(crate) enum Piece {
     /// Text for `format!`, literal braces still doubled.
     Text(String),
@@ -139,7 +141,7 @@ impl<'a> Event<'a> {
                 event.shape = Shape::Enum;
                 for v in &e.variants {
                     let own = attr::container(cx, &v.attrs, Place::Variant);
-                    let variant = Variant::new(cx, &event, Some(own), &v.ident, &v.fields);
+                    let variant = Variant::new(cx, &event, Some(&own), &v.ident, &v.fields);
                     event.variants.push(variant);
                 }
             }
@@ -155,7 +157,7 @@ impl<'a> Variant<'a> {
     fn new(
         cx: &Ctxt,
         event: &Event<'_>,
-        own: Option<ContainerAttrs>,
+        own: Option<&ContainerAttrs>,
         ident: &'a Ident,
         fields: &'a Fields,
     ) -> Self {
@@ -174,12 +176,12 @@ impl<'a> Variant<'a> {
         let fields: Vec<&'a Ident> = named.iter().filter_map(|f| f.ident.as_ref()).collect();
         let top = &event.attrs;
         let is_variant = own.is_some();
-        let attrs = own.as_ref().unwrap_or(top);
+        let attrs = own.unwrap_or(top);
         let name = match &attrs.name {
             Some(n) => Text::attr(n),
             None => Text::ident(ident.unraw().to_string(), ident.span()),
         };
-        let topic = match own.as_ref().and_then(|a| a.topic.as_ref()) {
+        let topic = match own.and_then(|a| a.topic.as_ref()) {
             Some(t) => Text::attr(t),
             None => Text {
                 origin: Origin::Inherited,

@@ -11,7 +11,6 @@ use syn::{Attribute, Ident, LitInt, LitStr, Path, Token};
 use crate::ctxt::Ctxt;
 
 /// A value with the span it was written at.
-#[derive(Clone)]
 pub(crate) struct Spanned<T> {
     pub(crate) value: T,
     pub(crate) span: Span,
@@ -27,7 +26,7 @@ pub(crate) struct ContainerAttrs {
     pub(crate) id_template: Option<Spanned<String>>,
     /// `crate = "path"`: how generated code names `outbox-core`.
     pub(crate) krate: Option<Path>,
-    /// A bare `#[outbox(id)]` was written here; already reported, so "no msg_id" is not.
+    /// A bare `#[outbox(id)]` was written here; already reported, so "no `msg_id`" is not.
     pub(crate) misplaced_id: bool,
 }
 

@@ -167,7 +167,7 @@ fn check_template(cx: &Ctxt, t: &Template, of: &str, field_list: &str) -> bool {
     ok
 }
 
-/// Topics and event names travel in stream keys and msg_ids: keep them to `[A-Za-z0-9._-]`.
+/// Topics and event names travel in stream keys and `msg_id`s: keep them to `[A-Za-z0-9._-]`.
 /// A value taken over from the enum was checked there.
 fn check_text(cx: &Ctxt, text: &Text, what: &str) {
     match text.origin {
@@ -225,7 +225,7 @@ fn suggestion(value: &str, topic: bool) -> String {
     }
 }
 
-/// Two variants with one event type would share msg_ids and handlers.
+/// Two variants with one event type would share `msg_id`s and handlers.
 fn check_unique_names(cx: &Ctxt, variants: &[&Variant<'_>]) {
     for (i, v) in variants.iter().enumerate() {
         let Some(first) = variants[..i].iter().find(|w| w.name.value == v.name.value) else {
