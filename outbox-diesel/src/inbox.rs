@@ -79,7 +79,7 @@ use crate::{Error, OutboxConnection, is_transient};
 /// here: the consumer's single mode at 0.45 of a plain SQL loop with it, 0.8–1.2 without).
 /// `Pool::builder().test_on_check_out(false)` removes that round trip, at the price of
 /// not testing idle connections before use (keep `idle_timeout` / `max_lifetime` short
-/// if your database drops connections). A failed transaction is never acknowledged, so
+/// if your database drops connections); [`DieselInbox::connect`] builds such a pool. A failed transaction is never acknowledged, so
 /// the message is retried either way. For many messages per transaction see the
 /// consumer's batch mode ([`Inbox::process_batch`]).
 pub struct DieselInbox<C: R2D2Connection + 'static> {
@@ -104,6 +104,21 @@ impl<C: R2D2Connection + 'static> DieselInbox<C> {
     /// An inbox over `pool`.
     pub fn new(pool: Pool<ConnectionManager<C>>) -> Self {
         Self { pool }
+    }
+
+    /// An inbox over a new pool of `max_size` connections to `database_url`, built for
+    /// the consumer: connections are not tested on check-out (r2d2's default `SELECT 1`
+    /// before each transaction, see "Speed" above), and idle ones are closed after 10
+    /// minutes, before servers and proxies usually drop them. A connection the server
+    /// has dropped all the same fails its message's transaction, which is not
+    /// acknowledged and runs again; the pool discards the connection.
+    pub fn connect(database_url: &str, max_size: u32) -> crate::Result<Self> {
+        let pool = Pool::builder()
+            .max_size(max_size)
+            .test_on_check_out(false)
+            .idle_timeout(Some(std::time::Duration::from_secs(600)))
+            .build(ConnectionManager::<C>::new(database_url))?;
+        Ok(Self::new(pool))
     }
 
     /// The pool.

@@ -147,13 +147,18 @@ impl PgRelayStore {
     /// listens for wake-ups on a dedicated connection to the same URL. The pool's
     /// connections get TCP keepalives (see [a stalled relay](Self#a-stalled-relay))
     /// unless the URL sets its own.
+    ///
+    /// The pool does not test connections on check-out (r2d2's `test_on_check_out`, a
+    /// `SELECT 1` round trip before each claim): a connection the server has dropped
+    /// fails its claim instead, which the relay takes as a database outage and backs off
+    /// from (100 ms at first), and the pool discards it.
     pub fn connect(database_url: &str, max_size: u32) -> Result<Self> {
-        let pool =
-            Pool::builder()
-                .max_size(max_size)
-                .build(ConnectionManager::<PgConnection>::new(with_keepalives(
-                    database_url,
-                )))?;
+        let pool = Pool::builder()
+            .max_size(max_size)
+            .test_on_check_out(false)
+            .build(ConnectionManager::<PgConnection>::new(with_keepalives(
+                database_url,
+            )))?;
         Ok(Self::new(pool).with_listener(database_url))
     }
 

@@ -71,10 +71,12 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqliteCustom
 
 /// A pool of `max_size` connections to the SQLite database file `database_url`, with
 /// the default [`SqliteCustomizer`]. (`:memory:` would give each connection its own
-/// database: use a file.)
+/// database: use a file.) Connections are not tested on check-out (r2d2's
+/// `test_on_check_out`): a file does not drop connections.
 pub fn sqlite_pool(database_url: &str, max_size: u32) -> Result<SqlitePool> {
     Ok(Pool::builder()
         .max_size(max_size)
+        .test_on_check_out(false)
         .connection_customizer(Box::new(SqliteCustomizer::default()))
         .build(ConnectionManager::<SqliteConnection>::new(database_url))?)
 }

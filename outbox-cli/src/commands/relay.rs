@@ -150,7 +150,9 @@ fn config(args: &RelayArgs) -> RelayConfig {
 }
 
 /// A pool of `size` connections to `url` (the database's, perhaps with parameters
-/// added); errors name `db` with its password hidden.
+/// added); errors name `db` with its password hidden. Connections are not tested on
+/// check-out (a `SELECT 1` before each batch): one the server dropped fails its batch
+/// instead, which the relay backs off from as from an outage, and the pool discards it.
 fn pool<C: R2D2Connection + 'static>(
     db: &Database,
     url: &str,
@@ -158,6 +160,7 @@ fn pool<C: R2D2Connection + 'static>(
 ) -> Result<Pool<ConnectionManager<C>>, CliError> {
     Pool::builder()
         .max_size(size)
+        .test_on_check_out(false)
         .connection_timeout(POOL_TIMEOUT)
         .build(ConnectionManager::new(url))
         .map_err(|e| pool_error(db, e.into()))
