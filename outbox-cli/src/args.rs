@@ -38,6 +38,10 @@ Examples:
   outbox dead redrive 17 order-43:OrderPaid
   outbox dead purge --all";
 
+/// Most connections `outbox relay --pool-size` takes: a relay works one batch at a time
+/// (claims on one connection, completes on it), so a few are plenty.
+const MAX_POOL_SIZE: i64 = 64;
+
 /// Operate a transactional outbox: create its tables, run the relay that publishes
 /// committed messages to Redis Streams, watch the backlog, handle dead letters and purge
 /// old rows.
@@ -131,15 +135,18 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
     pub(crate) stream_prefix: String,
     /// Approximate cap on each stream's length (XADD MAXLEN ~ N); a safety bound only.
-    #[arg(long, value_name = "N")]
-    pub(crate) max_stream_len: Option<usize>,
+    /// From 1 (0 would trim every message away before consumers read it) to 2^63 - 1
+    /// (Redis's limit: a larger one made every XADD fail).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=i64::MAX as u64), value_name = "N")]
+    pub(crate) max_stream_len: Option<u64>,
     /// Claim order: `per-key` publishes the messages of one ordering key in id order, also
     /// across retries and with several relays; `unordered` claims with plain SKIP LOCKED,
     /// faster, for consumers that do not need order.
     #[arg(long, value_enum, default_value_t = Order::PerKey, value_name = "ORDER")]
     pub(crate) order: Order,
-    /// Database connections in the relay's pool.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
+    /// Database connections in the relay's pool, 1 to 64. The pool opens them all at
+    /// start (a huge value used to abort the process allocating its slots).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=MAX_POOL_SIZE), value_name = "N")]
     pub(crate) pool_size: u32,
     /// Run `outbox migrate` before starting.
     #[arg(long)]

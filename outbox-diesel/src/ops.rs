@@ -25,8 +25,12 @@ pub struct OutboxRecord {
     pub envelope: Envelope,
 }
 
+/// Retentions are capped at 1000 years: nothing stored is older, and `now()` minus a
+/// longer time overflows PostgreSQL's timestamps (`timestamp out of range`).
+const MAX_RETENTION: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
 fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+    i64::try_from(d.min(MAX_RETENTION).as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Backlog statistics: due NEW rows, the age of the oldest of them, DEAD rows. Both
@@ -81,7 +85,7 @@ pub fn purge_dead<C: OutboxConnection>(conn: &mut C, ids: &[i64]) -> Result<usiz
 /// Deletes SENT rows published more than `older_than` ago, `batch_size` rows per
 /// statement until none is left, and returns how many were deleted. Outside a
 /// transaction each batch commits on its own, so locks stay short. NEW and DEAD rows are
-/// never touched.
+/// never touched. An `older_than` beyond 1000 years is taken as 1000 years.
 pub fn purge_sent<C: OutboxConnection>(
     conn: &mut C,
     older_than: Duration,

@@ -183,7 +183,8 @@ pub struct PublisherConfig {
     ///
     /// MAXLEN trims by count whether or not consumers have read the entries; prefer
     /// [`trim_acknowledged`](crate::trim_acknowledged), which never removes pending work,
-    /// and keep this only as a safety bound well above any expected backlog.
+    /// and keep this only as a safety bound well above any expected backlog. From 1 to
+    /// `i64::MAX` (Redis's limit).
     pub max_len: Option<usize>,
     /// How long opening a connection may take (default 2 s).
     pub connect_timeout: Duration,
@@ -227,6 +228,14 @@ impl PublisherConfig {
     fn validate(&self) -> Result<()> {
         if self.max_len == Some(0) {
             return Err(Error::Config("max_len must be at least 1".into()));
+        }
+        // Redis reads MAXLEN as a signed 64-bit number: a larger one is refused by every
+        // XADD, which would count against each message.
+        if self.max_len.is_some_and(|n| i64::try_from(n).is_err()) {
+            return Err(Error::Config(format!(
+                "max_len must be at most {}",
+                i64::MAX
+            )));
         }
         if self.max_pipeline_bytes == 0 {
             return Err(Error::Config(

@@ -158,3 +158,21 @@ fn a_malformed_url_is_a_config_error_without_the_password() {
         assert_hidden(&e, secret);
     }
 }
+
+/// `max_len` past what Redis accepts for `MAXLEN` (a signed 64-bit number) is refused
+/// when the publisher is built: before, every XADD failed and each message spent its
+/// retries on it until it was dead-lettered.
+#[test]
+fn a_max_len_redis_cannot_take_is_a_config_error() {
+    let config = |max_len| PublisherConfig {
+        max_len: Some(max_len),
+        ..PublisherConfig::default()
+    };
+    for n in [0, usize::MAX, i64::MAX as usize + 1] {
+        let e = RedisPublisher::with_config(redis_url(), config(n)).expect_err("accepted");
+        assert!(e.is_config(), "{e:?}");
+        assert!(e.to_string().contains("max_len must be"), "{e}");
+    }
+    RedisPublisher::with_config(redis_url(), config(i64::MAX as usize))
+        .expect("the largest MAXLEN");
+}

@@ -29,6 +29,9 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     if args.migrate {
         with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
     }
+    // Missing tables fail here, with the hint to migrate, rather than as an outage the
+    // relay would wait out forever.
+    with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     drop(conn);
     let publisher = publisher(args)?;
     let config = config(args);
@@ -126,7 +129,9 @@ fn serve<S: RelayStore>(
 fn publisher(args: &RelayArgs) -> Result<RedisPublisher, CliError> {
     let config = PublisherConfig {
         stream_prefix: args.stream_prefix.clone(),
-        max_len: args.max_stream_len,
+        max_len: args
+            .max_stream_len
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         ..PublisherConfig::default()
     };
     RedisPublisher::with_config(args.redis_url.as_str(), config).map_err(|source| {
