@@ -3,8 +3,10 @@
 //!
 //! - [`Emit`] adds `emit` to diesel connections: the message row is written by your
 //!   transaction, so it exists iff your business rows commit.
-//! - [`migrate`] (or the SQL files under `migrations/<backend>/`) creates the tables;
-//!   [`schema`] has their `table!` definitions.
+//! - [`migrate`] (or the SQL files under `migrations/<backend>/`) creates the tables and
+//!   records [`MIGRATION_VERSION`] in `outbox_migrations`; it leaves tables a newer
+//!   release migrated alone ([`Error::SchemaTooNew`]). [`schema`] has their `table!`
+//!   definitions.
 //! - [`PgRelayStore`], [`MysqlRelayStore`] and [`SqliteRelayStore`] implement
 //!   [`outbox_core::RelayStore`] for the [`outbox_core::Relay`].
 //! - [`PgInbox`], [`MysqlInbox`] and [`SqliteInbox`] implement [`outbox_core::Inbox`]:
