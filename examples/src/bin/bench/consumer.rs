@@ -1,0 +1,310 @@
+//! The consumer's full path on PostgreSQL + Redis (XREADGROUP → dedup transaction with
+//! the handler's UPDATE → XACK) against the same SQL issued from a plain loop.
+
+use std::time::{Duration, Instant};
+
+use diesel::connection::SimpleConnection as _;
+use diesel::r2d2::{ConnectionManager, Pool};
+use diesel::sql_types::{Integer, Text};
+use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
+use outbox_core::{
+    Delivery, Envelope, Handler, HandlerError, OutboxEvent, Publisher as _, StoredMessage,
+};
+use outbox_diesel::PgInbox;
+use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
+use serde::{Deserialize, Serialize};
+
+use crate::{BoxError, Service};
+
+/// One message per account row: handlers never touch the same row.
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+struct PointsEarned {
+    #[outbox(id)]
+    award_id: String,
+    account: i32,
+}
+
+/// One message per transfer, keyed by its account: many messages update each row.
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+#[outbox(key = account)]
+struct Credited {
+    #[outbox(id)]
+    n: String,
+    account: String,
+}
+
+/// The handler's write for [`PointsEarned`]: one UPDATE of the account's row.
+fn credit(conn: &mut PgConnection, account: i32) -> diesel::QueryResult<usize> {
+    diesel::sql_query("UPDATE points SET n = n + 1 WHERE id = $1")
+        .bind::<Integer, _>(account)
+        .execute(conn)
+}
+
+struct Award;
+
+impl Handler<PointsEarned> for Award {
+    type Conn = PgConnection;
+
+    fn handle(
+        &self,
+        e: PointsEarned,
+        conn: &mut PgConnection,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        credit(conn, e.account)?;
+        Ok(())
+    }
+}
+
+impl Handler<Credited> for Award {
+    type Conn = PgConnection;
+
+    fn handle(
+        &self,
+        e: Credited,
+        conn: &mut PgConnection,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        diesel::sql_query("UPDATE accounts SET n = n + 1 WHERE id = $1")
+            .bind::<Text, _>(&e.account)
+            .execute(conn)?;
+        Ok(())
+    }
+}
+
+/// Which stream a consumer run drains.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Load {
+    /// [`PointsEarned`]: a row per message.
+    Distinct,
+    /// [`Credited`] over 64 accounts.
+    Shared,
+}
+
+/// Accounts of the [`Load::Shared`] stream.
+pub(crate) const SHARED_KEYS: usize = 64;
+
+pub(crate) struct ConsumerBench {
+    svc: Service,
+    url: String,
+    schema: String,
+    prefix: String,
+    pub(crate) messages: usize,
+    groups: std::sync::atomic::AtomicUsize,
+}
+
+impl ConsumerBench {
+    /// Publishes `messages` of each load once; every run reads them as a new group.
+    pub(crate) async fn new(svc: &Service, messages: usize) -> Result<Self, BoxError> {
+        let tag = format!("{}_{:08x}", std::process::id(), fastrand::u32(..));
+        let schema = format!("bench_consumer_{tag}");
+        let url = svc.schema(&schema)?;
+        let mut conn = PgConnection::establish(&url)?;
+        outbox_diesel::migrate(&mut conn)?;
+        conn.batch_execute(&format!(
+            "CREATE TABLE points (id INT PRIMARY KEY, n BIGINT NOT NULL);
+             INSERT INTO points (id, n) SELECT g, 0 FROM generate_series(0, {}) g;
+             CREATE TABLE accounts (id TEXT PRIMARY KEY, n BIGINT NOT NULL);
+             INSERT INTO accounts (id, n) SELECT 'acct-' || g, 0 FROM generate_series(0, {}) g;
+             ANALYZE points; ANALYZE accounts;",
+            messages - 1,
+            SHARED_KEYS - 1
+        ))?;
+        let bench = Self {
+            svc: svc.clone(),
+            url,
+            schema,
+            prefix: format!("bench:{tag}:"),
+            messages,
+            groups: Default::default(),
+        };
+        bench.publish().await?;
+        Ok(bench)
+    }
+
+    async fn publish(&self) -> Result<(), BoxError> {
+        let publisher = RedisPublisher::with_config(
+            self.svc.redis_url.as_str(),
+            PublisherConfig {
+                stream_prefix: self.prefix.clone(),
+                ..PublisherConfig::default()
+            },
+        )?;
+        let all: Vec<usize> = (0..self.messages).collect();
+        for chunk in all.chunks(500) {
+            let mut batch = Vec::with_capacity(chunk.len() * 2);
+            for &i in chunk {
+                let points = PointsEarned {
+                    award_id: format!("award-{i}"),
+                    account: i32::try_from(i)?,
+                };
+                let credited = Credited {
+                    n: format!("c-{i}"),
+                    account: format!("acct-{}", i % SHARED_KEYS),
+                };
+                for envelope in [
+                    Envelope::from_event(&points, 1 << 20)?,
+                    Envelope::from_event(&credited, 1 << 20)?,
+                ] {
+                    batch.push(StoredMessage {
+                        id: batch.len() as i64 + 1,
+                        retries: 0,
+                        envelope,
+                    });
+                }
+            }
+            let outcomes = publisher.publish(&batch).await?;
+            if let Some(Err(e)) = outcomes.into_iter().find(Result::is_err) {
+                return Err(format!("publish rejected: {e:?}").into());
+            }
+        }
+        Ok(())
+    }
+
+    fn group(&self, what: &str) -> String {
+        let n = self
+            .groups
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{what}-{n}")
+    }
+
+    /// The baseline: each of `conns` threads runs its share of the messages, one
+    /// transaction per message with the dedup INSERT and the UPDATE. Messages/s.
+    pub(crate) fn plain_loop(&self, conns: usize) -> Result<f64, BoxError> {
+        let group = self.group("plain");
+        let mut connections = (0..conns)
+            .map(|_| PgConnection::establish(&self.url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = connections
+                .iter_mut()
+                .enumerate()
+                .map(|(t, conn)| {
+                    let group = &group;
+                    s.spawn(move || -> diesel::QueryResult<()> {
+                        for i in (t..self.messages).step_by(conns) {
+                            let e = PointsEarned {
+                                award_id: format!("award-{i}"),
+                                account: i as i32,
+                            };
+                            let msg_id = e.msg_id().expect("valid id");
+                            conn.transaction(|c| {
+                                diesel::sql_query(
+                                    "INSERT INTO consumed_msg (consumer_group, msg_id) \
+                                     VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                                )
+                                .bind::<Text, _>(group.as_str())
+                                .bind::<Text, _>(msg_id.as_str())
+                                .execute(c)?;
+                                credit(c, e.account)?;
+                                Ok::<_, diesel::result::Error>(())
+                            })?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("worker panicked"))
+        })?;
+        Ok(self.messages as f64 / started.elapsed().as_secs_f64())
+    }
+
+    /// `consumers` consumers of one new group drain the `load` stream: single mode, or
+    /// batch mode with `batch` messages per transaction, `in_flight` transactions each.
+    /// Messages/s.
+    pub(crate) async fn consumers(
+        &self,
+        load: Load,
+        consumers: usize,
+        in_flight: usize,
+        batch: Option<usize>,
+    ) -> Result<f64, BoxError> {
+        let group = self.group("c");
+        let mut running = Vec::new();
+        for _ in 0..consumers {
+            // r2d2 pings each connection on checkout by default (`SELECT 1`, one more
+            // round trip per transaction); the plain loop does not, so neither does
+            // this pool (`DieselInbox::connect` builds it so).
+            let url = self.url.clone();
+            let size = u32::try_from(in_flight)?;
+            let pool = tokio::task::spawn_blocking(move || {
+                Pool::builder()
+                    .max_size(size)
+                    .test_on_check_out(false)
+                    .build(ConnectionManager::<PgConnection>::new(url))
+            })
+            .await??;
+            let config = ConsumerConfig {
+                stream_prefix: self.prefix.clone(),
+                max_in_flight: in_flight,
+                batch_size: batch,
+                block: Duration::from_millis(100),
+                ..ConsumerConfig::default()
+            };
+            let builder = Consumer::builder(self.svc.redis_url.as_str(), group.clone());
+            let consumer = match load {
+                Load::Distinct => builder.handle::<PointsEarned, _>(Award),
+                Load::Shared => builder.handle::<Credited, _>(Award),
+            }
+            .idempotency(PgInbox::new(pool))
+            .config(config)
+            .build()?;
+            running.push(consumer);
+        }
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let started = Instant::now();
+        let tasks: Vec<_> = running
+            .iter()
+            .map(|c| {
+                let c = c.clone();
+                let mut stopped = stopped.clone();
+                tokio::spawn(async move {
+                    c.run_until(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let deadline = started + Duration::from_secs(600);
+        loop {
+            let consumed: u64 = running.iter().map(|c| c.stats().consumed).sum();
+            if consumed as usize >= self.messages {
+                break;
+            }
+            if Instant::now() > deadline || running.iter().any(|c| c.stats().dead_lettered > 0) {
+                let stats: Vec<_> = running.iter().map(Consumer::stats).collect();
+                return Err(format!("the consumers did not finish: {stats:?}").into());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let elapsed = started.elapsed();
+        let _ = stop.send(true);
+        for task in tasks {
+            task.await??;
+        }
+        for c in &running {
+            let s = c.stats();
+            if s.failures > 0 || s.conflicts > 0 {
+                eprintln!("  note: {s:?}");
+            }
+        }
+        Ok(self.messages as f64 / elapsed.as_secs_f64())
+    }
+
+    pub(crate) async fn cleanup(&self) {
+        self.svc.drop_schema(&self.schema);
+        if let Ok(client) = redis::Client::open(self.svc.redis_url.as_str())
+            && let Ok(mut conn) = client.get_multiplexed_async_connection().await
+        {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL")
+                .arg(format!("{}{}", self.prefix, PointsEarned::TOPIC))
+                .arg(format!("{}{}", self.prefix, Credited::TOPIC))
+                .query_async(&mut conn)
+                .await;
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! Emit against a hand-written diesel insert of the same row on PostgreSQL, one event
+//! per transaction, with and without a relay parked on LISTEN.
+
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use outbox_core::{Error, OutboxEvent, PublishOutcomes, Publisher, Relay, StoredMessage};
+use outbox_diesel::schema::pg::outbox;
+use outbox_diesel::{Emit, EmitOptions, Notify, PgRelayStore};
+use outbox_examples::AccountTransferred;
+
+use crate::{BoxError, Service};
+
+/// How a round writes its rows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Way {
+    Hand,
+    Emit(Notify),
+}
+
+fn hand_written(c: &mut PgConnection, e: &AccountTransferred) -> QueryResult<usize> {
+    let payload = serde_json::to_value(e).expect("serializable");
+    diesel::insert_into(outbox::table)
+        .values((
+            outbox::msg_id.eq(e.msg_id().expect("valid").into_string()),
+            outbox::topic.eq(e.topic()),
+            outbox::event_type.eq(e.event_type()),
+            outbox::msg_key.eq(e.ordering_key()),
+            outbox::schema_version.eq(1),
+            outbox::payload.eq(payload),
+            outbox::headers.eq(serde_json::json!({})),
+        ))
+        .execute(c)
+}
+
+pub(crate) struct EmitBench {
+    svc: Service,
+    url: String,
+    schema: String,
+    rounds: std::sync::atomic::AtomicUsize,
+}
+
+/// A relay parked on LISTEN for the whole of some rounds: it wakes on the emits'
+/// NOTIFY (or its poll), drains into a sink that only counts, and parks again.
+pub(crate) struct ParkedRelay {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), Error>>,
+}
+
+struct Discard;
+
+impl Publisher for Discard {
+    async fn publish(&self, batch: &[StoredMessage]) -> Result<PublishOutcomes, Error> {
+        Ok(vec![Ok(()); batch.len()])
+    }
+}
+
+impl ParkedRelay {
+    pub(crate) async fn stop(self) -> Result<(), BoxError> {
+        let _ = self.stop.send(());
+        self.task.await??;
+        Ok(())
+    }
+}
+
+impl EmitBench {
+    pub(crate) fn new(svc: &Service) -> Result<Self, BoxError> {
+        let schema = format!(
+            "bench_emit_{}_{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
+        let url = svc.schema(&schema)?;
+        outbox_diesel::migrate(&mut PgConnection::establish(&url)?)?;
+        Ok(Self {
+            svc: svc.clone(),
+            url,
+            schema,
+            rounds: Default::default(),
+        })
+    }
+
+    pub(crate) fn cleanup(&self) {
+        self.svc.drop_schema(&self.schema);
+    }
+
+    pub(crate) async fn park_relay(&self) -> Result<ParkedRelay, BoxError> {
+        let url = self.url.clone();
+        let store = tokio::task::spawn_blocking(move || PgRelayStore::connect(&url, 2)).await??;
+        let relay = Relay::new(store, Discard);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task =
+            tokio::spawn(
+                async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await },
+            );
+        tokio::time::sleep(Duration::from_millis(300)).await; // parked
+        Ok(ParkedRelay { stop, task })
+    }
+
+    /// `conns` threads, each `txns` transactions of one row written `way`. Rows/s.
+    pub(crate) fn run(&self, way: Way, conns: usize, txns: usize) -> Result<f64, BoxError> {
+        let round = self
+            .rounds
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut connections = (0..conns)
+            .map(|_| PgConnection::establish(&self.url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = connections
+                .iter_mut()
+                .enumerate()
+                .map(|(w, c)| {
+                    s.spawn(move || -> Result<(), outbox_diesel::Error> {
+                        let opts = match way {
+                            Way::Emit(n) => EmitOptions::new().notify(n),
+                            Way::Hand => EmitOptions::new(),
+                        };
+                        for i in 0..txns {
+                            let e = AccountTransferred::new(
+                                &format!("r{round}-{w}-{i}"),
+                                "alice",
+                                "bob",
+                                100,
+                            );
+                            c.transaction(|c| {
+                                match way {
+                                    Way::Hand => {
+                                        hand_written(c, &e)?;
+                                    }
+                                    Way::Emit(_) => {
+                                        c.emit_with(&opts, e)?;
+                                    }
+                                }
+                                Ok::<_, outbox_diesel::Error>(())
+                            })?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("worker panicked"))
+        })?;
+        Ok((conns * txns) as f64 / started.elapsed().as_secs_f64())
+    }
+}

@@ -1,0 +1,606 @@
+//! Run with: cargo run --release -p outbox-examples --bin bench
+//!
+//! Every figure of BENCHMARKS.md against its baseline, measured in the same run with the
+//! rounds alternating (baseline first in one round, last in the next), on PostgreSQL
+//! (`DATABASE_URL`, default the local `test` database) and Redis (`REDIS_URL`):
+//!
+//! - relay: one relay into Redis against a pure-SQL claim-and-mark drain, per-key
+//!   against unordered claims with one and two relays, commit→XADD latency at a steady
+//!   1,000 messages/s, resident memory while draining a 1M-row backlog;
+//! - consumer: single mode against a plain SQL loop doing the same writes, batch mode
+//!   against single mode, and two consumers in batch mode against single mode when
+//!   handlers update one row per key over 64 keys;
+//! - emit: `emit` (default `Notify::WhenRelayIdle`) against a hand-written diesel insert,
+//!   with no relay and with one parked on LISTEN.
+//!
+//! Prints one table (median and range over the rounds of each ratio) with the machine's
+//! facts, and writes it with SVG plots (throughput against batch size and relay count,
+//! the latency distribution) to `docs/bench/` (`--out`). `--tiny` runs every figure with
+//! tiny sizes, to prove that the bench works (CI); its numbers mean nothing.
+//!
+//! Read the ratios, not the absolute figures: the machines are shared.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use diesel::connection::SimpleConnection as _;
+use diesel::{Connection as _, PgConnection};
+use outbox_diesel::{ClaimOrder, Notify};
+
+mod consumer;
+mod emit;
+mod machine;
+mod plot;
+mod relay;
+mod stats;
+
+use consumer::{ConsumerBench, Load};
+use emit::{EmitBench, Way};
+use relay::{RelayBench, Sink};
+use stats::{Figure, Target};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Benchmarks of the outbox against baselines measured in the same run.
+#[derive(Parser)]
+struct Args {
+    /// Tiny sizes: proves that every part runs (for CI); the figures mean nothing.
+    #[arg(long)]
+    tiny: bool,
+    /// Rounds per ratio (each round measures the figure and its baseline).
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Only these parts (comma-separated): relay, latency, memory, consumer, emit, plots.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Where the table and the plots go.
+    #[arg(long, default_value = "docs/bench")]
+    out: PathBuf,
+}
+
+impl Args {
+    fn runs(&self, part: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|p| p == part)
+    }
+}
+
+/// Sizes of one run.
+struct Sizes {
+    rounds: usize,
+    relay_messages: usize,
+    latency_rate: u32,
+    latency_secs: f64,
+    backlog: usize,
+    consumer_messages: usize,
+    emit_txns: usize,
+    batch_sizes: Vec<usize>,
+    relay_counts: Vec<usize>,
+}
+
+impl Sizes {
+    fn new(args: &Args) -> Self {
+        let mut sizes = if args.tiny {
+            Self {
+                rounds: 3,
+                relay_messages: 2_000,
+                latency_rate: 200,
+                latency_secs: 1.0,
+                backlog: 20_000,
+                consumer_messages: 300,
+                emit_txns: 40,
+                batch_sizes: vec![100, 500],
+                relay_counts: vec![1, 2],
+            }
+        } else {
+            Self {
+                rounds: 3,
+                relay_messages: 50_000,
+                latency_rate: 1_000,
+                latency_secs: 5.0,
+                backlog: 1_000_000,
+                consumer_messages: 10_000,
+                emit_txns: 1_000,
+                batch_sizes: vec![50, 100, 250, 500, 1000],
+                relay_counts: vec![1, 2, 4],
+            }
+        };
+        if let Some(rounds) = args.rounds {
+            sizes.rounds = rounds.max(1);
+        }
+        sizes
+    }
+}
+
+/// The services under test.
+#[derive(Clone)]
+struct Service {
+    pg_url: String,
+    redis_url: String,
+}
+
+impl Service {
+    /// Creates schema `name` and returns a URL whose connections use it.
+    fn schema(&self, name: &str) -> Result<String, BoxError> {
+        PgConnection::establish(&self.pg_url)?.batch_execute(&format!("CREATE SCHEMA {name}"))?;
+        let sep = if self.pg_url.contains('?') { '&' } else { '?' };
+        Ok(format!(
+            "{}{sep}options=-c%20search_path%3D{name}",
+            self.pg_url
+        ))
+    }
+
+    fn drop_schema(&self, name: &str) {
+        if let Ok(mut c) = PgConnection::establish(&self.pg_url) {
+            let _ = c.batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"));
+        }
+    }
+}
+
+/// The order of `n` measurements in `round`: forward, then backward, so that a drift of
+/// the machine during a round weighs on the figure and its baseline alike.
+fn order(round: usize, n: usize) -> Vec<usize> {
+    if round.is_multiple_of(2) {
+        (0..n).collect()
+    } else {
+        (0..n).rev().collect()
+    }
+}
+
+fn progress(what: &str, value: f64, unit: &str) {
+    println!("  {what:<52} {value:>10.0} {unit}");
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 4)]
+async fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    let sizes = Sizes::new(&args);
+    let svc = Service {
+        pg_url: std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+        redis_url: std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+    };
+    let facts = machine::facts(&svc.pg_url, &svc.redis_url).await?;
+    let load_before = machine::load();
+    let neighbours = machine::neighbours();
+    let started = std::time::Instant::now();
+    for fact in &facts {
+        println!("{fact}");
+    }
+    println!(
+        "- load average at start: {load_before}; other outbox/chaos processes: {neighbours}; {} rounds{}\n",
+        sizes.rounds,
+        if args.tiny { " (--tiny)" } else { "" }
+    );
+    std::fs::create_dir_all(&args.out)?;
+    let mut figures = Vec::new();
+    if args.runs("relay") || args.runs("latency") || args.runs("memory") || args.runs("plots") {
+        let bench = RelayBench::new(&svc).await?;
+        let result = relay_part(&args, &sizes, &bench, &mut figures).await;
+        bench.cleanup().await;
+        result?;
+    }
+    if args.runs("consumer") {
+        let bench = ConsumerBench::new(&svc, sizes.consumer_messages).await?;
+        let result = consumer_part(&sizes, &bench, &mut figures).await;
+        bench.cleanup().await;
+        result?;
+    }
+    if args.runs("emit") {
+        let bench = EmitBench::new(&svc)?;
+        let result = emit_part(&sizes, &bench, &mut figures).await;
+        bench.cleanup();
+        result?;
+    }
+    let table = stats::table(&figures, !args.tiny);
+    let load_after = machine::load();
+    let mut report = String::new();
+    report.push_str(&facts.join("\n"));
+    report.push_str(&format!(
+        "\n- load average at start {load_before}, at the end {load_after}; other outbox/chaos \
+         processes at start: {neighbours}\n- {} rounds per ratio{}, {:.0} s in all\n\n",
+        sizes.rounds,
+        if args.tiny {
+            " (--tiny: sizes too small to mean anything)"
+        } else {
+            ""
+        },
+        started.elapsed().as_secs_f64()
+    ));
+    report.push_str(&table);
+    println!("\n{report}");
+    let path = args.out.join(if args.tiny {
+        "results-tiny.md"
+    } else {
+        "results.md"
+    });
+    std::fs::write(&path, &report)?;
+    println!("written: {}", path.display());
+    Ok(())
+}
+
+async fn relay_part(
+    args: &Args,
+    sizes: &Sizes,
+    bench: &RelayBench,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    let n = sizes.relay_messages;
+    if args.runs("relay") {
+        println!("relay: {n} rows over 1000 keys, batches of 500");
+        const RUNS: [(&str, usize, Sink, ClaimOrder); 5] = [
+            (
+                "1 relay → Redis, unordered",
+                1,
+                Sink::Redis,
+                ClaimOrder::Unordered,
+            ),
+            (
+                "1 relay → Redis, per-key",
+                1,
+                Sink::Redis,
+                ClaimOrder::PerKey,
+            ),
+            (
+                "2 relays → Redis, unordered",
+                2,
+                Sink::Redis,
+                ClaimOrder::Unordered,
+            ),
+            (
+                "2 relays → Redis, per-key",
+                2,
+                Sink::Redis,
+                ClaimOrder::PerKey,
+            ),
+            (
+                "1 relay → counting sink, unordered",
+                1,
+                Sink::Count,
+                ClaimOrder::Unordered,
+            ),
+        ];
+        // rates[0]: the SQL drain; rates[1 + i]: RUNS[i].
+        let mut rates = vec![Vec::new(); RUNS.len() + 1];
+        for round in 0..sizes.rounds {
+            for i in order(round, RUNS.len() + 1) {
+                bench.fill(n, 1000)?;
+                let (name, rate) = if i == 0 {
+                    (
+                        "pure-SQL claim-and-mark drain",
+                        bench.sql_drain(n, 500).await?,
+                    )
+                } else {
+                    let (name, instances, sink, order) = RUNS[i - 1];
+                    (name, bench.relays(n, instances, sink, order, 500).await?)
+                };
+                progress(name, rate, "msg/s");
+                rates[i].push(rate);
+            }
+        }
+        let ratio = |a: usize, b: usize| -> Vec<f64> {
+            rates[a].iter().zip(&rates[b]).map(|(x, y)| x / y).collect()
+        };
+        let mut push = |name: &str, compared: &str, values: Vec<f64>, target| {
+            let mut f = Figure::ratio("relay", name, compared, target);
+            f.values = values;
+            figures.push(f);
+        };
+        push(
+            "relay drain rate, 1 relay, unordered",
+            "relay → Redis / pure-SQL drain",
+            ratio(1, 0),
+            Target::AtLeast(0.8),
+        );
+        push(
+            "per-key order, 1 relay",
+            "per-key / unordered",
+            ratio(2, 1),
+            Target::AtLeast(0.8),
+        );
+        push(
+            "per-key order, 2 relays",
+            "per-key / unordered",
+            ratio(4, 3),
+            Target::AtLeast(0.8),
+        );
+        push(
+            "relay without a broker",
+            "relay → counting sink / pure-SQL drain",
+            ratio(5, 0),
+            Target::None,
+        );
+        push(
+            "a second relay, unordered",
+            "2 relays / 1 relay",
+            ratio(3, 1),
+            Target::None,
+        );
+        for (i, name) in [(0, "pure-SQL drain"), (1, "1 relay → Redis, unordered")] {
+            let mut f = Figure::absolute("relay", name, "msg/s", Target::None);
+            f.values = rates[i].clone();
+            figures.push(f);
+        }
+    }
+    if args.runs("latency") {
+        let rate = sizes.latency_rate;
+        let secs = sizes.latency_secs;
+        println!(
+            "latency: commit → XADD at {rate}/s, {} × {secs} s",
+            sizes.rounds
+        );
+        let mut all = Vec::new();
+        let (mut p50, mut p99) = (
+            Figure::absolute(
+                "relay",
+                format!("commit → XADD p50 at {rate}/s"),
+                "ms",
+                Target::AtMost(2.0),
+            ),
+            Figure::absolute(
+                "relay",
+                format!("commit → XADD p99 at {rate}/s"),
+                "ms",
+                Target::AtMost(5.0),
+            ),
+        );
+        for _ in 0..sizes.rounds {
+            let lat = bench.latency(rate, Duration::from_secs_f64(secs)).await?;
+            let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
+            println!(
+                "  p50 {:.2} ms, p99 {:.2} ms over {} messages",
+                pct(0.5),
+                pct(0.99),
+                lat.len()
+            );
+            p50.values.push(pct(0.5));
+            p99.values.push(pct(0.99));
+            all.extend(lat);
+        }
+        all.sort_by(f64::total_cmp);
+        figures.push(p50);
+        figures.push(p99);
+        plot::latency_cdf(
+            &args.out.join("latency.svg"),
+            &format!("commit → XADD at {rate} messages/s, one relay on LISTEN"),
+            &all,
+        )?;
+    }
+    if args.runs("memory") && sizes.backlog > 0 {
+        println!("memory: one relay drains a {}-row backlog", sizes.backlog);
+        let (before, peak, after, rate) = bench.memory(sizes.backlog).await?;
+        println!(
+            "  RSS {} MiB before, peak {} MiB, after {} MiB ({rate:.0} msg/s)",
+            before / 1024,
+            peak / 1024,
+            after / 1024
+        );
+        let mut f = Figure::absolute(
+            "relay",
+            format!(
+                "RSS growth while draining {} rows (peak − start)",
+                sizes.backlog
+            ),
+            "MiB",
+            Target::None,
+        );
+        f.values = vec![(peak.saturating_sub(before)) as f64 / 1024.0];
+        figures.push(f);
+    }
+    if args.runs("plots") {
+        let n = sizes.relay_messages;
+        println!("plots: throughput against batch size and relay count");
+        let mut by_batch = [
+            ("pure-SQL drain", Vec::new()),
+            ("1 relay, unordered", Vec::new()),
+            ("1 relay, per-key", Vec::new()),
+        ];
+        for &batch in &sizes.batch_sizes {
+            for (i, series) in by_batch.iter_mut().enumerate() {
+                bench.fill(n, 1000)?;
+                let rate = match i {
+                    0 => bench.sql_drain(n, batch).await?,
+                    1 => {
+                        bench
+                            .relays(n, 1, Sink::Redis, ClaimOrder::Unordered, batch)
+                            .await?
+                    }
+                    _ => {
+                        bench
+                            .relays(n, 1, Sink::Redis, ClaimOrder::PerKey, batch)
+                            .await?
+                    }
+                };
+                progress(&format!("{}, batch {batch}", series.0), rate, "msg/s");
+                series.1.push((batch as f64, rate));
+            }
+        }
+        plot::lines(
+            &args.out.join("relay_batch.svg"),
+            "Relay drain rate against batch size (PostgreSQL → Redis)",
+            "batch size (rows per claim)",
+            "messages/s",
+            &by_batch.map(|(name, points)| plot::Series {
+                name: name.into(),
+                points,
+            }),
+            true,
+        )?;
+        let mut by_count = [("unordered", Vec::new()), ("per-key", Vec::new())];
+        for &count in &sizes.relay_counts {
+            for (i, series) in by_count.iter_mut().enumerate() {
+                bench.fill(n, 1000)?;
+                let order = if i == 0 {
+                    ClaimOrder::Unordered
+                } else {
+                    ClaimOrder::PerKey
+                };
+                let rate = bench.relays(n, count, Sink::Redis, order, 500).await?;
+                progress(&format!("{count} relay(s), {}", series.0), rate, "msg/s");
+                series.1.push((count as f64, rate));
+            }
+        }
+        plot::lines(
+            &args.out.join("relay_instances.svg"),
+            "Relay drain rate against relay count (batches of 500)",
+            "relays",
+            "messages/s",
+            &by_count.map(|(name, points)| plot::Series {
+                name: name.into(),
+                points,
+            }),
+            false,
+        )?;
+    }
+    Ok(())
+}
+
+async fn consumer_part(
+    sizes: &Sizes,
+    bench: &ConsumerBench,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    println!(
+        "consumer: {} messages per run; batch mode 100 per transaction; contention: 2 consumers, \
+         batches of 50, 64 keys",
+        bench.messages
+    );
+    const NAMES: [&str; 8] = [
+        "plain SQL loop, 1 connection",
+        "consumer single mode, 1 in flight",
+        "consumer batch mode, 1 in flight",
+        "plain SQL loop, 8 connections",
+        "consumer single mode, 8 in flight",
+        "consumer batch mode, 8 in flight",
+        "2 consumers, single mode, 64 keys",
+        "2 consumers, batch mode (50), 64 keys",
+    ];
+    let mut rates = vec![Vec::new(); NAMES.len()];
+    for round in 0..sizes.rounds {
+        for i in order(round, NAMES.len()) {
+            let rate = match i {
+                0 => tokio::task::block_in_place(|| bench.plain_loop(1))?,
+                1 => bench.consumers(Load::Distinct, 1, 1, None).await?,
+                2 => bench.consumers(Load::Distinct, 1, 1, Some(100)).await?,
+                3 => tokio::task::block_in_place(|| bench.plain_loop(8))?,
+                4 => bench.consumers(Load::Distinct, 1, 8, None).await?,
+                5 => bench.consumers(Load::Distinct, 1, 8, Some(100)).await?,
+                6 => bench.consumers(Load::Shared, 2, 8, None).await?,
+                _ => bench.consumers(Load::Shared, 2, 8, Some(50)).await?,
+            };
+            progress(NAMES[i], rate, "msg/s");
+            rates[i].push(rate);
+        }
+    }
+    let ratio = |a: usize, b: usize| -> Vec<f64> {
+        rates[a].iter().zip(&rates[b]).map(|(x, y)| x / y).collect()
+    };
+    for (name, compared, a, b, target) in [
+        (
+            "single mode, 1 in flight",
+            "consumer / plain SQL loop",
+            1,
+            0,
+            Target::AtLeast(0.8),
+        ),
+        (
+            "single mode, 8 in flight",
+            "consumer / plain SQL loop",
+            4,
+            3,
+            Target::AtLeast(0.8),
+        ),
+        (
+            "batch mode, 1 in flight",
+            "batch / single mode",
+            2,
+            1,
+            Target::AtLeast(2.0),
+        ),
+        (
+            "batch mode, 8 in flight",
+            "batch / single mode",
+            5,
+            4,
+            Target::AtLeast(2.0),
+        ),
+        (
+            "batch mode under contention (2 consumers, batch 50, 64 keys)",
+            "batch / single mode",
+            7,
+            6,
+            Target::AtLeast(1.0),
+        ),
+    ] {
+        let mut f = Figure::ratio("consumer", name, compared, target);
+        f.values = ratio(a, b);
+        figures.push(f);
+    }
+    Ok(())
+}
+
+async fn emit_part(
+    sizes: &Sizes,
+    bench: &EmitBench,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    let txns = sizes.emit_txns;
+    println!("emit: {txns} transactions of one event per connection and round");
+    let ways = [
+        ("hand-written insert", Way::Hand),
+        ("emit, Notify::Never", Way::Emit(Notify::Never)),
+        (
+            "emit, Notify::WhenRelayIdle (default)",
+            Way::Emit(Notify::WhenRelayIdle),
+        ),
+    ];
+    // rates[parked][conns index][way][round]
+    let mut rates = vec![vec![vec![Vec::new(); ways.len()]; 2]; 2];
+    for (parked, relay_state) in ["no relay", "a relay parked on LISTEN"].iter().enumerate() {
+        let relay = if parked == 1 {
+            Some(bench.park_relay().await?)
+        } else {
+            None
+        };
+        for (c, conns) in [1usize, 8].into_iter().enumerate() {
+            // Warm-up: connections, prepared statements, the table's first pages.
+            for (_, way) in ways {
+                tokio::task::block_in_place(|| bench.run(way, conns, txns / 10 + 1))?;
+            }
+            for round in 0..sizes.rounds {
+                for w in order(round, ways.len()) {
+                    let (name, way) = ways[w];
+                    let rate = tokio::task::block_in_place(|| bench.run(way, conns, txns))?;
+                    progress(
+                        &format!("{name}, {conns} conn., {relay_state}"),
+                        rate,
+                        "tx/s",
+                    );
+                    rates[parked][c][w].push(rate);
+                }
+            }
+        }
+        if let Some(relay) = relay {
+            relay.stop().await?;
+        }
+    }
+    for (parked, relay_state) in ["no relay parked", "one relay parked"].iter().enumerate() {
+        for (c, conns) in [1usize, 8].into_iter().enumerate() {
+            for (w, name, target) in [
+                (2, "emit (default WhenRelayIdle)", Target::AtLeast(0.95)),
+                (1, "emit, Notify::Never", Target::None),
+            ] {
+                let r = &rates[parked][c];
+                let mut f = Figure::ratio(
+                    "emit",
+                    format!("{name}, {conns} conn., {relay_state}"),
+                    "emit / hand-written insert",
+                    target,
+                );
+                f.values = r[w].iter().zip(&r[0]).map(|(x, y)| x / y).collect();
+                figures.push(f);
+            }
+        }
+    }
+    Ok(())
+}
