@@ -379,7 +379,11 @@ fn relay_never_shows_passwords(database_url: &str, db_password: &str) {
     let status = relay.wait();
     let log = relay.log();
     assert!(status.success(), "exit {status}; log:\n{log}");
-    assert_eq!(log.matches(":***@").count(), 2, "both URLs logged, redacted:\n{log}");
+    assert_eq!(
+        log.matches(":***@").count(),
+        2,
+        "both URLs logged, redacted:\n{log}"
+    );
     for secret in [db_password, PasswordRedis::PASSWORD] {
         assert!(!log.contains(secret), "a password is in the log:\n{log}");
         assert!(
