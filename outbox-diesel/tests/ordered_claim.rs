@@ -244,8 +244,8 @@ fn pg_per_key_claim_uses_the_new_only_indexes() {
         "the lock walks the NEW-only id index:\n{text}"
     );
     assert!(
-        text.contains("outbox_pending_key"),
-        "the probes use the NEW-only (msg_key, id) index:\n{text}"
+        text.contains("outbox_retrying"),
+        "the keys waiting for a retry come from the index of NEW rows that failed:\n{text}"
     );
     assert!(
         !text.contains("Seq Scan on outbox"),

@@ -359,7 +359,7 @@ pub(crate) fn truncate(s: &str) -> &str {
 /// SQL that is true when two `msg_key` expressions are the same key: byte for byte, as
 /// Rust compares them. A plain `=` on PostgreSQL (deterministic collations break ties
 /// by bytes) and SQLite (BINARY).
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(feature = "sqlite")]
 pub(crate) fn same_key(a: &str, b: &str) -> String {
     format!("{a} = {b}")
 }
@@ -369,7 +369,9 @@ pub(crate) fn same_key(a: &str, b: &str) -> String {
 /// thus stays out of the batch altogether, so its later rows do not crowd other keys out
 /// of the LIMIT. Not needed for correctness (the probe after the lock decides), only for
 /// progress. One index probe per candidate on the NEW rows by `(msg_key, id)`.
-/// `same_key` compares keys (see [`same_key`]).
+/// `same_key` compares keys (see `same_key`). (PostgreSQL's claim walks instead: see
+/// `pg::per_key_claim_sql`.)
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) fn head_is_due(d: &Dialect, table: &str, same_key: fn(&str, &str) -> String) -> String {
     format!(
         "(SELECT h.next_retry_at FROM outbox h WHERE h.status = 0 AND {key} \
@@ -385,6 +387,7 @@ pub(crate) fn head_is_due(d: &Dialect, table: &str, same_key: fn(&str, &str) -> 
 /// "no NEW row p outside L with p.key = o.key AND p.id < o.id", asked once per key
 /// rather than once per row, so that a key with many rows in the batch costs a walk
 /// over its rows instead of a walk per row.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) fn first_outside_sql(
     keys_of_l: &str,
     ids_of_l: &str,
@@ -398,7 +401,8 @@ pub(crate) fn first_outside_sql(
     )
 }
 
-/// The per-key claim in one statement, for backends with CTEs (PostgreSQL, SQLite):
+/// The per-key claim in one statement on SQLite (PostgreSQL has its own, with walks
+/// instead of probes: `pg::per_key_claim_sql`):
 /// lock the due NEW rows in id order whose key's head is due (`L`), then return the rows
 /// of `L` that no NEW row outside `L` precedes within their key, in id order.
 ///
@@ -409,7 +413,7 @@ pub(crate) fn first_outside_sql(
 /// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
 /// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
 /// join over a scan of the whole table).
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(feature = "sqlite")]
 pub(crate) fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String {
     format!(
         "WITH l AS MATERIALIZED (SELECT id, msg_key FROM outbox o \

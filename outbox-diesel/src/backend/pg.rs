@@ -61,6 +61,40 @@ fn begin_claim_sql(stall: Duration) -> String {
     )
 }
 
+/// The per-key claim (DESIGN "Order per key") in one statement, with walks instead of a
+/// probe per row:
+///
+/// - `r`: the keys whose NEW rows wait for a retry, from the small `outbox_retrying`
+///   index (NEW rows that failed before). The lock step skips a key's rows after its
+///   waiting one, so that they do not crowd other keys out of the LIMIT (progress only:
+///   the next step decides order);
+/// - `l`: the due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`;
+/// - `b`: the NEW rows below `l`'s last id that `l` does not hold (held by another relay,
+///   or waiting for a retry), with the first id of each key: one walk of the range the
+///   lock step walked, on `outbox_pending`;
+/// - a row of `l` goes out only if no row of `b` with its key comes before it.
+///
+/// This replaced two index probes per row (a head probe per candidate, a gap probe per
+/// key): measured on 100,000 NEW rows over 1,000 keys, 500 rows per claim, 2.7 ms
+/// instead of 6.5 ms, the unordered claim taking 1.7 ms.
+fn per_key_claim_sql(limit: usize) -> String {
+    format!(
+        "WITH r AS MATERIALIZED (SELECT msg_key, min(id) AS first_wait FROM outbox \
+           WHERE status = 0 AND retries > 0 AND next_retry_at > now() GROUP BY msg_key), \
+         l AS MATERIALIZED (SELECT {columns} FROM outbox o \
+           WHERE status = 0 AND next_retry_at <= now() \
+           AND NOT EXISTS (SELECT 1 FROM r WHERE r.msg_key = o.msg_key AND r.first_wait < o.id) \
+           ORDER BY id LIMIT {limit} FOR UPDATE SKIP LOCKED), \
+         b AS MATERIALIZED (SELECT p.msg_key, min(p.id) AS first_out FROM outbox p \
+           WHERE p.status = 0 AND p.id < (SELECT max(id) FROM l) \
+           AND p.id NOT IN (SELECT id FROM l) GROUP BY p.msg_key) \
+         SELECT l.* FROM l WHERE NOT EXISTS \
+           (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id) \
+         ORDER BY id",
+        columns = DIALECT.columns,
+    )
+}
+
 const INSERT_HEAD: &str = "INSERT INTO outbox \
     (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
 
@@ -269,7 +303,7 @@ impl OutboxConnection for PgConnection {
     }
 
     fn __claim_per_key_sql(limit: usize) -> String {
-        super::per_key_claim_sql(&DIALECT, limit, "= ANY(ARRAY(SELECT id FROM l))")
+        per_key_claim_sql(limit)
     }
 
     fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {

@@ -26,6 +26,9 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE status = 0;
 -- Per-key order probe ("is there an older NEW row of this key?") over NEW rows only.
 CREATE INDEX IF NOT EXISTS outbox_pending_key ON outbox (msg_key, id) WHERE status = 0;
+-- Per-key claim: the keys whose oldest messages wait for a retry. Only NEW rows that
+-- failed before: small, and never written by an emit or by marking a row SENT.
+CREATE INDEX IF NOT EXISTS outbox_retrying ON outbox (msg_key, id) WHERE status = 0 AND retries > 0;
 -- Dead letters for operators; small by construction.
 CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (id) WHERE status = 2;
 -- Retention: SENT rows oldest first (`purge_sent`), without walking the others.
