@@ -1399,7 +1399,11 @@ where
         span.record("msg_id", envelope.msg_id.as_str());
         span.record("event_type", envelope.event_type.as_str());
         // Trace context captured at emit time, for subscribers that link the spans.
-        if let Some(parent) = envelope.headers.get(outbox_core::TRACEPARENT) {
+        // A W3C traceparent is 55 bytes; a foreign producer's huge header stays out of
+        // every log line.
+        if let Some(parent) = envelope.headers.get(outbox_core::TRACEPARENT)
+            && parent.len() <= MAX_TRACEPARENT_LEN
+        {
             span.record("traceparent", parent.as_str());
         }
         let mut prepared = match inner.dispatcher.prepare(&envelope) {
@@ -1920,6 +1924,10 @@ fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<Vec<Vec<Job>>> {
         })
         .collect()
 }
+
+/// Longest `traceparent` header recorded on a span (W3C's is 55 bytes; room for a
+/// version with more fields).
+const MAX_TRACEPARENT_LEN: usize = 256;
 
 /// Fields a dead-letter entry sets before the original entry's fields.
 const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
