@@ -37,8 +37,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// listener, or while its connection is down (it reconnects on the next wait), waiting
 /// sleeps for the poll interval.
 ///
-/// Before parking, the relay looks once for due rows newer than what its last claims
-/// saw, so a row committed just before it parked is not left to the poll. Rows the
+/// Before it marks itself parked, and once more after, the relay looks for due rows
+/// newer than what its last claims saw: a relay that keeps up with its emitters goes
+/// back to work without a mark (so that they send no NOTIFY), and a row committed just
+/// before the mark is not left to the poll. Rows the
 /// per-key claim held back (behind another relay's batch or a retry) do not count: that
 /// relay, or the poll interval, picks them up.
 ///
@@ -510,6 +512,19 @@ impl Live {
             .take();
         if let Some(clearing) = clearing {
             let _ = clearing.await;
+        }
+        // Rows committed since the claim: back to work without a mark. Marking first and
+        // looking after (as below) would announce an idle relay on every turn of a relay
+        // that keeps up with its emitters, and every emit meanwhile would pay for a
+        // NOTIFY (which serialises commits); measured at 8 emitting connections, 0.74 of
+        // a hand-written insert's rate with that churn.
+        let due: bool = self
+            .client
+            .query_one(&self.due, &[&seen])
+            .await?
+            .try_get(0)?;
+        if due {
+            return Ok(());
         }
         // Older notifications are stale: the relay has claimed since they were sent.
         let before = self.events.received.load(Ordering::SeqCst);

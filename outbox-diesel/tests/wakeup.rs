@@ -114,6 +114,59 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     });
 }
 
+/// A relay whose claim came back empty, but that finds rows committed since when it is
+/// about to park, goes back to work without marking itself idle: emitters meanwhile
+/// would otherwise each send a NOTIFY, which serialises their commits.
+#[test]
+fn a_relay_with_new_rows_goes_back_to_work_without_marking_itself_idle() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    exec(
+        &mut c,
+        "CREATE TABLE marks (n INT);
+         CREATE FUNCTION note_mark() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN INSERT INTO marks VALUES (1); RETURN NEW; END $$;
+         CREATE TRIGGER note_mark AFTER INSERT OR UPDATE ON outbox_relay_idle
+           FOR EACH ROW EXECUTE FUNCTION note_mark();",
+    );
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        c.emit(Moved {
+            n: 1,
+            account: "a".into(),
+        })
+        .unwrap();
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(10)).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "back to work at once"
+        );
+        assert_eq!(
+            Pg::scalar(&mut c, "SELECT count(*) AS n FROM marks"),
+            0,
+            "no idle mark was written"
+        );
+        let batch = store.claim(10).await.unwrap();
+        let ids: Vec<i64> = batch.messages().iter().map(|m| m.id).collect();
+        assert_eq!(ids.len(), 1);
+        batch
+            .complete(outbox_core::BatchOutcome {
+                sent: ids,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        // With nothing to do, it parks with its mark as before.
+        let waiting =
+            tokio::spawn(async move { store.wait_for_work(Duration::from_secs(1)).await });
+        until("the idle relay marks itself", || idle_marks(&db) == 1).await;
+        waiting.await.unwrap();
+    });
+}
+
 #[test]
 fn a_parked_wait_ends_soon_after_it_is_dropped() {
     let db = Pg::create();
