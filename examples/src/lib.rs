@@ -4,7 +4,7 @@
 //!
 //! [`memory`] runs it on `outbox-core`'s in-memory database, [`sql`] on PostgreSQL or
 //! SQLite through `outbox-diesel`, and [`scenario`] plays the reference scenario on them
-//! with Redis.
+//! with Redis; [`services`] reaches those services and names the one that is down.
 
 use outbox_core::OutboxEvent;
 use serde::{Deserialize, Serialize};
@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 pub mod chaos;
 pub mod memory;
 pub mod scenario;
+pub mod services;
 pub mod sql;
 
 /// Money moved from one account to another.

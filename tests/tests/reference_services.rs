@@ -1,5 +1,6 @@
-//! The reference scenario on real services (PostgreSQL + Redis, SQLite + Redis), checked
-//! end to end: the same code the `transfer` example prints.
+//! The reference scenario on real services, checked end to end: the same code the
+//! `transfer` example prints, on its default SQLite + Redis and on PostgreSQL + Redis
+//! (`-- --postgres`). `examples/tests/transfer.rs` runs the example itself.
 
 use diesel::PgConnection;
 use diesel::connection::SimpleConnection as _;
