@@ -125,8 +125,62 @@ impl CliError {
         }
     }
 
+    /// A service that did not answer at all: its name, its address (password hidden),
+    /// the compose.yaml service that provides it and the option that points elsewhere.
+    fn unreachable(&self) -> Option<(String, &str, &'static str, &'static str)> {
+        let (service, url, compose, option) = match self {
+            Self::Connect { backend, url, .. } | Self::Pool { backend, url, .. } => {
+                let compose = match backend {
+                    BackendKind::Postgres => "postgres",
+                    BackendKind::Mysql => "mariadb",
+                    BackendKind::Sqlite => return None,
+                };
+                (backend.to_string(), url, compose, "--database-url")
+            }
+            Self::RedisConnect { url, .. } => ("Redis".to_owned(), url, "redis", "--redis-url"),
+            _ => return None,
+        };
+        let chain = self.root_cause().to_ascii_lowercase();
+        let unreachable = [
+            "connection refused",
+            "can't connect to",
+            "could not translate host name",
+            "name or service not known",
+            "unknown server host",
+            "no route to host",
+            "network is unreachable",
+            "timed out",
+        ]
+        .iter()
+        .any(|sign| chain.contains(sign));
+        unreachable.then_some((service, url.as_str(), compose, option))
+    }
+
+    /// The innermost cause's first line (the driver's own words).
+    fn root_cause(&self) -> String {
+        let mut cause: &dyn std::error::Error = self;
+        while let Some(c) = cause.source() {
+            cause = c;
+        }
+        let text = cause.to_string();
+        text.lines().next().unwrap_or_default().trim().to_owned()
+    }
+
     /// Writes `error: <message>`, one `caused by:` line per cause, and a hint if there is one.
+    /// A service that does not answer takes two lines: which one, where, and how to start it.
     pub(crate) fn report(&self, w: &mut impl Write) -> io::Result<()> {
+        if let Some((service, url, compose, option)) = self.unreachable() {
+            writeln!(
+                w,
+                "error: {service} is not reachable at {url} ({})",
+                self.root_cause()
+            )?;
+            return writeln!(
+                w,
+                "  hint: start it (from the outbox repository: `bash scripts/services.sh` on \
+                 Debian/Ubuntu, `docker compose up -d {compose}` elsewhere) or fix {option}"
+            );
+        }
         writeln!(w, "error: {self}")?;
         let mut shown = self.to_string();
         let mut cause = self.source();

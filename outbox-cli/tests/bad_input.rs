@@ -414,26 +414,36 @@ fn mariadb_relay_never_shows_passwords() {
 fn unreachable_hosts_are_reported_without_the_password() {
     let secret = "Unreach4ble-Secret";
     // Port 1 of the loopback refuses at once; `.invalid` never resolves (RFC 2606).
-    for (url, backend, needle) in [
+    // A service that does not answer is one line saying which, where and why, and one
+    // saying how to start it.
+    let assert_two_lines = |out: &Output| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 2, "{err}");
+    };
+    for (url, backend, needle, compose) in [
         (
             format!("postgres://u:{secret}@127.0.0.1:1/db"),
             "PostgreSQL",
             "Connection refused",
+            "postgres",
         ),
         (
             format!("postgres://u:{secret}@db.invalid/db"),
             "PostgreSQL",
             "could not translate host name",
+            "postgres",
         ),
         (
             format!("mysql://u:{secret}@127.0.0.1:1/db"),
             "MySQL",
             "Can't connect",
+            "mariadb",
         ),
         (
             format!("mysql://u:{secret}@db.invalid/db"),
             "MySQL",
             "Unknown server host",
+            "mariadb",
         ),
     ] {
         for args in database_commands(&url, &redis_url()) {
@@ -443,13 +453,15 @@ fn unreachable_hosts_are_reported_without_the_password() {
                 1,
                 &[
                     &format!(
-                        "error: cannot connect to the {backend} database `{}`",
+                        "error: {backend} is not reachable at {} (",
                         url.replace(secret, "***")
                     ),
                     needle,
+                    &format!("`docker compose up -d {compose}` elsewhere) or fix --database-url"),
                 ],
                 Some(secret),
             );
+            assert_two_lines(&out);
         }
     }
     for url in [
@@ -460,12 +472,17 @@ fn unreachable_hosts_are_reported_without_the_password() {
         assert_fails(
             &out,
             1,
-            &[&format!(
-                "error: cannot connect to Redis `{}`",
-                url.replace(secret, "***")
-            )],
+            &[
+                &format!(
+                    "error: Redis is not reachable at {} (",
+                    url.replace(secret, "***")
+                ),
+                "hint: start it (from the outbox repository: `bash scripts/services.sh` on Debian/Ubuntu",
+                "`docker compose up -d redis` elsewhere) or fix --redis-url",
+            ],
             Some(secret),
         );
+        assert_two_lines(&out);
     }
     let sqlite = std::env::temp_dir().join(format!("{}.db", unique("missing")));
     let out = run(&["--database-url", sqlite.to_str().unwrap(), "status"]);

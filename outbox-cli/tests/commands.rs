@@ -304,7 +304,7 @@ fn an_unreachable_database_is_reported() {
             "status",
         ]),
         1,
-        "error: cannot connect to the PostgreSQL database `postgres://postgres@127.0.0.1:1/test`",
+        "error: PostgreSQL is not reachable at postgres://postgres@127.0.0.1:1/test (",
     );
     fails(
         outbox().args([
@@ -314,7 +314,7 @@ fn an_unreachable_database_is_reported() {
             "list",
         ]),
         1,
-        "error: cannot connect to the MySQL database `mysql://root:***@127.0.0.1:1/test`",
+        "error: MySQL is not reachable at mysql://root:***@127.0.0.1:1/test (",
     );
     let db = TestDb::sqlite();
     fails(

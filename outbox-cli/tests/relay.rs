@@ -232,7 +232,7 @@ fn relay_start_failures_are_reported() {
         .timeout(PATIENCE)
         .assert()
         .code(1)
-        .stderr(contains("error: cannot connect to the PostgreSQL database"));
+        .stderr(contains("error: PostgreSQL is not reachable at"));
 }
 
 /// Streams under a prefix of their own, deleted at the end.

@@ -192,7 +192,7 @@ fn trim_reports_an_unreachable_redis() {
         .assert()
         .code(1)
         .stderr(contains(
-            "error: cannot connect to Redis `redis://127.0.0.1:1`",
+            "error: Redis is not reachable at redis://127.0.0.1:1 (",
         ));
     outbox()
         .args(["trim", "--redis-url", "not a url"])
