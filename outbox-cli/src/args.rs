@@ -20,7 +20,7 @@ number of relays may run on PostgreSQL and MySQL; SQLite allows one per database
 Broker and database outages pause the relay without spending any message's attempts.
 
 Example:
-  outbox relay --redis-url redis://127.0.0.1:6379 --metrics-addr 127.0.0.1:9464";
+  outbox relay --redis-url redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464";
 
 const TRIM_HELP: &str = "\
 Only entries every consumer group has acknowledged are removed: an entry still pending
@@ -151,11 +151,18 @@ pub(crate) struct RelayArgs {
     /// Run `outbox migrate` before starting.
     #[arg(long)]
     pub(crate) migrate: bool,
-    /// Serve Prometheus metrics (backlog, published, failures, batch timings) at
-    /// http://ADDR/metrics.
-    #[cfg(feature = "metrics")]
-    #[arg(long, value_name = "ADDR")]
-    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve, at http://ADDR: /metrics (Prometheus: backlog, published, failures, batch
+    /// timings), /healthz (200 when the database and Redis answer, else 503 naming the
+    /// one down) and /readyz (200 while the oldest due message is younger than
+    /// --ready-max-age, else 503). `--metrics-addr` is its former name.
+    #[cfg(feature = "admin")]
+    #[arg(long, alias = "metrics-addr", value_name = "ADDR")]
+    pub(crate) admin_addr: Option<std::net::SocketAddr>,
+    /// /readyz answers 503 once the oldest due message is older than this: the relay is
+    /// not keeping up (or cannot publish).
+    #[cfg(feature = "admin")]
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) ready_max_age: std::time::Duration,
 }
 
 /// `outbox trim`.

@@ -74,14 +74,23 @@ pub(crate) enum CliError {
     /// The async runtime or the signal handlers could not be set up.
     #[error("cannot set up the runtime or the signal handlers")]
     Runtime(#[source] io::Error),
-    /// The metrics endpoint could not be started.
-    #[cfg(feature = "metrics")]
-    #[error("cannot serve metrics on {addr}")]
+    /// The metrics recorder could not be installed.
+    #[cfg(feature = "admin")]
+    #[error("cannot record metrics for {addr}")]
     Metrics {
-        /// The address asked for.
+        /// The admin address asked for.
         addr: std::net::SocketAddr,
         /// Why.
         source: metrics_exporter_prometheus::BuildError,
+    },
+    /// The admin endpoint could not listen on its address.
+    #[cfg(feature = "admin")]
+    #[error("cannot serve the admin endpoint on {addr}")]
+    Admin {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: io::Error,
     },
     /// Writing to stdout failed.
     #[error("cannot write the output")]

@@ -4,7 +4,7 @@
 //! outbox migrate [--print [--backend postgres|mysql|sqlite] [--down]]
 //! outbox status [--json]
 //! outbox relay --redis-url URL [--batch-size 500] [--poll-interval 1s] [--max-attempts 10]
-//!              [--stream-prefix outbox:] [--pool-size 4] [--metrics-addr 127.0.0.1:9464] [--migrate]
+//!              [--stream-prefix outbox:] [--pool-size 4] [--admin-addr 127.0.0.1:9464] [--migrate]
 //! outbox dead list [--limit 50] [--after ID] [--json]
 //! outbox dead show <ID|MSG_ID> [--json]
 //! outbox dead redrive (<ID|MSG_ID>... | --all)
@@ -24,7 +24,8 @@
 //!   oldest of them, and the DEAD count.
 //! - `relay` publishes committed messages to Redis Streams (`<prefix><topic>`) until
 //!   SIGINT or SIGTERM, finishing the batch in hand; any number may run on PostgreSQL and
-//!   MySQL, one per database on SQLite. `--metrics-addr` serves Prometheus metrics.
+//!   MySQL, one per database on SQLite. `--admin-addr` serves Prometheus metrics at
+//!   `/metrics` and the Kubernetes probes `/healthz` and `/readyz`.
 //! - `dead` lists, shows, re-drives (back to NEW, retries reset) and purges DEAD messages.
 //! - `purge` deletes SENT messages and consumer dedup records past a retention, in
 //!   bounded batches.
@@ -37,6 +38,8 @@
 //! Failures print `error: …` with their causes and exit with 1; usage errors exit with 2.
 //! Logging follows `RUST_LOG` (default `info` for the relay, `warn` otherwise).
 
+#[cfg(feature = "admin")]
+mod admin;
 mod args;
 mod backend;
 mod commands;

@@ -48,14 +48,14 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
                 .with_listener(db.target.clone())
                 .with_order(args.order.into())
                 .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, args)
+            serve(&runtime, store, publisher, config, db, args)
         }
         BackendKind::Mysql => {
             let store =
                 MysqlRelayStore::new(pool::<MysqlConnection>(db, &db.target, args.pool_size)?)
                     .with_order(args.order.into())
                     .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, args)
+            serve(&runtime, store, publisher, config, db, args)
         }
         BackendKind::Sqlite => {
             let pool = outbox_diesel::sqlite_pool(&db.target, args.pool_size)
@@ -63,7 +63,7 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
             let store = SqliteRelayStore::new(pool)
                 .map_err(|e| CliError::RelayStart(e.into()))?
                 .with_order(args.order.into());
-            serve(&runtime, store, publisher, config, args)
+            serve(&runtime, store, publisher, config, db, args)
         }
     };
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
@@ -91,16 +91,19 @@ fn serve<S: RelayStore>(
     store: S,
     publisher: RedisPublisher,
     config: RelayConfig,
+    db: &Database,
     args: &RelayArgs,
 ) -> Result<(), CliError> {
     let relay = Relay::new(store, publisher)
         .with_config(config)
         .map_err(CliError::RelayStart)?;
     runtime.block_on(async {
-        #[cfg(feature = "metrics")]
-        if let Some(addr) = args.metrics_addr {
-            serve_metrics(addr)?;
+        #[cfg(feature = "admin")]
+        if let Some(addr) = args.admin_addr {
+            crate::admin::serve(addr, db.clone(), &args.redis_url, args.ready_max_age).await?;
         }
+        #[cfg(not(feature = "admin"))]
+        let _ = db;
         let signal = shutdown_signal().map_err(CliError::Runtime)?;
         let (stopping, mut stopped) = tokio::sync::watch::channel(false);
         let shutdown = async move {
@@ -191,14 +194,4 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
         };
         tracing::info!(signal = name, "stopping: finishing the batch in hand");
     })
-}
-
-#[cfg(feature = "metrics")]
-fn serve_metrics(addr: std::net::SocketAddr) -> Result<(), CliError> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|source| CliError::Metrics { addr, source })?;
-    tracing::info!(%addr, "serving Prometheus metrics at /metrics");
-    Ok(())
 }

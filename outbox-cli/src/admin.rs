@@ -1,0 +1,197 @@
+//! `outbox relay --admin-addr`: the relay's HTTP endpoint for Prometheus and Kubernetes.
+//!
+//! - `/metrics`: the Prometheus text format (what the relay records through `metrics`).
+//! - `/healthz`: 200 when the database and Redis both answer, 503 otherwise; the JSON
+//!   body says which is down and why. A liveness probe on it restarts a relay cut off
+//!   from either; a readiness or startup probe on it keeps it out of rotation instead.
+//! - `/readyz`: 200 while the oldest due message is younger than `--ready-max-age`, 503
+//!   once it is older (the relays are not keeping up or cannot publish) or when the
+//!   database does not answer.
+//!
+//! Each probe opens its own database connection, so it neither waits behind the relay's
+//! pool nor reports a pooled connection the server already dropped as healthy.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use outbox_redis::redis;
+use serde_json::json;
+
+use crate::backend::{Database, with_conn};
+use crate::error::CliError;
+
+/// The longest a probe's checks may take. Kubernetes gives a probe one second by
+/// default (`timeoutSeconds: 1`); an answer within that is a 503 the kubelet can read,
+/// rather than a timeout it cannot tell from a hung process.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(800);
+/// How often the histograms' old samples are dropped (the exporter's own listener did
+/// this by itself; a recorder installed without it needs the upkeep from its owner).
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// What the handlers share.
+struct Admin {
+    metrics: PrometheusHandle,
+    db: Database,
+    redis: redis::Client,
+    ready_max_age: Duration,
+}
+
+/// Installs the Prometheus recorder and serves the admin endpoint on `addr` until the
+/// runtime stops. Must run before the relay starts, so its first metrics are recorded.
+/// Fails if the address cannot be bound.
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    db: Database,
+    redis_url: &str,
+    ready_max_age: Duration,
+) -> Result<(), CliError> {
+    let redis = redis::Client::open(redis_url).map_err(|source| CliError::RedisUrl {
+        url: crate::backend::redact(redis_url),
+        source: source.into(),
+    })?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| CliError::Admin { addr, source })?;
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|source| CliError::Metrics { addr, source })?;
+    let upkeep = metrics.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(UPKEEP_INTERVAL);
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let state = Arc::new(Admin {
+        metrics,
+        db,
+        redis,
+        ready_max_age,
+    });
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(state);
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the admin endpoint stopped");
+        }
+    });
+    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    Ok(())
+}
+
+async fn metrics_text(State(admin): State<Arc<Admin>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        admin.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn healthz(State(admin): State<Arc<Admin>>) -> Response {
+    let (db, redis) = tokio::join!(admin.backlog(), admin.ping_redis());
+    let up = db.is_ok() && redis.is_ok();
+    let body = json!({
+        "status": if up { "ok" } else { "unavailable" },
+        "database": state(db.map(drop)),
+        "redis": state(redis),
+    });
+    respond(up, &body)
+}
+
+async fn readyz(State(admin): State<Arc<Admin>>) -> Response {
+    let max_age = admin.ready_max_age.as_secs_f64();
+    match admin.backlog().await {
+        Err(e) => respond(
+            false,
+            &json!({"status": "unavailable", "database": format!("down: {e}")}),
+        ),
+        Ok(backlog) => {
+            let age = backlog.oldest_due_age.unwrap_or_default();
+            let ready = age <= admin.ready_max_age;
+            let body = json!({
+                "status": if ready { "ready" } else { "lagging" },
+                "due": backlog.due,
+                "oldest_due_age_seconds": age.as_secs_f64(),
+                "max_age_seconds": max_age,
+            });
+            respond(ready, &body)
+        }
+    }
+}
+
+/// `"up"`, or `"down: <why>"`.
+fn state(check: Result<(), String>) -> String {
+    match check {
+        Ok(()) => "up".to_owned(),
+        Err(e) => format!("down: {e}"),
+    }
+}
+
+/// 200 or 503 with a JSON body.
+fn respond(ok: bool, body: &serde_json::Value) -> Response {
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let mut text = body.to_string();
+    text.push('\n');
+    (status, [(header::CONTENT_TYPE, "application/json")], text).into_response()
+}
+
+impl Admin {
+    /// The backlog, read on a new connection: proves the database answers queries on
+    /// the outbox table, not only connections.
+    async fn backlog(&self) -> Result<outbox_core::Backlog, String> {
+        let db = self.db.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut conn = db.connect(false).map_err(|e| root_cause(&e))?;
+            with_conn!(&mut conn, c => outbox_diesel::backlog(c)).map_err(|e| root_cause(&e))
+        });
+        match tokio::time::timeout(PROBE_TIMEOUT, read).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(join.to_string()),
+            Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+        }
+    }
+
+    /// A `PING` on a new connection.
+    async fn ping_redis(&self) -> Result<(), String> {
+        let ping = async {
+            let mut conn = self.redis.get_multiplexed_async_connection().await?;
+            redis::cmd("PING").query_async::<String>(&mut conn).await
+        };
+        match tokio::time::timeout(PROBE_TIMEOUT, ping).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+        }
+    }
+}
+
+/// The innermost cause's first line: the driver's words, without the URL (which may
+/// carry a password) that the outer errors add.
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(c) = cause.source() {
+        cause = c;
+    }
+    cause
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
