@@ -35,19 +35,27 @@ pg_installed() { command -v pg_ctlcluster >/dev/null && [ -n "$(ls /etc/postgres
 redis_installed() { command -v redis-server >/dev/null; }
 mysql_installed() { [ -x /usr/sbin/mariadbd ]; }
 
+pg_ready() { # the tests' logins: postgres to `test`, root to `root`, no password
+    psql -w -h 127.0.0.1 -U postgres -d test -qAtc 'SELECT 1' >/dev/null 2>&1 \
+        && psql -w -h 127.0.0.1 -U root -d root -qAtc 'SELECT 1' >/dev/null 2>&1
+}
+mysql_ready() { mysql -h 127.0.0.1 -uroot -e 'USE test' >/dev/null 2>&1; }
+redis_ready() { true; }
+
 state() { # up-fn installed-fn
     if "$1"; then echo "up"; elif "$2"; then echo "down"; else echo "missing"; fi
 }
 
 if $check; then
     ok=true
-    for s in "PostgreSQL 127.0.0.1:5432:pg_up:pg_installed" \
-        "MariaDB 127.0.0.1:3306:mysql_up:mysql_installed" \
-        "Redis 127.0.0.1:6379:redis_up:redis_installed"; do
-        IFS=: read -r name port up installed <<<"$s"
+    for s in "PostgreSQL 127.0.0.1:5432:pg_up:pg_installed:pg_ready" \
+        "MariaDB 127.0.0.1:3306:mysql_up:mysql_installed:mysql_ready" \
+        "Redis 127.0.0.1:6379:redis_up:redis_installed:redis_ready"; do
+        IFS=: read -r name port up installed ready <<<"$s"
         st=$(state "$up" "$installed")
         case $st in
-            up) echo "$name:$port up" ;;
+            up) if "$ready"; then echo "$name:$port up"; else
+                echo "$name:$port up, not set up as the tests expect: would set it up"; ok=false; fi ;;
             down) echo "$name:$port down: would start it"; ok=false ;;
             missing) echo "$name:$port missing: would install and start it"; ok=false ;;
         esac
@@ -61,8 +69,7 @@ need=()
 pg_installed || need+=(postgresql)
 mysql_installed || need+=(mariadb-server)
 redis_installed || need+=(redis-server)
-fresh_pg=false fresh_mysql=false
-[[ " ${need[*]} " == *" postgresql "* ]] && fresh_pg=true
+fresh_mysql=false
 [[ " ${need[*]} " == *" mariadb-server "* ]] && fresh_mysql=true
 if [ ${#need[@]} -gt 0 ]; then
     if ! command -v apt-get >/dev/null; then
@@ -85,15 +92,16 @@ if ! redis_up; then
     redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
 fi
-if ! mysql_up && ! $fresh_mysql; then
-    start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
-fi
-if $fresh_mysql; then
-    # A fresh MariaDB's root logs in by unix socket only; the package's own start may not
-    # have run (no init system), and mariadbd needs its socket directory.
-    as_root install -d -o mysql -g mysql /run/mysqld
-    if ! as_root mysqladmin -uroot status >/dev/null 2>&1; then
-        as_root start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+# A fresh MariaDB's root logs in by unix socket only, so "up" for a fresh install is the
+# socket's answer; the package's own start may not have run (no init system), and
+# mariadbd needs its socket directory.
+mysql_socket_up() { as_root mysqladmin -uroot status >/dev/null 2>&1; }
+if ! mysql_up; then
+    if $fresh_mysql; then
+        as_root install -d -o mysql -g mysql /run/mysqld
+        mysql_socket_up || as_root start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+    else
+        start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
     fi
 fi
 
@@ -106,30 +114,32 @@ wait_for() { # what fn
     return 1
 }
 
-# --- first-time setup of a fresh install ----------------------------------------------
-if $fresh_pg; then
-    wait_for PostgreSQL pg_up
+# --- set up what the tests expect, where it is not yet so (a fresh install, or a first
+# run that stopped part-way) ----------------------------------------------------------
+wait_for PostgreSQL pg_up
+if ! pg_ready; then
+    echo "setting up PostgreSQL: trust for local TCP, databases test and root"
     hba=$(ls /etc/postgresql/*/main/pg_hba.conf | head -n1)
-    # The tests connect as `postgres` (and psql as the OS user, `root`) without a
-    # password: trust local TCP, ahead of the package's password rules.
+    # Trust local TCP ahead of the package's password rules.
     if ! as_root grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
         as_root sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
         as_root runuser -u postgres -- psql -qc 'SELECT pg_reload_conf()' >/dev/null
     fi
+    pg_has() { [ "$(as_root runuser -u postgres -- psql -qtAc "$1")" = 1 ]; }
+    pg_has "SELECT 1 FROM pg_roles WHERE rolname = 'root'" \
+        || as_root runuser -u postgres -- createuser --superuser root
     for db in test root; do
-        as_root runuser -u postgres -- psql -qtAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1 \
+        pg_has "SELECT 1 FROM pg_database WHERE datname = '$db'" \
             || as_root runuser -u postgres -- createdb "$db"
     done
-    as_root runuser -u postgres -- psql -qtAc "SELECT 1 FROM pg_roles WHERE rolname = 'root'" | grep -q 1 \
-        || as_root runuser -u postgres -- createuser --superuser root
 fi
-if $fresh_mysql; then
-    for _ in $(seq 1 60); do
-        as_root mysqladmin -uroot status >/dev/null 2>&1 && break
-        sleep 1
-    done
-    # Over TCP, root has an empty password (from 127.0.0.1, and as `localhost` when the
-    # server resolves the address to that name); the socket login stays as it was.
+
+mysql_any_up() { mysql_up || mysql_socket_up; }
+wait_for MariaDB mysql_any_up
+if ! mysql_ready; then
+    echo "setting up MariaDB: root with an empty password over TCP, database test"
+    # From 127.0.0.1, and as `localhost` when the server resolves the address to that
+    # name; the socket login stays as it was.
     as_root mysql -uroot <<'SQL'
 ALTER USER 'root'@'localhost' IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('');
 CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY '';
@@ -139,7 +149,6 @@ FLUSH PRIVILEGES;
 SQL
 fi
 
-wait_for PostgreSQL pg_up
 wait_for Redis redis_up
 wait_for MariaDB mysql_up
 pg_isready -h 127.0.0.1 -p 5432
