@@ -134,6 +134,52 @@ fn stalled_relay_process_releases_its_rows(db: &TestDb) {
     assert!(rescuer.wait().success(), "log:\n{}", rescuer.log());
 }
 
+/// A supervisor's SIGTERM while the relay is still starting (here: connecting to a
+/// server that accepts the connection and never answers) ends it with exit 0, not with
+/// death by the signal. Found by the chaos run.
+#[test]
+fn sigterm_during_start_up_exits_0() {
+    let silent = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let port = silent.local_addr().unwrap().port();
+    let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_relay")));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "info")
+        .args([
+            "--database-url",
+            &format!("postgres://postgres@127.0.0.1:{port}/test"),
+            "relay",
+            "--redis-url",
+            &redis_url(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(&log).expect("log file"))
+        .spawn()
+        .expect("start the relay");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the relay is still starting"
+    );
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    let deadline = Instant::now() + PATIENCE;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the relay did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    drop(silent);
+    assert!(status.success(), "exit {status}; log:\n{output}");
+}
+
 #[test]
 fn unordered_relay_publishes_everything_once() {
     let db = TestDb::postgres();

@@ -1,7 +1,8 @@
 //! `outbox relay`: the relay engine of `outbox-core` over the backend's relay store and
 //! the Redis Streams publisher, until SIGINT or SIGTERM.
 
-use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
@@ -23,6 +24,16 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs the relay until a signal; returns the error that stopped it otherwise.
 pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    // Before anything that may take a while (connecting, building pools): a supervisor's
+    // SIGTERM during start-up must end the relay with exit 0, not kill it.
+    let started = Arc::new(AtomicBool::new(false));
+    let stop = runtime
+        .block_on(async { watch_signals(Arc::clone(&started)) })
+        .map_err(CliError::Runtime)?;
     // One plain connection first: an unreachable database fails at once, not after the
     // pool's timeout, and --migrate runs on it.
     let mut conn = db.connect(args.migrate)?;
@@ -35,11 +46,8 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     drop(conn);
     let publisher = publisher(args)?;
     let config = config(args);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(CliError::Runtime)?;
     log_start(db, args);
+    let stop = Stop { started, stop };
     let result = match db.kind {
         BackendKind::Postgres => {
             // Keepalives: a relay cut off from its database notices within a minute.
@@ -48,14 +56,14 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
                 .with_listener(db.target.clone())
                 .with_order(args.order.into())
                 .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, db, args)
+            serve(&runtime, store, publisher, config, db, args, stop)
         }
         BackendKind::Mysql => {
             let store =
                 MysqlRelayStore::new(pool::<MysqlConnection>(db, &db.target, args.pool_size)?)
                     .with_order(args.order.into())
                     .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, db, args)
+            serve(&runtime, store, publisher, config, db, args, stop)
         }
         BackendKind::Sqlite => {
             let pool = outbox_diesel::sqlite_pool(&db.target, args.pool_size)
@@ -63,7 +71,7 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
             let store = SqliteRelayStore::new(pool)
                 .map_err(|e| CliError::RelayStart(e.into()))?
                 .with_order(args.order.into());
-            serve(&runtime, store, publisher, config, db, args)
+            serve(&runtime, store, publisher, config, db, args, stop)
         }
     };
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
@@ -93,6 +101,7 @@ fn serve<S: RelayStore>(
     config: RelayConfig,
     db: &Database,
     args: &RelayArgs,
+    stop: Stop,
 ) -> Result<(), CliError> {
     let relay = Relay::new(store, publisher)
         .with_config(config)
@@ -104,12 +113,12 @@ fn serve<S: RelayStore>(
         }
         #[cfg(not(feature = "admin"))]
         let _ = db;
-        let signal = shutdown_signal().map_err(CliError::Runtime)?;
-        let (stopping, mut stopped) = tokio::sync::watch::channel(false);
+        let mut stopping = stop.stop.clone();
+        let mut stopped = stop.stop;
         let shutdown = async move {
-            signal.await;
-            let _ = stopping.send(true);
+            let _ = stopping.wait_for(|s| *s).await;
         };
+        stop.started.store(true, Ordering::SeqCst);
         // A batch stuck in a lock wait or on a broker that does not answer must not hold
         // the process past its supervisor's grace period: dropping the batch rolls its
         // claim back, so its rows stay NEW for the next relay.
@@ -182,16 +191,34 @@ fn pool_error(db: &Database, source: outbox_diesel::Error) -> CliError {
     }
 }
 
-/// Resolves at the first SIGINT or SIGTERM. The handlers are installed here, so a signal
-/// that arrives before the relay's first batch is not lost.
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+/// The stop request, and whether the relay has started (claims may be in hand).
+struct Stop {
+    started: Arc<AtomicBool>,
+    stop: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Installs the SIGINT and SIGTERM handlers (call it inside the runtime) and watches for
+/// the first: before `started`, nothing is claimed yet and the process exits 0 at once
+/// (it may be blocked connecting to a database that does not answer); after, the
+/// returned channel turns true and the relay finishes the batch in hand.
+fn watch_signals(started: Arc<AtomicBool>) -> std::io::Result<tokio::sync::watch::Receiver<bool>> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
-    Ok(async move {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         let name = tokio::select! {
             _ = interrupt.recv() => "SIGINT",
             _ = terminate.recv() => "SIGTERM",
         };
+        if !started.load(Ordering::SeqCst) {
+            tracing::info!(
+                signal = name,
+                "stopping during start-up; nothing was claimed"
+            );
+            std::process::exit(0);
+        }
         tracing::info!(signal = name, "stopping: finishing the batch in hand");
-    })
+        let _ = stop.send(true);
+    });
+    Ok(stopped)
 }
