@@ -77,6 +77,19 @@ pub trait OutboxConnection: diesel::Connection + sealed::Sealed + Send + 'static
         Ok(())
     }
 
+    /// Commits the open transaction of a consumer's message if it can commit
+    /// ([`__check_committable`](Self::__check_committable)). `Ok(Err(e))`: it cannot (`e`
+    /// says why) and is still open, to be rolled back; `Err`: the commit itself failed.
+    /// PostgreSQL checks and commits in one round trip.
+    #[doc(hidden)]
+    fn __commit_checked(&mut self) -> Result<Result<()>> {
+        if let Err(e) = self.__check_committable() {
+            return Ok(Err(e));
+        }
+        <Self::TransactionManager as diesel::connection::TransactionManager<Self>>::commit_transaction(self)?;
+        Ok(Ok(()))
+    }
+
     /// Whether the transaction this connection began is still open on the server.
     /// MySQL and MariaDB end a transaction themselves on a deadlock (1213), savepoints
     /// included, and run the statements that follow in autocommit mode while diesel
@@ -170,6 +183,9 @@ where
     }
     fn __check_committable(&mut self) -> Result<()> {
         (**self).__check_committable()
+    }
+    fn __commit_checked(&mut self) -> Result<Result<()>> {
+        (**self).__commit_checked()
     }
     fn __transaction_open(&mut self) -> Result<bool> {
         (**self).__transaction_open()

@@ -201,15 +201,21 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         check_group(group, msg_id)?;
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
-        c.transaction(|c| {
-            if !c.__insert_consumed(group, msg_id.as_str())? {
-                return Ok(Processed::Duplicate);
-            }
-            handle(c).map_err(TxError::Handler)?;
-            check_handler_left_committable(c)?;
-            Ok::<_, TxError>(Processed::Applied)
-        })
-        .map_err(TxError::into_core)
+        Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
+        let failed = match run_one(c, group, msg_id, handle) {
+            Ok(processed) => match c.__commit_checked() {
+                Ok(Ok(())) => return Ok(processed),
+                Ok(Err(e)) => TxError::Handler(HandlerError::msg(format_args!(
+                    "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
+                ))),
+                Err(e) => TxError::Store(e),
+            },
+            Err(e) => e,
+        };
+        // As diesel's `transaction` would: roll back; a connection left inside a
+        // transaction is not returned to the pool, and the server rolls back.
+        let _ = unwind_to(c, 0);
+        Err(failed.into_core())
     }
 
     fn process_batch<F>(
@@ -256,6 +262,21 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
     }
 }
 
+/// The dedup insert and the handler of one message, in the open transaction.
+fn run_one<C: OutboxConnection>(
+    c: &mut C,
+    group: &str,
+    msg_id: &MsgId,
+    handle: impl FnOnce(&mut C) -> Result<(), HandlerError>,
+) -> Result<Processed, TxError> {
+    if !c.__insert_consumed(group, msg_id.as_str())? {
+        return Ok(Processed::Duplicate);
+    }
+    handle(c).map_err(TxError::Handler)?;
+    check_handler_left_committable(c)?;
+    Ok(Processed::Applied)
+}
+
 /// A handler that returned `Ok` must not have left the transaction unable to commit:
 /// a nested transaction of its own still open would make our commit only release it, an
 /// ignored failed statement makes PostgreSQL's commit a silent rollback, and a deadlock
@@ -270,11 +291,8 @@ fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), 
             "the handler returned with a transaction of its own still open",
         )));
     }
-    c.__check_committable().map_err(|e| {
-        TxError::Handler(HandlerError::msg(format_args!(
-            "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
-        )))
-    })?;
+    // An ignored failed statement (PostgreSQL) is caught by the commit:
+    // `OutboxConnection::__commit_checked`.
     if !c.__transaction_open()? {
         return Err(TxError::Ended);
     }
