@@ -62,11 +62,12 @@ pub struct ConsumerConfig {
     /// the entries of one read are split into batches of at most `n` messages, and each
     /// batch is one transaction of the idempotency store with a savepoint per message
     /// ([`Inbox::process_batch`]); the applied and duplicate entries are acknowledged
-    /// after the commit, with one `XACK` per stream. The entries of one key (the entry's
-    /// `key` field) of a read stay together, in one batch or in consecutive batches of
-    /// one task, so that the batches running side by side share no key; within a batch
-    /// the keys come in byte order, so that consumers whose batches share keys lock
-    /// their rows in the same order and do not deadlock (see [`Consumer`]). A failing or panicking handler rolls
+    /// after the commit, with one `XACK` per stream. Batches are formed per key (the
+    /// entry's `key` field): the keys are hashed into `max_in_flight` lanes, one
+    /// transaction runs per lane at a time, so that the batches running side by side
+    /// share no key; within a batch the keys come in byte order, so that consumers
+    /// whose batches share keys lock their rows in the same order and do not deadlock
+    /// (see [`Consumer`]). A failing or panicking handler rolls
     /// back only its own message, which stays pending and is retried and dead-lettered
     /// as in single mode. A store failure fails the whole batch as an outage (nothing
     /// committed; delivery counts are set back). `Some(100)` is a good start; a larger
@@ -462,12 +463,14 @@ fn default_name() -> String {
 /// inbox without savepoints (the default [`Inbox::process_batch`]) it behaves like
 /// single mode.
 ///
-/// Batches are formed per key: the entries of one key in a read go to one task, which
-/// runs them in stream order, in batches one after another; the tasks running side by
-/// side share no key, so handlers that update their key's row (an account, an order)
-/// never wait for a sibling batch. Within a batch the keys come in byte order: batches
-/// of two consumer processes that share keys lock those rows in the same order, and
-/// wait for each other instead of deadlocking.
+/// Batches are formed per key: each key is hashed into one of `max_in_flight` lanes,
+/// the same in every consumer process, and one task per lane runs its entries in stream
+/// order, in batches one after another; the batches running side by side in a consumer
+/// share no key, so handlers that update their key's row (an account, an order) never
+/// wait for a sibling batch. Within a batch the keys come in byte order: batches of two
+/// consumer processes that share keys (lane against lane of the same number) lock those
+/// rows in the same order, and wait for each other instead of deadlocking. A few hot
+/// keys use as few lanes.
 ///
 /// # Acknowledgements
 ///
@@ -880,9 +883,10 @@ where
     /// Runs until `shutdown` completes: creates the groups, then reads, claims and
     /// processes entries.
     ///
-    /// Fails only if the groups cannot be created (Redis unreachable at start, wrong
-    /// type at a stream's key). Later outages of Redis or the store are logged, counted
-    /// and backed off from, and never end the run.
+    /// Fails only if the groups cannot be created for a reason other than an outage (a
+    /// wrong type at a stream's key, missing permissions). A Redis unreachable at start
+    /// is waited for with the outage backoff, as later outages of Redis or the store are:
+    /// logged, counted and backed off from, never ending the run.
     ///
     /// Whatever the timings of an outage, the loop gets back to reading as soon as Redis
     /// answers again: every failure kind (reads and claims, store outages) has its own
@@ -897,10 +901,12 @@ where
     /// abandons the messages in flight the same way: nothing is lost, and their
     /// transactions decide whether a redelivery is a duplicate.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        self.ensure_groups().await?;
+        let mut shutdown = std::pin::pin!(shutdown);
+        if !self.wait_for_groups(&mut shutdown).await? {
+            return Ok(());
+        }
         let inner = &self.inner;
         let span = tracing::info_span!("outbox.consumer", group = %inner.group, consumer = %inner.consumer_name);
-        let mut shutdown = std::pin::pin!(shutdown);
         // No more transactions at once than the store can run: a task waiting for a
         // pooled connection would time out and look like a store outage.
         let permits = Arc::new(Semaphore::new(
@@ -937,6 +943,10 @@ where
         // Entries read beyond the free slots wait for a slot (a permit) in their task, so
         // that the next message is at hand when one finishes instead of a read away.
         let task_limit = inner.config.max_in_flight.saturating_mul(2);
+        // Batch mode: one task at a time per lane of keys (see `lanes`).
+        let lane_locks: Arc<[tokio::sync::Mutex<()>]> = (0..inner.config.max_in_flight)
+            .map(|_| tokio::sync::Mutex::new(()))
+            .collect();
         let mut next_claim = Instant::now();
         let mut next_trim = inner.config.trim_interval.map(|i| Instant::now() + i);
         let mut health = Health::default();
@@ -1010,7 +1020,7 @@ where
                         // Skips entries claimed back while this consumer still works on them.
                         .filter(|job| in_flight.insert(job))
                         .collect();
-                    this.spawn_work(fresh, free, &mut tasks, &permits, &span);
+                    this.spawn_work(fresh, &lane_locks, &mut tasks, &permits, &span);
                 }
                 Err(e) => {
                     self.count(Count::RedisError, None);
@@ -1059,12 +1069,39 @@ where
         Ok(())
     }
 
-    /// Starts processing `jobs`: one task per entry; in batch mode one task per lane of
-    /// at most `free` lanes (see [`lanes`]), which runs its batches one after another.
+    /// Creates the groups, waiting out an outage of Redis (a consumer started before
+    /// Redis, or during a restart, must not need a restart of its own). Returns false
+    /// if `shutdown` came first.
+    async fn wait_for_groups(
+        &self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<bool> {
+        let mut outages = 0;
+        loop {
+            match self.ensure_groups().await {
+                Ok(()) => return Ok(true),
+                Err(e) if e.is_outage() => {
+                    outages += 1;
+                    self.count(Count::RedisError, None);
+                    tracing::warn!(error = %e, "redis unavailable at start; waiting for it");
+                    tokio::select! {
+                        biased;
+                        () = &mut *shutdown => return Ok(false),
+                        () = tokio::time::sleep(self.inner.config.outage_backoff.pause(outages)) => {}
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Starts processing `jobs`: one task per entry; in batch mode one task per lane (see
+    /// [`lanes`]), which waits for the lane's previous task, then runs its batches one
+    /// after another.
     fn spawn_work(
         &self,
         jobs: Vec<Job>,
-        free: usize,
+        lane_locks: &Arc<[tokio::sync::Mutex<()>]>,
         tasks: &mut JoinSet<Done>,
         permits: &Arc<Semaphore>,
         span: &tracing::Span,
@@ -1083,11 +1120,14 @@ where
             }
             return;
         };
-        for lane in lanes(jobs, size, free) {
+        for (n, lane) in lanes(jobs, size, lane_locks.len()) {
             let this = self.clone();
             let permits = Arc::clone(permits);
+            let lane_locks = Arc::clone(lane_locks);
             tasks.spawn(
                 async move {
+                    // The lane first: a task waiting for its lane holds no connection.
+                    let _lane = lane_locks[n].lock().await;
                     let _permit = permits.acquire_owned().await;
                     let mut done = Done {
                         entries: Vec::new(),
@@ -1875,22 +1915,35 @@ fn entry_key(entry: &StreamId) -> Vec<u8> {
         .unwrap_or_default()
 }
 
-/// Splits the entries of one read in batch mode into at most `lanes` lanes, each a list
-/// of batches of at most `size` entries that one task runs one after another:
+/// The lane of `key` among `lanes`: FNV-1a, so that every consumer process (whatever its
+/// Rust version) puts a key in the same lane.
+fn lane_of(key: &[u8], lanes: usize) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in key {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % lanes.max(1) as u64) as usize
+}
+
+/// Splits the entries of one read in batch mode into lanes: `(lane, batches)`, each a
+/// list of batches of at most `size` entries that one task runs one after another.
 ///
-/// - all entries of a key go to one lane, so the transactions running side by side in
-///   this consumer never write the rows of the same key (a handler that updates its
-///   key's row would otherwise wait for, or deadlock with, a sibling batch), and a
-///   key's entries run in stream order;
-/// - within a lane, keys come in byte order, so that batches of different consumers
-///   lock the rows of shared keys in the same order: they wait for each other, but do
-///   not deadlock;
-/// - keys go to the lane with the fewest entries so far, in order of first appearance.
-fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<Vec<Vec<Job>>> {
+/// - A key's lane is a hash of the key modulo `lanes` (the consumer's `max_in_flight`),
+///   so all entries of a key go to one lane, and in every read and every consumer
+///   process to the lane of the same number. The run loop runs one task per lane
+///   number at a time: the transactions running side by side in this consumer never
+///   write the rows of the same key (a handler that updates its key's row would
+///   otherwise wait for, or deadlock with, a sibling batch), and a key's entries run in
+///   stream order. Two consumer processes collide only lane against lane of the same
+///   number, never one lane against many.
+/// - Within a lane, keys come in byte order, so that batches of different consumers lock
+///   the rows of shared keys in the same order: they wait for each other, but do not
+///   deadlock.
+fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<(usize, Vec<Vec<Job>>)> {
     let size = size.max(1);
     let mut keys: Vec<(Vec<u8>, Vec<Job>)> = Vec::new();
     let mut index: HashMap<Vec<u8>, usize> = HashMap::new();
-    let total = jobs.len();
     for job in jobs {
         let key = entry_key(&job.entry);
         match index.get(&key) {
@@ -1901,18 +1954,16 @@ fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<Vec<Vec<Job>>> {
             }
         }
     }
-    let count = lanes.min(total.div_ceil(size)).max(1);
+    let count = lanes.max(1);
     let mut lanes: Vec<Vec<(Vec<u8>, Vec<Job>)>> = (0..count).map(|_| Vec::new()).collect();
-    let mut loads = vec![0usize; count];
     for key in keys {
-        let lightest = (0..count).min_by_key(|&i| loads[i]).unwrap_or(0);
-        loads[lightest] += key.1.len();
-        lanes[lightest].push(key);
+        lanes[lane_of(&key.0, count)].push(key);
     }
     lanes
         .into_iter()
-        .filter(|lane| !lane.is_empty())
-        .map(|mut lane| {
+        .enumerate()
+        .filter(|(_, lane)| !lane.is_empty())
+        .map(|(n, mut lane)| {
             lane.sort_by(|a, b| a.0.cmp(&b.0));
             let jobs: Vec<Job> = lane.into_iter().flat_map(|(_, jobs)| jobs).collect();
             let mut batches = Vec::with_capacity(jobs.len().div_ceil(size));
@@ -1920,7 +1971,7 @@ fn lanes(jobs: Vec<Job>, size: usize, lanes: usize) -> Vec<Vec<Vec<Job>>> {
             while jobs.peek().is_some() {
                 batches.push(jobs.by_ref().take(size).collect());
             }
-            batches
+            (n, batches)
         })
         .collect()
 }
@@ -1995,13 +2046,14 @@ mod tests {
 
     #[test]
     fn lanes_keep_each_key_in_one_lane_in_stream_order_with_keys_sorted() {
-        // 12 entries over keys c, a, b; batches of 2, at most 3 lanes.
-        let keys = ["c", "a", "b", "a", "c", "a", "b", "a", "c", "a", "b", "a"];
-        let jobs = keys.iter().enumerate().map(|(i, k)| job(i, k)).collect();
+        // 24 entries over 6 keys; batches of 2, 3 lanes.
+        let keys = ["c", "a", "b", "d", "f", "e"];
+        let jobs = (0..24).map(|i| job(i, keys[i % keys.len()])).collect();
         let lanes = lanes(jobs, 2, 3);
-        assert_eq!(lanes.len(), 3);
+        assert!(lanes.len() <= 3);
         let mut seen = Vec::new();
-        for lane in &lanes {
+        for (n, lane) in &lanes {
+            assert!(*n < 3);
             assert!(
                 lane.iter()
                     .all(|batch| !batch.is_empty() && batch.len() <= 2)
@@ -2012,14 +2064,15 @@ mod tests {
             sorted.sort();
             assert_eq!(lane_keys, sorted, "keys in byte order within a lane");
             for j in flat {
+                assert_eq!(lane_of(&entry_key(&j.entry), 3), *n);
                 seen.push((entry_key(&j.entry), j.entry.id.clone()));
             }
         }
         // Each key in exactly one lane, its entries in stream order.
-        for key in ["a", "b", "c"] {
+        for key in keys {
             let holders = lanes
                 .iter()
-                .filter(|lane| {
+                .filter(|(_, lane)| {
                     lane.iter()
                         .flatten()
                         .any(|j| entry_key(&j.entry) == key.as_bytes())
@@ -2035,22 +2088,37 @@ mod tests {
             sorted.sort_unstable();
             assert_eq!(order, sorted, "key {key} in stream order");
         }
-        assert_eq!(seen.len(), 12);
+        assert_eq!(seen.len(), 24);
     }
 
     #[test]
-    fn lanes_are_no_more_than_needed_or_allowed() {
-        let jobs = (0..5).map(|i| job(i, &format!("k{i}"))).collect();
-        let lanes1 = lanes(jobs, 10, 8);
-        assert_eq!(lanes1.len(), 1, "5 entries fit one batch of 10");
-        assert_eq!(ids(&lanes1[0][0]), ["0-0", "1-0", "2-0", "3-0", "4-0"]);
-        let jobs = (0..40).map(|i| job(i, &format!("k{}", i % 4))).collect();
-        let lanes4 = lanes(jobs, 5, 8);
-        assert_eq!(lanes4.len(), 4, "one lane per key when keys are few");
-        assert!(lanes4.iter().all(|lane| lane.len() == 2));
+    fn a_key_has_the_same_lane_in_every_read() {
+        let read = |keys: &[&str]| {
+            let jobs = keys.iter().enumerate().map(|(i, k)| job(i, k)).collect();
+            lanes(jobs, 10, 8)
+                .into_iter()
+                .flat_map(|(n, lane)| {
+                    lane.into_iter()
+                        .flatten()
+                        .map(move |j| (String::from_utf8(entry_key(&j.entry)).unwrap(), n))
+                })
+                .collect::<HashMap<String, usize>>()
+        };
+        let first = read(&["acct-1", "acct-2", "acct-3", "acct-4"]);
+        let second = read(&["acct-4", "acct-9", "acct-1"]);
+        assert_eq!(first["acct-1"], second["acct-1"]);
+        assert_eq!(first["acct-4"], second["acct-4"]);
+        // The hash is fixed (FNV-1a): other consumer processes agree.
+        assert_eq!(lane_of(b"", 8), (0xcbf2_9ce4_8422_2325u64 % 8) as usize);
+    }
+
+    #[test]
+    fn a_hot_key_is_one_lane_of_batches() {
         let one_key = (0..7).map(|i| job(i, "hot")).collect();
         let hot = lanes(one_key, 3, 4);
         assert_eq!(hot.len(), 1, "a single key is one lane");
-        assert_eq!(hot[0].iter().map(Vec::len).collect::<Vec<_>>(), [3, 3, 1]);
+        let sizes: Vec<usize> = hot[0].1.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [3, 3, 1]);
+        assert_eq!(ids(&hot[0].1[0]), ["0-0", "1-0", "2-0"]);
     }
 }

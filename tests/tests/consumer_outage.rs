@@ -296,3 +296,49 @@ async fn two_default_consumers_survive_15_s_of_client_kills() {
     })
     .await;
 }
+
+/// A consumer started while Redis is down (a deploy before Redis, a restart during its
+/// own) waits for it instead of failing, and consumes once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_started_while_redis_is_down_waits_for_it() {
+    let mut fx = Fixture::new();
+    fx.publish(0..10).await;
+    tokio::task::block_in_place(|| fx.redis.stop());
+    let consumer = Consumer::builder(fx.redis.url(), "ticks")
+        .config(fx.config(&Case {
+            consumers: 1,
+            batch: false,
+            short: true,
+            fault: Fault::Restart(Duration::ZERO),
+        }))
+        .handle::<Tick, _>(CountApplications)
+        .idempotency(PgInbox::new(fx.pool.clone()))
+        .build()
+        .unwrap();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move {
+            consumer
+                .run_until(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !run.is_finished(),
+        "run_until waits for Redis instead of failing"
+    );
+    tokio::task::block_in_place(|| fx.redis.restart());
+    fx.publish(10..20).await;
+    fx.wait_applied(20, "after Redis came up").await;
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap();
+    assert!(consumer.stats().redis_errors > 0);
+}
