@@ -74,7 +74,7 @@ async fn a_wrong_password_is_an_outage_without_the_password() {
     let consumer = consumer_for(&url);
     assert!(!format!("{consumer:?}").contains(secret), "{consumer:?}");
     let e = consumer
-        .run_until(std::future::pending())
+        .ensure_groups()
         .await
         .expect_err("ran with a wrong password");
     assert!(e.is_outage(), "{e:?}");
@@ -105,7 +105,7 @@ async fn no_password_on_a_server_that_needs_one_is_an_outage() {
     // (and closes the connection) rather than NOAUTH.
     assert!(e.to_string().contains("unauthenticated"), "{e}");
     let e = consumer_for(&url)
-        .run_until(std::future::pending())
+        .ensure_groups()
         .await
         .expect_err("ran without the password");
     assert!(e.is_outage(), "{e:?}");
@@ -130,10 +130,7 @@ async fn an_unreachable_redis_is_an_outage_without_the_password() {
         .unwrap_err();
     assert!(e.is_outage(), "{e:?}");
     assert_hidden(&e, secret);
-    let e = consumer_for(&url)
-        .run_until(std::future::pending())
-        .await
-        .unwrap_err();
+    let e = consumer_for(&url).ensure_groups().await.unwrap_err();
     assert!(e.is_outage(), "{e:?}");
     assert_hidden(&e, secret);
 }
