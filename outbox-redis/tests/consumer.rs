@@ -688,15 +688,20 @@ async fn builder_reports_mistakes() {
 }
 
 #[tokio::test]
-async fn an_unreachable_redis_fails_the_start() {
+async fn an_unreachable_redis_at_start_is_an_outage_that_run_until_waits_out() {
     let db = MemoryDb::new(Applied::new());
     let c = Consumer::builder("redis://127.0.0.1:1", "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db)
         .build()
         .unwrap();
-    let err = c.run_until(std::future::pending()).await.unwrap_err();
+    let err = c.ensure_groups().await.unwrap_err();
     assert!(err.is_outage(), "{err:?}");
+    // `run_until` backs off and tries again until it is told to stop.
+    c.run_until(tokio::time::sleep(std::time::Duration::from_millis(500)))
+        .await
+        .unwrap();
+    assert!(c.stats().redis_errors > 0);
 }
 
 #[allow(dead_code)]
