@@ -414,6 +414,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         loop {
             if Instant::now() >= backlog_due {
                 backlog_due = Instant::now() + self.config.backlog_interval.min(LONGEST_DELAY);
+                // The backlog is read on a pooled connection: with a pool of one, a relay
+                // holding a batch claimed ahead would wait for itself (and the batch's
+                // transaction would sit idle meanwhile). Release it; it is claimed again.
+                ahead = None;
                 self.record_backlog().await;
             }
             let idle = match self.run_ahead(&mut ahead, &mut lookahead).await {

@@ -154,6 +154,13 @@ fn progress(what: &str, value: f64, unit: &str) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> Result<(), BoxError> {
     let args = Args::parse();
+    // Warnings of the relay and the consumer (outages, failed marks) show in the output.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let sizes = Sizes::new(&args);
     let svc = Service {
         pg_url: std::env::var("DATABASE_URL")
@@ -181,7 +188,8 @@ async fn main() -> Result<(), BoxError> {
         result?;
     }
     if args.runs("consumer") {
-        let bench = ConsumerBench::new(&svc, sizes.consumer_messages).await?;
+        let deadline = Duration::from_secs(if args.tiny { 20 } else { 60 });
+        let bench = ConsumerBench::new(&svc, sizes.consumer_messages, deadline).await?;
         let result = consumer_part(&sizes, &bench, &mut figures).await;
         bench.cleanup().await;
         result?;
