@@ -64,25 +64,17 @@ where
     show(&mut *conn, &mut say)?;
 
     say("3. relay: the broker fails the first two attempts".into());
-    let config = PublisherConfig {
-        stream_prefix: stream_prefix.into(),
-        ..PublisherConfig::default()
-    };
+    let config = PublisherConfig::default().with_stream_prefix(stream_prefix);
     let flaky = FlakyPublisher::new(
-        RedisPublisher::with_config(redis_url, config.clone())?,
+        RedisPublisher::new(redis_url)?.with_config(config.clone())?,
         FailAs::Rejection,
     )
     .fail_first(2);
-    let retry = RetryPolicy {
-        max_attempts: 3,
-        base_delay: Duration::ZERO,
-        jitter: 0.0,
-        ..RetryPolicy::default()
-    };
-    let relay = Relay::new(store, flaky).with_config(RelayConfig {
-        retry,
-        ..RelayConfig::default()
-    })?;
+    let retry = RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_base_delay(Duration::ZERO)
+        .with_jitter(0.0);
+    let relay = Relay::new(store, flaky).with_config(RelayConfig::default().with_retry(retry))?;
     for round in 1..=4 {
         let r = relay.run_once().await?;
         say(format!(
@@ -104,7 +96,8 @@ where
         retries: record.retries,
         envelope: record.envelope,
     };
-    RedisPublisher::with_config(redis_url, config)?
+    RedisPublisher::new(redis_url)?
+        .with_config(config)?
         .publish(&[again])
         .await?;
     let consumer = Consumer::builder(redis_url, "notes")

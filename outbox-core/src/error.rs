@@ -105,9 +105,9 @@ pub enum Error {
     /// A stored status value that is not NEW, SENT or DEAD.
     #[error("unknown outbox status value {0}")]
     UnknownStatus(i16),
-    /// A configuration value is out of range.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// A configuration value breaks its rule (see [`InvalidConfig`]).
+    #[error(transparent)]
+    Config(#[from] InvalidConfig),
 }
 
 impl Error {
@@ -153,6 +153,53 @@ impl Error {
             self,
             Self::Decode { .. } | Self::UnknownEventType(_) | Self::UnsupportedSchemaVersion { .. }
         )
+    }
+}
+
+/// A configuration value that breaks its rule: what a config's `validate` returns, and
+/// what a component refuses a config with. It names the field (a nested config's field
+/// as `outer.inner`, e.g. `retry.jitter`) and the rule.
+///
+/// ```
+/// use outbox_core::RelayConfig;
+///
+/// let err = RelayConfig::default().with_batch_size(0).validate().unwrap_err();
+/// assert_eq!(err.field(), "batch_size");
+/// assert_eq!(err.rule(), "must be at least 1");
+/// assert_eq!(err.to_string(), "invalid configuration: batch_size must be at least 1");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {field} {rule}")]
+pub struct InvalidConfig {
+    field: String,
+    rule: String,
+}
+
+impl InvalidConfig {
+    /// `field` breaks `rule`, a phrase that follows the field's name ("must be at least 1").
+    pub fn new(field: impl Into<String>, rule: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            rule: rule.into(),
+        }
+    }
+
+    /// The same error, seen from the config that holds this one in its field `parent`:
+    /// the field becomes `parent.field`.
+    #[must_use]
+    pub fn in_field(mut self, parent: &str) -> Self {
+        self.field = format!("{parent}.{}", self.field);
+        self
+    }
+
+    /// The field, as it is spelled in its config (`batch_size`, `retry.jitter`).
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// The rule it breaks ("must be at least 1").
+    pub fn rule(&self) -> &str {
+        &self.rule
     }
 }
 

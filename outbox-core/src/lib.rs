@@ -82,7 +82,7 @@ mod retry;
 mod store;
 
 pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared};
-pub use error::{BoxError, Error, HandlerError, Result};
+pub use error::{BoxError, Error, HandlerError, InvalidConfig, Result};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]
 pub use flaky::{FailAs, FlakyPublisher};

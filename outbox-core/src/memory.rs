@@ -71,7 +71,7 @@ struct Shared<S> {
 /// let failed: Result<(), outbox_core::Error> = db.transaction(|tx| {
 ///     *tx.data() += 1;
 ///     tx.emit(OrderPaid { order_id: "order-43".into() })?;
-///     Err(outbox_core::Error::Config("business rule failed".into()))
+///     Err(outbox_core::Error::Handler("business rule failed".into()))
 /// });
 /// assert!(failed.is_err());
 /// assert_eq!(db.read(|n| *n), 1);

@@ -6,13 +6,27 @@ use chrono::Utc;
 use tracing::Instrument as _;
 
 use crate::{
-    BatchOutcome, ClaimedBatch, Error, OutageBackoff, Publisher, RejectKind, Rejected, RelayStore,
-    RetryDecision, RetryPolicy,
+    BatchOutcome, ClaimedBatch, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind,
+    Rejected, RelayStore, RetryDecision, RetryPolicy,
 };
 
 /// Relay settings. `Default` gives batches of 500, a 1 s poll and the default
-/// [`RetryPolicy`] and [`OutageBackoff`].
+/// [`RetryPolicy`] and [`OutageBackoff`]; each `with_*` setter changes one field and
+/// keeps the others, and [`Relay::with_config`] validates the whole.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_core::{RelayConfig, RetryPolicy};
+///
+/// let config = RelayConfig::default()
+///     .with_batch_size(100)
+///     .with_retry(RetryPolicy::default().with_max_attempts(5));
+/// assert_eq!(config.batch_size, 100);
+/// assert_eq!(config.poll_interval, Duration::from_secs(1)); // untouched
+/// assert!(config.validate().is_ok());
+/// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// Rows claimed and published per round trip (default 500).
     pub batch_size: usize,
@@ -37,6 +51,57 @@ impl Default for RelayConfig {
             outage_backoff: OutageBackoff::default(),
             backlog_interval: Duration::from_secs(10),
         }
+    }
+}
+
+impl RelayConfig {
+    /// Sets [`batch_size`](Self::batch_size).
+    #[must_use]
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Sets [`poll_interval`](Self::poll_interval).
+    #[must_use]
+    pub fn with_poll_interval(mut self, poll_interval: Duration) -> Self {
+        self.poll_interval = poll_interval;
+        self
+    }
+
+    /// Sets [`retry`](Self::retry).
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Sets [`outage_backoff`](Self::outage_backoff).
+    #[must_use]
+    pub fn with_outage_backoff(mut self, outage_backoff: OutageBackoff) -> Self {
+        self.outage_backoff = outage_backoff;
+        self
+    }
+
+    /// Sets [`backlog_interval`](Self::backlog_interval).
+    #[must_use]
+    pub fn with_backlog_interval(mut self, backlog_interval: Duration) -> Self {
+        self.backlog_interval = backlog_interval;
+        self
+    }
+
+    /// Checks every field, nested policies included (their fields are reported as
+    /// `retry.jitter`, `outage_backoff.min`): `batch_size` at least 1, and
+    /// [`RetryPolicy::validate`], [`OutageBackoff::validate`].
+    /// [`Relay::with_config`] calls it.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.batch_size == 0 {
+            return Err(InvalidConfig::new("batch_size", "must be at least 1"));
+        }
+        self.retry.validate().map_err(|e| e.in_field("retry"))?;
+        self.outage_backoff
+            .validate()
+            .map_err(|e| e.in_field("outage_backoff"))
     }
 }
 
@@ -140,11 +205,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         }
     }
 
-    /// Replaces the configuration; a batch size of zero is an error.
+    /// Replaces the configuration, after [`RelayConfig::validate`]: a value out of range
+    /// is [`Error::Config`].
     pub fn with_config(mut self, config: RelayConfig) -> Result<Self, Error> {
-        if config.batch_size == 0 {
-            return Err(Error::Config("batch_size must be at least 1".into()));
-        }
+        config.validate()?;
         self.config = config;
         Ok(self)
     }
@@ -706,6 +770,32 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err}");
+    }
+
+    #[test]
+    fn a_nested_policy_out_of_range_is_refused_and_named() {
+        let cases = [
+            (
+                RelayConfig::default().with_retry(RetryPolicy::default().with_jitter(1.5)),
+                "retry.jitter",
+            ),
+            (
+                RelayConfig::default().with_retry(RetryPolicy::default().with_max_attempts(0)),
+                "retry.max_attempts",
+            ),
+            (
+                RelayConfig::default()
+                    .with_outage_backoff(OutageBackoff::default().with_min(Duration::from_secs(9))),
+                "outage_backoff.min",
+            ),
+        ];
+        for (config, field) in cases {
+            let relay = Relay::new(MemoryDb::new(()), MemoryBroker::new());
+            match relay.with_config(config) {
+                Err(Error::Config(e)) => assert_eq!(e.field(), field, "{e}"),
+                other => panic!("{field}: expected a config error, got {:?}", other.err()),
+            }
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,7 @@
 use std::time::Duration;
 
+use crate::InvalidConfig;
+
 /// How a message that fails on its own is retried: exponential backoff with jitter and a
 /// cap, then dead-lettered after `max_attempts` failed attempts.
 ///
@@ -10,12 +12,13 @@ use std::time::Duration;
 /// use std::time::Duration;
 /// use outbox_core::{RetryDecision, RetryPolicy};
 ///
-/// let policy = RetryPolicy { jitter: 0.0, ..RetryPolicy::default() };
+/// let policy = RetryPolicy::default().with_jitter(0.0);
 /// assert_eq!(policy.decide(1, 0.5), RetryDecision::RetryAfter(Duration::from_secs(1)));
 /// assert_eq!(policy.decide(3, 0.5), RetryDecision::RetryAfter(Duration::from_secs(4)));
 /// assert_eq!(policy.decide(policy.max_attempts, 0.5), RetryDecision::Dead);
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Failed attempts after which the message becomes DEAD (default 10).
     pub max_attempts: u32,
@@ -37,6 +40,55 @@ impl Default for RetryPolicy {
             max_delay: Duration::from_secs(300),
             jitter: 0.2,
         }
+    }
+}
+
+impl RetryPolicy {
+    /// Sets [`max_attempts`](Self::max_attempts).
+    #[must_use]
+    pub fn with_max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// Sets [`base_delay`](Self::base_delay).
+    #[must_use]
+    pub fn with_base_delay(mut self, base_delay: Duration) -> Self {
+        self.base_delay = base_delay;
+        self
+    }
+
+    /// Sets [`max_delay`](Self::max_delay).
+    #[must_use]
+    pub fn with_max_delay(mut self, max_delay: Duration) -> Self {
+        self.max_delay = max_delay;
+        self
+    }
+
+    /// Sets [`jitter`](Self::jitter).
+    #[must_use]
+    pub fn with_jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// Checks every field: `max_attempts` at least 1, `base_delay` at most `max_delay`,
+    /// `jitter` within `0.0..=1.0`. [`RelayConfig::validate`](crate::RelayConfig::validate)
+    /// calls it.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.max_attempts == 0 {
+            return Err(InvalidConfig::new("max_attempts", "must be at least 1"));
+        }
+        if self.base_delay > self.max_delay {
+            return Err(InvalidConfig::new(
+                "base_delay",
+                format!("must be at most max_delay ({:?})", self.max_delay),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return Err(InvalidConfig::new("jitter", "must be within 0.0..=1.0"));
+        }
+        Ok(())
     }
 }
 
@@ -86,6 +138,7 @@ impl RetryPolicy {
 /// again, so the default keeps it short (5 s): a pause costs one reconnect attempt,
 /// and a few a minute cost a down server nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutageBackoff {
     /// First pause (default 100 ms).
     pub min: Duration,
@@ -103,6 +156,32 @@ impl Default for OutageBackoff {
 }
 
 impl OutageBackoff {
+    /// Sets [`min`](Self::min).
+    #[must_use]
+    pub fn with_min(mut self, min: Duration) -> Self {
+        self.min = min;
+        self
+    }
+
+    /// Sets [`max`](Self::max).
+    #[must_use]
+    pub fn with_max(mut self, max: Duration) -> Self {
+        self.max = max;
+        self
+    }
+
+    /// Checks that `min` is at most `max`. The relay's and the consumer's configs call
+    /// it.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.min > self.max {
+            return Err(InvalidConfig::new(
+                "min",
+                format!("must be at most max ({:?})", self.max),
+            ));
+        }
+        Ok(())
+    }
+
     /// The pause after `consecutive` outages in a row (1 for the first).
     pub fn pause(&self, consecutive: u32) -> Duration {
         let exp = consecutive.saturating_sub(1).min(30);

@@ -342,16 +342,13 @@ async fn relay_marks_sent_and_schedules_retries_then_dead<B: Backend>(db: &commo
             .unwrap();
     }
     let broker = MemoryBroker::new();
-    let config = RelayConfig {
-        batch_size: 10,
-        retry: RetryPolicy {
-            max_attempts: 2,
-            base_delay: Duration::from_millis(700),
-            max_delay: Duration::from_secs(5),
-            jitter: 0.0,
-        },
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default().with_batch_size(10).with_retry(
+        RetryPolicy::default()
+            .with_max_attempts(2)
+            .with_base_delay(Duration::from_millis(700))
+            .with_max_delay(Duration::from_secs(5))
+            .with_jitter(0.0),
+    );
     let relay = Relay::new(B::store(db), broker.clone())
         .with_config(config)
         .unwrap();

@@ -44,12 +44,12 @@ fn pg_a_relay_claiming_ahead_on_a_pool_of_one_keeps_key_order_and_publishes_once
     let store = PgRelayStore::new(pool).with_order(ClaimOrder::PerKey);
     let broker = MemoryBroker::new();
     let relay = Relay::new(store, broker.clone())
-        .with_config(RelayConfig {
-            batch_size: 100,
-            poll_interval: Duration::from_millis(100),
-            backlog_interval: Duration::from_millis(20),
-            ..RelayConfig::default()
-        })
+        .with_config(
+            RelayConfig::default()
+                .with_batch_size(100)
+                .with_poll_interval(Duration::from_millis(100))
+                .with_backlog_interval(Duration::from_millis(20)),
+        )
         .unwrap();
     runtime().block_on(async {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -99,10 +99,7 @@ fn immediate_transactions_wait_for_a_working_relay() {
     let db = Lite::create();
     let store = SqliteRelayStore::new(Lite::pool(&db, 2)).unwrap();
     let broker = outbox_core::MemoryBroker::new();
-    let config = outbox_core::RelayConfig {
-        poll_interval: Duration::from_millis(10),
-        ..Default::default()
-    };
+    let config = outbox_core::RelayConfig::default().with_poll_interval(Duration::from_millis(10));
     let relay = outbox_core::Relay::new(store, broker.clone())
         .with_config(config)
         .unwrap();

@@ -62,11 +62,9 @@ fn stalled_relay_child() {
     let (Ok(url), Ok(backend)) = (std::env::var(CHILD_URL), std::env::var(CHILD_BACKEND)) else {
         return;
     };
-    let config = RelayConfig {
-        batch_size: 2,
-        poll_interval: Duration::from_millis(100),
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default()
+        .with_batch_size(2)
+        .with_poll_interval(Duration::from_millis(100));
     runtime().block_on(async move {
         let stopped = match backend.as_str() {
             "pg" => {
@@ -174,10 +172,7 @@ async fn stalled_relay_releases_its_keys<B: Backend>(backend: &str) {
 
     let broker = MemoryBroker::new();
     let relay = Relay::new(B::store(&db), broker.clone())
-        .with_config(RelayConfig {
-            poll_interval: Duration::from_millis(100),
-            ..RelayConfig::default()
-        })
+        .with_config(RelayConfig::default().with_poll_interval(Duration::from_millis(100)))
         .unwrap();
     let started = Instant::now();
     let published = |b: &MemoryBroker| b.published(Moved::TOPICS[0]).len();

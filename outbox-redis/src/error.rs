@@ -45,6 +45,12 @@ impl Error {
     }
 }
 
+impl From<outbox_core::InvalidConfig> for Error {
+    fn from(e: outbox_core::InvalidConfig) -> Self {
+        Self::Config(format!("{} {}", e.field(), e.rule()))
+    }
+}
+
 /// Server error codes that mean "this server cannot take writes right now", whatever
 /// the command: they are outages, never a message's own failure.
 const OUTAGE_CODES: &[&str] = &[

@@ -96,8 +96,8 @@
 //!
 //! # Redis Cluster
 //!
-//! With the `cluster` feature, `RedisPublisher::cluster(nodes)` (or
-//! `cluster_with_config(nodes, config)`) and `Consumer::builder_cluster(nodes, group)`
+//! With the `cluster` feature, `RedisPublisher::cluster(nodes)` (then
+//! `.with_config(config)`, as on one server) and `Consumer::builder_cluster(nodes, group)`
 //! talk to a Redis Cluster; `nodes` are one or more of its nodes' URLs, the others are
 //! discovered. Everything else (configuration, handlers, the idempotency store, entry
 //! fields, dead letters, metrics) is as on a single server.
@@ -134,7 +134,7 @@
 //!
 //! | feature   | default | what it gives |
 //! |-----------|---------|---------------|
-//! | `cluster` | no      | Redis Cluster support: `RedisPublisher::cluster`, `RedisPublisher::cluster_with_config` and `Consumer::builder_cluster`, with hash-tagged stream names (enables the redis crate's `cluster-async`) |
+//! | `cluster` | no      | Redis Cluster support: `RedisPublisher::cluster` and `Consumer::builder_cluster`, with hash-tagged stream names (enables the redis crate's `cluster-async`) |
 //!
 //! Without features the crate talks to one Redis server; it runs on tokio either way.
 //!

@@ -2,7 +2,7 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_core::{PublishOutcomes, Publisher, RejectKind, Rejected, StoredMessage};
+use outbox_core::{InvalidConfig, PublishOutcomes, Publisher, RejectKind, Rejected, StoredMessage};
 use redis::{IntoConnectionInfo, RedisError, RedisResult, Value};
 
 use crate::conn::{Conn, Connector, Target, by_slot, check_prefix, query_all, stream_name};
@@ -159,7 +159,17 @@ fn millis(d: Duration) -> u64 {
 
 /// Publisher settings. `Default` gives the `outbox:` prefix, no trimming, a 2 s connect
 /// timeout, a 5 s response timeout, pipelines of at most 8 MiB and
-/// [`Durability::Reply`].
+/// [`Durability::Reply`]. Each `with_*` setter changes one field and keeps the others;
+/// [`RedisPublisher::with_config`] validates the whole.
+///
+/// ```
+/// use outbox_redis::{PublisherConfig, RedisPublisher};
+///
+/// let publisher = RedisPublisher::new("redis://127.0.0.1:6379")?
+///     .with_config(PublisherConfig::default().with_stream_prefix("app:").with_max_len(1_000_000))?;
+/// assert_eq!(publisher.stream_for("order.paid"), "app:order.paid");
+/// # Ok::<_, outbox_redis::Error>(())
+/// ```
 ///
 /// # What SENT means
 ///
@@ -172,6 +182,7 @@ fn millis(d: Duration) -> u64 {
 /// [`Durability::Replicas`] to have the relay wait for the AOF fsync or for replicas
 /// before it marks a row SENT, at the cost of that wait on every pipeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PublisherConfig {
     /// Prepended to the topic to name its stream (default [`DEFAULT_STREAM_PREFIX`]).
     /// Consumers must use the same prefix. On a cluster the topic is then wrapped in
@@ -225,32 +236,82 @@ impl Default for PublisherConfig {
 }
 
 impl PublisherConfig {
-    fn validate(&self) -> Result<()> {
+    /// Sets [`stream_prefix`](Self::stream_prefix).
+    #[must_use]
+    pub fn with_stream_prefix(mut self, stream_prefix: impl Into<String>) -> Self {
+        self.stream_prefix = stream_prefix.into();
+        self
+    }
+
+    /// Sets [`max_len`](Self::max_len): a number, or `None` for no trimming on publish.
+    #[must_use]
+    pub fn with_max_len(mut self, max_len: impl Into<Option<usize>>) -> Self {
+        self.max_len = max_len.into();
+        self
+    }
+
+    /// Sets [`connect_timeout`](Self::connect_timeout).
+    #[must_use]
+    pub fn with_connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.connect_timeout = connect_timeout;
+        self
+    }
+
+    /// Sets [`response_timeout`](Self::response_timeout).
+    #[must_use]
+    pub fn with_response_timeout(mut self, response_timeout: Duration) -> Self {
+        self.response_timeout = response_timeout;
+        self
+    }
+
+    /// Sets [`max_pipeline_bytes`](Self::max_pipeline_bytes).
+    #[must_use]
+    pub fn with_max_pipeline_bytes(mut self, max_pipeline_bytes: usize) -> Self {
+        self.max_pipeline_bytes = max_pipeline_bytes;
+        self
+    }
+
+    /// Sets [`durability`](Self::durability).
+    #[must_use]
+    pub fn with_durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Checks every field: `max_len` from 1 to `i64::MAX`, `max_pipeline_bytes` at
+    /// least 1, a durability timeout more than zero and less than `response_timeout`.
+    /// [`RedisPublisher::with_config`] calls it (and checks the prefix against the
+    /// deployment: no braces on a cluster).
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.max_len == Some(0) {
-            return Err(Error::Config("max_len must be at least 1".into()));
+            return Err(InvalidConfig::new("max_len", "must be at least 1"));
         }
         // Redis reads MAXLEN as a signed 64-bit number: a larger one is refused by every
         // XADD, which would count against each message.
         if self.max_len.is_some_and(|n| i64::try_from(n).is_err()) {
-            return Err(Error::Config(format!(
-                "max_len must be at most {}",
-                i64::MAX
-            )));
+            return Err(InvalidConfig::new(
+                "max_len",
+                format!("must be at most {}", i64::MAX),
+            ));
         }
         if self.max_pipeline_bytes == 0 {
-            return Err(Error::Config(
-                "max_pipeline_bytes must be at least 1".into(),
+            return Err(InvalidConfig::new(
+                "max_pipeline_bytes",
+                "must be at least 1",
             ));
         }
         if let Some(timeout) = self.durability.timeout() {
             // Zero would make the server wait without end, and a wait as long as the
             // response timeout would turn every unmet wait into a broken connection.
             if timeout.is_zero() || timeout >= self.response_timeout {
-                return Err(Error::Config(format!(
-                    "the durability timeout ({timeout:?}) must be more than zero and less \
-                     than response_timeout ({:?})",
-                    self.response_timeout
-                )));
+                return Err(InvalidConfig::new(
+                    "durability",
+                    format!(
+                        "timeout ({timeout:?}) must be more than zero and less than \
+                         response_timeout ({:?})",
+                        self.response_timeout
+                    ),
+                ));
             }
         }
         Ok(())
@@ -291,6 +352,9 @@ impl PublisherConfig {
 /// error, so building a publisher never fails because Redis is down.
 #[derive(Debug)]
 pub struct RedisPublisher {
+    /// Kept to open the connection again when [`with_config`](Self::with_config) changes
+    /// its timeouts.
+    target: Target,
     conn: Connector,
     cluster: bool,
     config: PublisherConfig,
@@ -305,12 +369,7 @@ impl RedisPublisher {
     /// `redis://127.0.0.1:6379` or anything else the redis crate accepts; only its syntax
     /// is checked here.
     pub fn new(redis: impl IntoConnectionInfo) -> Result<Self> {
-        Self::with_config(redis, PublisherConfig::default())
-    }
-
-    /// A publisher with `config`; an out-of-range value is [`Error::Config`].
-    pub fn with_config(redis: impl IntoConnectionInfo, config: PublisherConfig) -> Result<Self> {
-        Self::on(Target::single(redis)?, config)
+        Self::on(Target::single(redis)?)
     }
 
     /// A publisher to the Redis Cluster reachable through any of `nodes` (URLs such as
@@ -320,33 +379,39 @@ impl RedisPublisher {
     /// [`Consumer::builder_cluster`](crate::Consumer::builder_cluster), which names
     /// streams the same way.
     ///
-    /// Only the addresses' syntax is checked here (and that there is at least one).
+    /// Only the addresses' syntax is checked here (and that there is at least one). On a
+    /// cluster the stream prefix must not contain `{` or `}`.
     #[cfg(feature = "cluster")]
     pub fn cluster<T: IntoConnectionInfo>(nodes: impl IntoIterator<Item = T>) -> Result<Self> {
-        Self::cluster_with_config(nodes, PublisherConfig::default())
+        Self::on(Target::cluster(nodes)?)
     }
 
-    /// A publisher to the Redis Cluster reachable through any of `nodes`, with `config`;
-    /// see [`cluster`](Self::cluster). The stream prefix must not contain `{` or `}`.
-    #[cfg(feature = "cluster")]
-    pub fn cluster_with_config<T: IntoConnectionInfo>(
-        nodes: impl IntoIterator<Item = T>,
-        config: PublisherConfig,
-    ) -> Result<Self> {
-        Self::on(Target::cluster(nodes)?, config)
-    }
-
-    fn on(target: Target, config: PublisherConfig) -> Result<Self> {
-        config.validate()?;
-        let cluster = target.is_cluster();
-        check_prefix(&config.stream_prefix, cluster)?;
+    fn on(target: Target) -> Result<Self> {
+        let config = PublisherConfig::default();
         Ok(Self {
             conn: target.connector(config.connect_timeout, config.response_timeout)?,
-            cluster,
+            cluster: target.is_cluster(),
+            target,
             pipeline_bytes: AtomicUsize::new(config.max_pipeline_bytes),
             durability_checked: AtomicBool::new(false),
             config,
         })
+    }
+
+    /// Replaces the configuration, after [`PublisherConfig::validate`] and a check of
+    /// the prefix against the deployment (no `{` or `}` on a cluster): a value out of
+    /// range is [`Error::Config`]. Call it before the first publish: the connection is
+    /// opened anew, with the config's timeouts.
+    pub fn with_config(mut self, config: PublisherConfig) -> Result<Self> {
+        config.validate()?;
+        check_prefix(&config.stream_prefix, self.cluster)?;
+        self.conn = self
+            .target
+            .connector(config.connect_timeout, config.response_timeout)?;
+        self.pipeline_bytes = AtomicUsize::new(config.max_pipeline_bytes);
+        self.durability_checked = AtomicBool::new(false);
+        self.config = config;
+        Ok(self)
     }
 
     /// The configuration in force.
@@ -372,7 +437,7 @@ impl RedisPublisher {
     pub async fn check(&self) -> Result<()> {
         let mut conn = self.conn.get().await?;
         self.check_durability(&mut conn).await.map_err(|e| match e {
-            outbox_core::Error::Config(msg) => Error::Config(msg),
+            outbox_core::Error::Config(e) => Error::from(e),
             other => Error::Core(other),
         })
     }
@@ -395,10 +460,11 @@ impl RedisPublisher {
                 self.conn.check(&e).await;
                 Err(outbox_core::Error::broker_unavailable(e))
             }
-            Err(e) => Err(outbox_core::Error::Config(unsupported(
-                &self.config.durability,
-                &e,
-            ))),
+            Err(e) => Err(InvalidConfig::new(
+                "durability",
+                unsupported(&self.config.durability, &e),
+            )
+            .into()),
         }
     }
 
@@ -483,11 +549,10 @@ fn chunks(group: &[usize], sizes: &[usize], cap: usize) -> Vec<(Vec<usize>, usiz
 fn unsupported(durability: &Durability, e: &RedisError) -> String {
     let needs = match durability {
         Durability::Aof { local: true, .. } => {
-            "Durability::Aof needs WAITAOF (Redis 7.2 or later) and, with `local`, \
-             `appendonly yes`"
+            "`Aof` needs WAITAOF (Redis 7.2 or later) and, with `local`, `appendonly yes`"
         }
-        Durability::Aof { .. } => "Durability::Aof needs WAITAOF (Redis 7.2 or later)",
-        _ => "Durability::Replicas needs WAIT on the primary",
+        Durability::Aof { .. } => "`Aof` needs WAITAOF (Redis 7.2 or later)",
+        _ => "`Replicas` needs WAIT on the primary",
     };
     format!("{needs}; the server refused `{}`: {e}", durability.name())
 }
@@ -681,7 +746,10 @@ impl RedisPublisher {
             None => None,
             Some(Ok(reply)) => self.config.durability.unmet(&reply),
             Some(Err(e)) if is_outage(&e) => Some(e.to_string()),
-            Some(Err(e)) => Some(unsupported(&self.config.durability, &e)),
+            Some(Err(e)) => Some(format!(
+                "durability {}",
+                unsupported(&self.config.durability, &e)
+            )),
         };
         if let Some(reason) = unmet {
             metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
@@ -745,7 +813,7 @@ mod tests {
             },
         ];
         for config in bad {
-            let err = config.validate().unwrap_err();
+            let err = Error::from(config.validate().unwrap_err());
             assert!(err.is_config(), "{config:?}: {err}");
         }
     }

@@ -22,14 +22,9 @@ fn assert_hidden(e: &dyn std::error::Error, secret: &str) {
 }
 
 fn publisher_for(url: &str) -> RedisPublisher {
-    RedisPublisher::with_config(
-        url,
-        PublisherConfig {
-            stream_prefix: unique_prefix(),
-            ..PublisherConfig::default()
-        },
-    )
-    .expect("a well-formed URL")
+    RedisPublisher::new(url)
+        .and_then(|p| p.with_config(PublisherConfig::default().with_stream_prefix(unique_prefix())))
+        .expect("a well-formed URL")
 }
 
 fn consumer_for(url: &str) -> Consumer<MemoryDb<Applied>> {
@@ -161,15 +156,15 @@ fn a_malformed_url_is_a_config_error_without_the_password() {
 /// retries on it until it was dead-lettered.
 #[test]
 fn a_max_len_redis_cannot_take_is_a_config_error() {
-    let config = |max_len| PublisherConfig {
-        max_len: Some(max_len),
-        ..PublisherConfig::default()
-    };
+    let config = |max_len| PublisherConfig::default().with_max_len(Some(max_len));
     for n in [0, usize::MAX, i64::MAX as usize + 1] {
-        let e = RedisPublisher::with_config(redis_url(), config(n)).expect_err("accepted");
+        let e = RedisPublisher::new(redis_url())
+            .and_then(|p| p.with_config(config(n)))
+            .expect_err("accepted");
         assert!(e.is_config(), "{e:?}");
         assert!(e.to_string().contains("max_len must be"), "{e}");
     }
-    RedisPublisher::with_config(redis_url(), config(i64::MAX as usize))
+    RedisPublisher::new(redis_url())
+        .and_then(|p| p.with_config(config(i64::MAX as usize)))
         .expect("the largest MAXLEN");
 }

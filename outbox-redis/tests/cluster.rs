@@ -242,15 +242,18 @@ async fn split_pipelines_and_replica_waits_work_per_node() {
     let cluster = Cluster::start();
     let topics = ["order.paid", "order.refunded", "invoice.sent"];
     let batch = stored((0..30).map(|n| with_topic(paid(n), topics[n % topics.len()])));
-    let config = |replicas| PublisherConfig {
-        max_pipeline_bytes: 1,
-        durability: outbox_redis::Durability::Replicas {
-            replicas,
-            timeout: std::time::Duration::from_millis(50),
-        },
-        ..PublisherConfig::default()
+    let config = |replicas| {
+        PublisherConfig::default()
+            .with_max_pipeline_bytes(1)
+            .with_durability(outbox_redis::Durability::Replicas {
+                replicas,
+                timeout: std::time::Duration::from_millis(50),
+            })
     };
-    let publisher = RedisPublisher::cluster_with_config(cluster.urls(), config(0)).unwrap();
+    let publisher = RedisPublisher::cluster(cluster.urls())
+        .unwrap()
+        .with_config(config(0))
+        .unwrap();
     assert_eq!(publisher.publish(&batch).await.unwrap(), vec![Ok(()); 30]);
     let mut conn = cluster.conn().await;
     for (t, topic) in topics.iter().enumerate() {
@@ -268,7 +271,10 @@ async fn split_pipelines_and_replica_waits_work_per_node() {
             .collect();
         assert_eq!(ids, expected, "topic {topic}");
     }
-    let waiting = RedisPublisher::cluster_with_config(cluster.urls(), config(1)).unwrap();
+    let waiting = RedisPublisher::cluster(cluster.urls())
+        .unwrap()
+        .with_config(config(1))
+        .unwrap();
     let err = waiting.publish(&batch).await.unwrap_err();
     assert!(err.is_outage(), "{err}");
 }
@@ -277,11 +283,10 @@ async fn split_pipelines_and_replica_waits_work_per_node() {
 async fn a_cluster_prefix_with_a_brace_is_refused_and_builders_name_streams_alike() {
     // No server is contacted: these are configuration checks.
     let nodes = ["redis://127.0.0.1:1"];
-    let config = PublisherConfig {
-        stream_prefix: "app{x}:".into(),
-        ..PublisherConfig::default()
-    };
-    let err = RedisPublisher::cluster_with_config(nodes, config).unwrap_err();
+    let config = PublisherConfig::default().with_stream_prefix("app{x}:");
+    let err = RedisPublisher::cluster(nodes)
+        .and_then(|p| p.with_config(config))
+        .unwrap_err();
     assert!(err.is_config(), "{err:?}");
     let err = Consumer::builder_cluster(nodes, "g")
         .handle::<OrderPaid, _>(Recorder::ok())

@@ -94,11 +94,11 @@ async fn credential_and_permission_errors_are_outages() {
         ),
         (format!("redis://{user}:wrong@{host}"), "wrong password"),
     ] {
-        let config = outbox_redis::PublisherConfig {
-            stream_prefix: prefix.clone(),
-            ..outbox_redis::PublisherConfig::default()
-        };
-        let publisher = RedisPublisher::with_config(url.as_str(), config).unwrap();
+        let config = outbox_redis::PublisherConfig::default().with_stream_prefix(prefix.clone());
+        let publisher = RedisPublisher::new(url.as_str())
+            .unwrap()
+            .with_config(config)
+            .unwrap();
         let err = publisher.publish(&stored([paid(1)])).await.unwrap_err();
         assert!(err.is_outage(), "{why}: {err:?}");
     }
@@ -152,15 +152,14 @@ async fn a_stream_key_of_another_type_refuses_its_topic_only() {
 #[tokio::test]
 async fn max_len_bounds_the_stream_approximately() {
     let prefix = unique_prefix();
-    let publisher = RedisPublisher::with_config(
-        redis_url(),
-        PublisherConfig {
-            stream_prefix: prefix.clone(),
-            max_len: Some(10),
-            ..PublisherConfig::default()
-        },
-    )
-    .unwrap();
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(
+            PublisherConfig::default()
+                .with_stream_prefix(prefix.clone())
+                .with_max_len(Some(10)),
+        )
+        .unwrap();
     let batch = stored((0..1000).map(paid));
     let outcomes = publisher.publish(&batch).await.unwrap();
     assert!(outcomes.iter().all(Result::is_ok));
@@ -171,14 +170,9 @@ async fn max_len_bounds_the_stream_approximately() {
         .unwrap();
     assert!((10..1000).contains(&len), "length {len}");
     assert!(
-        RedisPublisher::with_config(
-            redis_url(),
-            PublisherConfig {
-                max_len: Some(0),
-                ..PublisherConfig::default()
-            }
-        )
-        .is_err()
+        RedisPublisher::new(redis_url())
+            .and_then(|p| p.with_config(PublisherConfig::default().with_max_len(Some(0))))
+            .is_err()
     );
     cleanup(&prefix).await;
 }
@@ -293,10 +287,7 @@ async fn trimming_never_removes_pending_or_unread_entries() {
 }
 
 fn config_with(prefix: &str, change: impl FnOnce(&mut PublisherConfig)) -> PublisherConfig {
-    let mut config = PublisherConfig {
-        stream_prefix: prefix.to_owned(),
-        ..PublisherConfig::default()
-    };
+    let mut config = PublisherConfig::default().with_stream_prefix(prefix.to_owned());
     change(&mut config);
     config
 }
@@ -317,7 +308,10 @@ async fn a_batch_over_the_pipeline_cap_is_split_in_order() {
     let prefix = unique_prefix();
     for cap in [1, 600] {
         let config = config_with(&prefix, |c| c.max_pipeline_bytes = cap);
-        let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+        let publisher = RedisPublisher::new(redis_url())
+            .unwrap()
+            .with_config(config)
+            .unwrap();
         let outcomes = publisher.publish(&stored((0..20).map(paid))).await.unwrap();
         assert_eq!(outcomes, vec![Ok(()); 20], "cap {cap}");
     }
@@ -326,11 +320,9 @@ async fn a_batch_over_the_pipeline_cap_is_split_in_order() {
         .map(|n| format!("order-{n}:OrderPaid"))
         .collect();
     assert_eq!(msg_ids(&format!("{prefix}order.paid")).await, want);
-    let err = RedisPublisher::with_config(
-        redis_url(),
-        config_with(&prefix, |c| c.max_pipeline_bytes = 0),
-    )
-    .unwrap_err();
+    let err = RedisPublisher::new(redis_url())
+        .and_then(|p| p.with_config(config_with(&prefix, |c| c.max_pipeline_bytes = 0)))
+        .unwrap_err();
     assert!(err.is_config(), "{err}");
     cleanup(&prefix).await;
 }
@@ -345,7 +337,10 @@ async fn waiting_for_zero_replicas_publishes() {
             timeout: Duration::from_millis(100),
         }
     });
-    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
     publisher.check().await.unwrap();
     let outcomes = publisher.publish(&stored((0..3).map(paid))).await.unwrap();
     assert_eq!(outcomes, vec![Ok(()); 3]);
@@ -374,7 +369,10 @@ async fn waiting_for_a_missing_replica_is_an_outage() {
             timeout: Duration::from_millis(50),
         }
     });
-    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
     let err = publisher
         .publish(&stored((0..3).map(paid)))
         .await
@@ -408,7 +406,10 @@ async fn waitaof_on_a_server_without_it_is_a_config_error() {
             timeout: Duration::from_millis(100),
         }
     });
-    let publisher = RedisPublisher::with_config(redis_url(), config).unwrap();
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
     let older = version
         .split('.')
         .map(|p| p.parse::<u32>().unwrap())
@@ -444,14 +445,13 @@ fn durability_timeouts_are_checked() {
         Duration::from_secs(5),
         Duration::from_secs(60),
     ] {
-        let config = PublisherConfig {
-            durability: Durability::Replicas {
-                replicas: 1,
-                timeout,
-            },
-            ..PublisherConfig::default()
-        };
-        let err = RedisPublisher::with_config(redis_url(), config).unwrap_err();
+        let config = PublisherConfig::default().with_durability(Durability::Replicas {
+            replicas: 1,
+            timeout,
+        });
+        let err = RedisPublisher::new(redis_url())
+            .and_then(|p| p.with_config(config))
+            .unwrap_err();
         assert!(err.is_config(), "{timeout:?}: {err}");
     }
 }

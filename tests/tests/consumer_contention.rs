@@ -70,14 +70,10 @@ async fn batches_sharing_keys_do_not_deadlock() {
     ))
     .unwrap();
     let prefix = format!("{}:", unique("contention"));
-    let publisher = RedisPublisher::with_config(
-        redis_url().as_str(),
-        PublisherConfig {
-            stream_prefix: prefix.clone(),
-            ..PublisherConfig::default()
-        },
-    )
-    .unwrap();
+    let publisher = RedisPublisher::new(redis_url().as_str())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
+        .unwrap();
     let batch: Vec<StoredMessage> = (0..MESSAGES)
         .map(|i| StoredMessage {
             id: i as i64 + 1,

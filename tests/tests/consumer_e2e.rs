@@ -86,11 +86,11 @@ impl Fixture {
     /// Publishes the transfer `copies` times, as a relay that crashed before marking it
     /// SENT would.
     async fn publish(&self, amount: i64, copies: usize) {
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        };
-        let publisher = RedisPublisher::with_config(redis_url().as_str(), config).unwrap();
+        let config = PublisherConfig::default().with_stream_prefix(self.prefix.clone());
+        let publisher = RedisPublisher::new(redis_url().as_str())
+            .unwrap()
+            .with_config(config)
+            .unwrap();
         let envelope = Envelope::from_event(
             &AccountTransferred::new("t-1", "alice", "bob", amount),
             1 << 20,
@@ -320,11 +320,11 @@ async fn trace_context_travels_from_emit_to_the_handler() {
         .unwrap()
         .transaction(|c| c.emit_with(&options, AccountTransferred::new("t-9", "alice", "bob", 5)))
         .unwrap();
-    let config = PublisherConfig {
-        stream_prefix: f.prefix.clone(),
-        ..PublisherConfig::default()
-    };
-    let publisher = RedisPublisher::with_config(redis_url().as_str(), config).unwrap();
+    let config = PublisherConfig::default().with_stream_prefix(f.prefix.clone());
+    let publisher = RedisPublisher::new(redis_url().as_str())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
     let relay = Relay::new(PgRelayStore::new(f.pool.clone()), publisher);
     assert_eq!(relay.run_once().await.unwrap().sent, 1);
 

@@ -106,11 +106,11 @@ impl Fixture {
     }
 
     async fn publish(&self, n: usize) {
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        };
-        let publisher = RedisPublisher::with_config(redis_url().as_str(), config).unwrap();
+        let config = PublisherConfig::default().with_stream_prefix(self.prefix.clone());
+        let publisher = RedisPublisher::new(redis_url().as_str())
+            .unwrap()
+            .with_config(config)
+            .unwrap();
         let batch: Vec<StoredMessage> = (0..n)
             .map(|i| StoredMessage {
                 id: i as i64 + 1,

@@ -101,11 +101,11 @@ impl Fixture {
 
     /// Publishes ticks `range`, retrying while the restarted server is still loading.
     async fn publish(&self, range: std::ops::Range<usize>) {
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        };
-        let publisher = RedisPublisher::with_config(self.redis.url().as_str(), config).unwrap();
+        let config = PublisherConfig::default().with_stream_prefix(self.prefix.clone());
+        let publisher = RedisPublisher::new(self.redis.url().as_str())
+            .unwrap()
+            .with_config(config)
+            .unwrap();
         let batch: Vec<StoredMessage> = range
             .map(|i| StoredMessage {
                 id: i as i64 + 1,
@@ -151,10 +151,9 @@ impl Fixture {
             config.block = Duration::from_millis(200);
             config.claim_interval = Duration::from_millis(200);
             config.min_idle = Duration::from_secs(1);
-            config.outage_backoff = OutageBackoff {
-                min: Duration::from_millis(50),
-                max: Duration::from_secs(1),
-            };
+            config.outage_backoff = OutageBackoff::default()
+                .with_min(Duration::from_millis(50))
+                .with_max(Duration::from_secs(1));
         }
         config
     }

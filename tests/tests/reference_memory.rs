@@ -28,17 +28,12 @@ async fn transfer_retries_twice_then_applies_once() {
 
     let broker = MemoryBroker::new();
     broker.reject_next(2);
-    let retry = RetryPolicy {
-        max_attempts: 3,
-        base_delay: Duration::ZERO,
-        jitter: 0.0,
-        ..RetryPolicy::default()
-    };
+    let retry = RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_base_delay(Duration::ZERO)
+        .with_jitter(0.0);
     let relay = Relay::new(bank.clone(), broker.clone())
-        .with_config(RelayConfig {
-            retry,
-            ..RelayConfig::default()
-        })
+        .with_config(RelayConfig::default().with_retry(retry))
         .unwrap();
     let mut sent = Vec::new();
     for _round in 0..4 {

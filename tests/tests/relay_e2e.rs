@@ -103,14 +103,10 @@ impl Env {
     }
 
     fn publisher_to(&self, url: &str) -> RedisPublisher {
-        RedisPublisher::with_config(
-            url,
-            PublisherConfig {
-                stream_prefix: self.prefix.clone(),
-                ..PublisherConfig::default()
-            },
-        )
-        .unwrap()
+        RedisPublisher::new(url)
+            .unwrap()
+            .with_config(PublisherConfig::default().with_stream_prefix(self.prefix.clone()))
+            .unwrap()
     }
 
     fn stream(&self) -> String {
@@ -196,15 +192,14 @@ async fn wait_for_entries(url: &str, stream: &str, n: usize) {
 
 /// Settings for fast tests: short poll, short outage pauses.
 fn config(batch_size: usize) -> RelayConfig {
-    RelayConfig {
-        batch_size,
-        poll_interval: Duration::from_millis(200),
-        outage_backoff: OutageBackoff {
-            min: Duration::from_millis(20),
-            max: Duration::from_millis(200),
-        },
-        ..RelayConfig::default()
-    }
+    RelayConfig::default()
+        .with_batch_size(batch_size)
+        .with_poll_interval(Duration::from_millis(200))
+        .with_outage_backoff(
+            OutageBackoff::default()
+                .with_min(Duration::from_millis(20))
+                .with_max(Duration::from_millis(200)),
+        )
 }
 
 /// A relay running in a task until stopped (finishing its batch) or aborted (killed).
@@ -458,13 +453,7 @@ async fn a_publisher_failing_30_percent_of_calls_delays_but_loses_and_reorders_n
     }
     let flaky = Arc::new(FlakyPublisher::new(env.publisher(), FailAs::Outage).fail_ratio(0.3));
     // One attempt only: an outage that spent a retry would show as a DEAD row.
-    let cfg = RelayConfig {
-        retry: RetryPolicy {
-            max_attempts: 1,
-            ..RetryPolicy::default()
-        },
-        ..config(37)
-    };
+    let cfg = config(37).with_retry(RetryPolicy::default().with_max_attempts(1));
     let relays: Vec<Running> = (0..2)
         .map(|_| {
             spawn(
@@ -506,13 +495,7 @@ async fn a_redis_outage_kills_nothing_and_everything_arrives_after_the_restart()
         })
         .unwrap();
     };
-    let cfg = RelayConfig {
-        retry: RetryPolicy {
-            max_attempts: 1,
-            ..RetryPolicy::default()
-        },
-        ..config(100)
-    };
+    let cfg = config(100).with_retry(RetryPolicy::default().with_max_attempts(1));
     let relay = spawn(
         Relay::new(env.store(ClaimOrder::PerKey), env.publisher())
             .with_config(cfg)
@@ -572,10 +555,7 @@ async fn notify_delivers_before_the_first_poll() {
     let poll = Duration::from_secs(30);
     let relay = spawn(
         Relay::new(env.store(ClaimOrder::PerKey), env.publisher())
-            .with_config(RelayConfig {
-                poll_interval: poll,
-                ..config(100)
-            })
+            .with_config(config(100).with_poll_interval(poll))
             .unwrap(),
     );
     // Parked: the relay has marked itself idle.
@@ -657,15 +637,14 @@ async fn retry_scenario(order: ClaimOrder) -> Vec<Vec<String>> {
     };
     let hour = Duration::from_secs(3600);
     let relay = Relay::new(env.store(order), publisher)
-        .with_config(RelayConfig {
-            retry: RetryPolicy {
-                base_delay: hour,
-                max_delay: hour,
-                jitter: 0.0,
-                ..RetryPolicy::default()
-            },
-            ..config(100)
-        })
+        .with_config(
+            config(100).with_retry(
+                RetryPolicy::default()
+                    .with_base_delay(hour)
+                    .with_max_delay(hour)
+                    .with_jitter(0.0),
+            ),
+        )
         .unwrap();
     let mut c = env.conn();
     let emit = |c: &mut PgConnection, steps: Vec<Step>| {

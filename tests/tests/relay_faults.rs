@@ -97,14 +97,14 @@ impl Env {
     }
 
     fn publisher_config(&self) -> PublisherConfig {
-        PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        }
+        PublisherConfig::default().with_stream_prefix(self.prefix.clone())
     }
 
     fn publisher(&self, config: PublisherConfig) -> RedisPublisher {
-        RedisPublisher::with_config(self.redis.as_str(), config).unwrap()
+        RedisPublisher::new(self.redis.as_str())
+            .unwrap()
+            .with_config(config)
+            .unwrap()
     }
 
     fn stream(&self) -> String {
@@ -190,21 +190,20 @@ async fn read_ids(url: &str, stream: &str) -> Vec<String> {
 
 /// Retries that come back at once, so that a test sees quickly whether they are spent.
 fn config(max_attempts: u32) -> RelayConfig {
-    RelayConfig {
-        batch_size: 100,
-        poll_interval: Duration::from_millis(100),
-        retry: RetryPolicy {
-            max_attempts,
-            base_delay: Duration::ZERO,
-            jitter: 0.0,
-            ..RetryPolicy::default()
-        },
-        outage_backoff: OutageBackoff {
-            min: Duration::from_millis(20),
-            max: Duration::from_millis(200),
-        },
-        ..RelayConfig::default()
-    }
+    RelayConfig::default()
+        .with_batch_size(100)
+        .with_poll_interval(Duration::from_millis(100))
+        .with_retry(
+            RetryPolicy::default()
+                .with_max_attempts(max_attempts)
+                .with_base_delay(Duration::ZERO)
+                .with_jitter(0.0),
+        )
+        .with_outage_backoff(
+            OutageBackoff::default()
+                .with_min(Duration::from_millis(20))
+                .with_max(Duration::from_millis(200)),
+        )
 }
 
 fn ids(account: &str, seqs: std::ops::Range<u32>) -> Vec<String> {
@@ -352,14 +351,13 @@ async fn a_batch_too_large_for_the_response_timeout_gets_through_in_smaller_pipe
     let env = Env::with_redis(scratch.url());
     // 24 entries of 256 KiB: 6 MiB, three seconds on the link; the timeout is one second.
     env.emit((0..24).map(|seq| step("acct", seq, 256 << 10)));
-    let publisher = RedisPublisher::with_config(
-        link.url().as_str(),
-        PublisherConfig {
-            response_timeout: Duration::from_secs(1),
-            ..env.publisher_config()
-        },
-    )
-    .unwrap();
+    let publisher = RedisPublisher::new(link.url().as_str())
+        .unwrap()
+        .with_config(
+            env.publisher_config()
+                .with_response_timeout(Duration::from_secs(1)),
+        )
+        .unwrap();
     let relay = Relay::new(env.store(), publisher)
         .with_config(config(3))
         .unwrap();
@@ -387,15 +385,14 @@ async fn pipelines_capped_by_bytes_fit_the_response_timeout() {
     let link = SlowLink::to(&scratch.url(), 2 << 20);
     let env = Env::with_redis(scratch.url());
     env.emit((0..24).map(|seq| step("acct", seq, 256 << 10)));
-    let publisher = RedisPublisher::with_config(
-        link.url().as_str(),
-        PublisherConfig {
-            response_timeout: Duration::from_secs(1),
-            max_pipeline_bytes: 512 << 10,
-            ..env.publisher_config()
-        },
-    )
-    .unwrap();
+    let publisher = RedisPublisher::new(link.url().as_str())
+        .unwrap()
+        .with_config(
+            env.publisher_config()
+                .with_response_timeout(Duration::from_secs(1))
+                .with_max_pipeline_bytes(512 << 10),
+        )
+        .unwrap();
     let relay = Relay::new(env.store(), publisher)
         .with_config(config(3))
         .unwrap();
@@ -542,13 +539,13 @@ async fn an_unmet_replica_wait_marks_nothing_sent_and_spends_no_retry() {
     let env = Env::with_redis(redis_url());
     env.emit((0..3).map(|seq| step("acct", seq, 10)));
     let waiting_for = |replicas| {
-        env.publisher(PublisherConfig {
-            durability: Durability::Replicas {
-                replicas,
-                timeout: Duration::from_millis(50),
-            },
-            ..env.publisher_config()
-        })
+        env.publisher(
+            env.publisher_config()
+                .with_durability(Durability::Replicas {
+                    replicas,
+                    timeout: Duration::from_millis(50),
+                }),
+        )
     };
     let relay = Relay::new(env.store(), waiting_for(1))
         .with_config(config(1))
@@ -574,14 +571,11 @@ async fn an_unmet_replica_wait_marks_nothing_sent_and_spends_no_retry() {
 async fn waitaof_on_a_redis_without_it_stops_the_relay_with_a_config_error() {
     let env = Env::with_redis(redis_url());
     env.emit((0..3).map(|seq| step("acct", seq, 10)));
-    let publisher = env.publisher(PublisherConfig {
-        durability: Durability::Aof {
-            local: false,
-            replicas: 0,
-            timeout: Duration::from_millis(100),
-        },
-        ..env.publisher_config()
-    });
+    let publisher = env.publisher(env.publisher_config().with_durability(Durability::Aof {
+        local: false,
+        replicas: 0,
+        timeout: Duration::from_millis(100),
+    }));
     let relay = Relay::new(env.store(), publisher)
         .with_config(config(1))
         .unwrap();

@@ -124,11 +124,8 @@ impl Setup {
     }
 
     async fn publish(&self) -> Result<(), BoxError> {
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        };
-        let publisher = RedisPublisher::with_config(self.redis_url.as_str(), config)?;
+        let config = PublisherConfig::default().with_stream_prefix(self.prefix.clone());
+        let publisher = RedisPublisher::new(self.redis_url.as_str())?.with_config(config)?;
         let all: Vec<usize> = (0..self.messages).collect();
         for chunk in all.chunks(500) {
             let batch = chunk

@@ -214,22 +214,14 @@ impl Bench {
     }
 
     fn redis(&self) -> Result<RedisPublisher, BoxError> {
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            ..PublisherConfig::default()
-        };
-        Ok(RedisPublisher::with_config(
-            self.redis_url.as_str(),
-            config,
-        )?)
+        let config = PublisherConfig::default().with_stream_prefix(self.prefix.clone());
+        Ok(RedisPublisher::new(self.redis_url.as_str())?.with_config(config)?)
     }
 
     fn config(&self) -> RelayConfig {
-        RelayConfig {
-            batch_size: self.batch,
-            poll_interval: Duration::from_millis(200),
-            ..RelayConfig::default()
-        }
+        RelayConfig::default()
+            .with_batch_size(self.batch)
+            .with_poll_interval(Duration::from_millis(200))
     }
 
     /// Runs `instances` relays until the backlog is empty.
@@ -330,14 +322,12 @@ impl Bench {
     async fn memory(&self, n: usize) -> Result<(), BoxError> {
         self.fill(n)?;
         self.clear_streams().await?;
-        let config = PublisherConfig {
-            stream_prefix: self.prefix.clone(),
-            max_len: Some(100_000),
-            ..PublisherConfig::default()
-        };
+        let config = PublisherConfig::default()
+            .with_stream_prefix(self.prefix.clone())
+            .with_max_len(Some(100_000));
         let relay = Relay::new(
             self.store(PER_KEY),
-            RedisPublisher::with_config(self.redis_url.as_str(), config)?,
+            RedisPublisher::new(self.redis_url.as_str())?.with_config(config)?,
         )
         .with_config(self.config())?;
         let before = rss_kib();

@@ -27,16 +27,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\nrelay: the broker times out twice");
     let broker = MemoryBroker::new();
     broker.reject_next(2);
-    let retry = RetryPolicy {
-        max_attempts: 3,
-        base_delay: Duration::ZERO,
-        jitter: 0.0,
-        ..RetryPolicy::default()
-    };
-    let relay = Relay::new(bank.clone(), broker.clone()).with_config(RelayConfig {
-        retry,
-        ..RelayConfig::default()
-    })?;
+    let retry = RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_base_delay(Duration::ZERO)
+        .with_jitter(0.0);
+    let relay = Relay::new(bank.clone(), broker.clone())
+        .with_config(RelayConfig::default().with_retry(retry))?;
     for round in 1..=4 {
         let report = relay.run_once().await?;
         println!(

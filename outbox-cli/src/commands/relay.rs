@@ -139,31 +139,25 @@ fn serve<S: RelayStore>(
 }
 
 fn publisher(args: &RelayArgs) -> Result<RedisPublisher, CliError> {
-    let config = PublisherConfig {
-        stream_prefix: args.stream_prefix.clone(),
-        max_len: args
-            .max_stream_len
-            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        ..PublisherConfig::default()
-    };
-    RedisPublisher::with_config(args.redis_url.as_str(), config).map_err(|source| {
-        CliError::RedisUrl {
+    let config = PublisherConfig::default()
+        .with_stream_prefix(args.stream_prefix.clone())
+        .with_max_len(
+            args.max_stream_len
+                .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        );
+    RedisPublisher::new(args.redis_url.as_str())
+        .and_then(|p| p.with_config(config))
+        .map_err(|source| CliError::RedisUrl {
             url: redact(&args.redis_url),
             source,
-        }
-    })
+        })
 }
 
 fn config(args: &RelayArgs) -> RelayConfig {
-    RelayConfig {
-        batch_size: args.batch_size as usize,
-        poll_interval: args.poll_interval,
-        retry: RetryPolicy {
-            max_attempts: args.max_attempts,
-            ..RetryPolicy::default()
-        },
-        ..RelayConfig::default()
-    }
+    RelayConfig::default()
+        .with_batch_size(args.batch_size as usize)
+        .with_poll_interval(args.poll_interval)
+        .with_retry(RetryPolicy::default().with_max_attempts(args.max_attempts))
 }
 
 /// A pool of `size` connections to `url` (the database's, perhaps with parameters

@@ -71,11 +71,11 @@ pub(crate) fn stored(envelopes: impl IntoIterator<Item = Envelope>) -> Vec<Store
 }
 
 pub(crate) fn publisher(prefix: &str) -> RedisPublisher {
-    let config = PublisherConfig {
-        stream_prefix: prefix.to_owned(),
-        ..PublisherConfig::default()
-    };
-    RedisPublisher::with_config(redis_url(), config).unwrap()
+    let config = PublisherConfig::default().with_stream_prefix(prefix.to_owned());
+    RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap()
 }
 
 /// Publishes and asserts that every message was accepted.
@@ -204,10 +204,9 @@ pub(crate) fn fast_config(prefix: &str) -> ConsumerConfig {
         block: Duration::from_millis(200),
         min_idle: Duration::from_millis(300),
         claim_interval: Duration::from_millis(100),
-        outage_backoff: outbox_core::OutageBackoff {
-            min: Duration::from_millis(10),
-            max: Duration::from_millis(100),
-        },
+        outage_backoff: outbox_core::OutageBackoff::default()
+            .with_min(Duration::from_millis(10))
+            .with_max(Duration::from_millis(100)),
         ..ConsumerConfig::default()
     }
 }

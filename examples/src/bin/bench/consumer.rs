@@ -130,13 +130,8 @@ impl ConsumerBench {
     }
 
     async fn publish(&self) -> Result<(), BoxError> {
-        let publisher = RedisPublisher::with_config(
-            self.svc.redis_url.as_str(),
-            PublisherConfig {
-                stream_prefix: self.prefix.clone(),
-                ..PublisherConfig::default()
-            },
-        )?;
+        let publisher = RedisPublisher::new(self.svc.redis_url.as_str())?
+            .with_config(PublisherConfig::default().with_stream_prefix(self.prefix.clone()))?;
         let all: Vec<usize> = (0..self.messages).collect();
         for chunk in all.chunks(500) {
             let mut batch = Vec::with_capacity(chunk.len() * 2);

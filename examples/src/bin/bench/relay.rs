@@ -114,23 +114,20 @@ impl RelayBench {
     fn publisher(&self, sink: Sink, max_len: Option<usize>) -> Result<AnyPublisher, BoxError> {
         Ok(match sink {
             Sink::Count => AnyPublisher::Count,
-            Sink::Redis => AnyPublisher::Redis(Box::new(RedisPublisher::with_config(
-                self.svc.redis_url.as_str(),
-                PublisherConfig {
-                    stream_prefix: self.prefix.clone(),
-                    max_len,
-                    ..PublisherConfig::default()
-                },
-            )?)),
+            Sink::Redis => AnyPublisher::Redis(Box::new(
+                RedisPublisher::new(self.svc.redis_url.as_str())?.with_config(
+                    PublisherConfig::default()
+                        .with_stream_prefix(self.prefix.clone())
+                        .with_max_len(max_len),
+                )?,
+            )),
         })
     }
 
     fn config(batch: usize) -> RelayConfig {
-        RelayConfig {
-            batch_size: batch,
-            poll_interval: Duration::from_millis(200),
-            ..RelayConfig::default()
-        }
+        RelayConfig::default()
+            .with_batch_size(batch)
+            .with_poll_interval(Duration::from_millis(200))
     }
 
     /// `instances` relays as a user runs them (`PgRelayStore::connect`, `run_until`)
