@@ -54,6 +54,14 @@
 //! # Ok::<_, Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # Configuration
+//!
+//! Every config type ([`RelayConfig`], [`RetryPolicy`], [`OutageBackoff`]) is
+//! `#[non_exhaustive]` and `Default`: start from the default and change fields with its
+//! consuming `with_<field>` setters, each of which keeps the other fields. The component
+//! that takes a config validates it ([`Relay::with_config`]) and refuses a value out of
+//! range with [`Error::Config`], an [`InvalidConfig`] that names the field and the rule.
+//!
 //! # Features
 //!
 //! | feature  | default | what it gives |
