@@ -292,7 +292,7 @@ fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), 
         )));
     }
     // An ignored failed statement (PostgreSQL) is caught by the commit:
-    // `OutboxConnection::__commit_checked`.
+    // `Backend::__commit_checked`.
     if !c.__transaction_open()? {
         return Err(TxError::Ended);
     }

@@ -154,21 +154,15 @@ mod conn;
 mod emit;
 mod error;
 mod inbox;
-#[cfg(feature = "postgres")]
-mod listen;
 mod migrate;
 mod ops;
-mod relay;
 pub mod schema;
-#[cfg(feature = "sqlite")]
-mod sqlite_relay;
+mod store;
 
 pub use conn::OutboxConnection;
 pub use emit::{Emit, EmitOptions, Notify};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
 pub use inbox::DieselInbox;
-#[cfg(feature = "postgres")]
-pub use listen::{PgRelayStore, with_keepalives};
 pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
@@ -177,12 +171,36 @@ pub use ops::{
     purge_sent, redrive, redrive_all,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub use relay::DEFAULT_STALL_TIMEOUT;
+pub use store::DEFAULT_STALL_TIMEOUT;
 #[cfg(feature = "mysql")]
-pub use relay::MysqlRelayStore;
-pub use relay::{ClaimOrder, LockedBatch};
+pub use store::MysqlRelayStore;
+pub use store::{ClaimOrder, LockedBatch};
+#[cfg(feature = "postgres")]
+pub use store::{PgRelayStore, with_keepalives};
 #[cfg(feature = "sqlite")]
-pub use sqlite_relay::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
+pub use store::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
+
+/// The claim statements as text, for the EXPLAIN tests under `tests/`: not part of the
+/// API (the connection methods that build them are crate-private).
+#[doc(hidden)]
+pub mod __private {
+    use crate::OutboxConnection;
+
+    /// The unordered claim's statement.
+    pub fn claim_sql<C: OutboxConnection>(limit: usize) -> String {
+        C::__claim_sql(limit)
+    }
+
+    /// The per-key claim's statement (on MySQL its first, locking one).
+    pub fn claim_per_key_sql<C: OutboxConnection>(limit: usize) -> String {
+        C::__claim_per_key_sql(limit)
+    }
+
+    /// MySQL's second per-key statement for the locked ids `ids` (empty elsewhere).
+    pub fn key_probe_sql<C: OutboxConnection>(ids: &[i64]) -> String {
+        C::__key_probe_sql(ids)
+    }
+}
 
 /// The default PostgreSQL `NOTIFY` channel: `outbox`.
 pub const DEFAULT_CHANNEL: &str = "outbox";

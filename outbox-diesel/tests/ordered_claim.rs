@@ -229,7 +229,7 @@ fn pg_per_key_claim_uses_the_new_only_indexes() {
     let rows: Vec<(u32, &str)> = rows.iter().map(|(n, k)| (*n, k.as_str())).collect();
     emit(&mut c, &rows);
     exec(&mut c, "ANALYZE outbox;");
-    let sql = <PgConnection as OutboxConnection>::__claim_per_key_sql(100);
+    let sql = outbox_diesel::__private::claim_per_key_sql::<PgConnection>(100);
     println!("{sql}");
     let plan: Vec<String> = diesel::sql_query(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
         .load::<PlanLine>(&mut c)
@@ -314,7 +314,7 @@ fn mysql_per_key_claim_uses_the_new_only_indexes() {
     emit(&mut c, &rows);
     exec(&mut c, "ANALYZE TABLE outbox;");
 
-    let lock = <MysqlConnection as OutboxConnection>::__claim_per_key_sql(100);
+    let lock = outbox_diesel::__private::claim_per_key_sql::<MysqlConnection>(100);
     println!("{lock}");
     let (plan, found) = mysql_plan(&mut c, &lock);
     println!("{plan}");
@@ -335,7 +335,7 @@ fn mysql_per_key_claim_uses_the_new_only_indexes() {
             .iter()
             .map(|r| r.id)
             .collect();
-    let probe = <MysqlConnection as OutboxConnection>::__key_probe_sql(&ids);
+    let probe = outbox_diesel::__private::key_probe_sql::<MysqlConnection>(&ids);
     let (plan, found) = mysql_plan(&mut c, &probe);
     println!("{plan}");
     assert!(
@@ -356,7 +356,7 @@ fn sqlite_per_key_claim_uses_the_new_only_indexes() {
     let db = Lite::create();
     let mut c: SqliteConnection = Lite::connect(&db);
     emit(&mut c, &[(1, "a"), (2, "b")]);
-    let sql = <SqliteConnection as OutboxConnection>::__claim_per_key_sql(100);
+    let sql = outbox_diesel::__private::claim_per_key_sql::<SqliteConnection>(100);
     #[derive(QueryableByName)]
     struct Detail {
         #[diesel(sql_type = Text)]

@@ -11,7 +11,7 @@ use diesel::connection::SimpleConnection as _;
 use diesel::sql_types::Text;
 use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
 use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
-use outbox_diesel::{Emit, EmitOptions, Notify, OutboxConnection, SqliteRelayStore};
+use outbox_diesel::{Emit, EmitOptions, Notify, SqliteRelayStore};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
@@ -110,7 +110,7 @@ fn pg_claim_does_not_scan_sent_rows() {
     );
     c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
     exec(&mut c, "ANALYZE outbox;");
-    let sql = <PgConnection as OutboxConnection>::__claim_sql(100);
+    let sql = outbox_diesel::__private::claim_sql::<PgConnection>(100);
     let plan: Vec<String> = diesel::sql_query(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
         .load::<PlanLine>(&mut c)
         .unwrap()
@@ -155,7 +155,7 @@ fn mysql_claim_does_not_scan_sent_rows() {
     );
     c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
     exec(&mut c, "ANALYZE TABLE outbox;");
-    let sql = <diesel::MysqlConnection as OutboxConnection>::__claim_sql(100);
+    let sql = outbox_diesel::__private::claim_sql::<diesel::MysqlConnection>(100);
     let plan = diesel::sql_query(format!("ANALYZE FORMAT=JSON {sql}"))
         .get_result::<JsonPlan>(&mut c)
         .unwrap()

@@ -5,12 +5,13 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, Transact
 use diesel::mysql::Mysql;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::Text;
-use diesel::{MysqlConnection, RunQueryDsl};
+use diesel::sql_types::{BigInt, Nullable, Text};
+use diesel::{MysqlConnection, QueryableByName, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
+use super::{Backend, BacklogRow, RecordRow, VersionRow};
 use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
-use crate::{EmitOptions, Error, OutboxConnection, Result};
+use crate::{EmitOptions, Error, Result};
 
 pub(super) const DIALECT: Dialect = Dialect {
     // Timestamps as Unix microseconds, independent of the session time zone.
@@ -178,8 +179,28 @@ impl QueryFragment<Mysql> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
-impl OutboxConnection for MysqlConnection {
+impl Backend for MysqlConnection {
     const __MIGRATION: &'static str = crate::migrate::MYSQL_UP;
+    const DIALECT: Dialect = DIALECT;
+
+    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+        super::load_rows(self, sql, bind)
+    }
+
+    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+        super::execute_sql(self, sql, bind)
+    }
+
+    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
+        super::load_one(self, DIALECT.backlog)
+    }
+
+    fn version_row(&mut self) -> QueryResult<VersionRow> {
+        super::load_one(
+            self,
+            "SELECT MAX(version) AS version FROM outbox_migrations",
+        )
+    }
 
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, envelopes)
@@ -215,7 +236,7 @@ impl OutboxConnection for MysqlConnection {
 
     /// MariaDB allows no row locks in a CTE: the per-key claim takes two statements in
     /// the claim's transaction. This one locks `L` (due NEW rows whose key's head is
-    /// due); [`__key_probe_sql`](OutboxConnection::__key_probe_sql) then finds, per key
+    /// due); [`__key_probe_sql`](Backend::__key_probe_sql) then finds, per key
     /// of `L`, the first NEW row outside it.
     fn __claim_per_key_sql(limit: usize) -> String {
         format!(
@@ -250,7 +271,7 @@ impl OutboxConnection for MysqlConnection {
         }
         let ids: Vec<i64> = locked.iter().map(|r| r.id).collect();
         let first_out: HashMap<String, i64> = diesel::sql_query(Self::__key_probe_sql(&ids))
-            .load::<super::FirstOutside>(self)?
+            .load::<FirstOutside>(self)?
             .into_iter()
             .filter_map(|r| Some((r.msg_key, r.first_out?)))
             .collect();
@@ -259,8 +280,15 @@ impl OutboxConnection for MysqlConnection {
         }
         Ok(locked)
     }
+}
 
-    super::common_methods!(DIALECT);
+/// A row of [`first_outside_sql`].
+#[derive(QueryableByName)]
+struct FirstOutside {
+    #[diesel(sql_type = Text)]
+    msg_key: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    first_out: Option<i64>,
 }
 
 #[cfg(test)]

@@ -10,8 +10,9 @@ use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
+use super::{Backend, BacklogRow, RecordRow, VersionRow};
 use super::{Dialect, Row, chunks, in_list};
-use crate::{EmitOptions, Error, Notify, OutboxConnection, Result};
+use crate::{EmitOptions, Error, Notify, Result};
 
 /// How far past its wait timeout a parked relay still counts as idle, so that a NOTIFY
 /// sent just before it re-parks is not lost.
@@ -305,8 +306,28 @@ impl QueryFragment<Pg> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
-impl OutboxConnection for PgConnection {
+impl Backend for PgConnection {
     const __MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
+    const DIALECT: Dialect = DIALECT;
+
+    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+        super::load_rows(self, sql, bind)
+    }
+
+    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+        super::execute_sql(self, sql, bind)
+    }
+
+    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
+        super::load_one(self, DIALECT.backlog)
+    }
+
+    fn version_row(&mut self) -> QueryResult<VersionRow> {
+        super::load_one(
+            self,
+            "SELECT MAX(version) AS version FROM outbox_migrations",
+        )
+    }
 
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, options, envelopes)
@@ -360,13 +381,6 @@ impl OutboxConnection for PgConnection {
     fn __claim_per_key_sql(limit: usize) -> String {
         per_key_claim_sql(limit)
     }
-
-    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
-        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit)).load(self)?;
-        super::claimed(self, rows)
-    }
-
-    super::common_methods!(DIALECT);
 }
 
 #[cfg(test)]

@@ -1,13 +1,17 @@
 use diesel::connection::AnsiTransactionManager;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::{Nullable, Text};
+use diesel::sql_types::Text;
 use diesel::sqlite::Sqlite;
-use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl, SqliteConnection};
+use diesel::{RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, with_msg_ids};
-use crate::{EmitOptions, Error, OutboxConnection, Result};
+use super::{Backend, BacklogRow, RecordRow, VersionRow};
+use super::{
+    Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, first_outside_sql, head_is_due,
+    with_msg_ids,
+};
+use crate::{EmitOptions, Error, Result};
 
 /// The database clock as the tables store it: UTC text with milliseconds, whose text
 /// order is time order.
@@ -16,6 +20,7 @@ macro_rules! now {
         "strftime('%Y-%m-%d %H:%M:%f', 'now')"
     };
 }
+pub(crate) use now;
 
 /// Unix microseconds of a stored timestamp (NULL stays NULL).
 macro_rules! us {
@@ -159,8 +164,28 @@ impl QueryFragment<Sqlite> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
-impl OutboxConnection for SqliteConnection {
+impl Backend for SqliteConnection {
     const __MIGRATION: &'static str = crate::migrate::SQLITE_UP;
+    const DIALECT: Dialect = DIALECT;
+
+    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+        super::load_rows(self, sql, bind)
+    }
+
+    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+        super::execute_sql(self, sql, bind)
+    }
+
+    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
+        super::load_one(self, DIALECT.backlog)
+    }
+
+    fn version_row(&mut self) -> QueryResult<VersionRow> {
+        super::load_one(
+            self,
+            "SELECT MAX(version) AS version FROM outbox_migrations",
+        )
+    }
 
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, envelopes)
@@ -180,67 +205,46 @@ impl OutboxConnection for SqliteConnection {
     /// One relay per database: a row outside `L` below a row of `L` is one waiting for
     /// its retry time, so this keeps a key in order across retries.
     fn __claim_per_key_sql(limit: usize) -> String {
-        super::per_key_claim_sql(&DIALECT, limit, "IN (SELECT id FROM l)")
+        per_key_claim_sql(&DIALECT, limit, "IN (SELECT id FROM l)")
     }
-
-    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
-        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit)).load(self)?;
-        super::claimed(self, rows)
-    }
-
-    super::common_methods!(DIALECT);
 }
 
-#[derive(QueryableByName)]
-struct DatabaseFile {
-    #[diesel(sql_type = Nullable<Text>)]
-    file: Option<String>,
+/// SQL that is true when two `msg_key` expressions are the same key: byte for byte, as
+/// Rust compares them. A plain `=` on PostgreSQL (deterministic collations break ties
+/// by bytes) and SQLite (BINARY).
+fn same_key(a: &str, b: &str) -> String {
+    format!("{a} = {b}")
 }
 
-/// The file of the connection's main database as SQLite resolved it (absolute), or
-/// `None` for a database without one (`:memory:`, a shared-cache memory URI, a temporary
-/// database).
-pub(crate) fn database_file(conn: &mut SqliteConnection) -> Result<Option<String>> {
-    let row = diesel::sql_query("SELECT file FROM pragma_database_list WHERE name = 'main'")
-        .get_result::<DatabaseFile>(conn)
-        .optional()?;
-    Ok(row.and_then(|r| r.file).filter(|f| !f.is_empty()))
-}
-
-#[derive(QueryableByName)]
-struct LeaseOwner {
-    #[diesel(sql_type = Text)]
-    owner: String,
-}
-
-/// Takes the relay lease row of a database without a file, inside the caller's
-/// immediate transaction. Such a database lives and dies with this process, so the row
-/// needs no heartbeat and no expiry: it is written once here and deleted by [`release`].
-/// A row of another owner is [`Error::RelayAlreadyRunning`].
-pub(crate) fn take_lease(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
-    let taken = diesel::sql_query(concat!(
-        "INSERT INTO outbox_relay_lease (singleton, owner, heartbeat_at) VALUES (1, ?, ",
-        now!(),
-        ") ON CONFLICT (singleton) DO NOTHING"
-    ))
-    .bind::<Text, _>(owner)
-    .execute(conn)?;
-    if taken == 1 {
-        return Ok(());
-    }
-    let holder = diesel::sql_query("SELECT owner FROM outbox_relay_lease WHERE singleton = 1")
-        .get_result::<LeaseOwner>(conn)?
-        .owner;
-    Err(Error::RelayAlreadyRunning {
-        owner: holder,
-        lock: "the outbox_relay_lease row of this in-memory database".into(),
-    })
-}
-
-/// Gives the lease up if `owner` holds it.
-pub(crate) fn release(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
-    diesel::sql_query("DELETE FROM outbox_relay_lease WHERE owner = ?")
-        .bind::<Text, _>(owner)
-        .execute(conn)?;
-    Ok(())
+/// The per-key claim in one statement on SQLite (PostgreSQL has its own, with walks
+/// instead of probes: `pg::per_key_claim_sql`):
+/// lock the due NEW rows in id order whose key's head is due (`L`), then return the rows
+/// of `L` that no NEW row outside `L` precedes within their key, in id order.
+///
+/// `g` is materialized so that each key is probed once: inlined, PostgreSQL evaluated
+/// the probe once per row of `L` (a hot key of 500 rows: 250,000 index entries, 91 ms
+/// instead of 10 ms).
+///
+/// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
+/// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
+/// join over a scan of the whole table).
+fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String {
+    format!(
+        "WITH l AS MATERIALIZED (SELECT id, msg_key FROM outbox o \
+           WHERE status = 0 AND next_retry_at <= {now} AND {head} \
+           ORDER BY id LIMIT {limit}{lock}), \
+         g AS MATERIALIZED ({gaps}) \
+         SELECT {columns} FROM outbox WHERE id {in_l} \
+           AND NOT EXISTS (SELECT 1 FROM g WHERE g.msg_key = outbox.msg_key AND g.first_out < outbox.id) \
+         ORDER BY id",
+        now = d.now,
+        head = head_is_due(d, "o", same_key),
+        lock = d.lock,
+        gaps = first_outside_sql(
+            "SELECT msg_key, max(id) AS last FROM l GROUP BY msg_key",
+            "SELECT id FROM l",
+            same_key,
+        ),
+        columns = d.columns,
+    )
 }

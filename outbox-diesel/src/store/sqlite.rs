@@ -5,14 +5,16 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use diesel::SqliteConnection;
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
+use diesel::sql_types::{Nullable, Text};
+use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
 use outbox_core::{Backlog, BatchOutcome, ClaimedBatch, RelayStore, StoredMessage};
 
-use crate::backend::sqlite::{database_file, release, take_lease};
-use crate::relay::{blocking, stored};
-use crate::{ClaimOrder, Error, OutboxConnection as _, Result, SqlitePool};
+use super::{blocking, stored};
+use crate::backend::Backend as _;
+use crate::backend::sqlite::now;
+use crate::{ClaimOrder, Error, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait
 /// for each other instead of failing with `SQLITE_BUSY`) and, by default, WAL mode (so
@@ -322,4 +324,58 @@ impl ClaimedBatch for SqliteBatch {
         })
         .await?)
     }
+}
+
+#[derive(QueryableByName)]
+struct DatabaseFile {
+    #[diesel(sql_type = Nullable<Text>)]
+    file: Option<String>,
+}
+
+/// The file of the connection's main database as SQLite resolved it (absolute), or
+/// `None` for a database without one (`:memory:`, a shared-cache memory URI, a temporary
+/// database).
+fn database_file(conn: &mut SqliteConnection) -> Result<Option<String>> {
+    let row = diesel::sql_query("SELECT file FROM pragma_database_list WHERE name = 'main'")
+        .get_result::<DatabaseFile>(conn)
+        .optional()?;
+    Ok(row.and_then(|r| r.file).filter(|f| !f.is_empty()))
+}
+
+#[derive(QueryableByName)]
+struct LeaseOwner {
+    #[diesel(sql_type = Text)]
+    owner: String,
+}
+
+/// Takes the relay lease row of a database without a file, inside the caller's
+/// immediate transaction. Such a database lives and dies with this process, so the row
+/// needs no heartbeat and no expiry: it is written once here and deleted by [`release`].
+/// A row of another owner is [`Error::RelayAlreadyRunning`].
+fn take_lease(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
+    let taken = diesel::sql_query(concat!(
+        "INSERT INTO outbox_relay_lease (singleton, owner, heartbeat_at) VALUES (1, ?, ",
+        now!(),
+        ") ON CONFLICT (singleton) DO NOTHING"
+    ))
+    .bind::<Text, _>(owner)
+    .execute(conn)?;
+    if taken == 1 {
+        return Ok(());
+    }
+    let holder = diesel::sql_query("SELECT owner FROM outbox_relay_lease WHERE singleton = 1")
+        .get_result::<LeaseOwner>(conn)?
+        .owner;
+    Err(Error::RelayAlreadyRunning {
+        owner: holder,
+        lock: "the outbox_relay_lease row of this in-memory database".into(),
+    })
+}
+
+/// Gives the lease up if `owner` holds it.
+fn release(conn: &mut SqliteConnection, owner: &str) -> Result<()> {
+    diesel::sql_query("DELETE FROM outbox_relay_lease WHERE owner = ?")
+        .bind::<Text, _>(owner)
+        .execute(conn)?;
+    Ok(())
 }

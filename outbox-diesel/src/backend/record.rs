@@ -1,0 +1,140 @@
+//! Reading rows: the one struct every backend's shared queries load, its decoding into
+//! an [`OutboxRecord`], and the small result rows of the other shared statements.
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
+use outbox_core::{Envelope, Headers, MsgId, Status};
+
+use super::Backend;
+use crate::{Error, OutboxRecord, Result};
+
+/// An outbox row as the shared queries read it: timestamps as Unix microseconds, JSON
+/// as text, so that one struct reads every backend.
+#[derive(QueryableByName)]
+pub(crate) struct RecordRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    msg_id: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    event_type: String,
+    #[diesel(sql_type = Text)]
+    msg_key: String,
+    #[diesel(sql_type = Integer)]
+    schema_version: i32,
+    #[diesel(sql_type = Text)]
+    payload: String,
+    #[diesel(sql_type = Text)]
+    headers: String,
+    #[diesel(sql_type = SmallInt)]
+    status: i16,
+    #[diesel(sql_type = Integer)]
+    retries: i32,
+    #[diesel(sql_type = BigInt)]
+    next_retry_us: i64,
+    #[diesel(sql_type = BigInt)]
+    created_us: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    sent_us: Option<i64>,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+}
+
+fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or_default()
+}
+
+impl RecordRow {
+    pub(crate) fn into_record(self) -> Result<OutboxRecord> {
+        let corrupt = |reason: String| Error::CorruptRow {
+            id: self.id,
+            reason,
+        };
+        let msg_id = MsgId::new(self.msg_id.clone()).map_err(|e| corrupt(e.to_string()))?;
+        let headers: Headers = serde_json::from_str(&self.headers)
+            .map_err(|e| corrupt(format!("headers are not a JSON object of strings: {e}")))?;
+        let status = Status::try_from(self.status).map_err(|e| corrupt(e.to_string()))?;
+        Ok(OutboxRecord {
+            id: self.id,
+            status,
+            retries: u32::try_from(self.retries).unwrap_or(0),
+            next_retry_at: from_micros(self.next_retry_us),
+            sent_at: self.sent_us.map(from_micros),
+            last_error: self.last_error,
+            envelope: Envelope {
+                msg_id,
+                topic: self.topic,
+                event_type: self.event_type,
+                key: self.msg_key,
+                schema_version: u32::try_from(self.schema_version).unwrap_or(0),
+                payload: self.payload,
+                headers,
+                created_at: from_micros(self.created_us),
+            },
+        })
+    }
+}
+
+/// Claimed rows as records. A row that cannot be read (written around this library, with
+/// an invalid msg_id or headers) is marked DEAD with the reason in the claim's own
+/// transaction, instead of failing every claim, and so the whole relay, forever.
+pub(crate) fn claimed<C: Backend>(conn: &mut C, rows: Vec<RecordRow>) -> Result<Vec<OutboxRecord>> {
+    let mut records = Vec::with_capacity(rows.len());
+    let mut dead = Vec::new();
+    for row in rows {
+        match row.into_record() {
+            Ok(record) => records.push(record),
+            Err(Error::CorruptRow { id, reason }) => {
+                tracing::error!(id, %reason, "unreadable outbox row dead-lettered");
+                dead.push((id, format!("unreadable row: {reason}")));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if !dead.is_empty() {
+        conn.__complete(&outbox_core::BatchOutcome {
+            dead,
+            ..Default::default()
+        })?;
+    }
+    Ok(records)
+}
+
+#[derive(QueryableByName)]
+pub(crate) struct BacklogRow {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) due: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub(crate) oldest_us: Option<i64>,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) dead: i64,
+}
+
+impl BacklogRow {
+    pub(crate) fn into_backlog(self) -> outbox_core::Backlog {
+        outbox_core::Backlog {
+            due: u64::try_from(self.due).unwrap_or(0),
+            oldest_due_age: self
+                .oldest_us
+                .map(|us| std::time::Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+            dead: u64::try_from(self.dead).unwrap_or(0),
+        }
+    }
+}
+
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+#[derive(QueryableByName)]
+pub(crate) struct MsgIdRow {
+    #[diesel(sql_type = Text)]
+    pub(crate) msg_id: String,
+}
+
+/// `SELECT MAX(version) AS version FROM outbox_migrations`.
+#[derive(QueryableByName)]
+pub(crate) struct VersionRow {
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub(crate) version: Option<i32>,
+}

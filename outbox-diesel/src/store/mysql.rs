@@ -1,0 +1,105 @@
+//! MySQL / MariaDB: the relay store, polling for work.
+
+use std::time::Duration;
+
+use diesel::MysqlConnection;
+use outbox_core::{Backlog, RelayStore};
+
+use super::{ClaimOrder, DEFAULT_STALL_TIMEOUT, LockedBatch, blocking};
+use crate::MysqlPool;
+use crate::backend::Backend as _;
+
+/// The relay's store on MySQL / MariaDB: claims with `FOR UPDATE SKIP LOCKED` in a
+/// READ COMMITTED transaction on a pooled connection, so any number of relays can
+/// run side by side, in per-key order by default ([`ClaimOrder`]). Waiting for work
+/// polls.
+///
+/// # A stalled relay
+///
+/// A relay that stops answering while it holds a batch (its process stopped, its VM
+/// paused, its network cut) holds that batch's row locks, and in per-key order the
+/// later messages of its keys, until the server drops its connection. The store
+/// bounds that by the [stall timeout](Self::with_stall_timeout) (default 30 s): it
+/// sets these session variables on the connection of each claim:
+///
+/// - `idle_transaction_timeout` (MariaDB 10.3+): the server closes a connection that
+///   sits idle inside a transaction that long, which rolls the batch back and
+///   releases its rows to the other relays;
+/// - `innodb_lock_wait_timeout`: no statement of the relay waits longer for a lock.
+///
+/// MySQL has no `idle_transaction_timeout` (the setting is skipped there): bound a
+/// stalled relay with a `wait_timeout` on the relay's connections instead. The
+/// variables are session settings, so they stay on the pooled connections: give
+/// the store a pool of its own rather than your application's.
+#[derive(Debug, Clone)]
+pub struct MysqlRelayStore {
+    pool: MysqlPool,
+    order: ClaimOrder,
+    stall: Duration,
+}
+
+impl MysqlRelayStore {
+    /// A store over `pool` claiming in [`ClaimOrder::PerKey`]. Each claimed batch
+    /// holds one pooled connection until it is completed.
+    pub fn new(pool: MysqlPool) -> Self {
+        Self {
+            pool,
+            order: ClaimOrder::default(),
+            stall: DEFAULT_STALL_TIMEOUT,
+        }
+    }
+
+    /// Sets the stall timeout (default 30 s, whole seconds, rounded up): how long the
+    /// server keeps a claimed batch whose relay has gone silent before it rolls the
+    /// batch back, so that another relay takes its rows and keys over (see
+    /// [a stalled relay](Self#a-stalled-relay)). It must exceed the longest time a
+    /// relay may take to publish one batch (with the Redis publisher, its response
+    /// timeout, 5 s by default, per round trip of the batch): a batch that takes
+    /// longer loses its claim, is published again by another relay, and the slow relay
+    /// backs off as after a database outage. `Duration::ZERO` sets nothing: the
+    /// server's settings apply.
+    pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall = timeout;
+        self
+    }
+
+    /// The stall timeout.
+    pub fn stall_timeout(&self) -> Duration {
+        self.stall
+    }
+
+    /// Sets the claim order.
+    pub fn with_order(mut self, order: ClaimOrder) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// The claim order.
+    pub fn order(&self) -> ClaimOrder {
+        self.order
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &MysqlPool {
+        &self.pool
+    }
+}
+
+impl RelayStore for MysqlRelayStore {
+    type Batch = LockedBatch<MysqlConnection>;
+
+    async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
+        Ok(LockedBatch::claim(self.pool.clone(), limit, self.order, self.stall).await?)
+    }
+
+    async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
+        let pool = self.pool.clone();
+        Ok(blocking(move || pool.get()?.__backlog()).await?)
+    }
+
+    /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the
+    /// per-key claim holds back the later rows of their keys.
+    fn claims_ahead(&self) -> bool {
+        true
+    }
+}
