@@ -1,8 +1,12 @@
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::{BatchOutcomes, Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed};
+use serde_json::Value;
+
+use crate::{
+    BatchOutcomes, BoxError, Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed,
+};
 
 /// Where and how often a message was delivered, next to the message itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,11 +90,37 @@ pub trait AsyncHandler<E: OutboxEvent>: Send + Sync + 'static {
 }
 
 type Run<C> = Box<dyn FnOnce(&mut C, &Delivery) -> Result<(), HandlerError> + Send>;
-type Route<C> = Arc<dyn Fn(&Envelope) -> Result<Run<C>, Error> + Send + Sync>;
+type Decode<C> = Arc<dyn Fn(&Envelope, Payload) -> Result<Run<C>, Error> + Send + Sync>;
+type Step = Arc<dyn Fn(Value) -> Result<Value, BoxError> + Send + Sync>;
 
-/// Routes messages by event type to typed handlers over connection type `C`.
+/// The handler of an event type, and the schema version its event type is at.
+struct Route<C> {
+    version: u32,
+    decode: Decode<C>,
+}
+
+impl<C> Clone for Route<C> {
+    fn clone(&self) -> Self {
+        Self {
+            version: self.version,
+            decode: Arc::clone(&self.decode),
+        }
+    }
+}
+
+/// A payload ready to decode: the text as it arrived (no step applied: decoded straight
+/// from the text, as if there were no upgrades), or the JSON its upgrade steps made.
+enum Payload {
+    Text,
+    Upgraded(Value),
+}
+
+/// Routes messages by event type to typed handlers over connection type `C`, upgrading
+/// payloads of older schema versions on the way ([`upgrade`](Self::upgrade)).
 pub struct Dispatcher<C> {
     routes: HashMap<&'static str, Route<C>>,
+    /// Per event type, the upgrade steps by the version they start from.
+    upgrades: HashMap<&'static str, BTreeMap<u32, Step>>,
     topics: Vec<&'static str>,
 }
 
@@ -98,6 +128,7 @@ impl<C> Default for Dispatcher<C> {
     fn default() -> Self {
         Self {
             routes: HashMap::new(),
+            upgrades: HashMap::new(),
             topics: Vec::new(),
         }
     }
@@ -107,6 +138,7 @@ impl<C> Clone for Dispatcher<C> {
     fn clone(&self) -> Self {
         Self {
             routes: self.routes.clone(),
+            upgrades: self.upgrades.clone(),
             topics: self.topics.clone(),
         }
     }
@@ -116,8 +148,15 @@ impl<C> std::fmt::Debug for Dispatcher<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut types: Vec<_> = self.routes.keys().collect();
         types.sort();
+        let mut upgrades: Vec<_> = self
+            .upgrades
+            .iter()
+            .map(|(t, steps)| (*t, steps.keys().collect::<Vec<_>>()))
+            .collect();
+        upgrades.sort();
         f.debug_struct("Dispatcher")
             .field("event_types", &types)
+            .field("upgrades_from", &upgrades)
             .field("topics", &self.topics)
             .finish()
     }
@@ -146,8 +185,8 @@ impl<C: 'static> Dispatcher<C> {
         H: Handler<E, Conn = C>,
     {
         let handler = Arc::new(handler);
-        self.route::<E>(Arc::new(move |envelope: &Envelope| {
-            let event: E = envelope.decode()?;
+        self.route::<E>(Arc::new(move |envelope: &Envelope, payload: Payload| {
+            let event: E = decode(envelope, payload)?;
             let handler = Arc::clone(&handler);
             Ok(
                 Box::new(move |conn: &mut C, d: &Delivery| handler.handle(event, conn, d))
@@ -166,8 +205,8 @@ impl<C: 'static> Dispatcher<C> {
         H: AsyncHandler<E>,
     {
         let handler = Arc::new(handler);
-        self.route::<E>(Arc::new(move |envelope: &Envelope| {
-            let event: E = envelope.decode()?;
+        self.route::<E>(Arc::new(move |envelope: &Envelope, payload: Payload| {
+            let event: E = decode(envelope, payload)?;
             let handler = Arc::clone(&handler);
             Ok(Box::new(move |_: &mut C, d: &Delivery| {
                 let runtime = tokio::runtime::Handle::try_current()
@@ -177,24 +216,16 @@ impl<C: 'static> Dispatcher<C> {
         }))
     }
 
-    fn route<E: OutboxEvent>(&mut self, decode: Route<C>) -> Result<(), Error> {
+    fn route<E: OutboxEvent>(&mut self, decode: Decode<C>) -> Result<(), Error> {
         if let Some(taken) = E::EVENT_TYPES.iter().find(|t| self.routes.contains_key(*t)) {
             return Err(Error::DuplicateHandler((*taken).to_owned()));
         }
-        // A payload of a newer schema than `E` may carry fields `E` does not know, which
-        // serde would drop without a word: refuse it before decoding.
-        let route: Route<C> = Arc::new(move |envelope: &Envelope| {
-            if envelope.schema_version > E::SCHEMA_VERSION {
-                return Err(Error::UnsupportedSchemaVersion {
-                    event_type: envelope.event_type.clone(),
-                    version: envelope.schema_version,
-                    supported: E::SCHEMA_VERSION,
-                });
-            }
-            decode(envelope)
-        });
+        let route = Route {
+            version: E::SCHEMA_VERSION,
+            decode,
+        };
         for t in E::EVENT_TYPES {
-            self.routes.insert(t, Arc::clone(&route));
+            self.routes.insert(t, route.clone());
         }
         for t in E::TOPICS {
             if !self.topics.contains(t) {
@@ -202,6 +233,153 @@ impl<C: 'static> Dispatcher<C> {
             }
         }
         Ok(())
+    }
+
+    /// Registers the step that turns a payload of `E`'s schema version `from` into
+    /// version `from + 1`, for a handler of `E` (at version
+    /// [`E::SCHEMA_VERSION`](OutboxEvent::SCHEMA_VERSION), `#[outbox(version = N)]`) to
+    /// receive messages written by producers still at an older version.
+    ///
+    /// Before decoding a payload of version `v` older than `E`'s, the dispatcher applies
+    /// the steps from `v`, `v + 1`, .. up to `E`'s version in turn, each on the JSON the
+    /// one before made, then decodes the result. A version without a step is taken as
+    /// compatible (a field added with `#[serde(default)]` needs none): its payload goes
+    /// on unchanged. A payload at `E`'s version, or older with no step on its way, is
+    /// decoded straight from its text, as without upgrades. The handler's
+    /// [`Delivery::envelope`] stays the message as it arrived.
+    ///
+    /// A payload newer than `E` is refused before decoding
+    /// ([`Error::UnsupportedSchemaVersion`], "produced by a newer service (v4 > v3)"),
+    /// and a step that fails or panics refuses its payload ([`Error::Upgrade`]); both
+    /// are poison ([`Error::is_poison`]), dead-lettered at once by a consumer.
+    ///
+    /// Steps belong to the consumer, not to the event type, because they are how this
+    /// service reads other services' older messages: they may need its settings (a
+    /// default currency), and they sit next to the handler they serve. Steps may be
+    /// registered before or after the handler. Fails if `from` is 0 or not below `E`'s
+    /// version, or if a step from `from` is already registered for one of `E`'s event
+    /// types.
+    ///
+    /// ```
+    /// use outbox_core::{Delivery, Dispatcher, Envelope, Handler, HandlerError, MemoryDb,
+    ///                   MemoryTx, OutboxEvent, Processed};
+    /// use serde_json::{Value, json};
+    ///
+    /// // Version 1 was `{order_id, cents}`; version 2 renamed `cents` to `amount_cents`;
+    /// // version 3 added `currency`.
+    /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    /// #[outbox(version = 3)]
+    /// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64, currency: String }
+    ///
+    /// struct Revenue;
+    /// impl Handler<OrderPaid> for Revenue {
+    ///     type Conn = MemoryTx<Vec<String>>;
+    ///     fn handle(&self, e: OrderPaid, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+    ///         tx.data().push(format!("{} {} {}", e.order_id, e.amount_cents, e.currency));
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let mut dispatcher = Dispatcher::new();
+    /// dispatcher.register::<OrderPaid, _>(Revenue)?;
+    /// dispatcher
+    ///     .upgrade::<OrderPaid>(1, |mut v: Value| {
+    ///         let cents = v["cents"].take();
+    ///         v["amount_cents"] = cents;
+    ///         Ok(v)
+    ///     })?
+    ///     .upgrade::<OrderPaid>(2, |mut v: Value| {
+    ///         v["currency"] = json!("EUR"); // every order was in euros before v3
+    ///         Ok(v)
+    ///     })?;
+    ///
+    /// // A message from a producer still at version 1.
+    /// let mut envelope = Envelope::from_event(
+    ///     &OrderPaid { order_id: "o-1".into(), amount_cents: 0, currency: String::new() }, 1024)?;
+    /// envelope.schema_version = 1;
+    /// envelope.payload = r#"{"order_id":"o-1","cents":1999}"#.into();
+    /// let db = MemoryDb::new(Vec::new());
+    /// let v1 = Delivery { envelope, delivery_count: 1, entry_id: None };
+    /// assert_eq!(dispatcher.consume(&db, "revenue", &v1)?, Processed::Applied);
+    /// assert_eq!(db.read(|rows| rows.clone()), ["o-1 1999 EUR"]);
+    ///
+    /// // One from a newer producer is refused, not decoded.
+    /// let mut v4 = v1.clone();
+    /// v4.envelope.schema_version = 4;
+    /// let refused = dispatcher.consume(&db, "revenue", &v4).unwrap_err();
+    /// assert!(refused.is_poison());
+    /// assert!(refused.to_string().ends_with("produced by a newer service (v4 > v3)"));
+    /// # Ok::<_, outbox_core::Error>(())
+    /// ```
+    pub fn upgrade<E: OutboxEvent>(
+        &mut self,
+        from: u32,
+        step: impl Fn(Value) -> Result<Value, BoxError> + Send + Sync + 'static,
+    ) -> Result<&mut Self, Error> {
+        let name = std::any::type_name::<E>();
+        if from == 0 || from >= E::SCHEMA_VERSION {
+            return Err(Error::Config(format!(
+                "an upgrade step of `{name}` must start from a version 1 to {} (below its \
+                 version {}); got {from}",
+                E::SCHEMA_VERSION.saturating_sub(1),
+                E::SCHEMA_VERSION
+            )));
+        }
+        if E::EVENT_TYPES
+            .iter()
+            .any(|t| self.upgrades.get(t).is_some_and(|s| s.contains_key(&from)))
+        {
+            return Err(Error::Config(format!(
+                "an upgrade step of `{name}` from version {from} is already registered"
+            )));
+        }
+        let step: Step = Arc::new(step);
+        for t in E::EVENT_TYPES {
+            self.upgrades
+                .entry(t)
+                .or_default()
+                .insert(from, Arc::clone(&step));
+        }
+        Ok(self)
+    }
+
+    /// The payload of `envelope` at schema version `target`: refused if newer, upgraded
+    /// through the registered steps if older.
+    fn upgraded(&self, envelope: &Envelope, target: u32) -> Result<Payload, Error> {
+        let version = envelope.schema_version;
+        // A payload of a newer schema may carry fields the handler's type does not know,
+        // which serde would drop without a word: refuse it before decoding.
+        if version > target {
+            return Err(Error::UnsupportedSchemaVersion {
+                event_type: envelope.event_type.clone(),
+                version,
+                supported: target,
+            });
+        }
+        let mut steps = match self.upgrades.get(envelope.event_type.as_str()) {
+            Some(steps) => steps.range(version..target).peekable(),
+            None => return Ok(Payload::Text),
+        };
+        if steps.peek().is_none() {
+            return Ok(Payload::Text);
+        }
+        let mut value: Value =
+            serde_json::from_str(&envelope.payload).map_err(|source| Error::Decode {
+                event_type: envelope.event_type.clone(),
+                source,
+            })?;
+        for (&from, step) in steps {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(value)))
+                .unwrap_or_else(|panic| {
+                    Err(format!("upgrade step panicked: {}", panic_message(&*panic)).into())
+                });
+            value = result.map_err(|source| Error::Upgrade {
+                event_type: envelope.event_type.clone(),
+                from,
+                source,
+            })?;
+        }
+        Ok(Payload::Upgraded(value))
     }
 
     /// The topics the registered handlers listen to, in registration order.
@@ -214,16 +392,18 @@ impl<C: 'static> Dispatcher<C> {
         self.routes.contains_key(event_type)
     }
 
-    /// Finds the handler and decodes the payload, before any transaction is opened.
+    /// Finds the handler, upgrades the payload if it is of an older schema version
+    /// ([`upgrade`](Self::upgrade)) and decodes it, before any transaction is opened.
     /// Unknown types, payloads of a newer schema version than the handler's event type
-    /// ([`OutboxEvent::SCHEMA_VERSION`]; older ones are decoded) and undecodable payloads
-    /// are errors ([`Error::is_poison`]).
+    /// ([`OutboxEvent::SCHEMA_VERSION`]), payloads an upgrade step refuses and
+    /// undecodable payloads are errors ([`Error::is_poison`]).
     pub fn prepare(&self, envelope: &Envelope) -> Result<Prepared<C>, Error> {
         let route = self
             .routes
             .get(envelope.event_type.as_str())
             .ok_or_else(|| Error::UnknownEventType(envelope.event_type.clone()))?;
-        route(envelope).map(Prepared)
+        let payload = self.upgraded(envelope, route.version)?;
+        (route.decode)(envelope, payload).map(Prepared)
     }
 
     /// Decodes and applies one delivery exactly once in effect for `group`: the dedup row
@@ -343,6 +523,26 @@ impl<C: 'static> Dispatcher<C> {
     }
 }
 
+/// Decodes a payload as `E`: from the text, or from the JSON the upgrade steps made.
+fn decode<E: OutboxEvent>(envelope: &Envelope, payload: Payload) -> Result<E, Error> {
+    match payload {
+        Payload::Text => envelope.decode(),
+        Payload::Upgraded(value) => serde_json::from_value(value).map_err(|source| Error::Decode {
+            event_type: envelope.event_type.clone(),
+            source,
+        }),
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("non-text panic payload")
+}
+
 /// Runs a handler, turning a panic into its error. Safe to continue after: the inbox
 /// rolls back the message's savepoint (or in-memory copy) on this error, so whatever the
 /// panic left half-written is discarded.
@@ -355,13 +555,9 @@ fn run_catching_panic<C>(
         prepared.run(conn, delivery)
     }))
     .unwrap_or_else(|panic| {
-        let message = panic
-            .downcast_ref::<&str>()
-            .copied()
-            .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-            .unwrap_or("non-text panic payload");
         Err(HandlerError::msg(format_args!(
-            "handler panicked: {message}"
+            "handler panicked: {}",
+            panic_message(&*panic)
         )))
     })
 }
@@ -656,6 +852,200 @@ mod tests {
         // Nor the dedup row of the message before the panic.
         let outcomes = db.process_batch("g", &ids[..1], |_, _| Ok(())).unwrap();
         assert_eq!(kinds(&outcomes), ["Applied"]);
+    }
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod upgrade_tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::{MemoryDb, MemoryTx};
+
+    /// v1 `{order_id, cents}`; v2 renamed `cents` to `amount_cents`; v3 added `currency`.
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    #[outbox(version = 3)]
+    struct OrderPaid {
+        #[outbox(id)]
+        order_id: String,
+        amount_cents: i64,
+        currency: String,
+    }
+
+    struct Record;
+    impl Handler<OrderPaid> for Record {
+        type Conn = MemoryTx<Vec<String>>;
+        fn handle(
+            &self,
+            e: OrderPaid,
+            tx: &mut Self::Conn,
+            _: &Delivery,
+        ) -> Result<(), HandlerError> {
+            tx.data()
+                .push(format!("{} {} {}", e.order_id, e.amount_cents, e.currency));
+            Ok(())
+        }
+    }
+
+    fn delivery(version: u32, payload: serde_json::Value) -> Delivery {
+        let e = OrderPaid {
+            order_id: payload["order_id"].as_str().unwrap().into(),
+            amount_cents: 0,
+            currency: String::new(),
+        };
+        let mut envelope = Envelope::from_event(&e, 1024).unwrap();
+        envelope.schema_version = version;
+        envelope.payload = payload.to_string();
+        Delivery {
+            envelope,
+            delivery_count: 1,
+            entry_id: None,
+        }
+    }
+
+    /// A dispatcher at v3 with both steps; counts the steps' calls.
+    fn dispatcher() -> (Dispatcher<MemoryTx<Vec<String>>>, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut d = Dispatcher::new();
+        let (c1, c2) = (Arc::clone(&calls), Arc::clone(&calls));
+        // Steps before the handler: the order does not matter.
+        d.upgrade::<OrderPaid>(2, move |mut v| {
+            c2.fetch_add(1, Ordering::SeqCst);
+            v["currency"] = json!("EUR");
+            Ok(v)
+        })
+        .unwrap()
+        .upgrade::<OrderPaid>(1, move |mut v| {
+            c1.fetch_add(1, Ordering::SeqCst);
+            let cents = v
+                .get_mut("cents")
+                .map(serde_json::Value::take)
+                .ok_or("a v1 payload without `cents`")?;
+            v["amount_cents"] = cents;
+            Ok(v)
+        })
+        .unwrap();
+        d.register::<OrderPaid, _>(Record).unwrap();
+        (d, calls)
+    }
+
+    fn consume(d: &Dispatcher<MemoryTx<Vec<String>>>, delivery: &Delivery) -> Vec<String> {
+        let db = MemoryDb::new(Vec::new());
+        assert_eq!(d.consume(&db, "g", delivery).unwrap(), Processed::Applied);
+        db.read(Clone::clone)
+    }
+
+    #[test]
+    fn older_payloads_go_through_every_step_up_to_the_handlers_version() {
+        let (d, calls) = dispatcher();
+        let v1 = delivery(1, json!({"order_id": "o-1", "cents": 100}));
+        assert_eq!(consume(&d, &v1), ["o-1 100 EUR"]);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        let v2 = delivery(2, json!({"order_id": "o-2", "amount_cents": 200}));
+        assert_eq!(consume(&d, &v2), ["o-2 200 EUR"]);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        // The handler's own version runs no step.
+        let v3 = delivery(
+            3,
+            json!({"order_id": "o-3", "amount_cents": 300, "currency": "USD"}),
+        );
+        assert_eq!(consume(&d, &v3), ["o-3 300 USD"]);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_newer_payload_is_poison_naming_both_versions() {
+        let (d, calls) = dispatcher();
+        let v4 = delivery(
+            4,
+            json!({"order_id": "o-4", "amount_cents": 400, "currency": "USD", "vat": 1}),
+        );
+        let err = d.prepare(&v4.envelope).err().unwrap();
+        assert!(err.is_poison(), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::UnsupportedSchemaVersion {
+                    version: 4,
+                    supported: 3,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "`OrderPaid` payload has schema version 4; this consumer handles versions up to \
+             3: produced by a newer service (v4 > v3)"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_failing_or_panicking_step_is_poison_naming_the_step() {
+        let (d, _) = dispatcher();
+        let bad = delivery(1, json!({"order_id": "o-1", "amount": 100}));
+        let err = d.prepare(&bad.envelope).err().unwrap();
+        assert!(err.is_poison(), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "cannot upgrade a `OrderPaid` payload from schema version 1 to 2: a v1 payload \
+             without `cents`"
+        );
+
+        let mut d = Dispatcher::<MemoryTx<Vec<String>>>::new();
+        d.register::<OrderPaid, _>(Record).unwrap();
+        d.upgrade::<OrderPaid>(2, |v| {
+            assert!(v.get("amount_cents").is_some(), "no amount");
+            Ok(v)
+        })
+        .unwrap();
+        let err = d.prepare(&bad.envelope).err().unwrap();
+        assert!(matches!(err, Error::Upgrade { from: 2, .. }), "{err}");
+        assert!(
+            err.to_string()
+                .ends_with("upgrade step panicked: no amount")
+        );
+        // A payload that is not JSON cannot reach a step.
+        let mut garbled = bad;
+        garbled.envelope.payload = "{not json".into();
+        let err = d.prepare(&garbled.envelope).err().unwrap();
+        assert!(matches!(err, Error::Decode { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_version_without_a_step_is_passed_on_as_compatible() {
+        // No steps at all: an older payload is decoded as it is (and fails if it lacks
+        // what the newer type requires).
+        let mut d = Dispatcher::<MemoryTx<Vec<String>>>::new();
+        d.register::<OrderPaid, _>(Record).unwrap();
+        let v2 = delivery(2, json!({"order_id": "o-2", "amount_cents": 2}));
+        let err = d.prepare(&v2.envelope).err().unwrap();
+        assert!(matches!(err, Error::Decode { .. }), "{err}");
+        // Only 2 → 3: a v1 payload skips to it unchanged.
+        d.upgrade::<OrderPaid>(2, |mut v| {
+            v["currency"] = json!("EUR");
+            Ok(v)
+        })
+        .unwrap();
+        assert_eq!(consume(&d, &v2), ["o-2 2 EUR"]);
+        let v1 = delivery(1, json!({"order_id": "o-1", "amount_cents": 1}));
+        assert_eq!(consume(&d, &v1), ["o-1 1 EUR"]);
+    }
+
+    #[test]
+    fn steps_outside_the_types_versions_or_twice_are_refused() {
+        let (mut d, _) = dispatcher();
+        for from in [0, 3, 4] {
+            let err = d.upgrade::<OrderPaid>(from, Ok).err().unwrap();
+            assert!(matches!(err, Error::Config(_)), "{err}");
+            assert!(err.to_string().contains("from a version 1 to 2"), "{err}");
+        }
+        let err = d.upgrade::<OrderPaid>(1, Ok).err().unwrap();
+        assert!(err.to_string().contains("already registered"), "{err}");
+        assert!(format!("{d:?}").contains(r#"upgrades_from: [("OrderPaid", [1, 2])]"#));
     }
 }
 

@@ -48,7 +48,7 @@ pub enum Error {
     /// was written by a newer producer, and decoding it could silently drop what the
     /// newer schema added. Deploy the newer consumer, then re-drive the message.
     #[error(
-        "`{event_type}` payload has schema version {version}; this consumer handles versions up to {supported}"
+        "`{event_type}` payload has schema version {version}; this consumer handles versions up to {supported}: produced by a newer service (v{version} > v{supported})"
     )]
     UnsupportedSchemaVersion {
         /// The message's event type.
@@ -57,6 +57,18 @@ pub enum Error {
         version: u32,
         /// The highest version the handler's event type knows.
         supported: u32,
+    },
+    /// An upgrade step registered with
+    /// [`Dispatcher::upgrade`](crate::Dispatcher::upgrade) failed or panicked on this
+    /// payload: the payload of version `from` cannot be turned into version `from + 1`.
+    #[error("cannot upgrade a `{event_type}` payload from schema version {from} to {}: {source}", .from + 1)]
+    Upgrade {
+        /// The message's event type.
+        event_type: String,
+        /// The version the failing step starts from.
+        from: u32,
+        /// The step's error.
+        source: BoxError,
     },
     /// No handler is registered for this event type.
     #[error("no handler for event type `{0}`")]
@@ -147,11 +159,15 @@ impl Error {
     }
 
     /// A message that can never be processed as it is (bad payload, no handler, a newer
-    /// schema version than the handler knows): it goes to the dead-letter stream at once.
+    /// schema version than the handler knows, a payload its upgrade step refuses): it
+    /// goes to the dead-letter stream at once.
     pub fn is_poison(&self) -> bool {
         matches!(
             self,
-            Self::Decode { .. } | Self::UnknownEventType(_) | Self::UnsupportedSchemaVersion { .. }
+            Self::Decode { .. }
+                | Self::UnknownEventType(_)
+                | Self::UnsupportedSchemaVersion { .. }
+                | Self::Upgrade { .. }
         )
     }
 }

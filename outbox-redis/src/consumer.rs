@@ -316,6 +316,28 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         self
     }
 
+    /// Registers the step that upgrades a payload of `E`'s schema version `from` to
+    /// `from + 1`, so that `E`'s handler receives messages from producers still at an
+    /// older version; see [`Dispatcher::upgrade`]. A payload newer than `E` is
+    /// dead-lettered at once ("produced by a newer service (v4 > v3)"), as is one a step
+    /// refuses. A step out of `E`'s versions, or registered twice, is reported by
+    /// [`build`](ConsumerBuilder::build).
+    pub fn upgrade<E: OutboxEvent>(
+        mut self,
+        from: u32,
+        step: impl Fn(
+            serde_json::Value,
+        ) -> std::result::Result<serde_json::Value, outbox_core::BoxError>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        if let Err(e) = self.dispatcher.upgrade::<E>(from, step) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
     /// The idempotency store: records `(group, msg_id)` in the handler's transaction.
     /// Any [`Inbox`] whose connection is the handlers' (an `outbox-diesel` store over a
     /// pool, or [`outbox_core::MemoryDb`] in tests).
