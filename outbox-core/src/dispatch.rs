@@ -5,7 +5,8 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::{
-    BatchOutcomes, BoxError, Envelope, Error, HandlerError, Inbox, OutboxEvent, Processed,
+    BatchOutcomes, BoxError, Envelope, Error, HandlerError, Inbox, InvalidConfig, OutboxEvent,
+    Processed,
 };
 
 /// Where and how often a message was delivered, next to the message itself.
@@ -316,22 +317,21 @@ impl<C: 'static> Dispatcher<C> {
         from: u32,
         step: impl Fn(Value) -> Result<Value, BoxError> + Send + Sync + 'static,
     ) -> Result<&mut Self, Error> {
-        let name = std::any::type_name::<E>();
+        let field = format!("upgrade step of `{}`", E::EVENT_TYPES.join("`, `"));
         if from == 0 || from >= E::SCHEMA_VERSION {
-            return Err(Error::Config(format!(
-                "an upgrade step of `{name}` must start from a version 1 to {} (below its \
-                 version {}); got {from}",
+            let rule = format!(
+                "must start from a version 1 to {} (below its version {}); got {from}",
                 E::SCHEMA_VERSION.saturating_sub(1),
                 E::SCHEMA_VERSION
-            )));
+            );
+            return Err(InvalidConfig::new(field, rule).into());
         }
         if E::EVENT_TYPES
             .iter()
             .any(|t| self.upgrades.get(t).is_some_and(|s| s.contains_key(&from)))
         {
-            return Err(Error::Config(format!(
-                "an upgrade step of `{name}` from version {from} is already registered"
-            )));
+            let rule = format!("from version {from} is already registered");
+            return Err(InvalidConfig::new(field, rule).into());
         }
         let step: Step = Arc::new(step);
         for t in E::EVENT_TYPES {
