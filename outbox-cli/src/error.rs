@@ -128,8 +128,9 @@ impl CliError {
             Self::Database(_) | Self::Pool { .. } | Self::Relay(_) if missing_table => {
                 Some("the outbox tables are missing: run `outbox migrate` first")
             }
-            Self::RelayStart(outbox_core::Error::RelayConflict(_))
-            | Self::Relay(outbox_core::Error::RelayConflict(_)) => Some(RELAY_CONFLICT_HINT),
+            Self::RelayStart(e) | Self::Relay(e) if e.is_relay_conflict() => {
+                Some(RELAY_CONFLICT_HINT)
+            }
             _ => None,
         }
     }
@@ -240,6 +241,19 @@ mod tests {
             text.contains("hint: the outbox tables are missing: run `outbox migrate` first"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_relay_conflict_gets_the_one_relay_per_file_hint() {
+        let conflict = || outbox_core::Error::RelayConflict("held".into());
+        for e in [
+            CliError::RelayStart(conflict()),
+            CliError::Relay(conflict()),
+        ] {
+            assert!(report(&e).contains(RELAY_CONFLICT_HINT), "{e}");
+        }
+        let outage = CliError::Relay(outbox_core::Error::store("down"));
+        assert!(!report(&outage).contains("hint:"));
     }
 
     #[test]

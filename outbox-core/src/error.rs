@@ -149,6 +149,12 @@ impl Error {
         matches!(self, Self::BrokerUnavailable(_) | Self::Store(_))
     }
 
+    /// Another relay holds this store exclusively ([`Error::RelayConflict`]): stop this
+    /// relay; waiting does not resolve it.
+    pub fn is_relay_conflict(&self) -> bool {
+        matches!(self, Self::RelayConflict(_))
+    }
+
     /// A transient conflict between transactions (deadlock, serialization failure, lock
     /// wait timeout), of one message ([`Error::Transient`]) or of a whole batch
     /// ([`Error::TransientBatch`]): nothing of it committed. Retry soon, without counting
