@@ -534,8 +534,14 @@ fn decode<E: OutboxEvent>(envelope: &Envelope, payload: Payload) -> Result<E, Er
     }
 }
 
-/// The text of a panic's payload.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+/// The text of a caught panic's payload (`&str` or `String`), for error messages and
+/// logs of code that catches a handler's panic.
+///
+/// ```
+/// let panic = std::panic::catch_unwind(|| panic!("boom {}", 1)).unwrap_err();
+/// assert_eq!(outbox_core::panic_message(&*panic), "boom 1");
+/// ```
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -89,7 +89,7 @@ mod relay;
 mod retry;
 mod store;
 
-pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared};
+pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared, panic_message};
 pub use error::{BoxError, Error, HandlerError, InvalidConfig, Result};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]

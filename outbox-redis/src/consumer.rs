@@ -1721,7 +1721,7 @@ where
             Err(e) => Err(BatchFailed {
                 conflict: false,
                 reason: match e.try_into_panic() {
-                    Ok(panic) => format!("batch panicked: {}", panic_message(&*panic)),
+                    Ok(panic) => format!("batch panicked: {}", outbox_core::panic_message(&*panic)),
                     Err(e) => format!("batch task failed: {e}"),
                 },
                 outage: false,
@@ -1825,7 +1825,9 @@ where
             Err(e) => Attempt::Failed {
                 conflict: false,
                 reason: match e.try_into_panic() {
-                    Ok(panic) => format!("handler panicked: {}", panic_message(&*panic)),
+                    Ok(panic) => {
+                        format!("handler panicked: {}", outbox_core::panic_message(&*panic))
+                    }
                     Err(e) => format!("handler task failed: {e}"),
                 },
                 outage: false,
@@ -2033,14 +2035,6 @@ async fn delivery_counts(
 
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("non-text panic payload")
 }
 
 #[cfg(test)]

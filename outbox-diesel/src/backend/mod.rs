@@ -33,6 +33,9 @@ pub(crate) use pg::NOTIFY_IDLE_SLACK;
 pub(crate) use record::MsgIdRow;
 pub(crate) use record::{BacklogRow, RecordRow, VersionRow, claimed};
 pub(crate) use row::{Row, check_group, chunks, push_values};
+
+/// The highest recorded migration: the same text on every backend.
+const VERSION_SQL: &str = "SELECT MAX(version) AS version FROM outbox_migrations";
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use sql::{FIND_ONE, TAKE_BACK, first_outside_sql, head_is_due, with_msg_ids};
 pub(crate) use sql::{in_list, is_missing_table, retry_delay_us, truncate};
@@ -87,7 +90,7 @@ pub(crate) trait Backend: Connection + Sized {
     /// Runs [`Dialect::backlog`].
     fn backlog_row(&mut self) -> QueryResult<BacklogRow>;
 
-    /// `SELECT MAX(version) AS version FROM outbox_migrations`.
+    /// Runs [`VERSION_SQL`].
     fn version_row(&mut self) -> QueryResult<VersionRow>;
 
     /// Inserts envelopes (validated by the caller: sizes, in-batch duplicates).

@@ -323,10 +323,7 @@ impl Backend for PgConnection {
     }
 
     fn version_row(&mut self) -> QueryResult<VersionRow> {
-        super::load_one(
-            self,
-            "SELECT MAX(version) AS version FROM outbox_migrations",
-        )
+        super::load_one(self, super::VERSION_SQL)
     }
 
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {

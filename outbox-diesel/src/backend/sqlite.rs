@@ -181,10 +181,7 @@ impl Backend for SqliteConnection {
     }
 
     fn version_row(&mut self) -> QueryResult<VersionRow> {
-        super::load_one(
-            self,
-            "SELECT MAX(version) AS version FROM outbox_migrations",
-        )
+        super::load_one(self, super::VERSION_SQL)
     }
 
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
