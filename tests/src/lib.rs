@@ -1,178 +1,40 @@
-//! Support for the end-to-end tests in `tests/`: service URLs, isolated PostgreSQL
-//! schemas, unique names, and a throwaway Redis server for outage tests.
+//! The one test-support library of the workspace: every crate's tests (and the
+//! end-to-end suites in `tests/tests/`) take their generic helpers from here. It depends
+//! on no outbox crate, so each of them can dev-depend on it; helpers that need a crate's
+//! types (diesel pools, Redis connections, test events) stay in that crate's
+//! `tests/fixtures/` module.
+//!
+//! - [`services`]: the URLs of the shared PostgreSQL, MariaDB and Redis (environment,
+//!   or the local defaults).
+//! - [`names`]: [`unique`] names for schemas, databases, files, streams and groups.
+//! - [`isolated`]: an [`Isolated`] PostgreSQL schema, MariaDB database or SQLite file
+//!   per test, removed on drop.
+//! - [`scratch_redis`]: private `redis-server`s: [`ScratchRedis`] to stop and restart
+//!   (a broker outage), [`PasswordRedis`] to refuse a wrong password.
+//! - [`scratch_postgres`]: [`ScratchPostgres`], a private PostgreSQL that requires a
+//!   password.
+//! - [`ports`]: free loopback ports, waiting for a server to listen.
+//! - [`wait`]: [`wait_until`] / [`eventually`], polling a condition with a timeout and a
+//!   message that says what never happened.
+//! - [`plans`]: reading `EXPLAIN` output, for the tests that check a query's index.
+//! - [`on_every_backend!`]: one `#[test]` per backend for each scenario, in a module
+//!   named after the backend.
 //!
 //! Service tests fail, never skip, when a service is unreachable.
 
-mod secured;
+pub mod backends;
+pub mod isolated;
+pub mod names;
+pub mod plans;
+pub mod ports;
+pub mod scratch_postgres;
+pub mod scratch_redis;
+pub mod services;
+pub mod wait;
 
-pub use secured::{PasswordRedis, ScratchPostgres};
-
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// `DATABASE_URL`, or the local PostgreSQL database `test`.
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// `REDIS_URL`, or the local Redis.
-pub fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-/// A name unique to this process and call, safe in SQL identifiers and Redis keys.
-pub fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}_{:08x}", std::process::id(), fastrand::u32(..))
-}
-
-/// A fresh PostgreSQL schema: the returned URL puts every connection's `search_path` in
-/// it, so tests that each use their own schema run in parallel. Dropped with the value.
-pub struct PgSchema {
-    /// The schema's name.
-    pub name: String,
-    /// A connection URL whose `search_path` is the schema.
-    pub url: String,
-}
-
-impl PgSchema {
-    /// Creates the schema (panics with the cause if PostgreSQL is unreachable).
-    pub fn new() -> Self {
-        let name = unique("e2e");
-        psql(&format!("CREATE SCHEMA {name}"));
-        let base = database_url();
-        let sep = if base.contains('?') { '&' } else { '?' };
-        let url = format!("{base}{sep}options=-c%20search_path%3D{name}");
-        Self { name, url }
-    }
-}
-
-impl Default for PgSchema {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Drop for PgSchema {
-    fn drop(&mut self) {
-        let _ = Command::new("psql")
-            .args([
-                &database_url(),
-                "-qc",
-                &format!("DROP SCHEMA IF EXISTS {} CASCADE", self.name),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-/// Runs one SQL statement with `psql` against `DATABASE_URL`, panicking on failure.
-pub fn psql(sql: &str) {
-    let out = Command::new("psql")
-        .args([&database_url(), "-v", "ON_ERROR_STOP=1", "-qc", sql])
-        .output()
-        .expect("psql runs");
-    assert!(
-        out.status.success(),
-        "psql `{sql}` failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A private `redis-server` on a free port that a test can stop and start again, to
-/// play a broker outage without touching the shared Redis.
-pub struct ScratchRedis {
-    port: u16,
-    child: Option<Child>,
-    /// With persistence: the AOF directory, kept across restarts, removed on drop.
-    dir: Option<std::path::PathBuf>,
-}
-
-impl ScratchRedis {
-    /// Starts a server on a free loopback port and waits until it answers.
-    pub fn start() -> Self {
-        Self::start_with(None)
-    }
-
-    /// Starts a server that keeps its data across [`restart`](Self::restart)s (AOF with
-    /// `appendfsync always`), as a production Redis does: streams, groups and pending
-    /// entries survive, so a restart is an outage and nothing else.
-    pub fn start_persistent() -> Self {
-        let dir = std::env::temp_dir().join(unique("scratch-redis"));
-        std::fs::create_dir_all(&dir).expect("temp dir for the AOF");
-        Self::start_with(Some(dir))
-    }
-
-    fn start_with(dir: Option<std::path::PathBuf>) -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let mut redis = Self {
-            port,
-            child: None,
-            dir,
-        };
-        redis.restart();
-        redis
-    }
-
-    /// `redis://127.0.0.1:PORT`.
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Kills the server: clients now see connection errors.
-    pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Starts the server again on the same port: empty, or with its data if it was
-    /// started with [`start_persistent`](Self::start_persistent).
-    pub fn restart(&mut self) {
-        self.stop();
-        let port = self.port.to_string();
-        let mut args = vec!["--port", &port, "--bind", "127.0.0.1", "--save", ""];
-        match &self.dir {
-            Some(dir) => args.extend([
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--dir",
-                dir.to_str().expect("temp dir is UTF-8"),
-            ]),
-            None => args.extend(["--appendonly", "no"]),
-        }
-        let child = Command::new("redis-server")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "scratch redis-server did not start on port {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for ScratchRedis {
-    fn drop(&mut self) {
-        self.stop();
-        if let Some(dir) = &self.dir {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
+pub use isolated::{Engine, Isolated, mariadb, psql};
+pub use names::{unique, unique_prefix};
+pub use scratch_postgres::ScratchPostgres;
+pub use scratch_redis::{PasswordRedis, ScratchRedis};
+pub use services::{database_url, mysql_url, redis_url};
+pub use wait::{eventually, wait_until};

@@ -13,7 +13,7 @@ use outbox_core::{
 };
 use outbox_diesel::PgInbox;
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 #[outbox(key = account)]
@@ -60,7 +60,7 @@ struct Total {
 async fn batches_sharing_keys_do_not_deadlock() {
     const MESSAGES: usize = 1200;
     const ACCOUNTS: usize = 16;
-    let schema = PgSchema::new();
+    let schema = Isolated::postgres("e2e");
     let mut conn = PgConnection::establish(&schema.url).unwrap();
     outbox_diesel::migrate(&mut conn).unwrap();
     conn.batch_execute(&format!(

@@ -14,7 +14,7 @@ use outbox_core::{Delivery, Envelope, Handler, HandlerError, Publisher as _, Sto
 use outbox_diesel::{Emit as _, EmitOptions, PgInbox, PgPool, PgRelayStore};
 use outbox_examples::AccountTransferred;
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique};
 
 /// Adds each transfer's amount to bob's points: not idempotent on its own, so a second
 /// application would show.
@@ -58,7 +58,7 @@ impl Handler<AccountTransferred> for AddPoints {
 }
 
 struct Fixture {
-    _schema: PgSchema,
+    _schema: Isolated,
     pool: PgPool,
     prefix: String,
     group: String,
@@ -66,7 +66,7 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
-        let schema = PgSchema::new();
+        let schema = Isolated::postgres("e2e");
         let pool = Pool::builder()
             .max_size(4)
             .build(ConnectionManager::<PgConnection>::new(&schema.url))

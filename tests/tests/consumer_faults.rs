@@ -14,7 +14,7 @@ use outbox_core::{
 };
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_redis::{Consumer, ConsumerConfig, ConsumerStats, PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 struct Job {
@@ -58,13 +58,13 @@ impl Handler<Job> for Work {
 }
 
 struct Fixture {
-    schema: PgSchema,
+    schema: Isolated,
     prefix: String,
 }
 
 impl Fixture {
     fn new() -> Self {
-        let schema = PgSchema::new();
+        let schema = Isolated::postgres("e2e");
         let mut conn = PgConnection::establish(&schema.url).unwrap();
         outbox_diesel::migrate(&mut conn).unwrap();
         conn.batch_execute(

@@ -17,7 +17,7 @@ use outbox_core::{
 };
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, ScratchRedis, unique};
+use outbox_tests::{Isolated, ScratchRedis, unique};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 struct Tick {
@@ -66,7 +66,7 @@ enum Fault {
 }
 
 struct Fixture {
-    _schema: PgSchema,
+    _schema: Isolated,
     pool: PgPool,
     redis: ScratchRedis,
     prefix: String,
@@ -74,7 +74,7 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
-        let schema = PgSchema::new();
+        let schema = Isolated::postgres("e2e");
         let pool = Pool::builder()
             .max_size(8)
             .build(ConnectionManager::<PgConnection>::new(&schema.url))

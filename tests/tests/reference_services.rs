@@ -9,7 +9,7 @@ use outbox_core::Status;
 use outbox_diesel::{PgRelayStore, SqliteRelayStore};
 use outbox_examples::scenario::{self, Outcome};
 use outbox_examples::sql::SETUP_SQL;
-use outbox_tests::{PgSchema, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique};
 
 fn expected() -> Outcome {
     Outcome {
@@ -24,7 +24,7 @@ fn expected() -> Outcome {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_and_redis() {
-    let schema = PgSchema::new();
+    let schema = Isolated::postgres("e2e");
     let pool = Pool::builder()
         .max_size(4)
         .build(ConnectionManager::<PgConnection>::new(&schema.url))

@@ -25,7 +25,7 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgPool, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, ScratchRedis, redis_url, unique};
+use outbox_tests::{Isolated, ScratchRedis, redis_url, unique};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history: `seq` counts per account from 0.
@@ -51,7 +51,7 @@ const PATIENCE: Duration = Duration::from_secs(60);
 
 /// A test's database and stream.
 struct Env {
-    schema: PgSchema,
+    schema: Isolated,
     prefix: String,
     redis: String,
 }
@@ -62,7 +62,7 @@ impl Env {
     }
 
     fn with_redis(redis: String) -> Self {
-        let schema = PgSchema::new();
+        let schema = Isolated::postgres("e2e");
         let mut c = PgConnection::establish(&schema.url)
             .unwrap_or_else(|e| panic!("PostgreSQL unreachable at {}: {e}", schema.url));
         outbox_diesel::migrate(&mut c).unwrap();

@@ -23,7 +23,7 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{Durability, PublisherConfig, RedisPublisher};
-use outbox_tests::{PgSchema, ScratchRedis, redis_url, unique};
+use outbox_tests::{Isolated, ScratchRedis, redis_url, unique};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history, with a filler that sets the entry's size.
@@ -58,14 +58,14 @@ const PATIENCE: Duration = Duration::from_secs(90);
 
 /// A test's database and stream prefix.
 struct Env {
-    schema: PgSchema,
+    schema: Isolated,
     prefix: String,
     redis: String,
 }
 
 impl Env {
     fn with_redis(redis: String) -> Self {
-        let schema = PgSchema::new();
+        let schema = Isolated::postgres("e2e");
         let mut c = PgConnection::establish(&schema.url)
             .unwrap_or_else(|e| panic!("PostgreSQL unreachable at {}: {e}", schema.url));
         outbox_diesel::migrate(&mut c).unwrap();

@@ -1,31 +1,12 @@
-//! Private servers that require a password, for tests of wrong credentials: the shared
-//! PostgreSQL trusts every local connection and the shared Redis has no password, so
-//! neither can refuse one.
+//! A private PostgreSQL server that requires a password, for tests of wrong credentials:
+//! the shared PostgreSQL trusts every local connection, so it cannot refuse one.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::unique;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
-
-fn wait_for_port(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{what} did not start on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use crate::names::unique;
+use crate::ports::{free_port, wait_for_port};
 
 /// The directory of the PostgreSQL server binaries (`pg_config --bindir`).
 fn pg_bindir() -> PathBuf {
@@ -102,7 +83,7 @@ impl ScratchPostgres {
             .spawn()
             .expect("postgres starts");
         let server = Self { port, dir, child };
-        wait_for_port(port, "the scratch PostgreSQL");
+        wait_for_port(port, "the scratch PostgreSQL", Duration::from_secs(30));
         server
     }
 
@@ -129,45 +110,5 @@ impl Drop for ScratchPostgres {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A private `redis-server` on a free loopback port that requires the password
-/// [`PASSWORD`](Self::PASSWORD) (`requirepass`). Stopped on drop.
-pub struct PasswordRedis {
-    port: u16,
-    child: Child,
-}
-
-impl PasswordRedis {
-    /// The right password.
-    pub const PASSWORD: &'static str = "right-redis-pass";
-
-    /// Starts the server and waits until it accepts connections.
-    pub fn start() -> Self {
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(["--requirepass", Self::PASSWORD])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed");
-        let server = Self { port, child };
-        wait_for_port(port, "the password redis-server");
-        server
-    }
-
-    /// `redis://:<password>@127.0.0.1:<port>`.
-    pub fn url_with_password(&self, password: &str) -> String {
-        format!("redis://:{password}@127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for PasswordRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
