@@ -3,9 +3,9 @@
 //! and the password appears in no error's `Display` or `Debug` and in no `Debug` of the
 //! publisher or consumer. Nothing is written: the server's streams stay as they were.
 
-mod common;
+mod fixtures;
 
-use common::*;
+use fixtures::*;
 use outbox_core::{MemoryDb, Publisher as _};
 use outbox_redis::{Consumer, PublisherConfig, RedisPublisher};
 use outbox_tests::PasswordRedis;
@@ -23,7 +23,9 @@ fn assert_hidden(e: &dyn std::error::Error, secret: &str) {
 
 fn publisher_for(url: &str) -> RedisPublisher {
     RedisPublisher::new(url)
-        .and_then(|p| p.with_config(PublisherConfig::default().with_stream_prefix(unique_prefix())))
+        .and_then(|p| {
+            p.with_config(PublisherConfig::default().with_stream_prefix(unique_prefix("test")))
+        })
         .expect("a well-formed URL")
 }
 
@@ -31,7 +33,7 @@ fn consumer_for(url: &str) -> Consumer<MemoryDb<Applied>> {
     Consumer::builder(url, "bad-input")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(MemoryDb::new(Applied::new()))
-        .config(fast_config(&unique_prefix()))
+        .config(fast_config(&unique_prefix("test")))
         .build()
         .expect("a well-formed URL")
 }

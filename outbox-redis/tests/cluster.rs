@@ -3,14 +3,14 @@
 //! `PATH`: without them these tests fail.
 #![cfg(feature = "cluster")]
 
-mod common;
+mod fixtures;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use fixtures::*;
 use outbox_core::{Delivery, Envelope, Handler, HandlerError, MemoryDb, MemoryTx, Publisher};
 use outbox_redis::redis::cluster::ClusterClient;
 use outbox_redis::redis::cluster_async::ClusterConnection;
@@ -28,11 +28,7 @@ struct Cluster {
 
 impl Cluster {
     fn start() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "outbox-redis-cluster-{}-{:016x}",
-            std::process::id(),
-            fastrand::u64(..)
-        ));
+        let dir = std::env::temp_dir().join(outbox_tests::unique("outbox-redis-cluster"));
         std::fs::create_dir_all(&dir).unwrap();
         let mut cluster = Self {
             dir,

@@ -1,23 +1,19 @@
 //! The consumer runner against the real Redis, with the in-memory inbox as the
 //! idempotency store.
 
-mod common;
+mod fixtures;
 
 use std::collections::HashSet;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use common::*;
+use fixtures::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use outbox_core::{HandlerError, Inbox, MemoryDb, MemoryTx, MsgId, Processed};
 use outbox_redis::redis::{self, AsyncConnectionConfig};
 use outbox_redis::{Consumer, ConsumerConfig, StartFrom};
-
-fn unique_group(name: &str) -> String {
-    format!("{name}-{:08x}", fastrand::u32(..))
-}
 
 fn all_applied_once(db: &MemoryDb<Applied>, n: usize) -> bool {
     db.read(|a| a.len() == n && a.values().all(|&c| c == 1))
@@ -25,21 +21,11 @@ fn all_applied_once(db: &MemoryDb<Applied>, n: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_groups_each_get_every_message_published_before_they_started() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     publish(&prefix, (1..=10).map(paid)).await;
     let (db_a, db_b) = (MemoryDb::new(Applied::new()), MemoryDb::new(Applied::new()));
-    let a = consumer(
-        fast_config(&prefix),
-        &unique_group("a"),
-        &db_a,
-        Recorder::ok(),
-    );
-    let b = consumer(
-        fast_config(&prefix),
-        &unique_group("b"),
-        &db_b,
-        Recorder::ok(),
-    );
+    let a = consumer(fast_config(&prefix), &unique("a"), &db_a, Recorder::ok());
+    let b = consumer(fast_config(&prefix), &unique("b"), &db_b, Recorder::ok());
     let (ra, rb) = (Running::start(&a), Running::start(&b));
     eventually("both groups applied all", || {
         a.stats().consumed == 10 && b.stats().consumed == 10
@@ -57,8 +43,8 @@ async fn two_groups_each_get_every_message_published_before_they_started() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_consumers_in_one_group_split_the_work() {
-    let prefix = unique_prefix();
-    let group = unique_group("split");
+    let prefix = unique_prefix("test");
+    let group = unique("split");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=40).map(paid)).await;
     // Each consumer takes at most two messages at a time, and its handlers wait until
@@ -111,17 +97,12 @@ async fn two_consumers_in_one_group_split_the_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_message_twice_is_applied_once_and_acked_twice() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     // A re-publish after a relay crash: two entries, one msg_id.
     publish(&prefix, [paid(7), paid(7)]).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::ok();
-    let c = consumer(
-        fast_config(&prefix),
-        &unique_group("dup"),
-        &db,
-        handler.clone(),
-    );
+    let c = consumer(fast_config(&prefix), &unique("dup"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("both entries processed", || {
         let s = c.stats();
@@ -143,8 +124,8 @@ async fn the_same_message_twice_is_applied_once_and_acked_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_of_a_killed_consumer_is_reclaimed_and_applied_once() {
-    let prefix = unique_prefix();
-    let group = unique_group("crash");
+    let prefix = unique_prefix("test");
+    let group = unique("crash");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
@@ -199,7 +180,7 @@ async fn an_entry_of_a_killed_consumer_is_reclaimed_and_applied_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_failing_on_every_delivery_is_dead_lettered_with_its_reason() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, [paid(1), paid(2)]).await;
     let db = MemoryDb::new(Applied::new());
@@ -215,7 +196,7 @@ async fn a_handler_failing_on_every_delivery_is_dead_lettered_with_its_reason() 
         max_deliveries: 3,
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("dlq"), &db, handler.clone());
+    let c = consumer(config, &unique("dlq"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("dead-lettered", || c.stats().dead_lettered == 1).await;
     running.stop().await;
@@ -283,9 +264,9 @@ async fn delivered_twice_to_ghosts(prefix: &str, group: &str) -> redis::aio::Mul
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_running() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
-    let group = unique_group("limit");
+    let group = unique("limit");
     let mut conn = delivered_twice_to_ghosts(&prefix, &group).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::ok();
@@ -309,9 +290,9 @@ async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_runni
 /// says so, and the entry is acknowledged instead of raising a false dead letter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_applied_entry_claimed_past_the_limit_is_acked_not_dead_lettered() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
-    let group = unique_group("lost-ack");
+    let group = unique("lost-ack");
     let mut conn = delivered_twice_to_ghosts(&prefix, &group).await;
     let db = MemoryDb::new(Applied::new());
     let msg_id = paid(1).msg_id;
@@ -360,7 +341,7 @@ impl Inbox for FlakyInbox {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_does_not_spend_deliveries() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
@@ -369,7 +350,7 @@ async fn a_store_outage_does_not_spend_deliveries() {
         db: db.clone(),
         outages: AtomicUsize::new(4),
     };
-    let c = Consumer::builder(redis_url(), unique_group("outage"))
+    let c = Consumer::builder(redis_url(), unique("outage"))
         .handle::<OrderPaid, _>(handler.clone())
         .idempotency(inbox)
         .config(ConsumerConfig {
@@ -393,19 +374,14 @@ async fn a_store_outage_does_not_spend_deliveries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_is_retried_like_a_failing_one() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::with(|call, _| {
         assert!(call > 1, "handler bug on the first call");
         Ok(())
     });
-    let c = consumer(
-        fast_config(&prefix),
-        &unique_group("panic"),
-        &db,
-        handler.clone(),
-    );
+    let c = consumer(fast_config(&prefix), &unique("panic"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("applied on retry", || c.stats().consumed == 1).await;
     running.stop().await;
@@ -417,9 +393,9 @@ async fn a_panicking_handler_is_retried_like_a_failing_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_or_unhandled_entries_are_dead_lettered_at_once() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
-    let group = unique_group("poison");
+    let group = unique("poison");
     let mut conn = conn().await;
     let entries: [&[(&str, &str)]; 3] = [
         &[
@@ -479,7 +455,7 @@ async fn undecodable_or_unhandled_entries_are_dead_lettered_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_types_can_be_acked_and_counted_instead() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     let _: String = redis::cmd("XADD")
@@ -499,7 +475,7 @@ async fn unknown_types_can_be_acked_and_counted_instead() {
         ignore_unknown_types: true,
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("ignore"), &db, Recorder::ok());
+    let c = consumer(config, &unique("ignore"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("ignored", || c.stats().ignored == 1).await;
     running.stop().await;
@@ -516,9 +492,9 @@ async fn unknown_types_can_be_acked_and_counted_instead() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_reads_longer_than_500_ms_do_not_error() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
-    let group = unique_group("block");
+    let group = unique("block");
     let mut conn = conn().await;
     let _: () = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -569,7 +545,7 @@ async fn blocking_reads_longer_than_500_ms_do_not_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_and_acks_in_flight_messages() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=3).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
@@ -587,7 +563,7 @@ async fn graceful_shutdown_finishes_and_acks_in_flight_messages() {
         max_in_flight: 1,
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("graceful"), &db, handler.clone());
+    let c = consumer(config, &unique("graceful"), &db, handler.clone());
     let mut running = Running::start(&c);
     tokio::task::spawn_blocking(move || started.recv().unwrap())
         .await
@@ -616,14 +592,14 @@ async fn graceful_shutdown_finishes_and_acks_in_flight_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_from_end_skips_earlier_entries_and_groups_are_created_idempotently() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
     let config = ConsumerConfig {
         start_from: StartFrom::End,
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("end"), &db, Recorder::ok());
+    let c = consumer(config, &unique("end"), &db, Recorder::ok());
     c.ensure_groups().await.unwrap();
     c.ensure_groups().await.unwrap();
     let running = Running::start(&c);
@@ -732,11 +708,11 @@ impl outbox_core::AsyncHandler<OrderPaid> for Receipts {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_handlers_are_retried_and_applied_once() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     publish(&prefix, [paid(1), paid(2), paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
     let receipts = Receipts::default();
-    let c = Consumer::builder(redis_url(), unique_group("receipts"))
+    let c = Consumer::builder(redis_url(), unique("receipts"))
         .config(fast_config(&prefix))
         .handle_async::<OrderPaid, _>(receipts.clone())
         .idempotency(db.clone())

@@ -1,19 +1,15 @@
 //! The consumer runner's batch mode (`ConsumerConfig::batch_size`) against the real
 //! Redis, with the in-memory inbox (a savepoint per message) as the idempotency store.
 
-mod common;
+mod fixtures;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::*;
+use fixtures::*;
 use outbox_core::{BatchOutcomes, HandlerError, Inbox, MemoryDb, MemoryTx, MsgId, Processed};
 use outbox_redis::redis;
 use outbox_redis::{Consumer, ConsumerConfig};
-
-fn unique_group(name: &str) -> String {
-    format!("{name}-{:08x}", fastrand::u32(..))
-}
 
 fn batch_config(prefix: &str, size: usize) -> ConsumerConfig {
     ConsumerConfig {
@@ -98,7 +94,7 @@ fn all_applied_once(db: &MemoryDb<Applied>, n: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_mode_applies_each_message_once_in_batches() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=250).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
@@ -106,7 +102,7 @@ async fn batch_mode_applies_each_message_once_in_batches() {
     let handler = Recorder::ok();
     let c = recording_consumer(
         batch_config(&prefix, 50),
-        &unique_group("batch"),
+        &unique("batch"),
         &inbox,
         handler.clone(),
     );
@@ -127,7 +123,7 @@ async fn batch_mode_applies_each_message_once_in_batches() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_message_is_retried_then_dead_lettered_while_the_others_are_acked() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=5).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
@@ -142,7 +138,7 @@ async fn a_failing_message_is_retried_then_dead_lettered_while_the_others_are_ac
         max_deliveries: 3,
         ..batch_config(&prefix, 10)
     };
-    let c = consumer(config, &unique_group("dlq"), &db, handler.clone());
+    let c = consumer(config, &unique("dlq"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("dead-lettered", || c.stats().dead_lettered == 1).await;
     running.stop().await;
@@ -170,7 +166,7 @@ async fn a_failing_message_is_retried_then_dead_lettered_while_the_others_are_ac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_fails_only_its_message_and_is_retried() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     publish(&prefix, (1..=4).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
     let first = Arc::new(AtomicUsize::new(0));
@@ -182,7 +178,7 @@ async fn a_panicking_handler_fails_only_its_message_and_is_retried() {
     });
     let c = consumer(
         batch_config(&prefix, 10),
-        &unique_group("panic"),
+        &unique("panic"),
         &db,
         handler.clone(),
     );
@@ -199,10 +195,10 @@ async fn a_panicking_handler_fails_only_its_message_and_is_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_in_a_batch_are_acked_without_running_the_handler() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let db = MemoryDb::new(Applied::new());
-    let group = unique_group("dups");
+    let group = unique("dups");
     // order-7 was applied before; it is re-published twice, order-8 twice in between.
     db.process(&group, &paid(7).msg_id, |tx| {
         tx.data().insert("order-7".into(), 1);
@@ -230,7 +226,7 @@ async fn duplicates_in_a_batch_are_acked_without_running_the_handler() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_fails_the_batch_without_spending_deliveries() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=3).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
@@ -240,7 +236,7 @@ async fn a_store_outage_fails_the_batch_without_spending_deliveries() {
         max_deliveries: 2,
         ..batch_config(&prefix, 10)
     };
-    let c = recording_consumer(config, &unique_group("outage"), &inbox, handler.clone());
+    let c = recording_consumer(config, &unique("outage"), &inbox, handler.clone());
     let running = Running::start(&c);
     eventually("applied after the outage", || c.stats().consumed == 3).await;
     running.stop().await;
@@ -260,7 +256,7 @@ async fn a_store_outage_fails_the_batch_without_spending_deliveries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_in_a_batch_is_dead_lettered_at_once_and_the_rest_applied() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     publish(&prefix, [paid(1)]).await;
@@ -292,7 +288,7 @@ async fn poison_in_a_batch_is_dead_lettered_at_once_and_the_rest_applied() {
     let handler = Recorder::ok();
     let c = consumer(
         batch_config(&prefix, 10),
-        &unique_group("poison"),
+        &unique("poison"),
         &db,
         handler.clone(),
     );

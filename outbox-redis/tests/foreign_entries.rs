@@ -4,11 +4,11 @@
 //! wrong, its handler never runs and nothing of it is recorded, the good entries around
 //! it are applied, and the stream itself is left as it was.
 
-mod common;
+mod fixtures;
 
 use std::collections::HashMap;
 
-use common::*;
+use fixtures::*;
 use outbox_core::{HandlerError, Inbox as _, MemoryDb, MsgId, Processed};
 use outbox_redis::ConsumerConfig;
 use outbox_redis::redis::{self, Value};
@@ -93,9 +93,9 @@ async fn feed(
     bad: &[Vec<(String, Vec<u8>)>],
     config: impl FnOnce(&str) -> ConsumerConfig,
 ) -> Outcome {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
-    let group = format!("foreign-{:08x}", fastrand::u32(..));
+    let group = unique("foreign");
     let mut conn = conn().await;
     publish(&prefix, [paid(1)]).await;
     let mut bad_ids = Vec::new();
@@ -201,7 +201,7 @@ fn assert_reason(reason: &str, needle: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_unedited_entry_is_applied() {
     // The baseline the bad entries are variations of: a good entry, applied.
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     xadd(&mut conn, &stream, &entry(&[])).await;

@@ -1,8 +1,8 @@
 //! The publisher and stream trimming against the real Redis.
 
-mod common;
+mod fixtures;
 
-use common::*;
+use fixtures::*;
 use std::time::Duration;
 
 use outbox_core::{Envelope, Publisher, RejectKind};
@@ -11,7 +11,7 @@ use outbox_redis::{Durability, PublisherConfig, RedisPublisher, trim_acknowledge
 
 #[tokio::test]
 async fn a_batch_lands_in_one_stream_per_topic_with_every_field_in_order() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let refund = Envelope::from_event(
         &OrderRefunded {
             order_id: "order-2".into(),
@@ -74,7 +74,7 @@ async fn an_unreachable_redis_is_a_broker_outage() {
 /// them: an outage, never a per-message failure that would spend retries.
 #[tokio::test]
 async fn credential_and_permission_errors_are_outages() {
-    let user = format!("outbox-test-{:08x}", fastrand::u32(..));
+    let user = unique("outbox-test");
     let mut conn = conn().await;
     let _: () = redis::cmd("ACL")
         .arg(
@@ -85,7 +85,7 @@ async fn credential_and_permission_errors_are_outages() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let host = redis_url().trim_start_matches("redis://").to_owned();
     for (url, why) in [
         (
@@ -114,7 +114,7 @@ async fn credential_and_permission_errors_are_outages() {
 /// batch are written.
 #[tokio::test]
 async fn a_stream_key_of_another_type_refuses_its_topic_only() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let mut conn = conn().await;
     // The refunds stream's key holds a string: XADD there is WRONGTYPE.
     let _: () = redis::cmd("SET")
@@ -151,7 +151,7 @@ async fn a_stream_key_of_another_type_refuses_its_topic_only() {
 
 #[tokio::test]
 async fn max_len_bounds_the_stream_approximately() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let publisher = RedisPublisher::new(redis_url())
         .unwrap()
         .with_config(
@@ -200,7 +200,7 @@ async fn read_group(
 
 #[tokio::test]
 async fn trimming_never_removes_pending_or_unread_entries() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     publish(&prefix, (1..=5).map(paid)).await;
@@ -305,7 +305,7 @@ async fn msg_ids(stream: &str) -> Vec<String> {
 /// than the cap goes alone rather than not at all.
 #[tokio::test]
 async fn a_batch_over_the_pipeline_cap_is_split_in_order() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     for cap in [1, 600] {
         let config = config_with(&prefix, |c| c.max_pipeline_bytes = cap);
         let publisher = RedisPublisher::new(redis_url())
@@ -330,7 +330,7 @@ async fn a_batch_over_the_pipeline_cap_is_split_in_order() {
 /// `WAIT 0`: every entry counts as published at once.
 #[tokio::test]
 async fn waiting_for_zero_replicas_publishes() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let config = config_with(&prefix, |c| {
         c.durability = Durability::Replicas {
             replicas: 0,
@@ -362,7 +362,7 @@ async fn waiting_for_a_missing_replica_is_an_outage() {
         info.contains("connected_slaves:0"),
         "the test needs a Redis without replicas: {info}"
     );
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let config = config_with(&prefix, |c| {
         c.durability = Durability::Replicas {
             replicas: 1,
@@ -398,7 +398,7 @@ async fn waitaof_on_a_server_without_it_is_a_config_error() {
         .unwrap()
         .trim()
         .to_owned();
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let config = config_with(&prefix, |c| {
         c.durability = Durability::Aof {
             local: false,

@@ -1,18 +1,14 @@
 //! Retention of the consumer's streams against the real Redis: dead-letter streams are
 //! capped, and the runner can trim acknowledged entries periodically.
 
-mod common;
+mod fixtures;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use fixtures::*;
 use outbox_core::MemoryDb;
 use outbox_redis::redis::{self, aio::MultiplexedConnection};
 use outbox_redis::{Consumer, ConsumerConfig};
-
-fn unique_group(name: &str) -> String {
-    format!("{name}-{:08x}", fastrand::u32(..))
-}
 
 async fn xlen(conn: &mut MultiplexedConnection, stream: &str) -> usize {
     redis::cmd("XLEN")
@@ -53,7 +49,7 @@ async fn retention_settings_are_validated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_stream_keeps_at_most_dead_letter_max_len_entries() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     for n in 0..50 {
@@ -77,7 +73,7 @@ async fn a_dead_letter_stream_keeps_at_most_dead_letter_max_len_entries() {
         dead_letter_max_len: Some(10),
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("capped"), &db, Recorder::ok());
+    let c = consumer(config, &unique("capped"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 50 dead-lettered", || c.stats().dead_lettered == 50).await;
     running.stop().await;
@@ -97,7 +93,7 @@ async fn a_dead_letter_stream_keeps_at_most_dead_letter_max_len_entries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_cap_every_dead_letter_is_kept() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     for _ in 0..15 {
@@ -115,7 +111,7 @@ async fn without_a_cap_every_dead_letter_is_kept() {
         dead_letter_max_len: None,
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("uncapped"), &db, Recorder::ok());
+    let c = consumer(config, &unique("uncapped"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 15 dead-lettered", || c.stats().dead_lettered == 15).await;
     running.stop().await;
@@ -125,7 +121,7 @@ async fn without_a_cap_every_dead_letter_is_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trim_interval_removes_acknowledged_entries_while_running() {
-    let prefix = unique_prefix();
+    let prefix = unique_prefix("test");
     let stream = format!("{prefix}order.paid");
     let mut conn = conn().await;
     publish(&prefix, (1..=20).map(paid)).await;
@@ -134,7 +130,7 @@ async fn trim_interval_removes_acknowledged_entries_while_running() {
         trim_interval: Some(Duration::from_millis(100)),
         ..fast_config(&prefix)
     };
-    let c = consumer(config, &unique_group("trimming"), &db, Recorder::ok());
+    let c = consumer(config, &unique("trimming"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 20 consumed", || c.stats().consumed == 20).await;
     wait_for_len(&mut conn, &stream, 0).await;

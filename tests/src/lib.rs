@@ -14,7 +14,7 @@
 //! - [`scratch_postgres`]: [`ScratchPostgres`], a private PostgreSQL that requires a
 //!   password.
 //! - [`ports`]: free loopback ports, waiting for a server to listen.
-//! - [`wait`]: [`wait_until`] / [`eventually`], polling a condition with a timeout and a
+//! - [`wait`]: [`wait_until`] / [`eventually`] (async), polling a condition with a timeout and a
 //!   message that says what never happened.
 //! - [`plans`]: reading `EXPLAIN` output, for the tests that check a query's index.
 //! - [`on_every_backend!`]: one `#[test]` per backend for each scenario, in a module
@@ -37,4 +37,4 @@ pub use names::{unique, unique_prefix};
 pub use scratch_postgres::ScratchPostgres;
 pub use scratch_redis::{PasswordRedis, ScratchRedis};
 pub use services::{database_url, mysql_url, redis_url};
-pub use wait::{eventually, wait_until};
+pub use wait::{PATIENCE, eventually, eventually_within, wait_until, wait_until_within};

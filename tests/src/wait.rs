@@ -7,9 +7,17 @@ use std::time::{Duration, Instant};
 /// How often the condition is polled.
 const POLL: Duration = Duration::from_millis(20);
 
+/// The default bound: generous, so a slow machine does not fail a correct test.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// [`wait_until_within`] [`PATIENCE`].
+pub fn wait_until(what: &str, cond: impl FnMut() -> bool) {
+    wait_until_within(what, PATIENCE, cond);
+}
+
 /// Blocks until `cond` holds, polling it every 20 ms; panics with
 /// "timed out after {timeout}: waiting for {what}" once `timeout` has passed.
-pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+pub fn wait_until_within(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !cond() {
         assert!(
@@ -20,9 +28,14 @@ pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool)
     }
 }
 
-/// [`wait_until`] for async tests: sleeps on the Tokio timer between polls, so the
-/// tasks under test keep running on the same runtime.
-pub async fn eventually(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+/// [`eventually_within`] [`PATIENCE`].
+pub async fn eventually(what: &str, cond: impl FnMut() -> bool) {
+    eventually_within(what, PATIENCE, cond).await;
+}
+
+/// [`wait_until_within`] for async tests: sleeps on the Tokio timer between polls, so
+/// the tasks under test keep running on the same runtime.
+pub async fn eventually_within(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !cond() {
         assert!(
