@@ -1,15 +1,15 @@
 //! The contract of `outbox-diesel`, run against each backend: PostgreSQL and MariaDB on
 //! this machine, SQLite in a temp file.
 
-mod common;
+mod fixtures;
 
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use chrono::Utc;
-use common::{Backend, Lite, My, Pg, exec, runtime};
 use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
+use fixtures::{Backend, Lite, My, Pg, exec, runtime};
 use outbox_core::{
     BatchOutcome, ClaimedBatch, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed,
     Relay, RelayConfig, RelayStore, RetryPolicy, Status,
@@ -335,7 +335,7 @@ fn emit_statement_is_prepared_once<B: Backend>() {
     );
 }
 
-async fn relay_marks_sent_and_schedules_retries_then_dead<B: Backend>(db: &common::TestDb) {
+async fn relay_transitions<B: Backend>(db: &fixtures::TestDb) {
     let mut conn = B::connect(db);
     for id in ["t-1", "t-2", "t-3"] {
         conn.transaction(|c| c.emit(transfer(id, 1)).map(drop))
@@ -397,9 +397,9 @@ async fn relay_marks_sent_and_schedules_retries_then_dead<B: Backend>(db: &commo
     assert_eq!(relay.run_once().await.unwrap().claimed, 0);
 }
 
-fn relay_transitions<B: Backend>() {
+fn relay_marks_sent_and_schedules_retries_then_dead<B: Backend>() {
     let db = B::create();
-    runtime().block_on(relay_marks_sent_and_schedules_retries_then_dead::<B>(&db));
+    runtime().block_on(relay_transitions::<B>(&db));
 }
 
 /// A row written around the library (here: headers that are not all strings) is
@@ -575,63 +575,18 @@ fn operations_queries<B: Backend>() {
     drop(store);
 }
 
-macro_rules! backend_tests {
-    ($m:ident, $b:ty) => {
-        mod $m {
-            use super::*;
-
-            #[test]
-            fn commit_writes_business_row_and_message() {
-                super::commit_writes_business_row_and_message::<$b>();
-            }
-            #[test]
-            fn rollback_after_emit_writes_neither() {
-                super::rollback_after_emit_writes_neither::<$b>();
-            }
-            #[test]
-            fn panic_inside_transaction_writes_neither() {
-                super::panic_inside_transaction_writes_neither::<$b>();
-            }
-            #[test]
-            fn duplicate_is_reported_and_transaction_stays_usable() {
-                super::duplicate_is_reported_and_transaction_stays_usable::<$b>();
-            }
-            #[test]
-            fn emit_all_writes_every_event_in_order() {
-                super::emit_all_writes_every_event_in_order::<$b>();
-            }
-            #[test]
-            fn invalid_events_are_typed_errors() {
-                super::invalid_events_are_typed_errors::<$b>();
-            }
-            #[test]
-            fn migrate_is_idempotent() {
-                super::migrate_is_idempotent::<$b>();
-            }
-            #[test]
-            fn emit_statement_is_prepared_once() {
-                super::emit_statement_is_prepared_once::<$b>();
-            }
-            #[test]
-            fn relay_marks_sent_and_schedules_retries_then_dead() {
-                super::relay_transitions::<$b>();
-            }
-            #[test]
-            fn an_unreadable_row_is_dead_lettered_not_a_stuck_relay() {
-                super::an_unreadable_row_is_dead_lettered_not_a_stuck_relay::<$b>();
-            }
-            #[test]
-            fn idempotency_applies_the_handler_once() {
-                super::idempotency_applies_the_handler_once::<$b>();
-            }
-            #[test]
-            fn operations_queries() {
-                super::operations_queries::<$b>();
-            }
-        }
-    };
+outbox_tests::on_every_backend! {
+    postgres => Pg, mariadb => My, sqlite => Lite;
+    commit_writes_business_row_and_message,
+    rollback_after_emit_writes_neither,
+    panic_inside_transaction_writes_neither,
+    duplicate_is_reported_and_transaction_stays_usable,
+    emit_all_writes_every_event_in_order,
+    invalid_events_are_typed_errors,
+    migrate_is_idempotent,
+    emit_statement_is_prepared_once,
+    relay_marks_sent_and_schedules_retries_then_dead,
+    an_unreadable_row_is_dead_lettered_not_a_stuck_relay,
+    idempotency_applies_the_handler_once,
+    operations_queries,
 }
-
-backend_tests!(pg, Pg);
-backend_tests!(mysql, My);
-backend_tests!(sqlite, Lite);

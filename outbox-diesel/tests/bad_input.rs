@@ -4,18 +4,19 @@
 //! typed error with a clear message, and nothing committed changes: the tests compare
 //! the outbox rows and the business rows before and after.
 
-mod common;
+mod fixtures;
 
 use std::time::Duration;
 
-use common::{Backend, Lite, My, Pg, TestDb, exec, runtime};
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, MysqlConnection, PgConnection};
+use fixtures::{Backend, Lite, My, Pg, TestDb, exec, runtime};
 use outbox_core::{Inbox as _, InvalidMsgId, MsgId, OutboxEvent, RelayStore as _};
 use outbox_diesel::{
     DieselInbox, Emit, Error, MIGRATION_VERSION, MysqlRelayStore, OutboxRecord, PgRelayStore,
 };
+use outbox_tests::{MariadbUser, assert_hidden};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
@@ -422,15 +423,8 @@ fn tables_without_a_recorded_version_are_migrated<B: Backend>() {
     );
 }
 
-macro_rules! on_every_backend {
-    ($($scenario:ident),* $(,)?) => {
-        mod postgres { $(#[test] fn $scenario() { super::$scenario::<super::Pg>() })* }
-        mod mariadb { $(#[test] fn $scenario() { super::$scenario::<super::My>() })* }
-        mod sqlite { $(#[test] fn $scenario() { super::$scenario::<super::Lite>() })* }
-    };
-}
-
-on_every_backend!(
+outbox_tests::on_every_backend! {
+    postgres => Pg, mariadb => My, sqlite => Lite;
     an_empty_id_field_is_refused,
     an_empty_template_part_is_refused,
     an_overlong_id_is_refused,
@@ -442,7 +436,7 @@ on_every_backend!(
     missing_tables_are_a_clear_error_and_nothing_commits,
     tables_of_a_newer_release_are_left_alone,
     tables_without_a_recorded_version_are_migrated,
-);
+}
 
 /// On PostgreSQL migrate may run inside the caller's transaction: the version probe on
 /// a database without `outbox_migrations` does not abort it.
@@ -469,16 +463,6 @@ fn postgres_migrate_inside_a_transaction_leaves_it_usable() {
 // ---- wrong passwords and unreachable servers, through the library ----
 
 /// Neither the error's `Display` (with its sources) nor its `Debug` holds `secret`.
-fn assert_hidden(e: &dyn std::error::Error, secret: &str) {
-    let mut text = format!("{e}\n{e:?}");
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(&format!("\n{s}\n{s:?}"));
-        source = s.source();
-    }
-    assert!(!text.contains(secret), "the password leaked: {text}");
-}
-
 /// A pool that does not connect until asked, so that each use meets the server.
 fn lazy_pool<C: diesel::r2d2::R2D2Connection + 'static>(url: &str) -> Pool<ConnectionManager<C>> {
     Pool::builder()
@@ -535,54 +519,11 @@ fn postgres_wrong_password_is_a_clear_error_without_the_password() {
     exec(&mut ok, "SELECT 1");
 }
 
-/// A MariaDB user with a password, on the shared server; dropped on drop.
-struct MariaUser {
-    name: String,
-    db: TestDb,
-}
-
-impl MariaUser {
-    const PASSWORD: &'static str = "right-maria-pass";
-
-    fn new() -> Self {
-        let db = My::create();
-        let name = format!("bad_input_{:08x}", fastrand::u32(..));
-        let mut admin = MysqlConnection::establish(&common::mysql_url()).unwrap();
-        exec(
-            &mut admin,
-            &format!(
-                "CREATE USER '{name}'@'%' IDENTIFIED BY '{}'; \
-                 GRANT ALL ON {}.* TO '{name}'@'%'",
-                Self::PASSWORD,
-                db.name
-            ),
-        );
-        Self { name, db }
-    }
-
-    fn url(&self, password: &str) -> String {
-        let base = common::mysql_url();
-        let host = base
-            .split_once('@')
-            .map_or("127.0.0.1:3306/test", |(_, h)| h);
-        let host = host.split_once('/').map_or(host, |(h, _)| h);
-        format!("mysql://{}:{password}@{host}/{}", self.name, self.db.name)
-    }
-}
-
-impl Drop for MariaUser {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = MysqlConnection::establish(&common::mysql_url()) {
-            let _ = admin.batch_execute(&format!("DROP USER IF EXISTS '{}'@'%'", self.name));
-        }
-    }
-}
-
 #[test]
 fn mariadb_wrong_password_is_a_clear_error_without_the_password() {
-    let user = MariaUser::new();
+    let user = MariadbUser::new("bad_input");
     let secret = "Wr0ng-Maria-Secret";
-    let url = user.url(secret);
+    let url = user.url_with_password(secret);
 
     let Err(e) = MysqlConnection::establish(&url) else {
         panic!("a wrong password connected");
@@ -605,7 +546,8 @@ fn mariadb_wrong_password_is_a_clear_error_without_the_password() {
     assert_hidden(&e, secret);
 
     // The right password works: the refusal was the password's.
-    let mut ok = MysqlConnection::establish(&user.url(MariaUser::PASSWORD)).expect("connects");
+    let mut ok = MysqlConnection::establish(&user.url_with_password(MariadbUser::PASSWORD))
+        .expect("connects");
     exec(&mut ok, "SELECT 1");
 }
 

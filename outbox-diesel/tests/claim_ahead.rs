@@ -2,14 +2,14 @@
 //! per-key claims every key still reaches the broker in id order and every message once,
 //! also on a pool of one connection while the relay reads its backlog often.
 
-mod common;
+mod fixtures;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{Backend, Pg, runtime};
 use diesel::PgConnection;
 use diesel::r2d2::{ConnectionManager, Pool};
+use fixtures::{Backend, Pg, runtime};
 use outbox_core::{MemoryBroker, OutboxEvent, Relay, RelayConfig};
 use outbox_diesel::{ClaimOrder, Emit, PgRelayStore};
 use serde::{Deserialize, Serialize};

@@ -4,15 +4,15 @@
 //! the store's connections (PostgreSQL: `now()` and the other clock functions in the
 //! test's schema, ahead of `pg_catalog`'s; MariaDB: `SET timestamp`).
 
-mod common;
+mod fixtures;
 
 use std::time::Duration;
 
 use chrono::Utc;
-use common::{Backend, Lite, My, Pg, exec, runtime};
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::{Connection as _, MysqlConnection, PgConnection};
+use fixtures::{Backend, Lite, My, Pg, exec, runtime};
 use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
 use outbox_diesel::{Emit as _, MysqlRelayStore, PgRelayStore};
 use serde::{Deserialize, Serialize};

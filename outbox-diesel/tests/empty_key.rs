@@ -3,10 +3,10 @@
 //! Before, `OrderPaid { order_id: "" }` was stored as `:OrderPaid`, and every later
 //! event with an empty key was rejected as its duplicate.
 
-mod common;
+mod fixtures;
 
-use common::{Backend, Lite, My, Pg};
 use diesel::Connection;
+use fixtures::{Backend, Lite, My, Pg};
 use outbox_core::{InvalidMsgId, OutboxEvent};
 use outbox_diesel::{Emit, Error};
 use serde::{Deserialize, Serialize};
@@ -87,19 +87,7 @@ fn an_empty_business_key_is_refused_and_nothing_is_written<B: Backend>() {
     assert_eq!(outbox_rows::<B>(&mut conn), 1);
 }
 
-macro_rules! backend_tests {
-    ($m:ident, $b:ty) => {
-        mod $m {
-            use super::*;
-
-            #[test]
-            fn an_empty_business_key_is_refused_and_nothing_is_written() {
-                super::an_empty_business_key_is_refused_and_nothing_is_written::<$b>();
-            }
-        }
-    };
+outbox_tests::on_every_backend! {
+    postgres => Pg, mariadb => My, sqlite => Lite;
+    an_empty_business_key_is_refused_and_nothing_is_written,
 }
-
-backend_tests!(pg, Pg);
-backend_tests!(mysql, My);
-backend_tests!(sqlite, Lite);

@@ -2,16 +2,16 @@
 //! message) against each backend: PostgreSQL and MariaDB on this machine, SQLite in a
 //! temp file.
 
-mod common;
+mod fixtures;
 
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{Backend, Lite, My, Pg, exec};
 use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
+use fixtures::{Backend, Lite, My, Pg, exec};
 use outbox_core::{
     Delivery, Dispatcher, Envelope, Handler, HandlerError, Inbox, MsgId, OutboxEvent, Processed,
 };
@@ -92,7 +92,7 @@ impl<C: Connection + 'static> Handler<Credit> for Apply<C> {
 }
 
 struct Setup<B: Backend> {
-    db: common::TestDb,
+    db: fixtures::TestDb,
     inbox: DieselInbox<B::Conn>,
 }
 
@@ -134,7 +134,7 @@ fn id(s: &str) -> MsgId {
 
 /// The committed state: applied messages, dedup rows of `group`, bob's and alice's
 /// balances.
-fn state<B: Backend>(db: &common::TestDb, group: &str) -> (Vec<String>, i64, i64, i64) {
+fn state<B: Backend>(db: &fixtures::TestDb, group: &str) -> (Vec<String>, i64, i64, i64) {
     let mut c = B::connect(db);
     let mut applied = Vec::new();
     for m in ["a", "b", "c", "d", "e", "f", "g"] {
@@ -395,43 +395,13 @@ fn an_invalid_group_is_an_error_before_any_transaction<B: Backend>() {
     assert!(err.to_string().contains("consumer_group"), "{err}");
 }
 
-macro_rules! backend_tests {
-    ($m:ident, $b:ty) => {
-        mod $m {
-            use super::*;
-
-            #[test]
-            fn failing_handlers_roll_back_only_their_own_message() {
-                super::failing_handlers_roll_back_only_their_own_message::<$b>();
-            }
-            #[test]
-            fn an_ignored_failed_statement_fails_only_its_message() {
-                super::an_ignored_failed_statement_fails_only_its_message::<$b>();
-            }
-            #[test]
-            fn single_mode_never_acks_writes_that_did_not_commit() {
-                super::single_mode_never_acks_writes_that_did_not_commit::<$b>();
-            }
-            #[test]
-            fn duplicates_do_not_run_the_handler() {
-                super::duplicates_do_not_run_the_handler::<$b>();
-            }
-            #[test]
-            fn a_store_failure_commits_nothing() {
-                super::a_store_failure_commits_nothing::<$b>();
-            }
-            #[test]
-            fn a_panic_through_process_batch_commits_nothing() {
-                super::a_panic_through_process_batch_commits_nothing::<$b>();
-            }
-            #[test]
-            fn an_invalid_group_is_an_error_before_any_transaction() {
-                super::an_invalid_group_is_an_error_before_any_transaction::<$b>();
-            }
-        }
-    };
+outbox_tests::on_every_backend! {
+    postgres => Pg, mariadb => My, sqlite => Lite;
+    failing_handlers_roll_back_only_their_own_message,
+    an_ignored_failed_statement_fails_only_its_message,
+    single_mode_never_acks_writes_that_did_not_commit,
+    duplicates_do_not_run_the_handler,
+    a_store_failure_commits_nothing,
+    a_panic_through_process_batch_commits_nothing,
+    an_invalid_group_is_an_error_before_any_transaction,
 }
-
-backend_tests!(pg, Pg);
-backend_tests!(mysql, My);
-backend_tests!(sqlite, Lite);

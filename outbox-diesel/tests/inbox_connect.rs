@@ -2,10 +2,10 @@
 //! connection the server dropped fails one message's transaction (nothing is recorded,
 //! so the message runs again), and the next message gets a new connection.
 
-mod common;
+mod fixtures;
 
-use common::{Backend, Pg};
 use diesel::RunQueryDsl as _;
+use fixtures::{Backend, Pg};
 use outbox_core::{Inbox, MsgId, Processed};
 use outbox_diesel::PgInbox;
 

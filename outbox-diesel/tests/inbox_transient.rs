@@ -8,15 +8,15 @@
 //! mode that is one transient failure of the whole batch, in single mode a handler that
 //! swallowed the deadlock must not be acknowledged.
 
-mod common;
+mod fixtures;
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
-use common::{Backend, My, Pg, TestDb, exec};
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::{PgConnection, QueryResult, RunQueryDsl};
+use fixtures::{Backend, My, Pg, TestDb, exec};
 use outbox_core::{Error, HandlerError, Inbox, MsgId, Processed};
 use outbox_diesel::DieselInbox;
 
@@ -290,8 +290,16 @@ fn nothing_committed() -> (Vec<String>, i64, i64, i64) {
     (vec![], 0, 0, 1000)
 }
 
+fn single_mode_deadlock_is_transient<B: Collide>() {
+    single_mode_deadlock_is_transient_via::<B>(Via::Simple);
+}
+
+fn single_mode_deadlock_in_a_prepared_statement_is_transient<B: Collide>() {
+    single_mode_deadlock_is_transient_via::<B>(Via::Prepared);
+}
+
 /// Single mode: a handler that returns the deadlock error.
-fn single_mode_deadlock_is_transient<B: Collide>(via: Via) {
+fn single_mode_deadlock_is_transient_via<B: Collide>(via: Via) {
     let s = setup::<B>();
     let rival = Rival::start::<B>(&s.db, Plan::Deadlock);
     let how = How::Deadlock {
@@ -343,8 +351,16 @@ fn single_mode_swallowed_deadlock_is_never_applied<B: Collide>() {
     assert_eq!(again, Processed::Applied);
 }
 
+fn batch_mode_deadlock<B: Collide>() {
+    batch_mode_deadlock_via::<B>(Via::Simple);
+}
+
+fn batch_mode_deadlock_in_a_prepared_statement<B: Collide>() {
+    batch_mode_deadlock_via::<B>(Via::Prepared);
+}
+
 /// Batch mode: a, then b deadlocks (its handler returns the error), then c.
-fn batch_mode_deadlock<B: Collide>(via: Via) {
+fn batch_mode_deadlock_via<B: Collide>(via: Via) {
     let s = setup::<B>();
     let ids = [id("a"), id("b"), id("c")];
     let rival = Rival::start::<B>(&s.db, Plan::Deadlock);
@@ -457,45 +473,16 @@ fn lock_wait_timeout_is_transient<B: Collide>() {
     );
 }
 
-macro_rules! backend_tests {
-    ($m:ident, $b:ty) => {
-        mod $m {
-            use super::*;
-
-            #[test]
-            fn single_mode_deadlock_is_transient() {
-                super::single_mode_deadlock_is_transient::<$b>(Via::Simple);
-            }
-            #[test]
-            fn single_mode_deadlock_in_a_prepared_statement_is_transient() {
-                super::single_mode_deadlock_is_transient::<$b>(Via::Prepared);
-            }
-            #[test]
-            fn single_mode_swallowed_deadlock_is_never_applied() {
-                super::single_mode_swallowed_deadlock_is_never_applied::<$b>();
-            }
-            #[test]
-            fn batch_mode_deadlock() {
-                super::batch_mode_deadlock::<$b>(Via::Simple);
-            }
-            #[test]
-            fn batch_mode_deadlock_in_a_prepared_statement() {
-                super::batch_mode_deadlock::<$b>(Via::Prepared);
-            }
-            #[test]
-            fn batch_mode_swallowed_deadlock() {
-                super::batch_mode_swallowed_deadlock::<$b>();
-            }
-            #[test]
-            fn lock_wait_timeout_is_transient() {
-                super::lock_wait_timeout_is_transient::<$b>();
-            }
-        }
-    };
+outbox_tests::on_every_backend! {
+    postgres => Pg, mariadb => My;
+    single_mode_deadlock_is_transient,
+    single_mode_deadlock_in_a_prepared_statement_is_transient,
+    single_mode_swallowed_deadlock_is_never_applied,
+    batch_mode_deadlock,
+    batch_mode_deadlock_in_a_prepared_statement,
+    batch_mode_swallowed_deadlock,
+    lock_wait_timeout_is_transient,
 }
-
-backend_tests!(pg, Pg);
-backend_tests!(mysql, My);
 
 /// PostgreSQL's serialization failure (40001) under REPEATABLE READ: the handler updates
 /// a row that another transaction changed after the handler's snapshot.

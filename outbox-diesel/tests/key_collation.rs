@@ -2,9 +2,9 @@
 //! two keys, each kept in its own order, although MariaDB's `utf8mb4_bin` (a PAD SPACE
 //! collation) finds them equal. PostgreSQL is checked with the same scenarios.
 
-mod common;
+mod fixtures;
 
-use common::{Backend, My, Pg, exec, runtime};
+use fixtures::{Backend, My, Pg, exec, runtime};
 use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
 use outbox_diesel::{Emit as _, OutboxConnection};
 use serde::{Deserialize, Serialize};

@@ -3,16 +3,17 @@
 //! holds or that waits for its retry, other keys go on, a hot key is not capped, and the
 //! statements use the NEW-only indexes (EXPLAIN with many SENT rows).
 
-mod common;
+mod fixtures;
 
-use common::{Backend, Lite, My, Pg, exec, runtime};
 use diesel::connection::SimpleConnection as _;
 use diesel::sql_types::Text;
 use diesel::{MysqlConnection, PgConnection, QueryableByName, RunQueryDsl, SqliteConnection};
+use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
 use outbox_core::{ClaimedBatch, OutboxEvent, RelayStore};
 use outbox_diesel::{
     ClaimOrder, Emit, MysqlRelayStore, OutboxConnection, PgRelayStore, SqliteRelayStore,
 };
+use outbox_tests::plans::{TableAccess, mariadb_table_accesses, pg_rows_removed_by_filter};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
@@ -49,26 +50,26 @@ fn names(batch: &impl ClaimedBatch) -> Vec<String> {
 trait Ordered: Backend {
     /// An hour from now, as the backend's SQL.
     const LATER: &'static str;
-    fn store_with(db: &common::TestDb, order: ClaimOrder) -> Self::Store;
+    fn store_with(db: &fixtures::TestDb, order: ClaimOrder) -> Self::Store;
 }
 
 impl Ordered for Pg {
     const LATER: &'static str = "now() + interval '1 hour'";
-    fn store_with(db: &common::TestDb, order: ClaimOrder) -> PgRelayStore {
+    fn store_with(db: &fixtures::TestDb, order: ClaimOrder) -> PgRelayStore {
         Pg::store(db).with_order(order)
     }
 }
 
 impl Ordered for My {
     const LATER: &'static str = "UTC_TIMESTAMP(6) + INTERVAL 1 HOUR";
-    fn store_with(db: &common::TestDb, order: ClaimOrder) -> MysqlRelayStore {
+    fn store_with(db: &fixtures::TestDb, order: ClaimOrder) -> MysqlRelayStore {
         My::store(db).with_order(order)
     }
 }
 
 impl Ordered for Lite {
     const LATER: &'static str = "strftime('%Y-%m-%d %H:%M:%f', 'now', '+1 hour')";
-    fn store_with(db: &common::TestDb, order: ClaimOrder) -> SqliteRelayStore {
+    fn store_with(db: &fixtures::TestDb, order: ClaimOrder) -> SqliteRelayStore {
         Lite::store(db).with_order(order)
     }
 }
@@ -209,12 +210,6 @@ fn pg_a_redriven_row_in_the_middle_holds_back_the_rows_after_it() {
     });
 }
 
-#[derive(QueryableByName)]
-struct PlanLine {
-    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-    line: String,
-}
-
 const SENT_ROWS_PG: &str =
     "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
      SELECT 's-' || g || ':E', 't', 'E', 'k-' || (g % 100), '{}'::jsonb, 1, now()
@@ -231,12 +226,7 @@ fn pg_per_key_claim_uses_the_new_only_indexes() {
     exec(&mut c, "ANALYZE outbox;");
     let sql = outbox_diesel::__private::claim_per_key_sql::<PgConnection>(100);
     println!("{sql}");
-    let plan: Vec<String> = diesel::sql_query(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
-        .load::<PlanLine>(&mut c)
-        .unwrap()
-        .into_iter()
-        .map(|l| l.line)
-        .collect();
+    let plan = pg_plan(&mut c, &sql);
     let text = plan.join("\n");
     println!("{text}");
     assert!(
@@ -251,48 +241,15 @@ fn pg_per_key_claim_uses_the_new_only_indexes() {
         !text.contains("Seq Scan on outbox"),
         "no table scan:\n{text}"
     );
-    for line in &plan {
-        if let Some(n) = line.trim().strip_prefix("Rows Removed by Filter: ") {
-            assert!(
-                n.parse::<u64>().unwrap() <= 500,
-                "filtered SENT rows:\n{text}"
-            );
-        }
+    for n in pg_rows_removed_by_filter(&plan) {
+        assert!(n <= 500, "filtered SENT rows:\n{text}");
     }
 }
 
-#[derive(QueryableByName)]
-struct JsonPlan {
-    #[diesel(sql_type = Text, column_name = "ANALYZE")]
-    plan: String,
-}
-
-/// Every table access of a MariaDB JSON plan: (key used, rows examined).
-fn accesses(v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
-    match v {
-        serde_json::Value::Object(m) => {
-            if let Some(t) = m.get("table")
-                && t.get("table_name").is_some()
-            {
-                out.push((
-                    t["key"].as_str().unwrap_or("none").to_owned(),
-                    t["r_rows"].as_f64().unwrap_or(0.0),
-                ));
-            }
-            m.values().for_each(|x| accesses(x, out));
-        }
-        serde_json::Value::Array(a) => a.iter().for_each(|x| accesses(x, out)),
-        _ => {}
-    }
-}
-
-fn mysql_plan(c: &mut MysqlConnection, sql: &str) -> (String, Vec<(String, f64)>) {
-    let plan = diesel::sql_query(format!("ANALYZE FORMAT=JSON {sql}"))
-        .get_result::<JsonPlan>(c)
-        .unwrap()
-        .plan;
-    let mut found = Vec::new();
-    accesses(&serde_json::from_str(&plan).unwrap(), &mut found);
+/// MariaDB's analyzed plan of `sql` and its table accesses.
+fn mysql_plan(c: &mut MysqlConnection, sql: &str) -> (String, Vec<TableAccess>) {
+    let plan = mariadb_plan(c, sql);
+    let found = mariadb_table_accesses(&plan);
     (plan, found)
 }
 
@@ -318,14 +275,15 @@ fn mysql_per_key_claim_uses_the_new_only_indexes() {
     println!("{lock}");
     let (plan, found) = mysql_plan(&mut c, &lock);
     println!("{plan}");
-    let (key, examined) = &found[0];
+    let TableAccess { key, rows } = &found[0];
+    let examined = rows.unwrap_or(0.0);
     assert!(
         key == "outbox_claim" || key == "outbox_status_next_retry",
         "the lock walks a status-led index, not {key}:\n{plan}"
     );
-    assert!(*examined <= 200.0, "examined {examined} rows:\n{plan}");
+    assert!(examined <= 200.0, "examined {examined} rows:\n{plan}");
     assert!(
-        found[1..].iter().all(|(k, _)| k == "outbox_pending_key"),
+        found[1..].iter().all(|a| a.key == "outbox_pending_key"),
         "the head probe uses (status, msg_key, id):\n{plan}"
     );
 
@@ -339,15 +297,13 @@ fn mysql_per_key_claim_uses_the_new_only_indexes() {
     let (plan, found) = mysql_plan(&mut c, &probe);
     println!("{plan}");
     assert!(
-        found.iter().any(|(k, _)| k == "PRIMARY")
-            && found.iter().any(|(k, _)| k == "outbox_pending_key"),
+        found.iter().any(|a| a.key == "PRIMARY")
+            && found.iter().any(|a| a.key == "outbox_pending_key"),
         "the keys of L by primary key, the probe by (status, msg_key, id):\n{plan}"
     );
-    for (key, examined) in &found {
-        assert!(
-            *examined <= 200.0,
-            "{key} examined {examined} rows:\n{plan}"
-        );
+    for TableAccess { key, rows } in &found {
+        let examined = rows.unwrap_or(0.0);
+        assert!(examined <= 200.0, "{key} examined {examined} rows:\n{plan}");
     }
 }
 

@@ -2,16 +2,16 @@
 //! (PostgreSQL, MariaDB), the claim's index (EXPLAIN with many SENT rows), the SQLite
 //! single-relay lock, and the PostgreSQL LISTEN/NOTIFY wake-up.
 
-mod common;
+mod fixtures;
 
 use std::time::{Duration, Instant};
 
-use common::{Backend, Lite, My, Pg, exec, runtime};
 use diesel::connection::SimpleConnection as _;
-use diesel::sql_types::Text;
-use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use diesel::{Connection, PgConnection};
+use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
 use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
 use outbox_diesel::{Emit, EmitOptions, Notify, SqliteRelayStore};
+use outbox_tests::plans::{TableAccess, mariadb_table_accesses, pg_rows_removed_by_filter};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
@@ -92,12 +92,6 @@ fn mysql_claim_skips_rows_locked_by_a_concurrent_claimer() {
     runtime().block_on(claim_skips_locked_rows::<My>());
 }
 
-#[derive(QueryableByName)]
-struct PlanLine {
-    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-    line: String,
-}
-
 #[test]
 fn pg_claim_does_not_scan_sent_rows() {
     let db = Pg::create();
@@ -111,12 +105,7 @@ fn pg_claim_does_not_scan_sent_rows() {
     c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
     exec(&mut c, "ANALYZE outbox;");
     let sql = outbox_diesel::__private::claim_sql::<PgConnection>(100);
-    let plan: Vec<String> = diesel::sql_query(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"))
-        .load::<PlanLine>(&mut c)
-        .unwrap()
-        .into_iter()
-        .map(|l| l.line)
-        .collect();
+    let plan = pg_plan(&mut c, &sql);
     let text = plan.join("\n");
     println!("{text}");
     assert!(
@@ -124,20 +113,9 @@ fn pg_claim_does_not_scan_sent_rows() {
         "the claim uses the NEW-only index:\n{text}"
     );
     assert!(!text.contains("Seq Scan"), "no table scan:\n{text}");
-    for line in &plan {
-        if let Some(n) = line.trim().strip_prefix("Rows Removed by Filter: ") {
-            assert!(
-                n.parse::<u64>().unwrap() < 100,
-                "filtered SENT rows:\n{text}"
-            );
-        }
+    for n in pg_rows_removed_by_filter(&plan) {
+        assert!(n < 100, "filtered SENT rows:\n{text}");
     }
-}
-
-#[derive(QueryableByName)]
-struct JsonPlan {
-    #[diesel(sql_type = Text, column_name = "ANALYZE")]
-    plan: String,
 }
 
 #[test]
@@ -156,33 +134,19 @@ fn mysql_claim_does_not_scan_sent_rows() {
     c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
     exec(&mut c, "ANALYZE TABLE outbox;");
     let sql = outbox_diesel::__private::claim_sql::<diesel::MysqlConnection>(100);
-    let plan = diesel::sql_query(format!("ANALYZE FORMAT=JSON {sql}"))
-        .get_result::<JsonPlan>(&mut c)
-        .unwrap()
-        .plan;
+    let plan = mariadb_plan(&mut c, &sql);
     println!("{plan}");
-    let json: serde_json::Value = serde_json::from_str(&plan).unwrap();
-    let table = find_key(&json, "table").expect("a table access in the plan");
-    let key = table["key"].as_str().unwrap_or("none");
+    let accesses = mariadb_table_accesses(&plan);
+    let TableAccess { key, rows } = accesses.first().expect("a table access in the plan");
     assert!(
         key == "outbox_claim" || key == "outbox_status_next_retry",
         "the claim uses a status-led index, not {key}:\n{plan}"
     );
-    let examined = table["r_rows"].as_f64().unwrap();
+    let examined = rows.expect("the rows the claim examined");
     assert!(
         examined <= 60.0,
         "examined {examined} rows: SENT rows were scanned\n{plan}"
     );
-}
-
-fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
-    match v {
-        serde_json::Value::Object(m) => m
-            .get(key)
-            .or_else(|| m.values().find_map(|x| find_key(x, key))),
-        serde_json::Value::Array(a) => a.iter().find_map(|x| find_key(x, key)),
-        _ => None,
-    }
 }
 
 #[test]
@@ -205,7 +169,7 @@ fn sqlite_second_relay_gets_a_clear_error() {
 }
 
 /// A connection listening on the test's channel.
-fn listener(db: &common::TestDb) -> PgConnection {
+fn listener(db: &fixtures::TestDb) -> PgConnection {
     let mut l = Pg::connect(db);
     l.batch_execute(&format!("LISTEN \"{}\"", db.name)).unwrap();
     l
@@ -269,7 +233,7 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     );
 }
 
-async fn timed_wait(db: &common::TestDb, notify: Notify) -> Duration {
+async fn timed_wait(db: &fixtures::TestDb, notify: Notify) -> Duration {
     let store = Pg::store(db);
     let waiter = tokio::spawn(async move {
         let started = Instant::now();

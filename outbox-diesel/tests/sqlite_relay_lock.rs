@@ -3,15 +3,15 @@
 //! frees the database at once), a removed lock file stops the relay, and databases
 //! without a file fall back to a lease row.
 
-mod common;
+mod fixtures;
 
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{Backend, Lite, exec, runtime};
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
+use fixtures::{Backend, Lite, exec, runtime};
 use outbox_core::{OutboxEvent, RelayStore};
 use outbox_diesel::{Emit as _, Error, SqliteCustomizer, SqlitePool, SqliteRelayStore};
 use serde::{Deserialize, Serialize};
@@ -291,8 +291,8 @@ fn unusable_lock_file_is_a_typed_error() {
 #[test]
 fn in_memory_database_takes_the_lease_row() {
     let url = format!(
-        "file:outbox_mem_{:016x}?mode=memory&cache=shared",
-        fastrand::u64(..)
+        "file:{}?mode=memory&cache=shared",
+        outbox_tests::unique("outbox_mem")
     );
     // Kept open: a shared in-memory database lives while a connection to it does.
     let mut keeper = SqliteConnection::establish(&url).unwrap();

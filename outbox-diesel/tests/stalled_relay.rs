@@ -4,13 +4,13 @@
 //! PostgreSQL the claim is READ COMMITTED even where the database's default is
 //! REPEATABLE READ.
 
-mod common;
+mod fixtures;
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Backend, My, Pg, TestDb, exec, runtime};
+use fixtures::{Backend, My, Pg, TestDb, exec, runtime};
 use outbox_core::{
     ClaimedBatch as _, Error, MemoryBroker, OutboxEvent, PublishOutcomes, Publisher, Relay,
     RelayConfig, RelayStore as _, StoredMessage,

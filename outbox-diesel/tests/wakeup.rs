@@ -2,12 +2,12 @@
 //! relay does not spin on rows the per-key claim holds back, and a parked wait ends
 //! promptly when the relay stops.
 
-mod common;
+mod fixtures;
 
 use std::time::{Duration, Instant};
 
-use common::{Backend, Pg, exec, runtime};
 use diesel::Connection as _;
+use fixtures::{Backend, Pg, exec, runtime};
 use outbox_core::{ClaimedBatch as _, OutboxEvent, RelayStore};
 use outbox_diesel::{Emit, EmitOptions};
 use serde::{Deserialize, Serialize};
@@ -20,19 +20,16 @@ struct Moved {
     account: String,
 }
 
-fn idle_marks(db: &common::TestDb) -> i64 {
+fn idle_marks(db: &fixtures::TestDb) -> i64 {
     Pg::scalar(
         &mut Pg::connect(db),
         "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
     )
 }
 
+/// Waits for `done`, failing after 20 s.
 async fn until(what: &str, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    outbox_tests::eventually_within(what, Duration::from_secs(20), done).await;
 }
 
 #[test]

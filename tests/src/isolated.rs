@@ -109,6 +109,49 @@ impl Drop for Isolated {
     }
 }
 
+/// A MariaDB user with a password, allowed everything on its own [`Isolated`]
+/// database, for tests of wrong credentials (the shared `root` has no password). The
+/// user and the database are dropped with the value.
+#[derive(Debug)]
+pub struct MariadbUser {
+    /// The user's name.
+    pub name: String,
+    /// Its database.
+    pub db: Isolated,
+}
+
+impl MariadbUser {
+    /// The right password.
+    pub const PASSWORD: &'static str = "right-maria-pass";
+
+    /// Creates the user and its database, both named after `prefix`.
+    pub fn new(prefix: &str) -> Self {
+        let db = Isolated::mariadb(prefix);
+        let name = unique(prefix);
+        mariadb(&format!(
+            "CREATE USER '{name}'@'%' IDENTIFIED BY '{}'; GRANT ALL ON {}.* TO '{name}'@'%'",
+            Self::PASSWORD,
+            db.name
+        ));
+        Self { name, db }
+    }
+
+    /// `mysql://<user>:<password>@<server of MYSQL_URL>/<its database>`.
+    pub fn url_with_password(&self, password: &str) -> String {
+        let server = MysqlServer::parse(&mysql_url());
+        format!(
+            "mysql://{}:{password}@{}:{}/{}",
+            self.name, server.host, server.port, self.db.name
+        )
+    }
+}
+
+impl Drop for MariadbUser {
+    fn drop(&mut self) {
+        let _ = run_mariadb(&format!("DROP USER IF EXISTS '{}'@'%'", self.name));
+    }
+}
+
 /// `base` with every connection's `search_path` set to `schema` (libpq `options`).
 pub fn with_search_path(base: &str, schema: &str) -> String {
     let sep = if base.contains('?') { '&' } else { '?' };

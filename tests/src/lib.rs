@@ -8,11 +8,12 @@
 //!   or the local defaults).
 //! - [`names`]: [`unique`] names for schemas, databases, files, streams and groups.
 //! - [`isolated`]: an [`Isolated`] PostgreSQL schema, MariaDB database or SQLite file
-//!   per test, removed on drop.
+//!   per test, removed on drop; a [`MariadbUser`] with a password.
 //! - [`scratch_redis`]: private `redis-server`s: [`ScratchRedis`] to stop and restart
 //!   (a broker outage), [`PasswordRedis`] to refuse a wrong password.
 //! - [`scratch_postgres`]: [`ScratchPostgres`], a private PostgreSQL that requires a
 //!   password.
+//! - [`secrets`]: [`assert_hidden`], no password in an error or its sources.
 //! - [`ports`]: free loopback ports, waiting for a server to listen.
 //! - [`wait`]: [`wait_until`] / [`eventually`] (async), polling a condition with a timeout and a
 //!   message that says what never happened.
@@ -29,12 +30,14 @@ pub mod plans;
 pub mod ports;
 pub mod scratch_postgres;
 pub mod scratch_redis;
+pub mod secrets;
 pub mod services;
 pub mod wait;
 
-pub use isolated::{Engine, Isolated, mariadb, psql};
+pub use isolated::{Engine, Isolated, MariadbUser, mariadb, psql};
 pub use names::{unique, unique_prefix};
 pub use scratch_postgres::ScratchPostgres;
 pub use scratch_redis::{PasswordRedis, ScratchRedis};
+pub use secrets::assert_hidden;
 pub use services::{database_url, mysql_url, redis_url};
 pub use wait::{PATIENCE, eventually, eventually_within, wait_until, wait_until_within};

@@ -18,8 +18,8 @@ pub fn pg_rows_removed_by_filter(plan: &[String]) -> Vec<u64> {
 pub struct TableAccess {
     /// The index used (`"none"` for a table scan).
     pub key: String,
-    /// The rows it examined (`r_rows`).
-    pub rows: f64,
+    /// The rows it examined (`r_rows`; `None` if the plan does not say).
+    pub rows: Option<f64>,
 }
 
 /// Every table access of a MariaDB `ANALYZE FORMAT=JSON` plan, in plan order (the
@@ -39,7 +39,7 @@ fn collect_accesses(v: &Value, out: &mut Vec<TableAccess>) {
             {
                 out.push(TableAccess {
                     key: t["key"].as_str().unwrap_or("none").to_owned(),
-                    rows: t["r_rows"].as_f64().unwrap_or(0.0),
+                    rows: t["r_rows"].as_f64(),
                 });
             }
             m.values().for_each(|x| collect_accesses(x, out));
@@ -75,11 +75,11 @@ mod tests {
             [
                 TableAccess {
                     key: "outbox_claim".into(),
-                    rows: 12.0
+                    rows: Some(12.0)
                 },
                 TableAccess {
                     key: "none".into(),
-                    rows: 3.5
+                    rows: Some(3.5)
                 },
             ]
         );
