@@ -8,18 +8,7 @@ mod fixtures;
 use fixtures::*;
 use outbox_core::{MemoryDb, Publisher as _};
 use outbox_redis::{Consumer, PublisherConfig, RedisPublisher};
-use outbox_tests::PasswordRedis;
-
-/// Neither the error's `Display` (with its sources) nor its `Debug` holds `secret`.
-fn assert_hidden(e: &dyn std::error::Error, secret: &str) {
-    let mut text = format!("{e}\n{e:?}");
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(&format!("\n{s}\n{s:?}"));
-        source = s.source();
-    }
-    assert!(!text.contains(secret), "the password leaked: {text}");
-}
+use outbox_tests::{PasswordRedis, assert_hidden};
 
 fn publisher_for(url: &str) -> RedisPublisher {
     RedisPublisher::new(url)
