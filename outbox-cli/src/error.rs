@@ -1,6 +1,5 @@
 //! The command's errors, and how they are reported.
 
-use std::error::Error as _;
 use std::io::{self, Write};
 
 use crate::backend::BackendKind;
@@ -191,21 +190,13 @@ impl CliError {
                  Debian/Ubuntu, `docker compose up -d {compose}` elsewhere) or fix {option}"
             );
         }
-        writeln!(w, "error: {self}")?;
-        let mut shown = self.to_string();
-        let mut cause = self.source();
-        while let Some(c) = cause {
-            let text = c.to_string();
-            let text = text.trim_end();
-            // Many errors repeat their source's text in their own message: skip repeats.
-            if !shown.contains(text) {
-                writeln!(w, "  caused by: {}", text.replace('\n', "\n    "))?;
-                shown.push('\n');
-                shown.push_str(text);
-            }
-            cause = c.source();
+        // Each error says only its own layer; its causes follow, one line each.
+        let texts = outbox_core::error_chain(self).texts();
+        for (i, text) in texts.iter().enumerate() {
+            let label = if i == 0 { "error" } else { "  caused by" };
+            writeln!(w, "{label}: {}", text.trim_end().replace('\n', "\n    "))?;
         }
-        if let Some(hint) = self.hint(&shown) {
+        if let Some(hint) = self.hint(&texts.join("\n")) {
             writeln!(w, "  hint: {hint}")?;
         }
         Ok(())
@@ -223,13 +214,14 @@ mod tests {
     }
 
     #[test]
-    fn causes_are_listed_once() {
+    fn each_cause_gets_its_own_line() {
         let e = CliError::Database(outbox_diesel::Error::Database(
             diesel::result::Error::NotFound,
         ));
         assert_eq!(
             report(&e),
-            "error: database operation failed\n  caused by: database error: Record not found\n"
+            "error: database operation failed\n  caused by: database error\n  caused by: Record not \
+             found\n"
         );
     }
 

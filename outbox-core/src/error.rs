@@ -7,6 +7,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in `outbox-core` and the backends built on its traits.
+///
+/// Its `Display` says only what failed at this layer; the cause, if any, is its
+/// [`source`](std::error::Error::source). Show both with [`error_chain`](crate::error_chain).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -14,7 +17,7 @@ pub enum Error {
     #[error(transparent)]
     InvalidMsgId(#[from] InvalidMsgId),
     /// The event could not be serialized to JSON.
-    #[error("cannot serialize event `{msg_id}`: {source}")]
+    #[error("cannot serialize event `{msg_id}`")]
     Serialize {
         /// The event's msg_id.
         msg_id: MsgId,
@@ -36,7 +39,7 @@ pub enum Error {
     #[error("duplicate msg_id `{0}`: this event was already emitted")]
     Duplicate(MsgId),
     /// The payload could not be decoded into the handler's event type.
-    #[error("cannot decode a `{event_type}` payload: {source}")]
+    #[error("cannot decode a `{event_type}` payload")]
     Decode {
         /// The message's event type.
         event_type: String,
@@ -61,7 +64,7 @@ pub enum Error {
     /// An upgrade step registered with
     /// [`Dispatcher::upgrade`](crate::Dispatcher::upgrade) failed or panicked on this
     /// payload: the payload of version `from` cannot be turned into version `from + 1`.
-    #[error("cannot upgrade a `{event_type}` payload from schema version {from} to {}: {source}", .from + 1)]
+    #[error("cannot upgrade a `{event_type}` payload from schema version {from} to {}", .from + 1)]
     Upgrade {
         /// The message's event type.
         event_type: String,
@@ -77,10 +80,10 @@ pub enum Error {
     #[error("a handler for event type `{0}` is already registered")]
     DuplicateHandler(String),
     /// A handler returned an error or panicked.
-    #[error("handler failed: {0}")]
+    #[error("handler failed")]
     Handler(#[source] BoxError),
     /// The database failed (connection, query, transaction).
-    #[error("store error: {0}")]
+    #[error("store error")]
     Store(#[source] BoxError),
     /// The message's transaction met a transient conflict with another transaction — a
     /// deadlock, a serialization failure, a lock wait that gave up — in its handler or
@@ -88,7 +91,7 @@ pub enum Error {
     /// outage: running it again is expected to succeed. Retry it soon, without counting
     /// the attempt against its delivery limit, within a bound of its own
     /// ([`is_transient`](Self::is_transient)).
-    #[error("transient database conflict, nothing committed; retry: {0}")]
+    #[error("transient database conflict, nothing committed; retry")]
     Transient(#[source] BoxError),
     /// A transient conflict in message `msg_id` made the database roll back the whole
     /// transaction of a batch ([`Inbox::process_batch`](crate::Inbox::process_batch)):
@@ -96,7 +99,7 @@ pub enum Error {
     /// of the batch committed and no message failed on its own: retry the batch, or its
     /// messages one by one ([`is_transient`](Self::is_transient)).
     #[error(
-        "transient database conflict{} rolled back the whole batch, nothing committed; retry: {source}",
+        "transient database conflict{} rolled back the whole batch, nothing committed; retry",
         during(.msg_id)
     )]
     TransientBatch {
@@ -108,11 +111,11 @@ pub enum Error {
     },
     /// The broker as a whole is unreachable or timed out. The relay backs off without
     /// spending any message's retries.
-    #[error("broker unavailable: {0}")]
+    #[error("broker unavailable")]
     BrokerUnavailable(#[source] BoxError),
     /// Another relay holds this store exclusively (SQLite takes one relay per database):
     /// this relay must stop. Not an outage: waiting does not resolve it.
-    #[error("another relay holds this store: {0}")]
+    #[error("another relay holds this store")]
     RelayConflict(#[source] BoxError),
     /// A stored status value that is not NEW, SENT or DEAD.
     #[error("unknown outbox status value {0}")]
@@ -306,7 +309,7 @@ mod tests {
         assert!(!Error::store("down").is_transient());
         assert!(!Error::Handler("refused".into()).is_transient());
         assert_eq!(
-            batch.to_string(),
+            crate::error_chain(&batch).to_string(),
             "transient database conflict in `b:Credit` rolled back the whole batch, nothing \
              committed; retry: deadlock detected"
         );

@@ -76,6 +76,7 @@ extern crate self as outbox_core;
 
 mod dispatch;
 mod error;
+mod error_chain;
 mod event;
 #[cfg(feature = "memory")]
 mod flaky;
@@ -91,6 +92,7 @@ mod store;
 
 pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared, panic_message};
 pub use error::{BoxError, Error, HandlerError, InvalidConfig, Result};
+pub use error_chain::{ErrorChain, error_chain};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]
 pub use flaky::{FailAs, FlakyPublisher};

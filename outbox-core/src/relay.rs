@@ -493,12 +493,12 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 Err(e) if e.is_outage() => {
                     outages = outages.saturating_add(1);
                     let pause = self.config.outage_backoff.pause(outages);
-                    tracing::warn!(error = %e, ?pause, "relay paused after an outage");
+                    tracing::warn!(error = %crate::error_chain(&e), ?pause, "relay paused after an outage");
                     metrics::counter!("outbox_relay_outages_total").increment(1);
                     Some(Idle::Outage(pause))
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "relay stopped by an error");
+                    tracing::error!(error = %crate::error_chain(&e), "relay stopped by an error");
                     return Err(e);
                 }
             };
@@ -531,7 +531,9 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 metrics::gauge!("outbox_backlog_oldest_due_seconds").set(age);
                 metrics::gauge!("outbox_backlog_dead").set(b.dead as f64);
             }
-            Err(e) => tracing::warn!(error = %e, "cannot read the outbox backlog"),
+            Err(e) => {
+                tracing::warn!(error = %crate::error_chain(&e), "cannot read the outbox backlog")
+            }
         }
     }
 }
@@ -1011,7 +1013,8 @@ mod tests {
             .unwrap();
         let err = relay.run_once().await.unwrap_err();
         assert!(err.is_outage(), "{err}");
-        assert!(err.to_string().contains("2 of 4"), "{err}");
+        let shown = crate::error_chain(&err).to_string();
+        assert!(shown.contains("2 of 4"), "{shown}");
         let rows: Vec<(Status, u32)> = db.rows().iter().map(|r| (r.status, r.retries)).collect();
         assert_eq!(
             rows,
@@ -1078,7 +1081,8 @@ mod tests {
         for _ in 0..3 {
             let err = relay.run_once().await.unwrap_err();
             assert!(err.is_outage(), "{err}");
-            assert!(err.to_string().contains("topic `moved`"), "{err}");
+            let shown = crate::error_chain(&err).to_string();
+            assert!(shown.contains("topic `moved`"), "{shown}");
         }
         let row = db.row("0:Moved").unwrap();
         assert_eq!((row.status, row.retries), (Status::New, 0));

@@ -9,6 +9,9 @@ pub const MSG_ID_CONSTRAINT: &str = "outbox_msg_id_key";
 
 /// Everything that can go wrong in `outbox-diesel`.
 ///
+/// Its `Display` says only what failed at this layer; the cause, if any, is its
+/// [`source`](std::error::Error::source). Show both with [`outbox_core::error_chain`].
+///
 /// It converts into [`diesel::result::Error`] so that `?` works inside an ordinary
 /// `conn.transaction(|c| ..)` closure; [`is_duplicate`] recognises a duplicate emit after
 /// that conversion. It also converts into [`outbox_core::Error`].
@@ -25,7 +28,7 @@ pub enum Error {
     #[error(transparent)]
     InvalidMsgId(#[from] InvalidMsgId),
     /// The event could not be serialized to JSON.
-    #[error("cannot serialize event `{msg_id}`: {source}")]
+    #[error("cannot serialize event `{msg_id}`")]
     Serialize {
         /// The event's msg_id.
         msg_id: MsgId,
@@ -56,13 +59,13 @@ pub enum Error {
         limit: usize,
     },
     /// A query or transaction failed.
-    #[error("database error: {0}")]
+    #[error("database error")]
     Database(#[from] diesel::result::Error),
     /// A connection could not be established.
-    #[error("cannot connect: {0}")]
+    #[error("cannot connect")]
     Connection(#[from] diesel::ConnectionError),
     /// No pooled connection could be obtained in time.
-    #[error("connection pool: {0}")]
+    #[error("connection pool")]
     Pool(#[from] diesel::r2d2::PoolError),
     /// Another relay holds this SQLite database. SQLite has no row locks, so one relay
     /// runs per database file; a second one gets this error while the holder's process
@@ -87,7 +90,7 @@ pub enum Error {
         owner: String,
     },
     /// The SQLite relay's lock file could not be created, read or locked.
-    #[error("cannot use the SQLite relay lock file {}: {source}", path.display())]
+    #[error("cannot use the SQLite relay lock file {}", path.display())]
     RelayLock {
         /// The lock file: the database file's path plus `.outbox-relay.lock`.
         path: std::path::PathBuf,

@@ -2,7 +2,7 @@ use std::num::NonZeroU32;
 
 use diesel::connection::TransactionManager;
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
-use outbox_core::{BatchOutcomes, BoxError, HandlerError, Inbox, MsgId, Processed};
+use outbox_core::{BatchOutcomes, BoxError, HandlerError, Inbox, MsgId, Processed, error_chain};
 
 use crate::backend::check_group;
 use crate::error::has_transient_cause;
@@ -365,8 +365,8 @@ impl Failure {
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Handler(e) => write!(f, "the handler failed: {e}"),
-            Self::Store(e) => write!(f, "the dedup insert failed: {e}"),
+            Self::Handler(e) => write!(f, "the handler failed: {}", error_chain(&**e)),
+            Self::Store(e) => write!(f, "the dedup insert failed: {}", error_chain(e)),
             Self::Release(e) => write!(f, "its savepoint could not be released: {e}"),
         }
     }

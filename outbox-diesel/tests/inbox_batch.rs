@@ -163,8 +163,10 @@ fn kinds(outcomes: &[Result<Processed, outbox_core::Error>]) -> Vec<String> {
         .iter()
         .map(|o| match o {
             Ok(p) => format!("{p:?}"),
-            Err(outbox_core::Error::Handler(e)) => format!("Handler({e})"),
-            Err(e) => format!("Err({e})"),
+            Err(outbox_core::Error::Handler(e)) => {
+                format!("Handler({})", outbox_core::error_chain(&**e))
+            }
+            Err(e) => format!("Err({})", outbox_core::error_chain(e)),
         })
         .collect()
 }
@@ -245,8 +247,9 @@ fn single_mode_never_acks_writes_that_did_not_commit<B: Backend>() {
     let (d, _) = dispatcher::<B::Conn>();
     let open = d.consume(&s.inbox, "g1", &credit("a", How::LeaveNestedOpen));
     assert!(
-        open.as_ref()
-            .is_err_and(|e| e.to_string().contains("still open")),
+        open.as_ref().is_err_and(|e| outbox_core::error_chain(e)
+            .to_string()
+            .contains("still open")),
         "{open:?}"
     );
     assert_eq!(
@@ -258,9 +261,9 @@ fn single_mode_never_acks_writes_that_did_not_commit<B: Backend>() {
     let ignored = d.consume(&s.inbox, "g1", &credit("b", How::IgnoredBadSql));
     if B::NAME == "PostgreSQL" {
         assert!(
-            ignored
-                .as_ref()
-                .is_err_and(|e| e.to_string().contains("could not be kept")),
+            ignored.as_ref().is_err_and(|e| outbox_core::error_chain(e)
+                .to_string()
+                .contains("could not be kept")),
             "{ignored:?}"
         );
         assert_eq!(state::<B>(&s.db, "g1"), (vec![], 0, 0, 1000));
@@ -392,7 +395,8 @@ fn an_invalid_group_is_an_error_before_any_transaction<B: Backend>() {
         .inbox
         .process_batch(&long, &[id("a")], |_, _| panic!("must not run"))
         .unwrap_err();
-    assert!(err.to_string().contains("consumer_group"), "{err}");
+    let shown = outbox_core::error_chain(&err).to_string();
+    assert!(shown.contains("consumer_group"), "{shown}");
 }
 
 outbox_tests::on_every_backend! {

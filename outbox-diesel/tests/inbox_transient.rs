@@ -281,7 +281,7 @@ fn kinds(outcomes: &[Result<Processed, Error>]) -> Vec<String> {
         .map(|o| match o {
             Ok(p) => format!("{p:?}"),
             Err(e) if is_transient(e) => "Transient".to_owned(),
-            Err(e) => format!("Err({e})"),
+            Err(e) => format!("Err({})", outbox_core::error_chain(e)),
         })
         .collect()
 }
@@ -339,7 +339,12 @@ fn single_mode_swallowed_deadlock_is_never_applied<B: Collide>() {
     } else {
         // PostgreSQL cannot tell why the transaction aborted: a handler that ignores a
         // failed statement is a handler error.
-        assert!(err.to_string().contains("could not be kept"), "{err:?}");
+        assert!(
+            outbox_core::error_chain(&err)
+                .to_string()
+                .contains("could not be kept"),
+            "{err:?}"
+        );
     }
     let (applied, dedup, _, alice) = state::<B>(&s.db);
     assert_eq!(
@@ -381,7 +386,8 @@ fn batch_mode_deadlock_via<B: Collide>(via: Via) {
             matches!(&err, Error::TransientBatch { msg_id, .. } if msg_id.as_ref() == Some(&ids[1])),
             "{err:?}"
         );
-        assert!(!err.to_string().contains("SAVEPOINT"), "{err}");
+        let shown = outbox_core::error_chain(&err).to_string();
+        assert!(!shown.contains("SAVEPOINT"), "{shown}");
         assert_eq!(state::<B>(&s.db), nothing_committed());
     } else {
         // PostgreSQL rolls back to b's savepoint; a and c commit.

@@ -1052,7 +1052,7 @@ where
                         // The stream or group was deleted under us: recreate it.
                         tracing::warn!(parent: &span, error = %e, "consumer group missing; recreating it");
                         if let Err(e) = self.ensure_groups().await {
-                            tracing::warn!(parent: &span, error = %e, "cannot recreate consumer groups");
+                            tracing::warn!(parent: &span, error = %outbox_core::error_chain(&e), "cannot recreate consumer groups");
                             health.redis = health.redis.saturating_add(1);
                         }
                     } else {
@@ -1107,7 +1107,7 @@ where
                 Err(e) if e.is_outage() => {
                     outages += 1;
                     self.count(Count::RedisError, None);
-                    tracing::warn!(error = %e, "redis unavailable at start; waiting for it");
+                    tracing::warn!(error = %outbox_core::error_chain(&e), "redis unavailable at start; waiting for it");
                     tokio::select! {
                         biased;
                         () = &mut *shutdown => return Ok(false),
@@ -1213,7 +1213,7 @@ where
                     self.inner.commands.check(e).await;
                 }
                 self.count(Count::RedisError, None);
-                tracing::warn!(error = %e, "trimming acknowledged entries failed; trying again next interval");
+                tracing::warn!(error = %outbox_core::error_chain(&e), "trimming acknowledged entries failed; trying again next interval");
             }
         }
     }
@@ -1457,7 +1457,11 @@ where
         }
         let envelope = match envelope_from_fields(&job.entry.map, topic) {
             Ok(envelope) => envelope,
-            Err(e) => return self.dead_letter(job, &e.to_string()).await,
+            Err(e) => {
+                return self
+                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                    .await;
+            }
         };
         let span = tracing::Span::current();
         span.record("msg_id", envelope.msg_id.as_str());
@@ -1477,7 +1481,11 @@ where
                 self.count(Count::Ignored, Some(&job.stream));
                 return self.ack(job).await;
             }
-            Err(e) => return self.dead_letter(job, &e.to_string()).await,
+            Err(e) => {
+                return self
+                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                    .await;
+            }
         };
         let delivery = Delivery {
             envelope,
@@ -1499,7 +1507,11 @@ where
                     // Decoded before, so it decodes again.
                     prepared = match inner.dispatcher.prepare(&delivery.envelope) {
                         Ok(prepared) => prepared,
-                        Err(e) => return self.dead_letter(job, &e.to_string()).await,
+                        Err(e) => {
+                            return self
+                                .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                                .await;
+                        }
                     };
                 }
                 attempt => break attempt,
@@ -1552,7 +1564,10 @@ where
                 self.count(Count::Duplicate, Some(&job.stream));
                 self.ack(job).await
             }
-            Ok(Err(e)) if e.is_outage() => self.failed(job, &e.to_string(), true).await,
+            Ok(Err(e)) if e.is_outage() => {
+                self.failed(job, &outbox_core::error_chain(&e).to_string(), true)
+                    .await
+            }
             // Asking met a conflict: nothing is known yet; ask again at the next claim.
             Ok(Err(e)) if e.is_transient() => {
                 self.count(Count::Conflict, Some(&job.stream));
@@ -1628,16 +1643,24 @@ where
                                 acks.push(job);
                             }
                             Err(e) if e.is_poison() => {
-                                outage |= self.dead_letter(job, &e.to_string()).await;
+                                outage |= self
+                                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                                    .await;
                             }
                             Err(e) if e.is_transient() => {
                                 // Only its savepoint rolled back: it runs again on its own.
-                                tracing::debug!(error = %e, "transient database conflict; running the message again on its own");
+                                tracing::debug!(error = %outbox_core::error_chain(&e), "transient database conflict; running the message again on its own");
                                 self.count(Count::Conflict, Some(&job.stream));
                                 outage |= self.process_inner(job).await;
                             }
                             Err(e) => {
-                                outage |= self.failed(job, &e.to_string(), e.is_outage()).await;
+                                outage |= self
+                                    .failed(
+                                        job,
+                                        &outbox_core::error_chain(&e).to_string(),
+                                        e.is_outage(),
+                                    )
+                                    .await;
                             }
                         }
                     }
@@ -1683,7 +1706,7 @@ where
         let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         let envelope = match envelope_from_fields(&job.entry.map, topic) {
             Ok(envelope) => envelope,
-            Err(e) => return Screened::DeadLetter(e.to_string()),
+            Err(e) => return Screened::DeadLetter(outbox_core::error_chain(&e).to_string()),
         };
         if !inner.dispatcher.handles(&envelope.event_type) {
             if inner.config.ignore_unknown_types {
@@ -1715,7 +1738,7 @@ where
             Ok(Err(e)) => Err(BatchFailed {
                 outage: e.is_outage(),
                 conflict: e.is_transient(),
-                reason: e.to_string(),
+                reason: outbox_core::error_chain(&e).to_string(),
             }),
             // Handler panics are caught per message; this is the store's own panic.
             Err(e) => Err(BatchFailed {
@@ -1820,7 +1843,7 @@ where
             Ok(Err(e)) => Attempt::Failed {
                 outage: e.is_outage(),
                 conflict: e.is_transient(),
-                reason: e.to_string(),
+                reason: outbox_core::error_chain(&e).to_string(),
             },
             Err(e) => Attempt::Failed {
                 conflict: false,

@@ -8,7 +8,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// Redis failed: connection refused or dropped, a timeout, or an error reply.
-    #[error("redis: {0}")]
+    #[error("redis")]
     Redis(#[from] RedisError),
     /// An `outbox-core` error: a duplicate handler registration, the idempotency store
     /// failing, and the like.

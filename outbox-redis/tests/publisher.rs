@@ -378,7 +378,12 @@ async fn waiting_for_a_missing_replica_is_an_outage() {
         .await
         .unwrap_err();
     assert!(err.is_outage(), "{err}");
-    assert!(err.to_string().contains("0 of 1 replicas"), "{err}");
+    assert!(
+        outbox_core::error_chain(&err)
+            .to_string()
+            .contains("0 of 1 replicas"),
+        "{err}"
+    );
     cleanup(&prefix).await;
 }
 

@@ -509,7 +509,12 @@ async fn a_stream_key_of_the_wrong_type_backs_off_without_spending_retries() {
     for attempt in 0..4 {
         let err = run_claiming(&relay).await.unwrap_err();
         assert!(err.is_outage(), "attempt {attempt}: backs off: {err}");
-        assert!(err.to_string().contains("WRONGTYPE"), "{err}");
+        assert!(
+            outbox_core::error_chain(&err)
+                .to_string()
+                .contains("WRONGTYPE"),
+            "{err}"
+        );
     }
     assert_eq!(
         env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status = 2"),

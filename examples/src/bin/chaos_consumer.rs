@@ -85,7 +85,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", outbox_core::error_chain(&*e));
             ExitCode::FAILURE
         }
     }
@@ -137,7 +137,10 @@ where
         match attempt {
             Ok(()) => break,
             Err(e) if e.is_outage() => {
-                eprintln!("chaos_consumer: Redis unreachable at start, retrying: {e}");
+                eprintln!(
+                    "chaos_consumer: Redis unreachable at start, retrying: {}",
+                    outbox_core::error_chain(&e)
+                );
                 tokio::select! {
                     () = wait_stop(stopped.clone()) => return Ok(()),
                     () = tokio::time::sleep(Duration::from_millis(500)) => {}

@@ -93,7 +93,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         match dispatcher.consume(&db, "revenue", m) {
             Ok(processed) => println!("v{v}: {processed:?}"),
             // What a Redis consumer writes as the dead letter's reason.
-            Err(e) if e.is_poison() => println!("v{v}: dead-lettered: {e}"),
+            Err(e) if e.is_poison() => {
+                println!("v{v}: dead-lettered: {}", outbox_core::error_chain(&e))
+            }
             Err(e) => return Err(e.into()),
         }
     }

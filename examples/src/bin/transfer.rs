@@ -31,7 +31,7 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // Display, not Debug: the service errors are written to be read.
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", outbox_core::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

@@ -259,7 +259,7 @@ impl Drop for SqliteRelayStore {
                 .map_err(Into::into)
                 .and_then(|mut c| release(&mut c, &self.owner));
             if let Err(e) = released {
-                tracing::warn!(error = %e, "could not release the SQLite relay lease row");
+                tracing::warn!(error = %outbox_core::error_chain(&e), "could not release the SQLite relay lease row");
             }
         }
     }

@@ -289,7 +289,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("chaos: the run failed: {e}");
+            eprintln!("chaos: the run failed: {}", outbox_core::error_chain(&*e));
             ExitCode::from(2)
         }
     }
