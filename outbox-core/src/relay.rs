@@ -152,8 +152,10 @@ pub struct BatchReport {
 /// when the store allows it ([`RelayStore::claims_ahead`]: the PostgreSQL and MySQL
 /// stores, whose claims skip rows locked by another claim). The batch claimed ahead is
 /// published after the current one is completed, so a relay still publishes in id
-/// order, and with per-key claims the batch claimed ahead holds no key of the current
-/// one. A relay then holds two pooled connections while it is behind. A claim ahead
+/// order. With per-key claims the claim ahead treats the current batch as published
+/// ([`RelayStore::claim_after`]), and the batch claimed ahead is released unclaimed if
+/// a row of the current one stays NEW (a retry), so that no key is overtaken. A relay
+/// then holds two pooled connections while it is behind. A claim ahead
 /// that comes back nearly empty (the backlog ends, or its rows wait behind the batch
 /// in hand, as with a few hot keys) pauses claiming ahead for a few batches.
 /// [`run_once`](Relay::run_once) always claims one batch.
@@ -254,9 +256,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// is claimed beside it if the store allows it ([`RelayStore::claims_ahead`]): a
     /// relay that is behind keeps the database and the broker busy at once instead of
     /// one after the other. The batch claimed ahead is published after this one is
-    /// completed, so a relay still publishes in id order; with per-key claims it holds
-    /// no row of a key this batch holds (the store's claim skips this batch's rows and
-    /// holds back the later rows of their keys).
+    /// completed, so a relay still publishes in id order; with per-key claims it may hold
+    /// later rows of this batch's keys, and is released if a row of this batch stays NEW.
     async fn run_ahead(
         &self,
         ahead: &mut Option<S::Batch>,
@@ -274,12 +275,17 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             if !(full && self.store.claims_ahead() && lookahead.allows()) {
                 return self.finish(batch).await;
             }
-            let (report, next) = tokio::join!(self.finish(batch), self.store.claim(limit));
+            let held: Vec<i64> = batch.messages().iter().map(|m| m.id).collect();
+            let (report, next) =
+                tokio::join!(self.finish(batch), self.store.claim_after(limit, &held));
             // After a failure the relay backs off: it does not hold a batch meanwhile.
             let report = report?;
             let next = next?;
             lookahead.saw(next.messages().len(), limit);
-            if !next.messages().is_empty() {
+            // The batch ahead was claimed as if this one were published in full: if a
+            // row of it stays NEW (to be retried, or held back behind a retry), a later
+            // row of its key may be in the batch ahead, which is released instead.
+            if report.sent + report.dead == report.claimed && !next.messages().is_empty() {
                 *ahead = Some(next);
             }
             Ok(report)
@@ -1096,6 +1102,33 @@ mod tests {
         db: MemoryDb<()>,
         held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         most_held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        /// Each claim's row ids, and for a claim ahead the ids it was told were in hand.
+        claims: std::sync::Arc<std::sync::Mutex<Vec<(Vec<i64>, Option<Vec<i64>>)>>>,
+    }
+
+    impl AheadDb {
+        fn on(db: &MemoryDb<()>) -> Self {
+            Self {
+                db: db.clone(),
+                held: Default::default(),
+                most_held: Default::default(),
+                claims: Default::default(),
+            }
+        }
+
+        async fn claim_noting(&self, limit: usize, held: Option<&[i64]>) -> Result<Held, Error> {
+            let batch = self.db.claim(limit).await?;
+            let ids = batch.messages().iter().map(|m| m.id).collect();
+            let held_ids = held.map(<[i64]>::to_vec);
+            self.claims.lock().unwrap().push((ids, held_ids));
+            let now = self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            self.most_held
+                .fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            Ok(Held {
+                batch: Some(batch),
+                held: self.held.clone(),
+            })
+        }
     }
 
     struct Held {
@@ -1126,14 +1159,11 @@ mod tests {
         type Batch = Held;
 
         async fn claim(&self, limit: usize) -> Result<Held, Error> {
-            let batch = self.db.claim(limit).await?;
-            let now = self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            self.most_held
-                .fetch_max(now, std::sync::atomic::Ordering::SeqCst);
-            Ok(Held {
-                batch: Some(batch),
-                held: self.held.clone(),
-            })
+            self.claim_noting(limit, None).await
+        }
+
+        async fn claim_after(&self, limit: usize, held: &[i64]) -> Result<Held, Error> {
+            self.claim_noting(limit, Some(held)).await
         }
 
         async fn backlog(&self) -> Result<crate::Backlog, Error> {
@@ -1161,11 +1191,7 @@ mod tests {
     #[tokio::test]
     async fn run_until_claims_the_next_batch_while_publishing_and_keeps_id_order() {
         let db = db_with(1000);
-        let store = AheadDb {
-            db: db.clone(),
-            held: Default::default(),
-            most_held: Default::default(),
-        };
+        let store = AheadDb::on(&db);
         let most_held = store.most_held.clone();
         let broker = MemoryBroker::new();
         let relay = Relay::new(store, SlowBroker(broker.clone()))
@@ -1192,6 +1218,44 @@ mod tests {
             2,
             "the next batch was claimed while one was in hand"
         );
+    }
+
+    #[tokio::test]
+    async fn a_batch_claimed_ahead_is_released_when_a_row_in_hand_stays_new() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| {
+            (0..30).try_for_each(|n| tx.emit(moved(n, &format!("k{}", n % 3))).map(drop))
+        })
+        .unwrap();
+        let store = AheadDb::on(&db);
+        let claims = store.claims.clone();
+        // The last row of the first batch fails once; the batch claimed ahead holds later
+        // rows of its key.
+        let picky = Picky::rejecting("9:Moved", 1);
+        let relay = Relay::new(store, picky).with_config(config(3, 10)).unwrap();
+        let relay = std::sync::Arc::new(relay);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = relay.clone();
+        let task = tokio::spawn(async move {
+            running
+                .run_until(async { stopped.await.unwrap_or(()) })
+                .await
+        });
+        wait_until(|| db.rows().iter().all(|r| r.status == Status::Sent)).await;
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+
+        let claims = claims.lock().unwrap().clone();
+        let (first, none) = &claims[0];
+        assert_eq!(none, &None, "the first claim has nothing in hand");
+        let (ahead, held) = &claims[1];
+        assert_eq!(held.as_ref(), Some(first), "the claim ahead is told what is in hand");
+        assert!(
+            claims[2..].iter().any(|(ids, _)| ids.contains(&ahead[0])),
+            "the batch claimed ahead of a batch with a retry was released and claimed again: {claims:?}"
+        );
+        let order = relay.publisher.order();
+        assert_eq!(order.len(), 30, "every message once: {order:?}");
     }
 
     async fn wait_until(done: impl Fn() -> bool) {
