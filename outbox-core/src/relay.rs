@@ -1249,7 +1249,11 @@ mod tests {
         let (first, none) = &claims[0];
         assert_eq!(none, &None, "the first claim has nothing in hand");
         let (ahead, held) = &claims[1];
-        assert_eq!(held.as_ref(), Some(first), "the claim ahead is told what is in hand");
+        assert_eq!(
+            held.as_ref(),
+            Some(first),
+            "the claim ahead is told what is in hand"
+        );
         assert!(
             claims[2..].iter().any(|(ids, _)| ids.contains(&ahead[0])),
             "the batch claimed ahead of a batch with a retry was released and claimed again: {claims:?}"

@@ -193,7 +193,7 @@ pub mod __private {
 
     /// The per-key claim's statement (on MySQL its first, locking one).
     pub fn claim_per_key_sql<C: OutboxConnection>(limit: usize) -> String {
-        C::__claim_per_key_sql(limit)
+        C::__claim_per_key_sql(limit, &[])
     }
 
     /// MySQL's second per-key statement for the locked ids `ids` (empty elsewhere).

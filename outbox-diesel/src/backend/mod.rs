@@ -108,7 +108,11 @@ pub(crate) trait Backend: Connection + Sized {
     /// The per-key claim's statement (for EXPLAIN tests too): on PostgreSQL and SQLite
     /// the whole claim; on MySQL its first, locking statement (the second is
     /// [`__key_probe_sql`](Self::__key_probe_sql)).
-    fn __claim_per_key_sql(limit: usize) -> String;
+    ///
+    /// `held`: the ids of a batch the relay has in hand and publishes first (a claim
+    /// ahead, [`RelayStore::claim_after`](outbox_core::RelayStore::claim_after)): they
+    /// hold back no row of their keys. Empty for a plain claim.
+    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String;
 
     /// MySQL's second per-key statement, for the locked ids `ids` (empty elsewhere).
     fn __key_probe_sql(_ids: &[i64]) -> String {
@@ -116,9 +120,10 @@ pub(crate) trait Backend: Connection + Sized {
     }
 
     /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
-    /// of their key precedes (ARCHITECTURE.md, "Order per key").
-    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
-        let rows = self.load_records(&Self::__claim_per_key_sql(limit), None)?;
+    /// of their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
+    /// excepted.
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<OutboxRecord>> {
+        let rows = self.load_records(&Self::__claim_per_key_sql(limit, held), None)?;
         claimed(self, rows)
     }
 

@@ -235,7 +235,10 @@ impl Backend for MysqlConnection {
     /// the claim's transaction. This one locks `L` (due NEW rows whose key's head is
     /// due); [`__key_probe_sql`](Backend::__key_probe_sql) then finds, per key
     /// of `L`, the first NEW row outside it.
-    fn __claim_per_key_sql(limit: usize) -> String {
+    ///
+    /// (`held` is always empty: see `MysqlRelayStore`'s `claim_after`.)
+    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+        debug_assert!(held.is_empty(), "MySQL claims ahead without `held`");
         format!(
             "SELECT {} FROM outbox o WHERE status = 0 AND next_retry_at <= {} AND {} \
              ORDER BY id LIMIT {limit}{}",
@@ -260,8 +263,8 @@ impl Backend for MysqlConnection {
         )
     }
 
-    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<crate::OutboxRecord>> {
-        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit)).load(self)?;
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<crate::OutboxRecord>> {
+        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;
         let mut locked = super::claimed(self, rows)?;
         if locked.is_empty() {
             return Ok(locked);

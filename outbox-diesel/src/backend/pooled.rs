@@ -38,14 +38,14 @@ where
     fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
         (**self).__begin_bounded_claim(stall)
     }
-    fn __claim_per_key_sql(limit: usize) -> String {
-        C::__claim_per_key_sql(limit)
+    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+        C::__claim_per_key_sql(limit, held)
     }
     fn __key_probe_sql(ids: &[i64]) -> String {
         C::__key_probe_sql(ids)
     }
-    fn __claim_per_key(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
-        (**self).__claim_per_key(limit)
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<OutboxRecord>> {
+        (**self).__claim_per_key(limit, held)
     }
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         (**self).__insert_consumed(group, msg_id)

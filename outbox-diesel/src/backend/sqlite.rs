@@ -201,7 +201,9 @@ impl Backend for SqliteConnection {
 
     /// One relay per database: a row outside `L` below a row of `L` is one waiting for
     /// its retry time, so this keeps a key in order across retries.
-    fn __claim_per_key_sql(limit: usize) -> String {
+    /// (`held` is always empty: the SQLite store claims no batch ahead.)
+    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+        debug_assert!(held.is_empty(), "SQLite claims no batch ahead");
         per_key_claim_sql(&DIALECT, limit, "IN (SELECT id FROM l)")
     }
 }

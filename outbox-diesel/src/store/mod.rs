@@ -141,20 +141,23 @@ fn rollback<C: R2D2Connection>(conn: &mut C) {
 impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// Claims up to `limit` due NEW rows on a connection of `pool` (PostgreSQL and MySQL;
     /// SQLite claims under its lease instead), in a transaction that the server ends if
-    /// it sits idle for `stall` (the store's `with_stall_timeout`).
+    /// it sits idle for `stall` (the store's `with_stall_timeout`). `held`: the ids of
+    /// the batch in hand for a claim ahead ([`outbox_core::RelayStore::claim_after`]),
+    /// else empty.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) async fn claim(
         pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
         order: ClaimOrder,
         stall: Duration,
+        held: Vec<i64>,
     ) -> Result<Self> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
             c.__begin_bounded_claim(stall)?;
             let claimed = match order {
-                ClaimOrder::PerKey => c.__claim_per_key(limit),
+                ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
                 ClaimOrder::Unordered => c.__claim(limit),
             };
             let claimed = match claimed {

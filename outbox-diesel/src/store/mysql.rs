@@ -89,7 +89,8 @@ impl RelayStore for MysqlRelayStore {
     type Batch = LockedBatch<MysqlConnection>;
 
     async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
-        Ok(LockedBatch::claim(self.pool.clone(), limit, self.order, self.stall).await?)
+        let (pool, held) = (self.pool.clone(), Vec::new());
+        Ok(LockedBatch::claim(pool, limit, self.order, self.stall, held).await?)
     }
 
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
@@ -99,6 +100,11 @@ impl RelayStore for MysqlRelayStore {
 
     /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the
     /// per-key claim holds back the later rows of their keys.
+    ///
+    /// It keeps the default [`claim_after`](RelayStore::claim_after) (the batch in hand
+    /// holds back the later rows of its keys): MariaDB locks every row that the locking
+    /// statement's head check reads, which includes later rows of the batch's keys, so
+    /// a claim ahead could not take them anyway.
     fn claims_ahead(&self) -> bool {
         true
     }

@@ -188,6 +188,14 @@ impl RelayStore for PgRelayStore {
     type Batch = LockedBatch<PgConnection>;
 
     async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
+        self.claim_after(limit, &[]).await
+    }
+
+    async fn claim_after(
+        &self,
+        limit: usize,
+        held: &[i64],
+    ) -> Result<Self::Batch, outbox_core::Error> {
         // An idle relay notes the newest due row before it claims: if the claim still
         // returns nothing, every due row up to there is held back or taken, and the due
         // check before parking looks only above it. (Taken before the claim, so that a
@@ -198,7 +206,8 @@ impl RelayStore for PgRelayStore {
         } else {
             0
         };
-        let batch = LockedBatch::claim(self.pool.clone(), limit, self.order, self.stall).await?;
+        let (pool, held) = (self.pool.clone(), held.to_vec());
+        let batch = LockedBatch::claim(pool, limit, self.order, self.stall, held).await?;
         let empty = batch.messages().is_empty();
         self.seen.empty.store(empty, Ordering::Relaxed);
         self.seen
@@ -223,7 +232,8 @@ impl RelayStore for PgRelayStore {
     }
 
     /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the per-key
-    /// claim holds back the later rows of their keys.
+    /// claim holds back the later rows of their keys, except behind the batch in hand
+    /// ([`claim_after`](RelayStore::claim_after)).
     fn claims_ahead(&self) -> bool {
         true
     }
