@@ -3,9 +3,9 @@
 //! by another relay still does. (MariaDB keeps the default claim ahead: see
 //! `MysqlRelayStore::claims_ahead`.)
 
-mod common;
+mod fixtures;
 
-use common::{Backend, Pg, runtime};
+use fixtures::{Backend, Pg, runtime};
 use outbox_core::{ClaimedBatch, OutboxEvent, RelayStore};
 use outbox_diesel::{ClaimOrder, Emit};
 use serde::{Deserialize, Serialize};
@@ -19,7 +19,7 @@ struct Moved {
 }
 
 /// Rows 0..6 over the keys a, b, c, a, b, c.
-fn emit_two_rounds<B: Backend>(db: &common::TestDb) {
+fn emit_two_rounds<B: Backend>(db: &fixtures::TestDb) {
     let mut c = B::connect(db);
     c.emit_all((0..6).map(|n| Moved {
         n,
