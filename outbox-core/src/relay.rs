@@ -1102,9 +1102,11 @@ mod tests {
         db: MemoryDb<()>,
         held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
         most_held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-        /// Each claim's row ids, and for a claim ahead the ids it was told were in hand.
-        claims: std::sync::Arc<std::sync::Mutex<Vec<(Vec<i64>, Option<Vec<i64>>)>>>,
+        claims: std::sync::Arc<std::sync::Mutex<Vec<Claim>>>,
     }
+
+    /// One claim's row ids, and for a claim ahead the ids it was told were in hand.
+    type Claim = (Vec<i64>, Option<Vec<i64>>);
 
     impl AheadDb {
         fn on(db: &MemoryDb<()>) -> Self {
