@@ -2,7 +2,7 @@
 //! (the status code; the JSON body for the operator), from a real relay process whose
 //! private Redis or PostgreSQL is stopped under it.
 
-mod common;
+mod fixtures;
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, on_every_backend, unique};
+use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, unique};
 use outbox_tests::{ScratchPostgres, ScratchRedis};
 
 /// Longest wait for a relay to start or an endpoint to change its answer.
@@ -26,9 +26,7 @@ struct Relay {
 
 impl Relay {
     fn start(database_url: &str, redis_url: &str, extra: &[&str]) -> Self {
-        let admin = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port");
+        let admin = SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
         let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_admin")));
         let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
             .env_remove("DATABASE_URL")
@@ -139,7 +137,8 @@ impl Drop for Relay {
 
 /// /healthz is 200 with both services up, 503 naming Redis while the relay's Redis is
 /// stopped, and 200 again once it is back.
-fn healthz_names_redis_when_it_is_down(db: &TestDb) {
+fn healthz_names_redis_when_it_is_down<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     let mut redis = ScratchRedis::start();
     let relay = Relay::start(&db.url, &redis.url(), &[]);
@@ -164,7 +163,8 @@ fn healthz_names_redis_when_it_is_down(db: &TestDb) {
 
 /// /readyz is 200 with nothing due, 503 while a message older than --ready-max-age is
 /// stuck (its Redis is down), and 200 once the relay has published it.
-fn readyz_fails_while_an_old_message_is_stuck(db: &TestDb) {
+fn readyz_fails_while_an_old_message_is_stuck<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     let mut redis = ScratchRedis::start();
     redis.stop();
@@ -189,10 +189,11 @@ fn readyz_fails_while_an_old_message_is_stuck(db: &TestDb) {
     relay.stop();
 }
 
-on_every_backend!(
+outbox_tests::on_every_backend! {
+    postgres => Postgres, mariadb => Mariadb, sqlite => Sqlite;
     healthz_names_redis_when_it_is_down,
-    readyz_fails_while_an_old_message_is_stuck
-);
+    readyz_fails_while_an_old_message_is_stuck,
+}
 
 /// /healthz and /readyz are 503 naming the database while the relay's PostgreSQL is down.
 #[test]
@@ -230,9 +231,9 @@ fn an_admin_address_in_use_is_reported() {
     db.migrate();
     let taken = TcpListener::bind("127.0.0.1:0").expect("a port");
     let addr = taken.local_addr().expect("its address").to_string();
-    common::outbox()
+    fixtures::outbox()
         .args(["--database-url", &db.url, "relay", "--redis-url"])
-        .arg(common::redis_url())
+        .arg(fixtures::redis_url())
         .args(["--admin-addr", &addr])
         .timeout(PATIENCE)
         .assert()

@@ -4,24 +4,26 @@
 //! and the documented exit code, no password appears in any output (every run here logs
 //! at `RUST_LOG=debug`) or metric, and the committed rows stay as they were.
 
-mod common;
+mod fixtures;
 
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::ffi::OsStringExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{AnyConn, Kind, TestDb, mysql_url, postgres_url, redis_url, unique};
 use diesel::connection::SimpleConnection as _;
 use diesel::sql_types::{BigInt, Integer};
 use diesel::{Connection as _, MysqlConnection, PgConnection, QueryableByName, RunQueryDsl as _};
+use fixtures::{AnyConn, Backend, Engine, Mariadb, Postgres, Sqlite, TestDb, redis_url, unique};
 use outbox_diesel::OutboxRecord;
-use outbox_tests::{PasswordRedis, ScratchPostgres};
+use outbox_tests::{
+    MariadbUser, PasswordRedis, ScratchPostgres, database_url, mysql_url, wait_until_within,
+};
 
 /// Fail-safe for waits on subprocesses; no test relies on it for timing.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -32,7 +34,7 @@ fn run(args: &[&str]) -> Output {
 }
 
 fn run_os(args: Vec<OsString>) -> Output {
-    let mut cmd = common::outbox();
+    let mut cmd = fixtures::outbox();
     cmd.env("RUST_LOG", "debug")
         .args(args)
         .timeout(PATIENCE)
@@ -92,52 +94,6 @@ fn snapshot(db: &TestDb) -> (Vec<OutboxRecord>, i64) {
     }
 }
 
-/// `<server>/<database>` of the MariaDB test URL, with `user:password@` put in.
-fn mysql_url_as(user: &str, password: &str, database: &str) -> String {
-    let base = mysql_url();
-    let host = base.split_once('@').map_or(base.as_str(), |(_, h)| h);
-    let host = host.split_once('/').map_or(host, |(h, _)| h);
-    format!("mysql://{user}:{password}@{host}/{database}")
-}
-
-/// A MariaDB user with a password and its own database on the shared server; both are
-/// dropped on drop.
-struct MariaUser {
-    name: String,
-    db: TestDb,
-}
-
-impl MariaUser {
-    const PASSWORD: &'static str = "right-maria-pass";
-
-    fn new() -> Self {
-        let db = TestDb::mysql();
-        let database = db.url.rsplit('/').next().unwrap().to_owned();
-        let name = unique("bad_input");
-        let mut admin = MysqlConnection::establish(&mysql_url()).expect("MariaDB");
-        admin
-            .batch_execute(&format!(
-                "CREATE USER '{name}'@'%' IDENTIFIED BY '{}'; GRANT ALL ON {database}.* TO '{name}'@'%'",
-                Self::PASSWORD
-            ))
-            .expect("create user");
-        Self { name, db }
-    }
-
-    fn url(&self, password: &str) -> String {
-        let database = self.db.url.rsplit('/').next().unwrap();
-        mysql_url_as(&self.name, password, database)
-    }
-}
-
-impl Drop for MariaUser {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = MysqlConnection::establish(&mysql_url()) {
-            let _ = admin.batch_execute(&format!("DROP USER IF EXISTS '{}'@'%'", self.name));
-        }
-    }
-}
-
 /// The database commands, each of which connects first.
 fn database_commands<'a>(url: &'a str, redis: &'a str) -> Vec<Vec<&'a str>> {
     let with = |args: &[&'a str]| {
@@ -188,7 +144,7 @@ fn postgres_wrong_password_is_reported_without_the_password() {
         &["password=***", "password authentication failed"],
         Some(secret),
     );
-    let out = common::outbox()
+    let out = fixtures::outbox()
         .env("DATABASE_URL", &url)
         .env("RUST_LOG", "debug")
         .arg("status")
@@ -207,9 +163,9 @@ fn postgres_wrong_password_is_reported_without_the_password() {
 
 #[test]
 fn mariadb_wrong_password_is_reported_without_the_password() {
-    let user = MariaUser::new();
+    let user = MariadbUser::new("bad_input");
     let secret = "Wr0ng-Maria-Secret";
-    let url = user.url(secret);
+    let url = user.url_with_password(secret);
     let shown = url.replace(secret, "***");
     for args in database_commands(&url, &redis_url()) {
         let out = run(&args);
@@ -223,7 +179,11 @@ fn mariadb_wrong_password_is_reported_without_the_password() {
             Some(secret),
         );
     }
-    let out = run(&["--database-url", &user.url(MariaUser::PASSWORD), "migrate"]);
+    let out = run(&[
+        "--database-url",
+        &user.url_with_password(MariadbUser::PASSWORD),
+        "migrate",
+    ]);
     assert!(out.status.success(), "{}", printed(&out));
 }
 
@@ -245,7 +205,7 @@ fn redis_wrong_password_is_reported_without_the_password() {
         ],
         Some(secret),
     );
-    let out = common::outbox()
+    let out = fixtures::outbox()
         .env("REDIS_URL", &url)
         .env("RUST_LOG", "debug")
         .arg("trim")
@@ -333,7 +293,7 @@ fn relay_never_shows_passwords(database_url: &str, db_password: &str) {
     assert!(!printed(&out).contains(db_password), "{}", printed(&out));
     let emit = |n: u32| {
         use outbox_diesel::Emit as _;
-        let ping = common::Ping { n };
+        let ping = fixtures::Ping { n };
         if database_url.starts_with("mysql") {
             let mut c = MysqlConnection::establish(database_url).unwrap();
             c.transaction(|c| c.emit(ping).map(drop)).unwrap();
@@ -362,7 +322,7 @@ fn relay_never_shows_passwords(database_url: &str, db_password: &str) {
         .unwrap()
         .get_connection()
         .unwrap();
-    wait_until("three messages published", || {
+    wait_until_within("three messages published", PATIENCE, || {
         assert!(
             relay.child.try_wait().unwrap().is_none(),
             "log:\n{}",
@@ -404,8 +364,11 @@ fn postgres_relay_never_shows_passwords() {
 
 #[test]
 fn mariadb_relay_never_shows_passwords() {
-    let user = MariaUser::new();
-    relay_never_shows_passwords(&user.url(MariaUser::PASSWORD), MariaUser::PASSWORD);
+    let user = MariadbUser::new("bad_input");
+    relay_never_shows_passwords(
+        &user.url_with_password(MariadbUser::PASSWORD),
+        MariadbUser::PASSWORD,
+    );
 }
 
 // ---- unreachable hosts ----
@@ -515,9 +478,10 @@ fn relay_with_an_unreachable_redis_spends_no_retries() {
 
 // ---- missing tables, tables of a newer release ----
 
-fn missing_tables_suggest_migrate(db: &TestDb) {
+fn missing_tables_suggest_migrate<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     // The database exists (SQLite: the file), the outbox tables do not.
-    if db.kind == Kind::Sqlite {
+    if db.kind == Engine::Sqlite {
         db.exec("CREATE TABLE unrelated (x INTEGER)");
     }
     for args in [
@@ -545,20 +509,21 @@ fn missing_tables_suggest_migrate(db: &TestDb) {
 /// Marks the tables as migrated by a newer release: version 2 recorded, one index gone.
 fn newer_release(db: &TestDb) {
     match db.kind {
-        Kind::Postgres => {
+        Engine::Postgres => {
             db.exec("INSERT INTO outbox_migrations (version) VALUES (2); DROP INDEX outbox_sent;")
         }
-        Kind::Mysql => db.exec(
+        Engine::Mariadb => db.exec(
             "INSERT INTO outbox_migrations (version, applied_at) VALUES (2, UTC_TIMESTAMP(6)); \
              DROP INDEX outbox_sent ON outbox;",
         ),
-        Kind::Sqlite => {
+        Engine::Sqlite => {
             db.exec("INSERT INTO outbox_migrations (version) VALUES (2); DROP INDEX outbox_sent;")
         }
     }
 }
 
-fn migrate_refuses_tables_of_a_newer_release(db: &TestDb) {
+fn migrate_refuses_tables_of_a_newer_release<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=2);
     newer_release(db);
@@ -582,15 +547,15 @@ fn migrate_refuses_tables_of_a_newer_release(db: &TestDb) {
     }
     assert_eq!(snapshot(db), before);
     let index_sql = match db.kind {
-        Kind::Postgres => {
+        Engine::Postgres => {
             "SELECT COUNT(*) AS n FROM pg_indexes WHERE indexname = 'outbox_sent' \
                            AND schemaname = current_schema()"
         }
-        Kind::Mysql => {
+        Engine::Mariadb => {
             "SELECT COUNT(*) AS n FROM information_schema.statistics \
                         WHERE table_schema = DATABASE() AND index_name = 'outbox_sent'"
         }
-        Kind::Sqlite => "SELECT COUNT(*) AS n FROM sqlite_master WHERE name = 'outbox_sent'",
+        Engine::Sqlite => "SELECT COUNT(*) AS n FROM sqlite_master WHERE name = 'outbox_sent'",
     };
     assert_eq!(
         count(db, index_sql),
@@ -614,26 +579,19 @@ fn count(db: &TestDb, sql: &str) -> i64 {
     .n
 }
 
-common::on_every_backend!(
+outbox_tests::on_every_backend! {
+    postgres => Postgres, mariadb => Mariadb, sqlite => Sqlite;
     missing_tables_suggest_migrate,
     migrate_refuses_tables_of_a_newer_release,
     sql_in_arguments_is_data,
     a_retention_beyond_any_timestamp_deletes_nothing,
-);
+}
 
 // ---- SIGTERM during `outbox migrate` ----
 
 /// Spawns `outbox migrate` with its stderr in a file.
 fn spawn_migrate(db: &TestDb) -> Spawned {
     Spawned::start(&["--database-url", &db.url, "migrate"])
-}
-
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[derive(QueryableByName)]
@@ -656,16 +614,20 @@ fn postgres_sigterm_during_migrate_leaves_all_or_nothing() {
     blocker
         .batch_execute("BEGIN; CREATE TABLE consumed_msg (x INT);")
         .unwrap();
-    let mut admin = PgConnection::establish(&postgres_url()).expect("PostgreSQL");
+    let mut admin = PgConnection::establish(&database_url()).expect("PostgreSQL");
     let mut migrate = spawn_migrate(&db);
     let blocked = format!(
         "SELECT pid FROM pg_stat_activity WHERE {blocker_pid} = ANY(pg_blocking_pids(pid))"
     );
     let mut waiting = Vec::new();
-    wait_until("the migration waits for the other session", || {
-        waiting = diesel::sql_query(&blocked).load::<Pid>(&mut admin).unwrap();
-        !waiting.is_empty()
-    });
+    wait_until_within(
+        "the migration waits for the other session",
+        PATIENCE,
+        || {
+            waiting = diesel::sql_query(&blocked).load::<Pid>(&mut admin).unwrap();
+            !waiting.is_empty()
+        },
+    );
     assert!(
         migrate.log().is_empty() && migrate.child.try_wait().unwrap().is_none(),
         "migrate ended early: {}",
@@ -677,7 +639,7 @@ fn postgres_sigterm_during_migrate_leaves_all_or_nothing() {
     blocker.batch_execute("ROLLBACK").unwrap();
     // The orphaned server session finishes or aborts the migration on its own.
     let backend = waiting[0].pid;
-    wait_until("the killed migration's session ends", || {
+    wait_until_within("the killed migration's session ends", PATIENCE, || {
         diesel::sql_query(format!(
             "SELECT pid FROM pg_stat_activity WHERE pid = {backend}"
         ))
@@ -730,7 +692,7 @@ fn mariadb_sigterm_during_migrate_can_be_rerun() {
         n: i64,
     }
     let mut waiting = Vec::new();
-    wait_until("the migration waits for the lock", || {
+    wait_until_within("the migration waits for the lock", PATIENCE, || {
         waiting = diesel::sql_query(&waiting_sql)
             .load::<N>(&mut admin)
             .unwrap();
@@ -741,7 +703,7 @@ fn mariadb_sigterm_during_migrate_can_be_rerun() {
     assert_eq!(status.signal(), Some(15), "{status}: {}", migrate.log());
     blocker.batch_execute("UNLOCK TABLES").unwrap();
     let thread = waiting[0].n;
-    wait_until("the killed migration's session ends", || {
+    wait_until_within("the killed migration's session ends", PATIENCE, || {
         diesel::sql_query(format!(
             "SELECT CAST(id AS SIGNED) AS n FROM information_schema.processlist WHERE id = {thread}"
         ))
@@ -882,7 +844,7 @@ fn extreme_but_valid_values_start_publish_and_stop() {
         ],
     );
     let stream = format!("{prefix}cli.ping");
-    wait_until("the three messages published", || {
+    wait_until_within("the three messages published", PATIENCE, || {
         assert!(
             relay.child.try_wait().unwrap().is_none(),
             "the relay exited; log:\n{}",
@@ -899,7 +861,8 @@ fn extreme_but_valid_values_start_publish_and_stop() {
 
 /// Operator arguments that look like SQL or Redis patterns are only data: the relay
 /// publishes to a stream of that odd name, and lookups find nothing and touch nothing.
-fn sql_in_arguments_is_data(db: &TestDb) {
+fn sql_in_arguments_is_data<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=3);
     db.kill(&[2]);
@@ -937,7 +900,7 @@ fn sql_in_arguments_is_data(db: &TestDb) {
     let prefix = format!("{}'; DROP TABLE outbox; -- *?[", unique("x"));
     let stream = format!("{prefix}cli.ping");
     let mut relay = Spawned::relay_with_prefix(db, &redis_url(), &prefix, &[]);
-    wait_until("published under the odd prefix", || {
+    wait_until_within("published under the odd prefix", PATIENCE, || {
         assert!(
             relay.child.try_wait().unwrap().is_none(),
             "log:\n{}",
@@ -961,7 +924,8 @@ fn sql_in_arguments_is_data(db: &TestDb) {
 
 /// `--older-than` far beyond any stored time deletes nothing, on every backend (on
 /// PostgreSQL it used to fail with `timestamp out of range`).
-fn a_retention_beyond_any_timestamp_deletes_nothing(db: &TestDb) {
+fn a_retention_beyond_any_timestamp_deletes_nothing<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=2);
     db.exec("UPDATE outbox SET status = 1");
@@ -997,9 +961,7 @@ fn a_retention_beyond_any_timestamp_deletes_nothing(db: &TestDb) {
 // ---- helpers: subprocesses, Redis ----
 
 fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
+    SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()))
 }
 
 fn redis_conn() -> redis::Connection {

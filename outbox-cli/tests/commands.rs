@@ -1,21 +1,23 @@
 //! `outbox migrate`, `status`, `dead …` and `purge …` against the real databases, and
 //! how bad input fails.
 
-mod common;
+mod fixtures;
 
-use common::{TestDb, on_every_backend, outbox};
+use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, outbox};
 use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::json;
 
-on_every_backend!(
+outbox_tests::on_every_backend! {
+    postgres => Postgres, mariadb => Mariadb, sqlite => Sqlite;
     migrate_is_idempotent,
     status_counts_due_new_the_oldest_age_and_dead,
     dead_letters_list_show_redrive_and_purge,
     purge_deletes_only_old_sent_messages_and_dedup_records,
-);
+}
 
-fn migrate_is_idempotent(db: &TestDb) {
+fn migrate_is_idempotent<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     for _ in 0..2 {
         db.outbox()
             .arg("migrate")
@@ -35,7 +37,8 @@ fn migrate_is_idempotent(db: &TestDb) {
         .stdout(contains("CREATE TABLE IF NOT EXISTS outbox"));
 }
 
-fn status_counts_due_new_the_oldest_age_and_dead(db: &TestDb) {
+fn status_counts_due_new_the_oldest_age_and_dead<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.outbox()
         .arg("status")
@@ -69,7 +72,8 @@ fn status_counts_due_new_the_oldest_age_and_dead(db: &TestDb) {
         .stdout(contains("DEAD messages:     1"));
 }
 
-fn dead_letters_list_show_redrive_and_purge(db: &TestDb) {
+fn dead_letters_list_show_redrive_and_purge<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=4);
     db.kill(&[1, 2, 3]);
@@ -180,7 +184,8 @@ fn dead_letters_list_show_redrive_and_purge(db: &TestDb) {
     db.stdout(&["dead", "show", "4:Ping"]);
 }
 
-fn purge_deletes_only_old_sent_messages_and_dedup_records(db: &TestDb) {
+fn purge_deletes_only_old_sent_messages_and_dedup_records<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=5);
     let day = 86_400;

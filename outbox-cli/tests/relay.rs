@@ -1,7 +1,7 @@
 //! `outbox relay` as operators run it: a subprocess publishing to the real Redis until a
 //! signal stops it.
 
-mod common;
+mod fixtures;
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -10,16 +10,17 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, on_every_backend, outbox, redis_url, unique};
+use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, outbox, redis_url, unique};
 use predicates::str::contains;
 
 /// Fail-safe for waits on the subprocess and Redis; no test relies on it for timing.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-on_every_backend!(
+outbox_tests::on_every_backend! {
+    postgres => Postgres, mariadb => Mariadb, sqlite => Sqlite;
     relay_publishes_committed_messages_and_stops_on_sigterm,
-    relay_process_publishes_everything_after_a_12_s_redis_outage
-);
+    relay_process_publishes_everything_after_a_12_s_redis_outage,
+}
 
 #[test]
 fn postgres_stalled_relay_process_releases_its_rows() {
@@ -31,7 +32,8 @@ fn mariadb_stalled_relay_process_releases_its_rows() {
     stalled_relay_process_releases_its_rows(&TestDb::mysql());
 }
 
-fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
+fn relay_publishes_committed_messages_and_stops_on_sigterm<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     db.emit(1..=5);
     let streams = Streams::new();
@@ -71,7 +73,8 @@ fn relay_publishes_committed_messages_and_stops_on_sigterm(db: &TestDb) {
 /// claim interval plus the longest outage backoff: it publishes what was committed
 /// before, during and after, each message once and in order, spends no retry, and still
 /// stops on SIGTERM.
-fn relay_process_publishes_everything_after_a_12_s_redis_outage(db: &TestDb) {
+fn relay_process_publishes_everything_after_a_12_s_redis_outage<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
     db.migrate();
     let mut redis = outbox_tests::ScratchRedis::start_persistent();
     let streams = Streams::on(&redis.url());
@@ -207,9 +210,7 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
     db.migrate();
     db.emit(1..=3);
     let streams = Streams::new();
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
     let mut relay =
         RelayProcess::start(&db, &streams.prefix, &["--metrics-addr", &addr.to_string()]);
     streams.wait_for(3, &mut relay);

@@ -4,16 +4,16 @@
 
 // This binary uses no per-backend scenarios.
 #[allow(unused_macros, unused_imports)]
-mod common;
+mod fixtures;
 
 use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, redis_url, unique};
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
+use fixtures::{TestDb, redis_url, unique};
 use predicates::str::contains;
 
 /// Fail-safe for waits on the subprocess and Redis; no test relies on it for timing.

@@ -2,9 +2,9 @@
 
 // This binary uses none of the database helpers.
 #[allow(unused_macros, unused_imports)]
-mod common;
+mod fixtures;
 
-use common::{outbox, redis_url, unique};
+use fixtures::{outbox, redis_url, unique};
 use predicates::str::contains;
 use redis::Commands as _;
 use serde_json::json;
