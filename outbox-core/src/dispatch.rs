@@ -5,7 +5,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::{
-    BatchOutcomes, BoxError, Envelope, Error, HandlerError, Inbox, InvalidConfig, OutboxEvent,
+    BoxError, Envelope, Error, HandlerError, Inbox, InboxBatchOutcomes, InvalidConfig, OutboxEvent,
     Processed,
 };
 
@@ -479,7 +479,7 @@ impl<C: 'static> Dispatcher<C> {
         inbox: &I,
         group: &str,
         deliveries: &[Delivery],
-    ) -> Result<BatchOutcomes, Error>
+    ) -> Result<InboxBatchOutcomes, Error>
     where
         I: Inbox<Conn = C>,
     {

@@ -15,7 +15,7 @@ pub enum Processed {
 /// The outcome of each message of a batch, in the order of the batch's msg_ids:
 /// `Ok(Applied)`, `Ok(Duplicate)`, or that message's own error (its handler failed or
 /// panicked, or it could not be decoded).
-pub type BatchOutcomes = Vec<Result<Processed, Error>>;
+pub type InboxBatchOutcomes = Vec<Result<Processed, Error>>;
 
 /// The consumer's idempotency store: records `(consumer_group, msg_id)` in the same
 /// transaction as the handler's writes.
@@ -92,7 +92,7 @@ pub trait Inbox: Send + Sync + 'static {
         group: &str,
         msg_ids: &[MsgId],
         mut handle: F,
-    ) -> Result<BatchOutcomes, Error>
+    ) -> Result<InboxBatchOutcomes, Error>
     where
         F: FnMut(usize, &mut Self::Conn) -> Result<(), HandlerError>,
     {

@@ -96,7 +96,7 @@ pub use error_chain::{ErrorChain, error_chain};
 pub use event::OutboxEvent;
 #[cfg(feature = "memory")]
 pub use flaky::{FailAs, FlakyPublisher};
-pub use inbox::{BatchOutcomes, Inbox, MAX_CONSUMER_GROUP_LEN, Processed};
+pub use inbox::{Inbox, InboxBatchOutcomes, MAX_CONSUMER_GROUP_LEN, Processed};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBatch, MemoryBroker, MemoryDb, MemoryTx, OutboxRow};
 pub use message::{
@@ -106,7 +106,7 @@ pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
 pub use publish::{PublishOutcomes, Publisher, RejectKind, Rejected};
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};
-pub use store::{Backlog, BatchOutcome, ClaimedBatch, RelayStore};
+pub use store::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct or an enum with named fields.
 ///

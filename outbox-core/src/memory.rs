@@ -9,9 +9,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::{
-    Backlog, BatchOutcome, BatchOutcomes, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error,
-    HandlerError, Inbox, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
-    RelayStore, Status, StoredMessage,
+    Backlog, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, HandlerError, Inbox,
+    InboxBatchOutcomes, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
+    RelayBatchOutcome, RelayStore, Status, StoredMessage,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -252,7 +252,7 @@ impl<S: Clone + Send + 'static> Inbox for MemoryDb<S> {
         group: &str,
         msg_ids: &[MsgId],
         mut handle: F,
-    ) -> Result<BatchOutcomes, Error>
+    ) -> Result<InboxBatchOutcomes, Error>
     where
         F: FnMut(usize, &mut MemoryTx<S>) -> Result<(), HandlerError>,
     {
@@ -312,7 +312,7 @@ impl<S: Send + 'static> ClaimedBatch for MemoryBatch<S> {
         &self.messages
     }
 
-    async fn complete(self, outcome: BatchOutcome) -> Result<(), Error> {
+    async fn complete(self, outcome: RelayBatchOutcome) -> Result<(), Error> {
         let mut state = lock(&self.shared.state);
         for id in outcome.sent {
             if let Some(row) = state.rows.get_mut(&id) {

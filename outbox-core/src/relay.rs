@@ -6,8 +6,8 @@ use chrono::Utc;
 use tracing::Instrument as _;
 
 use crate::{
-    BatchOutcome, ClaimedBatch, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind,
-    Rejected, RelayStore, RetryDecision, RetryPolicy,
+    ClaimedBatch, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind, Rejected,
+    RelayBatchOutcome, RelayStore, RetryDecision, RetryPolicy,
 };
 
 /// Relay settings. `Default` gives batches of 500, a 1 s poll and the default
@@ -438,8 +438,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         &self,
         messages: &[crate::StoredMessage],
         results: Vec<Option<Result<(), Rejected>>>,
-    ) -> BatchOutcome {
-        let mut outcome = BatchOutcome::default();
+    ) -> RelayBatchOutcome {
+        let mut outcome = RelayBatchOutcome::default();
         for (m, result) in messages.iter().zip(results) {
             let Some(result) = result else {
                 continue; // not published: released untouched
@@ -1149,7 +1149,7 @@ mod tests {
             self.batch.as_ref().map_or(&[], |b| b.messages())
         }
 
-        async fn complete(mut self, outcome: BatchOutcome) -> Result<(), Error> {
+        async fn complete(mut self, outcome: RelayBatchOutcome) -> Result<(), Error> {
             match self.batch.take() {
                 Some(batch) => batch.complete(outcome).await,
                 None => Ok(()),

@@ -8,7 +8,7 @@ use crate::{Error, StoredMessage};
 /// What happened to a claimed batch, applied by [`ClaimedBatch::complete`] in one
 /// transaction with the claim.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BatchOutcome {
+pub struct RelayBatchOutcome {
     /// Row ids published: mark SENT.
     pub sent: Vec<i64>,
     /// Rows that failed and will be retried: `retries + 1`, this `next_retry_at`, this error.
@@ -17,7 +17,7 @@ pub struct BatchOutcome {
     pub dead: Vec<(i64, String)>,
 }
 
-impl BatchOutcome {
+impl RelayBatchOutcome {
     /// Whether there is nothing to write.
     pub fn is_empty(&self) -> bool {
         self.sent.is_empty() && self.retry.is_empty() && self.dead.is_empty()
@@ -92,5 +92,6 @@ pub trait ClaimedBatch: Send {
     fn messages(&self) -> &[StoredMessage];
 
     /// Writes the outcome and releases the claim, atomically.
-    fn complete(self, outcome: BatchOutcome) -> impl Future<Output = Result<(), Error>> + Send;
+    fn complete(self, outcome: RelayBatchOutcome)
+    -> impl Future<Output = Result<(), Error>> + Send;
 }

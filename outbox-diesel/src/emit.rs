@@ -3,7 +3,7 @@ use std::collections::HashSet;
 
 use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, MsgId, OutboxEvent};
 
-use crate::{Error, OutboxConnection, Result};
+use crate::{OutboxConnection, Result};
 
 /// Whether [`Emit`] on PostgreSQL wakes a relay with `NOTIFY` (delivered at commit).
 /// Ignored on MySQL and SQLite, whose relays poll.
@@ -124,7 +124,7 @@ impl Default for EmitOptions {
 /// too large or not serializable, field too long) leave the transaction usable: nothing was written,
 /// and you may roll back (what `?` does) or carry on. A database error (a lost
 /// connection, a statement timeout) is like any failed statement: on PostgreSQL it aborts
-/// the transaction, which can then only roll back. A duplicate msg_id is [`Error::Duplicate`]; after `?` has
+/// the transaction, which can then only roll back. A duplicate msg_id is [`outbox_core::Error::Duplicate`]; after `?` has
 /// turned it into a [`diesel::result::Error`], test it with [`is_duplicate`](crate::is_duplicate).
 pub trait Emit {
     /// Writes `event` with the default [`EmitOptions`] and returns its msg_id.
@@ -185,14 +185,15 @@ impl<C: OutboxConnection> Emit for C {
         let mut seen = HashSet::with_capacity(envelopes.len());
         for e in envelopes {
             if e.payload.len() > options.max_payload_bytes {
-                return Err(Error::PayloadTooLarge {
+                return Err(outbox_core::Error::PayloadTooLarge {
                     msg_id: e.msg_id.clone(),
                     size: e.payload.len(),
                     limit: options.max_payload_bytes,
-                });
+                }
+                .into());
             }
             if !seen.insert(e.msg_id.as_str()) {
-                return Err(Error::Duplicate(e.msg_id.clone()));
+                return Err(outbox_core::Error::Duplicate(e.msg_id.clone()).into());
             }
         }
         self.__insert(options, envelopes)

@@ -18,34 +18,15 @@ pub const MSG_ID_CONSTRAINT: &str = "outbox_msg_id_key";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A message with this msg_id is already in the outbox (or twice in one
-    /// [`emit_all`](crate::Emit::emit_all)): the same business fact was submitted twice.
-    /// Nothing was written and the first message is untouched; the transaction is still
-    /// usable.
-    #[error("duplicate msg_id `{0}`: this event was already emitted")]
-    Duplicate(MsgId),
-    /// The event's id does not make a valid msg_id.
+    /// An error `outbox-core` defines, as this crate reports it too: a duplicate msg_id
+    /// ([`outbox_core::Error::Duplicate`]: the same business fact emitted twice, or twice
+    /// in one [`emit_all`](crate::Emit::emit_all); nothing was written, the first message
+    /// is untouched and the transaction is still usable), an invalid msg_id, an event that
+    /// does not serialize, a payload over
+    /// [`EmitOptions::max_payload_bytes`](crate::EmitOptions::max_payload_bytes), and the
+    /// like.
     #[error(transparent)]
-    InvalidMsgId(#[from] InvalidMsgId),
-    /// The event could not be serialized to JSON.
-    #[error("cannot serialize event `{msg_id}`")]
-    Serialize {
-        /// The event's msg_id.
-        msg_id: MsgId,
-        /// serde's error.
-        source: serde_json::Error,
-    },
-    /// The serialized payload is over the configured limit
-    /// ([`EmitOptions::max_payload_bytes`](crate::EmitOptions::max_payload_bytes)).
-    #[error("event `{msg_id}` payload is {size} bytes; the limit is {limit}")]
-    PayloadTooLarge {
-        /// The event's msg_id.
-        msg_id: MsgId,
-        /// Serialized size in bytes.
-        size: usize,
-        /// The limit in bytes.
-        limit: usize,
-    },
+    Core(#[from] outbox_core::Error),
     /// A text field is longer than its column.
     #[error("event `{msg_id}`: {field} is {len} characters; the column holds {limit}")]
     FieldTooLong {
@@ -122,16 +103,13 @@ pub enum Error {
     /// A blocking database task panicked or was cancelled.
     #[error("database task failed: {0}")]
     Task(String),
-    /// An error from `outbox-core` with no more specific variant here.
-    #[error(transparent)]
-    Core(outbox_core::Error),
 }
 
 impl Error {
-    /// The same business fact was emitted twice ([`Error::Duplicate`]).
+    /// The same business fact was emitted twice ([`outbox_core::Error::Duplicate`]).
     pub fn is_duplicate(&self) -> bool {
         match self {
-            Self::Duplicate(_) => true,
+            Self::Core(e) => e.is_duplicate(),
             Self::Database(e) => is_duplicate(e),
             _ => false,
         }
@@ -142,10 +120,11 @@ impl Error {
     pub fn is_invalid_event(&self) -> bool {
         matches!(
             self,
-            Self::InvalidMsgId(_)
-                | Self::Serialize { .. }
-                | Self::PayloadTooLarge { .. }
-                | Self::FieldTooLong { .. }
+            Self::Core(
+                outbox_core::Error::InvalidMsgId(_)
+                    | outbox_core::Error::Serialize { .. }
+                    | outbox_core::Error::PayloadTooLarge { .. }
+            ) | Self::FieldTooLong { .. }
         )
     }
 
@@ -177,24 +156,6 @@ impl Error {
             _ => None,
         }
     }
-
-    pub(crate) fn from_core(e: outbox_core::Error) -> Self {
-        match e {
-            outbox_core::Error::InvalidMsgId(e) => Self::InvalidMsgId(e),
-            outbox_core::Error::Serialize { msg_id, source } => Self::Serialize { msg_id, source },
-            outbox_core::Error::PayloadTooLarge {
-                msg_id,
-                size,
-                limit,
-            } => Self::PayloadTooLarge {
-                msg_id,
-                size,
-                limit,
-            },
-            outbox_core::Error::Duplicate(id) => Self::Duplicate(id),
-            other => Self::Core(other),
-        }
-    }
 }
 
 /// Whether a diesel error reports a duplicate msg_id in the outbox: what
@@ -203,7 +164,8 @@ impl Error {
 ///
 /// ```
 /// use diesel::result::Error as DieselError;
-/// let e: DieselError = outbox_diesel::Error::Duplicate("order-42:OrderPaid".try_into()?).into();
+/// let duplicate = outbox_core::Error::Duplicate("order-42:OrderPaid".try_into()?);
+/// let e: DieselError = outbox_diesel::Error::from(duplicate).into();
 /// assert!(outbox_diesel::is_duplicate(&e));
 /// assert!(!outbox_diesel::is_duplicate(&DieselError::NotFound));
 /// # Ok::<_, Box<dyn std::error::Error>>(())
@@ -320,7 +282,7 @@ impl From<Error> for diesel::result::Error {
     /// (recover it with [`Error::from_diesel_ref`]).
     fn from(e: Error) -> Self {
         match e {
-            Error::Duplicate(_) => diesel::result::Error::DatabaseError(
+            Error::Core(outbox_core::Error::Duplicate(_)) => diesel::result::Error::DatabaseError(
                 DatabaseErrorKind::UniqueViolation,
                 Box::new(DuplicateInfo {
                     message: e.to_string(),
@@ -335,18 +297,6 @@ impl From<Error> for diesel::result::Error {
 impl From<Error> for outbox_core::Error {
     fn from(e: Error) -> Self {
         match e {
-            Error::Duplicate(id) => Self::Duplicate(id),
-            Error::InvalidMsgId(e) => Self::InvalidMsgId(e),
-            Error::Serialize { msg_id, source } => Self::Serialize { msg_id, source },
-            Error::PayloadTooLarge {
-                msg_id,
-                size,
-                limit,
-            } => Self::PayloadTooLarge {
-                msg_id,
-                size,
-                limit,
-            },
             Error::Core(e) => e,
             e @ (Error::RelayAlreadyRunning { .. } | Error::LeaseLost { .. }) => {
                 Self::RelayConflict(Box::new(e))
@@ -356,9 +306,9 @@ impl From<Error> for outbox_core::Error {
     }
 }
 
-impl From<outbox_core::Error> for Error {
-    fn from(e: outbox_core::Error) -> Self {
-        Self::from_core(e)
+impl From<InvalidMsgId> for Error {
+    fn from(e: InvalidMsgId) -> Self {
+        Self::Core(e.into())
     }
 }
 
@@ -369,24 +319,28 @@ mod tests {
     #[test]
     fn conversions_keep_the_kind() {
         let id = MsgId::new("a:B").unwrap();
-        let d: diesel::result::Error = Error::Duplicate(id.clone()).into();
+        let d: diesel::result::Error =
+            Error::from(outbox_core::Error::Duplicate(id.clone())).into();
         assert!(is_duplicate(&d));
         let e = Error::Database(d);
         assert!(e.is_duplicate());
 
-        let big: diesel::result::Error = Error::PayloadTooLarge {
+        let big: diesel::result::Error = Error::from(outbox_core::Error::PayloadTooLarge {
             msg_id: id.clone(),
             size: 2,
             limit: 1,
-        }
+        })
         .into();
         assert!(!is_duplicate(&big));
         assert!(matches!(
             Error::from_diesel_ref(&big),
-            Some(Error::PayloadTooLarge { size: 2, .. })
+            Some(Error::Core(outbox_core::Error::PayloadTooLarge {
+                size: 2,
+                ..
+            }))
         ));
 
-        let core: outbox_core::Error = Error::Duplicate(id).into();
+        let core: outbox_core::Error = Error::from(outbox_core::Error::Duplicate(id)).into();
         assert!(core.is_duplicate());
         let store: outbox_core::Error = Error::Task("boom".into()).into();
         assert!(store.is_outage());

@@ -2,7 +2,9 @@ use std::num::NonZeroU32;
 
 use diesel::connection::TransactionManager;
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
-use outbox_core::{BatchOutcomes, BoxError, HandlerError, Inbox, MsgId, Processed, error_chain};
+use outbox_core::{
+    BoxError, HandlerError, Inbox, InboxBatchOutcomes, MsgId, Processed, error_chain,
+};
 
 use crate::backend::check_group;
 use crate::error::has_transient_cause;
@@ -223,7 +225,7 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         group: &str,
         msg_ids: &[MsgId],
         mut handle: F,
-    ) -> Result<BatchOutcomes, outbox_core::Error>
+    ) -> Result<InboxBatchOutcomes, outbox_core::Error>
     where
         F: FnMut(usize, &mut C) -> Result<(), HandlerError>,
     {

@@ -11,8 +11,8 @@ use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
 use fixtures::{Backend, Lite, My, Pg, exec, runtime};
 use outbox_core::{
-    BatchOutcome, ClaimedBatch, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed,
-    Relay, RelayConfig, RelayStore, RetryPolicy, Status,
+    ClaimedBatch, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed, Relay,
+    RelayBatchOutcome, RelayConfig, RelayStore, RetryPolicy, Status,
 };
 use outbox_diesel::{DieselInbox, Emit, EmitOptions, Error, OutboxConnection};
 use serde::{Deserialize, Serialize};
@@ -147,7 +147,7 @@ fn duplicate_is_reported_and_transaction_stays_usable<B: Backend>() {
         move_money(c, 7);
         let e = c.emit(transfer("t-1", 999)).unwrap_err();
         assert!(e.is_duplicate(), "{e}");
-        assert!(matches!(&e, Error::Duplicate(id) if id.as_str() == "t-1:AccountTransferred"));
+        assert!(matches!(&e, Error::Core(outbox_core::Error::Duplicate(id)) if id.as_str() == "t-1:AccountTransferred"));
         c.emit(transfer("t-2", 7))?;
         Ok::<_, diesel::result::Error>(())
     })
@@ -174,7 +174,7 @@ fn duplicate_is_reported_and_transaction_stays_usable<B: Backend>() {
             .emit_all([transfer("t-3", 1), transfer("t-1", 1), transfer("t-4", 1)])
             .unwrap_err();
         assert!(
-            matches!(&e, Error::Duplicate(id) if id.as_str() == "t-1:AccountTransferred"),
+            matches!(&e, Error::Core(outbox_core::Error::Duplicate(id)) if id.as_str() == "t-1:AccountTransferred"),
             "{e}"
         );
         let e = c
@@ -243,14 +243,14 @@ fn invalid_events_are_typed_errors<B: Backend>() {
                 text: String::new(),
             })
             .unwrap_err();
-        assert!(matches!(e, Error::InvalidMsgId(_)), "{e}");
+        assert!(matches!(e, Error::Core(outbox_core::Error::InvalidMsgId(_))), "{e}");
         let e = c
             .emit(Note {
                 id: "x".repeat(80),
                 text: String::new(),
             })
             .unwrap_err();
-        assert!(matches!(e, Error::InvalidMsgId(_)), "{e}");
+        assert!(matches!(e, Error::Core(outbox_core::Error::InvalidMsgId(_))), "{e}");
         let small = EmitOptions::new().max_payload_bytes(64);
         let e = c
             .emit_with(
@@ -261,7 +261,7 @@ fn invalid_events_are_typed_errors<B: Backend>() {
                 },
             )
             .unwrap_err();
-        assert!(matches!(e, Error::PayloadTooLarge { limit: 64, .. }), "{e}");
+        assert!(matches!(e, Error::Core(outbox_core::Error::PayloadTooLarge { limit: 64, .. })), "{e}");
         assert!(e.is_invalid_event());
         // The default limit is 1 MiB.
         let e = c
@@ -271,7 +271,7 @@ fn invalid_events_are_typed_errors<B: Backend>() {
             })
             .unwrap_err();
         assert!(
-            matches!(e, Error::PayloadTooLarge { limit, .. } if limit == 1 << 20),
+            matches!(e, Error::Core(outbox_core::Error::PayloadTooLarge { limit, .. }) if limit == 1 << 20),
             "{e}"
         );
         // The transaction is still usable.
@@ -295,7 +295,10 @@ fn invalid_events_are_typed_errors<B: Backend>() {
         })
         .unwrap_err();
     assert!(
-        matches!(Error::from_diesel_ref(&e), Some(Error::InvalidMsgId(_))),
+        matches!(
+            Error::from_diesel_ref(&e),
+            Some(Error::Core(outbox_core::Error::InvalidMsgId(_)))
+        ),
         "{e}"
     );
 }
@@ -495,13 +498,13 @@ fn operations_queries<B: Backend>() {
         .collect();
     let store = B::store(&db);
     let rt = runtime();
-    let claim_complete = |outcome: BatchOutcome| {
+    let claim_complete = |outcome: RelayBatchOutcome| {
         rt.block_on(async {
             let batch = store.claim(3).await.unwrap();
             batch.complete(outcome).await.unwrap();
         })
     };
-    claim_complete(BatchOutcome {
+    claim_complete(RelayBatchOutcome {
         sent: vec![ids[0], ids[1]],
         retry: vec![],
         dead: vec![(ids[2], "poison".into())],
@@ -533,7 +536,7 @@ fn operations_queries<B: Backend>() {
     );
 
     // t-3 and t-4 are due again; kill t-3 once more, then purge it.
-    claim_complete(BatchOutcome {
+    claim_complete(RelayBatchOutcome {
         sent: vec![],
         retry: vec![],
         dead: vec![(ids[2], "poison".into())],

@@ -135,7 +135,9 @@ fn an_empty_id_field_is_refused<B: Backend>() {
         |e| {
             matches!(
                 e,
-                Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: "order_id" })
+                Error::Core(outbox_core::Error::InvalidMsgId(InvalidMsgId::EmptyPart {
+                    part: "order_id"
+                }))
             )
         },
     );
@@ -160,7 +162,9 @@ fn an_empty_template_part_is_refused<B: Backend>() {
         |e| {
             matches!(
                 e,
-                Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: "tenant" })
+                Error::Core(outbox_core::Error::InvalidMsgId(InvalidMsgId::EmptyPart {
+                    part: "tenant"
+                }))
             )
         },
     );
@@ -176,7 +180,10 @@ fn an_overlong_id_is_refused<B: Backend>() {
         |e| {
             matches!(
                 e,
-                Error::InvalidMsgId(InvalidMsgId::TooLong { len: 66, .. })
+                Error::Core(outbox_core::Error::InvalidMsgId(InvalidMsgId::TooLong {
+                    len: 66,
+                    ..
+                }))
             )
         },
     );
@@ -197,7 +204,7 @@ fn whitespace_or_control_characters_in_an_id_are_refused<B: Backend>() {
         let e = refused_and_the_transaction_goes_on::<B>(
             &db,
             |c| c.emit(paid(id)).map(drop),
-            |e| matches!(e, Error::InvalidMsgId(InvalidMsgId::BadChar { at: a, .. }) if *a == at),
+            |e| matches!(e, Error::Core(outbox_core::Error::InvalidMsgId(InvalidMsgId::BadChar { at: a, .. })) if *a == at),
         );
         assert!(
             e.to_string().contains("whitespace or a control character"),
@@ -223,7 +230,7 @@ fn a_2_mib_payload_is_refused<B: Backend>() {
             })
             .map(drop)
         },
-        |e| matches!(e, Error::PayloadTooLarge { limit, size, .. } if *limit == 1 << 20 && *size > 2 << 20),
+        |e| matches!(e, Error::Core(outbox_core::Error::PayloadTooLarge { limit, size, .. }) if *limit == 1 << 20 && *size > 2 << 20),
     );
     assert!(e.is_invalid_event());
     assert!(e.to_string().contains("the limit is 1048576"), "{e}");
@@ -268,7 +275,7 @@ fn a_duplicate_is_refused_and_the_first_stays<B: Backend>() {
             })
             .map(drop)
         },
-        |e| matches!(e, Error::Duplicate(id) if id.as_str() == "dup:OrderPaid"),
+        |e| matches!(e, Error::Core(outbox_core::Error::Duplicate(id)) if id.as_str() == "dup:OrderPaid"),
     );
     assert!(e.is_duplicate());
 }
@@ -281,7 +288,14 @@ fn one_bad_event_in_emit_all_writes_none_of_them<B: Backend>() {
             c.emit_all([paid("batch-1"), paid(""), paid("batch-3")])
                 .map(drop)
         },
-        |e| matches!(e, Error::InvalidMsgId(InvalidMsgId::EmptyPart { .. })),
+        |e| {
+            matches!(
+                e,
+                Error::Core(outbox_core::Error::InvalidMsgId(
+                    InvalidMsgId::EmptyPart { .. }
+                ))
+            )
+        },
     );
     let mut conn = B::connect(&db);
     assert_eq!(

@@ -13,7 +13,7 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::{Connection as _, MysqlConnection, PgConnection};
 use fixtures::{Backend, Lite, My, Pg, exec, runtime};
-use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
+use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
 use outbox_diesel::{Emit as _, MysqlRelayStore, PgRelayStore};
 use serde::{Deserialize, Serialize};
 
@@ -34,9 +34,9 @@ async fn retry_in_delay<S: RelayStore>(store: &S) {
     let id = batch.messages()[0].id;
     let at = Utc::now() + chrono::Duration::from_std(DELAY).unwrap();
     batch
-        .complete(BatchOutcome {
+        .complete(RelayBatchOutcome {
             retry: vec![(id, at, "rejected".into())],
-            ..BatchOutcome::default()
+            ..RelayBatchOutcome::default()
         })
         .await
         .unwrap();

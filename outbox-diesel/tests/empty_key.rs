@@ -33,7 +33,7 @@ fn paid(order_id: &str) -> OrderPaid {
 }
 
 fn empty(part: &'static str) -> impl Fn(&Error) -> bool {
-    move |e| matches!(e, Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: p }) if *p == part)
+    move |e| matches!(e, Error::Core(outbox_core::Error::InvalidMsgId(InvalidMsgId::EmptyPart { part: p })) if *p == part)
 }
 
 fn outbox_rows<B: Backend>(c: &mut B::Conn) -> i64 {

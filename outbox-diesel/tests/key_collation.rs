@@ -5,7 +5,7 @@
 mod fixtures;
 
 use fixtures::{Backend, My, Pg, exec, runtime};
-use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
+use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
 use outbox_diesel::{Emit as _, OutboxConnection};
 use serde::{Deserialize, Serialize};
 
@@ -83,9 +83,9 @@ async fn held_rows_hold_back_their_exact_key<B: Backend>() {
     settle().await;
     let ids = other.messages().iter().map(|m| m.id).collect();
     other
-        .complete(BatchOutcome {
+        .complete(RelayBatchOutcome {
             sent: ids,
-            ..BatchOutcome::default()
+            ..RelayBatchOutcome::default()
         })
         .await
         .unwrap();

@@ -109,7 +109,7 @@ async fn locked_row_holds_back_its_key<B: Ordered>() {
     // Once the other relay has published its rows, the rest follows in order.
     let ids: Vec<i64> = other.messages().iter().map(|m| m.id).collect();
     other
-        .complete(outbox_core::BatchOutcome {
+        .complete(outbox_core::RelayBatchOutcome {
             sent: ids,
             ..Default::default()
         })

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection, PgConnection};
 use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
-use outbox_core::{BatchOutcome, ClaimedBatch, OutboxEvent, RelayStore};
+use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
 use outbox_diesel::{Emit, EmitOptions, Notify, SqliteRelayStore};
 use outbox_tests::plans::{TableAccess, mariadb_table_accesses, pg_rows_removed_by_filter};
 use serde::{Deserialize, Serialize};
@@ -68,9 +68,9 @@ where
     let want: Vec<i64> = all[..4].iter().chain(&all[7..]).copied().collect();
     assert_eq!(ids(&c), want, "released rows and the rest, but not b's");
 
-    b.complete(BatchOutcome {
+    b.complete(RelayBatchOutcome {
         sent: all[4..7].to_vec(),
-        ..BatchOutcome::default()
+        ..RelayBatchOutcome::default()
     })
     .await
     .unwrap();

@@ -149,7 +149,7 @@ fn a_relay_with_new_rows_goes_back_to_work_without_marking_itself_idle() {
         let ids: Vec<i64> = batch.messages().iter().map(|m| m.id).collect();
         assert_eq!(ids.len(), 1);
         batch
-            .complete(outbox_core::BatchOutcome {
+            .complete(outbox_core::RelayBatchOutcome {
                 sent: ids,
                 ..Default::default()
             })

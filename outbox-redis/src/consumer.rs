@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_core::{
-    BatchOutcomes, Delivery, Dispatcher, Handler, Inbox, OutageBackoff, OutboxEvent, Prepared,
+    Delivery, Dispatcher, Handler, Inbox, InboxBatchOutcomes, OutageBackoff, OutboxEvent, Prepared,
     Processed,
 };
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
@@ -1725,7 +1725,10 @@ where
 
     /// Runs the batch's store transaction on a blocking thread. `Err`: the whole batch
     /// failed and nothing committed.
-    async fn attempt_batch(&self, deliveries: Vec<Delivery>) -> Result<BatchOutcomes, BatchFailed> {
+    async fn attempt_batch(
+        &self,
+        deliveries: Vec<Delivery>,
+    ) -> Result<InboxBatchOutcomes, BatchFailed> {
         let inner = Arc::clone(&self.inner);
         let joined = tokio::task::spawn_blocking(move || {
             inner

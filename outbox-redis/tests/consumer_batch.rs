@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use fixtures::*;
-use outbox_core::{BatchOutcomes, HandlerError, Inbox, MemoryDb, MemoryTx, MsgId, Processed};
+use outbox_core::{HandlerError, Inbox, InboxBatchOutcomes, MemoryDb, MemoryTx, MsgId, Processed};
 use outbox_redis::redis;
 use outbox_redis::{Consumer, ConsumerConfig};
 
@@ -58,7 +58,7 @@ impl Inbox for Recording {
         group: &str,
         msg_ids: &[MsgId],
         handle: F,
-    ) -> outbox_core::Result<BatchOutcomes>
+    ) -> outbox_core::Result<InboxBatchOutcomes>
     where
         F: FnMut(usize, &mut MemoryTx<Applied>) -> Result<(), HandlerError>,
     {

@@ -12,7 +12,7 @@ use diesel::serialize::ToSql;
 use diesel::sql_types::HasSqlType;
 use diesel::sql_types::Text;
 use diesel::{Connection, RunQueryDsl as _};
-use outbox_core::{Backlog, BatchOutcome, Envelope, Status};
+use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status};
 
 use crate::{EmitOptions, OutboxRecord, Result};
 
@@ -175,7 +175,7 @@ pub(crate) trait Backend: Connection + Sized {
     }
 
     /// Writes a batch outcome (in the caller's transaction).
-    fn __complete(&mut self, outcome: &BatchOutcome) -> Result<()> {
+    fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
         let d = &Self::DIALECT;
         if !outcome.sent.is_empty() {
             // One statement for the whole batch; `status = 0` keeps status moving forward.

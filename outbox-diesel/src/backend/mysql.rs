@@ -11,7 +11,7 @@ use outbox_core::{Envelope, MsgId};
 
 use super::{Backend, BacklogRow, RecordRow, VersionRow};
 use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
-use crate::{EmitOptions, Error, Result};
+use crate::{EmitOptions, Result};
 
 pub(super) const DIALECT: Dialect = Dialect {
     // Timestamps as Unix microseconds, independent of the session time zone.
@@ -143,7 +143,7 @@ fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
                 if !done.is_empty() {
                     with_msg_ids::<Mysql>(TAKE_BACK, &done).execute(conn)?;
                 }
-                return Err(Error::Duplicate(MsgId::new(dup)?));
+                return Err(outbox_core::Error::Duplicate(MsgId::new(dup)?).into());
             }
             Err(e) => return Err(e.into()),
         }

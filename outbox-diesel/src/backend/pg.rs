@@ -12,7 +12,7 @@ use outbox_core::{Envelope, MsgId};
 
 use super::{Backend, BacklogRow, RecordRow, VersionRow};
 use super::{Dialect, Row, chunks, in_list};
-use crate::{EmitOptions, Error, Notify, Result};
+use crate::{EmitOptions, Notify, Result};
 
 /// How far past its wait timeout a parked relay still counts as idle, so that a NOTIFY
 /// sent just before it re-parks is not lost.
@@ -262,7 +262,7 @@ fn insert(conn: &mut PgConnection, options: &EmitOptions, envelopes: &[Envelope]
     if let [row] = rows.as_slice() {
         return match insert_one(conn, options.notify, row, &options.channel)? {
             true => Ok(()),
-            false => Err(Error::Duplicate(envelopes[0].msg_id.clone())),
+            false => Err(outbox_core::Error::Duplicate(envelopes[0].msg_id.clone()).into()),
         };
     }
     let mut inserted = Vec::new();
@@ -284,7 +284,7 @@ fn insert(conn: &mut PgConnection, options: &EmitOptions, envelopes: &[Envelope]
                 ))
                 .execute(conn)?;
             }
-            return Err(Error::Duplicate(MsgId::new(dup)?));
+            return Err(outbox_core::Error::Duplicate(MsgId::new(dup)?).into());
         }
     }
     Ok(())

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use diesel::result::QueryResult;
-use outbox_core::{Backlog, BatchOutcome, Envelope, Status};
+use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status};
 
 use super::{Backend, BacklogRow, Dialect, RecordRow, VersionRow};
 use crate::{EmitOptions, OutboxRecord, Result};
@@ -65,7 +65,7 @@ where
     fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
         (**self).__claim(limit)
     }
-    fn __complete(&mut self, outcome: &BatchOutcome) -> Result<()> {
+    fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
         (**self).__complete(outcome)
     }
     fn __backlog(&mut self) -> Result<Backlog> {

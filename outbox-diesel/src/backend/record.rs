@@ -95,7 +95,7 @@ pub(crate) fn claimed<C: Backend>(conn: &mut C, rows: Vec<RecordRow>) -> Result<
         }
     }
     if !dead.is_empty() {
-        conn.__complete(&outbox_core::BatchOutcome {
+        conn.__complete(&outbox_core::RelayBatchOutcome {
             dead,
             ..Default::default()
         })?;

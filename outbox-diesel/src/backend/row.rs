@@ -58,12 +58,12 @@ impl<'a> Row<'a> {
         let headers = if e.headers.is_empty() {
             Cow::Borrowed("{}")
         } else {
-            Cow::Owned(
-                serde_json::to_string(&e.headers).map_err(|source| Error::Serialize {
+            Cow::Owned(serde_json::to_string(&e.headers).map_err(|source| {
+                outbox_core::Error::Serialize {
                     msg_id: e.msg_id.clone(),
                     source,
-                })?,
-            )
+                }
+            })?)
         };
         Ok(Self {
             msg_id: e.msg_id.as_str(),

@@ -11,7 +11,7 @@ use super::{
     Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, first_outside_sql, head_is_due,
     with_msg_ids,
 };
-use crate::{EmitOptions, Error, Result};
+use crate::{EmitOptions, Result};
 
 /// The database clock as the tables store it: UTC text with milliseconds, whose text
 /// order is time order.
@@ -114,7 +114,7 @@ fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
     let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
     if let [row] = rows.as_slice() {
         return match (Insert { rows: &rows }).execute(conn)? {
-            0 => Err(Error::Duplicate(MsgId::new(row.msg_id)?)),
+            0 => Err(outbox_core::Error::Duplicate(MsgId::new(row.msg_id)?).into()),
             _ => Ok(()),
         };
     }
@@ -132,7 +132,7 @@ fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
                 if !done.is_empty() {
                     with_msg_ids::<Sqlite>(TAKE_BACK, &done).execute(conn)?;
                 }
-                return Err(Error::Duplicate(MsgId::new(dup)?));
+                return Err(outbox_core::Error::Duplicate(MsgId::new(dup)?).into());
             }
             Err(e) => return Err(e.into()),
         }

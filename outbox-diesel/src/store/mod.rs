@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use diesel::connection::TransactionManager as _;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
-use outbox_core::{BatchOutcome, ClaimedBatch, StoredMessage};
+use outbox_core::{ClaimedBatch, RelayBatchOutcome, StoredMessage};
 
 use crate::{Error, OutboxConnection, OutboxRecord, Result};
 
@@ -207,7 +207,7 @@ impl<C: OutboxConnection + R2D2Connection> ClaimedBatch for LockedBatch<C> {
         &self.messages
     }
 
-    async fn complete(mut self, outcome: BatchOutcome) -> Result<(), outbox_core::Error> {
+    async fn complete(mut self, outcome: RelayBatchOutcome) -> Result<(), outbox_core::Error> {
         let Some(mut conn) = self.conn.take() else {
             return Ok(());
         };

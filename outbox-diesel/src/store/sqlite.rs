@@ -9,7 +9,7 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::sql_types::{Nullable, Text};
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
-use outbox_core::{Backlog, BatchOutcome, ClaimedBatch, RelayStore, StoredMessage};
+use outbox_core::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore, StoredMessage};
 
 use super::{blocking, stored};
 use crate::backend::Backend as _;
@@ -313,7 +313,7 @@ impl ClaimedBatch for SqliteBatch {
         &self.messages
     }
 
-    async fn complete(self, outcome: BatchOutcome) -> Result<(), outbox_core::Error> {
+    async fn complete(self, outcome: RelayBatchOutcome) -> Result<(), outbox_core::Error> {
         if outcome.is_empty() {
             return Ok(());
         }
