@@ -1,7 +1,7 @@
 //! An isolated database per test, so tests run in parallel against the shared servers:
 //! a PostgreSQL schema, a MariaDB database or a SQLite file, removed when the value is
-//! dropped. The servers are administered with the `psql` and `mariadb` clients, so this
-//! crate needs no database driver. A server that is down fails the test; nothing skips.
+//! dropped. The servers are administered with the `psql` and `mariadb` (or `mysql`)
+//! command-line clients, so this crate needs no database driver. A server that is down fails the test; nothing skips.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -185,18 +185,24 @@ fn run_psql(sql: &str) -> Output {
         .expect("psql is installed")
 }
 
+/// Runs SQL with the `mariadb` client, or `mysql` where only that one is installed
+/// (e.g. Homebrew's `mysql-client`).
 fn run_mariadb(sql: &str) -> Output {
     let server = MysqlServer::parse(&mysql_url());
-    let mut cmd = Command::new("mariadb");
-    cmd.args(["--protocol=TCP", "-h", &server.host, "-P", &server.port])
-        .args(["-u", &server.user]);
-    if let Some(password) = &server.password {
-        cmd.arg(format!("-p{password}"));
+    let run = |client: &str| {
+        let mut cmd = Command::new(client);
+        cmd.args(["--protocol=TCP", "-h", &server.host, "-P", &server.port])
+            .args(["-u", &server.user]);
+        if let Some(password) = &server.password {
+            cmd.arg(format!("-p{password}"));
+        }
+        cmd.args(["-e", sql]).stdin(Stdio::null()).output()
+    };
+    match run("mariadb") {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => run("mysql"),
+        other => other,
     }
-    cmd.args(["-e", sql])
-        .stdin(Stdio::null())
-        .output()
-        .expect("the mariadb client is installed")
+    .expect("the mariadb (or mysql) client is installed")
 }
 
 /// The parts of `mysql://user[:password]@host[:port]/db` the `mariadb` client takes.

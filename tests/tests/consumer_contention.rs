@@ -13,7 +13,7 @@ use outbox_core::{
 };
 use outbox_diesel::PgInbox;
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique_prefix};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 #[outbox(key = account)]
@@ -69,7 +69,7 @@ async fn batches_sharing_keys_do_not_deadlock() {
         ACCOUNTS - 1
     ))
     .unwrap();
-    let prefix = format!("{}:", unique("contention"));
+    let prefix = unique_prefix("contention");
     let publisher = RedisPublisher::new(redis_url().as_str())
         .unwrap()
         .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))

@@ -14,7 +14,7 @@ use outbox_core::{Delivery, Envelope, Handler, HandlerError, Publisher as _, Sto
 use outbox_diesel::{Emit as _, EmitOptions, PgInbox, PgPool, PgRelayStore};
 use outbox_examples::AccountTransferred;
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique, unique_prefix};
 
 /// Adds each transfer's amount to bob's points: not idempotent on its own, so a second
 /// application would show.
@@ -78,7 +78,7 @@ impl Fixture {
         Self {
             _schema: schema,
             pool,
-            prefix: format!("{}:", unique("e2e")),
+            prefix: unique_prefix("e2e"),
             group: unique("points"),
         }
     }

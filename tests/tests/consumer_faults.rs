@@ -14,7 +14,7 @@ use outbox_core::{
 };
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_redis::{Consumer, ConsumerConfig, ConsumerStats, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, redis_url, unique};
+use outbox_tests::{Isolated, eventually, redis_url, unique_prefix};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 struct Job {
@@ -74,7 +74,7 @@ impl Fixture {
         .unwrap();
         Self {
             schema,
-            prefix: format!("{}:", unique("faults")),
+            prefix: unique_prefix("faults"),
         }
     }
 
@@ -328,11 +328,10 @@ async fn a_consumer_stuck_in_lock_waits_shuts_down_within_its_bound() {
         })
     };
     // Both batches are in their lock waits.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while work.calls.load(Ordering::SeqCst) < 2 {
-        assert!(Instant::now() < deadline, "the handlers never ran");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the handlers to run", || {
+        work.calls.load(Ordering::SeqCst) >= 2
+    })
+    .await;
     let asked = Instant::now();
     stop.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(15), run)

@@ -17,7 +17,7 @@ use outbox_core::{
 };
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, unique};
+use outbox_tests::{Isolated, ScratchRedis, unique_prefix};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 struct Tick {
@@ -87,7 +87,7 @@ impl Fixture {
             _schema: schema,
             pool,
             redis: ScratchRedis::start_persistent(),
-            prefix: format!("{}:", unique("outage")),
+            prefix: unique_prefix("outage"),
         }
     }
 

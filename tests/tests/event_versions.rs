@@ -10,7 +10,7 @@ use std::time::Duration;
 use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent};
 use outbox_redis::redis::{self, Value};
 use outbox_redis::{Consumer, ConsumerConfig};
-use outbox_tests::{redis_url, unique};
+use outbox_tests::{redis_url, unique, unique_prefix};
 use serde_json::json;
 
 /// v1 was `{order_id, cents}`; v2 renamed `cents` to `amount_cents`; v3 added
@@ -116,7 +116,7 @@ fn text(v: &Value) -> String {
 }
 
 async fn run(batch: bool) {
-    let prefix = format!("{}:", unique("versions"));
+    let prefix = unique_prefix("versions");
     let stream = format!("{prefix}order.paid");
     let group = unique("ledger");
     let client = redis::Client::open(redis_url()).unwrap();

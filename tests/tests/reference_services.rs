@@ -9,7 +9,7 @@ use outbox_core::Status;
 use outbox_diesel::{PgRelayStore, SqliteRelayStore};
 use outbox_examples::scenario::{self, Outcome};
 use outbox_examples::sql::SETUP_SQL;
-use outbox_tests::{Isolated, redis_url, unique};
+use outbox_tests::{Isolated, redis_url, unique, unique_prefix};
 
 fn expected() -> Outcome {
     Outcome {
@@ -34,7 +34,7 @@ async fn on_postgres_and_redis() {
     conn.batch_execute(SETUP_SQL).unwrap();
     drop(conn);
     let store = PgRelayStore::new(pool.clone()).with_listener(schema.url.clone());
-    let prefix = format!("{}:", unique("ref"));
+    let prefix = unique_prefix("ref");
     let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop)
         .await
         .unwrap();
@@ -51,7 +51,7 @@ async fn on_sqlite_and_redis() {
     conn.batch_execute(SETUP_SQL).unwrap();
     drop(conn);
     let store = SqliteRelayStore::new(pool.clone()).unwrap();
-    let prefix = format!("{}:", unique("ref"));
+    let prefix = unique_prefix("ref");
     let outcome = scenario::run(pool, store, &redis_url(), &prefix, drop)
         .await
         .unwrap();

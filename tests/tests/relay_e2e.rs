@@ -25,7 +25,7 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgPool, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, redis_url, unique};
+use outbox_tests::{Isolated, ScratchRedis, eventually_within, redis_url, unique_prefix};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history: `seq` counts per account from 0.
@@ -68,7 +68,7 @@ impl Env {
         outbox_diesel::migrate(&mut c).unwrap();
         Self {
             schema,
-            prefix: format!("{}:", unique("relay_e2e")),
+            prefix: unique_prefix("relay_e2e"),
             redis,
         }
     }
@@ -308,11 +308,10 @@ async fn every_committed_message_arrives_once_and_rolled_back_ones_never() {
 
     wait_for_entries(&env.redis, &env.stream(), 10_000).await;
     // Drain: nothing NEW is left, so nothing more can arrive.
-    let deadline = Instant::now() + PATIENCE;
-    while env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") > 0 {
-        assert!(Instant::now() < deadline, "the outbox drains");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_within("the outbox drains", PATIENCE, || {
+        env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") == 0
+    })
+    .await;
     relay.stop().await;
 
     let entries = env.entries().await;
@@ -387,11 +386,10 @@ async fn many_relays(kill: bool) {
     }
     emitter.await.unwrap();
     wait_for_entries(&env.redis, &env.stream(), total).await;
-    let deadline = Instant::now() + PATIENCE;
-    while env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") > 0 {
-        assert!(Instant::now() < deadline, "the outbox drains");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_within("the outbox drains", PATIENCE, || {
+        env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") == 0
+    })
+    .await;
     for r in relays {
         r.stop().await;
     }
@@ -520,11 +518,10 @@ async fn a_redis_outage_kills_nothing_and_everything_arrives_after_the_restart()
 
     scratch.restart(); // empty: it keeps nothing on disk
     wait_for_entries(&env.redis, &env.stream(), 300).await;
-    let deadline = Instant::now() + PATIENCE;
-    while env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") > 0 {
-        assert!(Instant::now() < deadline, "the outbox drains");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_within("the outbox drains", PATIENCE, || {
+        env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status <> 1") == 0
+    })
+    .await;
     relay.stop().await;
     assert_eq!(
         env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status = 2"),
@@ -559,11 +556,10 @@ async fn notify_delivers_before_the_first_poll() {
             .unwrap(),
     );
     // Parked: the relay has marked itself idle.
-    let deadline = Instant::now() + PATIENCE;
-    while env.scalar("SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()") == 0 {
-        assert!(Instant::now() < deadline, "the relay parks");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_within("the relay parks", PATIENCE, || {
+        env.scalar("SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()") > 0
+    })
+    .await;
     let parked = Instant::now();
     let mut c = env.conn();
     c.transaction(|c| c.emit_with(&env.emit_options(), step("k", 0)).map(drop))

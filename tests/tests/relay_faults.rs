@@ -23,7 +23,7 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{Durability, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, redis_url, unique};
+use outbox_tests::{Isolated, ScratchRedis, redis_url, unique_prefix};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history, with a filler that sets the entry's size.
@@ -71,7 +71,7 @@ impl Env {
         outbox_diesel::migrate(&mut c).unwrap();
         Self {
             schema,
-            prefix: format!("{}:", unique("relay_faults")),
+            prefix: unique_prefix("relay_faults"),
             redis,
         }
     }
