@@ -1,7 +1,9 @@
 use std::borrow::Cow;
 use std::collections::HashSet;
 
-use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, MsgId, OutboxEvent};
+use outbox_core::{
+    DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, InvalidConfig, MsgId, OutboxEvent,
+};
 
 use crate::{OutboxConnection, Result};
 
@@ -26,27 +28,40 @@ pub enum Notify {
 }
 
 /// Settings of [`Emit::emit_with`]. `Default` (and [`EmitOptions::DEFAULT`]): payloads up
-/// to 1 MiB, [`Notify::WhenRelayIdle`] on channel `outbox`.
+/// to 1 MiB, [`Notify::WhenRelayIdle`] on channel `outbox`, no headers.
+///
+/// It follows the workspace's configuration contract: readable fields, one consuming
+/// `with_<field>` setter per field, and [`validate`](Self::validate), which every emit
+/// runs on the options it is given (an invalid value is
+/// [`outbox_core::Error::Config`], before anything is written).
 ///
 /// ```
 /// use outbox_diesel::{EmitOptions, Notify};
-/// let opts = EmitOptions::new().max_payload_bytes(64 * 1024).notify(Notify::Never);
+/// let opts = EmitOptions::new().with_max_payload_bytes(64 * 1024).with_notify(Notify::Never);
 /// assert_eq!(opts.max_payload_bytes, 64 * 1024);
+/// assert!(opts.validate().is_ok());
+///
+/// let err = EmitOptions::new().with_max_payload_bytes(0).validate().unwrap_err();
+/// assert_eq!(err.to_string(), "invalid configuration: max_payload_bytes must be at least 1");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EmitOptions {
-    /// Largest serialized payload accepted, in bytes (default 1 MiB).
+    /// Largest serialized payload accepted, in bytes (default 1 MiB; at least 1).
     pub max_payload_bytes: usize,
     /// When to `NOTIFY` the relay on PostgreSQL (default [`Notify::WhenRelayIdle`]).
     pub notify: Notify,
-    /// The `NOTIFY` channel (default `outbox`); the relay must listen on the same one
+    /// The `NOTIFY` channel (default `outbox`; 1 to 63 bytes, no NUL, as PostgreSQL
+    /// takes a channel name); the relay must listen on the same one
     /// ([`PgRelayStore::with_channel`](crate::PgRelayStore::with_channel)).
     pub channel: Cow<'static, str>,
     /// Headers added to every event emitted with these options (default none), such as
     /// the request's trace context under [`TRACEPARENT`](outbox_core::TRACEPARENT).
     pub headers: Headers,
 }
+
+/// The longest channel name PostgreSQL takes (`NAMEDATALEN - 1` bytes).
+const MAX_CHANNEL_LEN: usize = 63;
 
 impl EmitOptions {
     /// The defaults, as a constant.
@@ -63,35 +78,68 @@ impl EmitOptions {
     }
 
     /// Sets the payload size limit in bytes.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, bytes: usize) -> Self {
         self.max_payload_bytes = bytes;
         self
     }
 
     /// Sets the PostgreSQL wake-up mode.
-    pub fn notify(mut self, notify: Notify) -> Self {
+    #[must_use]
+    pub fn with_notify(mut self, notify: Notify) -> Self {
         self.notify = notify;
         self
     }
 
     /// Sets the PostgreSQL `NOTIFY` channel.
-    pub fn channel(mut self, channel: impl Into<Cow<'static, str>>) -> Self {
+    #[must_use]
+    pub fn with_channel(mut self, channel: impl Into<Cow<'static, str>>) -> Self {
         self.channel = channel.into();
         self
     }
 
-    /// Adds a header to every event emitted with these options. Build the options per
-    /// request to carry its trace context to the consumers:
+    /// Sets the headers added to every event emitted with these options, replacing any
+    /// set before.
+    #[must_use]
+    pub fn with_headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Adds one header to every event emitted with these options, keeping the others.
+    /// Build the options per request to carry its trace context to the consumers:
     ///
     /// ```
     /// use outbox_diesel::EmitOptions;
     /// let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    /// let opts = EmitOptions::new().header(outbox_core::TRACEPARENT, traceparent);
+    /// let opts = EmitOptions::new().with_header(outbox_core::TRACEPARENT, traceparent);
     /// assert_eq!(opts.headers["traceparent"], traceparent);
     /// ```
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+    #[must_use]
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.insert(name.into(), value.into());
         self
+    }
+
+    /// Checks every field against its rule: `max_payload_bytes` at least 1, `channel` a
+    /// name PostgreSQL takes for `NOTIFY` (1 to 63 bytes, no NUL).
+    pub fn validate(&self) -> std::result::Result<(), InvalidConfig> {
+        if self.max_payload_bytes == 0 {
+            return Err(InvalidConfig::new(
+                "max_payload_bytes",
+                "must be at least 1",
+            ));
+        }
+        if self.channel.is_empty() || self.channel.len() > MAX_CHANNEL_LEN {
+            return Err(InvalidConfig::new(
+                "channel",
+                format!("must be 1 to {MAX_CHANNEL_LEN} bytes long"),
+            ));
+        }
+        if self.channel.contains('\0') {
+            return Err(InvalidConfig::new("channel", "must not contain NUL"));
+        }
+        Ok(())
     }
 
     /// Serializes `event` under these options.
@@ -132,7 +180,8 @@ pub trait Emit {
         self.emit_with(&EmitOptions::DEFAULT, event)
     }
 
-    /// Writes `event` with `options` and returns its msg_id.
+    /// Writes `event` with `options` and returns its msg_id. Options that break their
+    /// rules ([`EmitOptions::validate`]) are refused with [`outbox_core::Error::Config`].
     fn emit_with<E: OutboxEvent>(&mut self, options: &EmitOptions, event: E) -> Result<MsgId>;
 
     /// Writes several events in one multi-row `INSERT` (chunked past 1000 rows), all or
@@ -160,6 +209,7 @@ pub trait Emit {
 
 impl<C: OutboxConnection> Emit for C {
     fn emit_with<E: OutboxEvent>(&mut self, options: &EmitOptions, event: E) -> Result<MsgId> {
+        options.validate()?;
         let envelope = options.envelope(&event)?;
         self.__insert(options, std::slice::from_ref(&envelope))?;
         Ok(envelope.msg_id)
@@ -170,6 +220,7 @@ impl<C: OutboxConnection> Emit for C {
         E: OutboxEvent,
         I: IntoIterator<Item = E>,
     {
+        options.validate()?;
         let envelopes = events
             .into_iter()
             .map(|e| options.envelope(&e))
@@ -179,6 +230,7 @@ impl<C: OutboxConnection> Emit for C {
     }
 
     fn emit_envelopes(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+        options.validate()?;
         if envelopes.is_empty() {
             return Ok(());
         }
@@ -197,5 +249,45 @@ impl<C: OutboxConnection> Emit for C {
             }
         }
         self.__insert(options, envelopes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid_and_each_rule_names_its_field() {
+        assert_eq!(EmitOptions::default().validate(), Ok(()));
+        let field = |o: EmitOptions| o.validate().unwrap_err().field().to_owned();
+        assert_eq!(
+            field(EmitOptions::new().with_max_payload_bytes(0)),
+            "max_payload_bytes"
+        );
+        assert_eq!(field(EmitOptions::new().with_channel("")), "channel");
+        assert_eq!(
+            field(EmitOptions::new().with_channel("c".repeat(64))),
+            "channel"
+        );
+        assert_eq!(field(EmitOptions::new().with_channel("a\0b")), "channel");
+        let longest = EmitOptions::new().with_channel("c".repeat(63));
+        assert_eq!(longest.validate(), Ok(()));
+    }
+
+    #[test]
+    fn each_setter_keeps_the_other_fields() {
+        let o = EmitOptions::new()
+            .with_max_payload_bytes(10)
+            .with_notify(Notify::Never)
+            .with_channel("ch")
+            .with_header("a", "1")
+            .with_header("b", "2");
+        assert_eq!(o.max_payload_bytes, 10);
+        assert_eq!(o.notify, Notify::Never);
+        assert_eq!(o.channel, "ch");
+        assert_eq!(o.headers.len(), 2);
+        let replaced = o.with_headers(Headers::new());
+        assert!(replaced.headers.is_empty());
+        assert_eq!(replaced.channel, "ch");
     }
 }

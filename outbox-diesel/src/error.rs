@@ -306,6 +306,12 @@ impl From<Error> for outbox_core::Error {
     }
 }
 
+impl From<outbox_core::InvalidConfig> for Error {
+    fn from(e: outbox_core::InvalidConfig) -> Self {
+        Self::Core(e.into())
+    }
+}
+
 impl From<InvalidMsgId> for Error {
     fn from(e: InvalidMsgId) -> Self {
         Self::Core(e.into())

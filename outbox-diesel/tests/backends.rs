@@ -251,7 +251,7 @@ fn invalid_events_are_typed_errors<B: Backend>() {
             })
             .unwrap_err();
         assert!(matches!(e, Error::Core(outbox_core::Error::InvalidMsgId(_))), "{e}");
-        let small = EmitOptions::new().max_payload_bytes(64);
+        let small = EmitOptions::new().with_max_payload_bytes(64);
         let e = c
             .emit_with(
                 &small,
@@ -272,6 +272,17 @@ fn invalid_events_are_typed_errors<B: Backend>() {
             .unwrap_err();
         assert!(
             matches!(e, Error::Core(outbox_core::Error::PayloadTooLarge { limit, .. }) if limit == 1 << 20),
+            "{e}"
+        );
+        // Options that break their rules are refused before anything is written.
+        let unnamed = EmitOptions::new().with_channel("");
+        let note = Note {
+            id: "n-4".into(),
+            text: String::new(),
+        };
+        let e = c.emit_with(&unnamed, note).unwrap_err();
+        assert!(
+            matches!(e, Error::Core(outbox_core::Error::Config(_))),
             "{e}"
         );
         // The transaction is still usable.

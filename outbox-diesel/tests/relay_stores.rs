@@ -184,7 +184,7 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     let db = Pg::create();
     let mut l = listener(&db);
     let mut c = Pg::connect(&db);
-    let idle = EmitOptions::new().channel(db.name.clone());
+    let idle = EmitOptions::new().with_channel(db.name.clone());
     c.transaction(|c| c.emit_with(&idle, Pinged { n: 1 }).map(drop))
         .unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -219,9 +219,9 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
         "exactly one NOTIFY, from the committed emit"
     );
 
-    let never = idle.clone().notify(Notify::Never);
+    let never = idle.clone().with_notify(Notify::Never);
     c.emit_with(&never, Pinged { n: 4 }).unwrap();
-    let always = idle.clone().notify(Notify::Always);
+    let always = idle.clone().with_notify(Notify::Always);
     exec(&mut c, "DELETE FROM outbox_relay_idle");
     c.emit_all_with(&always, (5..8).map(|n| Pinged { n }))
         .unwrap();
@@ -242,7 +242,9 @@ async fn timed_wait(db: &fixtures::TestDb, notify: Notify) -> Duration {
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut c = Pg::connect(db);
-    let opts = EmitOptions::new().channel(db.name.clone()).notify(notify);
+    let opts = EmitOptions::new()
+        .with_channel(db.name.clone())
+        .with_notify(notify);
     c.transaction(|c| {
         c.emit_with(
             &opts,

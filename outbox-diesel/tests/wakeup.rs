@@ -46,7 +46,7 @@ fn a_woken_relay_leaves_the_other_relays_mark_in_place() {
         until("a's mark expires", || idle_marks(&db) == 1).await;
         let started = Instant::now();
         let mut c = Pg::connect(&db);
-        let opts = EmitOptions::new().channel(db.name.clone());
+        let opts = EmitOptions::new().with_channel(db.name.clone());
         c.transaction(|c| {
             c.emit_with(
                 &opts,
@@ -216,7 +216,7 @@ fn a_lost_listen_connection_polls_then_reconnects() {
             started.elapsed()
         });
         until("the relay parks again", || idle_marks(&db) == 1).await;
-        let opts = EmitOptions::new().channel(db.name.clone());
+        let opts = EmitOptions::new().with_channel(db.name.clone());
         c.transaction(|c| {
             c.emit_with(
                 &opts,

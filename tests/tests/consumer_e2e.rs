@@ -314,7 +314,7 @@ async fn a_handler_failing_every_time_is_dead_lettered_and_leaves_no_write() {
 async fn trace_context_travels_from_emit_to_the_handler() {
     let f = Fixture::new();
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let options = EmitOptions::new().header(outbox_core::TRACEPARENT, traceparent);
+    let options = EmitOptions::new().with_header(outbox_core::TRACEPARENT, traceparent);
     f.pool
         .get()
         .unwrap()

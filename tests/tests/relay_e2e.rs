@@ -95,7 +95,7 @@ impl Env {
     }
 
     fn emit_options(&self) -> EmitOptions {
-        EmitOptions::new().channel(self.schema.name.clone())
+        EmitOptions::new().with_channel(self.schema.name.clone())
     }
 
     fn publisher(&self) -> RedisPublisher {

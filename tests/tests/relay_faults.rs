@@ -90,7 +90,7 @@ impl Env {
     }
 
     fn emit(&self, events: impl IntoIterator<Item = Step>) {
-        let options = EmitOptions::new().max_payload_bytes(4 << 20);
+        let options = EmitOptions::new().with_max_payload_bytes(4 << 20);
         self.conn()
             .transaction(|c| c.emit_all_with(&options, events).map(drop))
             .unwrap();

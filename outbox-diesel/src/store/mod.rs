@@ -107,6 +107,27 @@ pub enum ClaimOrder {
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How the stores with row locks (PostgreSQL, MySQL/MariaDB) claim: the settings behind
+/// their `with_order` and `with_stall_timeout`, kept once here.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LockedClaim {
+    /// Which rows a claim may hand to the relay.
+    pub(crate) order: ClaimOrder,
+    /// How long the server keeps a claim's transaction that sits idle.
+    pub(crate) stall: Duration,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl Default for LockedClaim {
+    fn default() -> Self {
+        Self {
+            order: ClaimOrder::default(),
+            stall: DEFAULT_STALL_TIMEOUT,
+        }
+    }
+}
+
 /// A batch claimed with row locks (PostgreSQL, MySQL/MariaDB): it owns a pooled
 /// connection whose transaction holds `FOR UPDATE` locks on the claimed rows, so
 /// concurrent relays skip them (`SKIP LOCKED`).
@@ -141,22 +162,22 @@ fn rollback<C: R2D2Connection>(conn: &mut C) {
 impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// Claims up to `limit` due NEW rows on a connection of `pool` (PostgreSQL and MySQL;
     /// SQLite claims under its lease instead), in a transaction that the server ends if
-    /// it sits idle for `stall` (the store's `with_stall_timeout`). `held`: the ids of
+    /// it sits idle for the stall timeout of `how` (the store's `with_stall_timeout`), in
+    /// its claim order (`with_order`). `held`: the ids of
     /// the batch in hand for a claim ahead ([`outbox_core::RelayStore::claim_after`]),
     /// else empty.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) async fn claim(
         pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
-        order: ClaimOrder,
-        stall: Duration,
+        how: LockedClaim,
         held: Vec<i64>,
     ) -> Result<Self> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
-            c.__begin_bounded_claim(stall)?;
-            let claimed = match order {
+            c.__begin_bounded_claim(how.stall)?;
+            let claimed = match how.order {
                 ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
                 ClaimOrder::Unordered => c.__claim(limit),
             };

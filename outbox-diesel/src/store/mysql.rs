@@ -5,7 +5,7 @@ use std::time::Duration;
 use diesel::MysqlConnection;
 use outbox_core::{Backlog, RelayStore};
 
-use super::{ClaimOrder, DEFAULT_STALL_TIMEOUT, LockedBatch, blocking};
+use super::{ClaimOrder, LockedBatch, LockedClaim, blocking};
 use crate::MysqlPool;
 use crate::backend::Backend as _;
 
@@ -34,8 +34,7 @@ use crate::backend::Backend as _;
 #[derive(Debug, Clone)]
 pub struct MysqlRelayStore {
     pool: MysqlPool,
-    order: ClaimOrder,
-    stall: Duration,
+    claim: LockedClaim,
 }
 
 impl MysqlRelayStore {
@@ -44,8 +43,7 @@ impl MysqlRelayStore {
     pub fn new(pool: MysqlPool) -> Self {
         Self {
             pool,
-            order: ClaimOrder::default(),
-            stall: DEFAULT_STALL_TIMEOUT,
+            claim: LockedClaim::default(),
         }
     }
 
@@ -58,25 +56,27 @@ impl MysqlRelayStore {
     /// longer loses its claim, is published again by another relay, and the slow relay
     /// backs off as after a database outage. `Duration::ZERO` sets nothing: the
     /// server's settings apply.
+    #[must_use]
     pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
-        self.stall = timeout;
+        self.claim.stall = timeout;
         self
     }
 
     /// The stall timeout.
     pub fn stall_timeout(&self) -> Duration {
-        self.stall
+        self.claim.stall
     }
 
     /// Sets the claim order.
+    #[must_use]
     pub fn with_order(mut self, order: ClaimOrder) -> Self {
-        self.order = order;
+        self.claim.order = order;
         self
     }
 
     /// The claim order.
     pub fn order(&self) -> ClaimOrder {
-        self.order
+        self.claim.order
     }
 
     /// The pool.
@@ -90,7 +90,7 @@ impl RelayStore for MysqlRelayStore {
 
     async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
         let (pool, held) = (self.pool.clone(), Vec::new());
-        Ok(LockedBatch::claim(pool, limit, self.order, self.stall, held).await?)
+        Ok(LockedBatch::claim(pool, limit, self.claim, held).await?)
     }
 
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {

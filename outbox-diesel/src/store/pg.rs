@@ -13,7 +13,7 @@ use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
 use self::listen::Listener;
 use crate::backend::Backend as _;
-use crate::store::{DEFAULT_STALL_TIMEOUT, LockedBatch, blocking};
+use crate::store::{LockedBatch, LockedClaim, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 
 /// The relay's store on PostgreSQL: claims with `FOR UPDATE SKIP LOCKED` on a pooled
@@ -81,8 +81,7 @@ pub struct PgRelayStore {
     pool: PgPool,
     listener: Option<Arc<Listener>>,
     channel: String,
-    order: ClaimOrder,
-    stall: Duration,
+    claim: LockedClaim,
     seen: Arc<Seen>,
 }
 
@@ -103,8 +102,7 @@ impl PgRelayStore {
             pool,
             listener: None,
             channel: DEFAULT_CHANNEL.to_owned(),
-            order: ClaimOrder::default(),
-            stall: DEFAULT_STALL_TIMEOUT,
+            claim: LockedClaim::default(),
             seen: Arc::default(),
         }
     }
@@ -117,25 +115,27 @@ impl PgRelayStore {
     /// batch): a batch that takes longer loses its claim, is published again by another
     /// relay, and the slow relay backs off as after a database outage.
     /// `Duration::ZERO` sets nothing: the server's settings apply.
+    #[must_use]
     pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
-        self.stall = timeout;
+        self.claim.stall = timeout;
         self
     }
 
     /// The stall timeout.
     pub fn stall_timeout(&self) -> Duration {
-        self.stall
+        self.claim.stall
     }
 
     /// Sets the claim order.
+    #[must_use]
     pub fn with_order(mut self, order: ClaimOrder) -> Self {
-        self.order = order;
+        self.claim.order = order;
         self
     }
 
     /// The claim order.
     pub fn order(&self) -> ClaimOrder {
-        self.order
+        self.claim.order
     }
 
     /// Builds a pool of `max_size` connections to `database_url` and a store that
@@ -160,13 +160,15 @@ impl PgRelayStore {
     /// Waits for work with `LISTEN` on a dedicated connection to `database_url` (opened
     /// on the first wait, without TLS: see [the LISTEN connection](Self#the-listen-connection)).
     /// Use the URL of the pool's database and schema.
+    #[must_use]
     pub fn with_listener(mut self, database_url: impl Into<String>) -> Self {
         self.listener = Some(Arc::new(Listener::new(database_url.into())));
         self
     }
 
     /// Sets the `NOTIFY` channel (default `outbox`): the one emitters use in
-    /// [`EmitOptions::channel`](crate::EmitOptions::channel).
+    /// [`EmitOptions::with_channel`](crate::EmitOptions::with_channel).
+    #[must_use]
     pub fn with_channel(mut self, channel: impl Into<String>) -> Self {
         // An open LISTEN connection on another channel is replaced on the next wait.
         self.channel = channel.into();
@@ -207,7 +209,7 @@ impl RelayStore for PgRelayStore {
             0
         };
         let (pool, held) = (self.pool.clone(), held.to_vec());
-        let batch = LockedBatch::claim(pool, limit, self.order, self.stall, held).await?;
+        let batch = LockedBatch::claim(pool, limit, self.claim, held).await?;
         let empty = batch.messages().is_empty();
         self.seen.empty.store(empty, Ordering::Relaxed);
         self.seen

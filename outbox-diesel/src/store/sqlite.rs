@@ -165,6 +165,7 @@ impl SqliteRelayStore {
     /// Sets the claim order (default [`ClaimOrder::PerKey`]). With one relay per
     /// database, id order is per-key order except across retries: the per-key mode holds
     /// back the later messages of a key whose older message waits for its retry time.
+    #[must_use]
     pub fn with_order(mut self, order: ClaimOrder) -> Self {
         self.order = order;
         self

@@ -113,7 +113,7 @@ impl EmitBench {
                 .map(|(w, c)| {
                     s.spawn(move || -> Result<(), outbox_diesel::Error> {
                         let opts = match way {
-                            Way::Emit(n) => EmitOptions::new().notify(n),
+                            Way::Emit(n) => EmitOptions::new().with_notify(n),
                             Way::Hand => EmitOptions::new(),
                         };
                         for i in 0..txns {
