@@ -9,7 +9,7 @@ use outbox_core::{
     StoredMessage,
 };
 use outbox_diesel::{DieselInbox, OutboxConnection};
-use outbox_redis::{Consumer, PublisherConfig, RedisPublisher};
+use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
 
 use crate::AccountTransferred;
 use crate::sql::{Bank, NoteTransfer};
@@ -101,7 +101,7 @@ where
         .publish(&[again])
         .await?;
     let consumer = Consumer::builder(redis_url, "notes")
-        .stream_prefix(stream_prefix)
+        .with_config(ConsumerConfig::default().with_stream_prefix(stream_prefix))
         .handle::<AccountTransferred, _>(NoteTransfer::<C>::new())
         .idempotency(DieselInbox::new(pool.clone()))
         .build()?;

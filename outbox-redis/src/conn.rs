@@ -7,7 +7,9 @@ use redis::{
 };
 
 use crate::error::breaks_connection;
-use crate::{Error, Result};
+use outbox_core::InvalidConfig;
+
+use crate::Result;
 
 /// Where the streams live: one Redis server, or a Redis Cluster. It decides how streams
 /// are named (see [`stream_name`]) and how commands are grouped, so that a publisher and
@@ -119,10 +121,14 @@ pub(crate) fn topic_of<'a>(stream: &'a str, prefix: &str, cluster: bool) -> &'a 
 /// key, which must be the topic's.
 pub(crate) fn check_prefix(prefix: &str, cluster: bool) -> Result<()> {
     if cluster && prefix.contains(['{', '}']) {
-        return Err(Error::Config(format!(
-            "on a Redis Cluster the stream prefix must not contain `{{` or `}}` (the topic \
-             is the hash tag); got {prefix:?}"
-        )));
+        return Err(InvalidConfig::new(
+            "stream_prefix",
+            format!(
+                "must not contain `{{` or `}}` on a Redis Cluster (the topic is the hash \
+                 tag); got {prefix:?}"
+            ),
+        )
+        .into());
     }
     Ok(())
 }

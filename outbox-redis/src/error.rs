@@ -14,9 +14,13 @@ pub enum Error {
     /// failing, and the like.
     #[error(transparent)]
     Core(#[from] outbox_core::Error),
-    /// A configuration value is out of range or missing.
-    #[error("invalid configuration: {0}")]
-    Config(String),
+    /// A configuration value breaks its rule: the field and the rule (see
+    /// [`InvalidConfig`](outbox_core::InvalidConfig)).
+    #[error(transparent)]
+    Config(#[from] outbox_core::InvalidConfig),
+    /// A consumer was built without any handler: it would read nothing.
+    #[error("no handler registered: register at least one with `handle` or `handle_async`")]
+    NoHandler,
     /// A stream entry lacks a field the envelope needs, or a field does not parse.
     #[error("malformed stream entry: {0}")]
     MalformedEntry(String),
@@ -33,21 +37,17 @@ impl Error {
         }
     }
 
-    /// Whether this is a configuration mistake (fix the code or settings, do not retry).
+    /// Whether this is a configuration mistake (fix the code or settings, do not retry):
+    /// a setting out of range, a consumer without handlers, a Redis address the client
+    /// refuses.
     pub fn is_config(&self) -> bool {
-        matches!(self, Self::Config(_))
+        matches!(self, Self::Config(_) | Self::NoHandler)
             || matches!(self, Self::Redis(e) if e.kind() == redis::ErrorKind::InvalidClientConfig)
     }
 
     /// Whether this is a malformed stream entry.
     pub fn is_malformed_entry(&self) -> bool {
         matches!(self, Self::MalformedEntry(_))
-    }
-}
-
-impl From<outbox_core::InvalidConfig> for Error {
-    fn from(e: outbox_core::InvalidConfig) -> Self {
-        Self::Config(format!("{} {}", e.field(), e.rule()))
     }
 }
 

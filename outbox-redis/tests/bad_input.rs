@@ -22,7 +22,7 @@ fn consumer_for(url: &str) -> Consumer<MemoryDb<Applied>> {
     Consumer::builder(url, "bad-input")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(MemoryDb::new(Applied::new()))
-        .config(fast_config(&unique_prefix("test")))
+        .with_config(fast_config(&unique_prefix("test")))
         .build()
         .expect("a well-formed URL")
 }

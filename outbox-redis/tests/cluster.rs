@@ -287,10 +287,14 @@ async fn a_cluster_prefix_with_a_brace_is_refused_and_builders_name_streams_alik
     let err = Consumer::builder_cluster(nodes, "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(MemoryDb::new(Applied::new()))
-        .stream_prefix("app{x}:")
+        .with_config(ConsumerConfig::default().with_stream_prefix("app{x}:"))
         .build()
         .unwrap_err();
     assert!(err.is_config(), "{err:?}");
+    assert!(
+        matches!(&err, outbox_redis::Error::Config(e) if e.field() == "stream_prefix"),
+        "{err:?}"
+    );
     let err = RedisPublisher::cluster(Vec::<String>::new()).unwrap_err();
     assert!(err.is_config(), "{err:?}");
 
@@ -347,7 +351,7 @@ fn cluster_consumer(
         .handle::<OrderPaid, _>(handler)
         .handle::<OrderRefunded, _>(Refunds)
         .idempotency(db.clone())
-        .config(config)
+        .with_config(config)
         .build()
         .unwrap()
 }
@@ -373,18 +377,13 @@ async fn a_group_applies_every_message_once_across_slots_in_single_and_batch_mod
         assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
     }
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        stream_prefix: "outbox:".into(),
-        read_count: 8,
-        ..fast_config("outbox:")
-    };
+    let config = fast_config("outbox:")
+        .with_stream_prefix("outbox:")
+        .with_read_count(8);
     let single = cluster_consumer(&cluster, config.clone(), "points", &db, Recorder::ok());
     let batched = cluster_consumer(
         &cluster,
-        ConsumerConfig {
-            batch_size: Some(5),
-            ..config
-        },
+        config.with_batch_size(5),
         "points",
         &db,
         Recorder::ok(),
@@ -450,10 +449,7 @@ async fn poison_and_exhausted_entries_go_to_the_dead_stream_in_the_same_slot() {
             Ok(())
         }
     });
-    let config = ConsumerConfig {
-        max_deliveries: 2,
-        ..fast_config("outbox:")
-    };
+    let config = fast_config("outbox:").with_max_deliveries(2);
     let c = cluster_consumer(&cluster, config, "poison", &db, handler);
     let stream = "outbox:{order.paid}".to_owned();
     let dead = c.dead_letter_stream(&stream);

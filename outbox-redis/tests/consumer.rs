@@ -61,11 +61,9 @@ async fn two_consumers_in_one_group_split_the_work() {
             Ok(())
         })
     };
-    let config = ConsumerConfig {
-        read_count: 2,
-        max_in_flight: 2,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix)
+        .with_read_count(2)
+        .with_max_in_flight(2);
     // Separate stores, so that one consumer's waiting handler does not hold up the
     // other's transaction; the group's work must still be split without overlap.
     let (db1, db2) = (MemoryDb::new(Applied::new()), MemoryDb::new(Applied::new()));
@@ -141,11 +139,8 @@ async fn an_entry_of_a_killed_consumer_is_reclaimed_and_applied_once() {
         released.lock().unwrap().recv().ok();
         Err(HandlerError::msg("process killed"))
     });
-    let config = ConsumerConfig {
-        // Long enough that the first consumer never retries the entry itself.
-        min_idle: Duration::from_secs(3600),
-        ..fast_config(&prefix)
-    };
+    // Long enough that the first consumer never retries the entry itself.
+    let config = fast_config(&prefix).with_min_idle(Duration::from_secs(3600));
     let first = consumer(config, &group, &db, doomed.clone());
     let running = Running::start(&first);
     tokio::task::spawn_blocking(move || started.recv().unwrap())
@@ -192,10 +187,7 @@ async fn a_handler_failing_on_every_delivery_is_dead_lettered_with_its_reason() 
             Ok(())
         }
     });
-    let config = ConsumerConfig {
-        max_deliveries: 3,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_max_deliveries(3);
     let c = consumer(config, &unique("dlq"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("dead-lettered", || c.stats().dead_lettered == 1).await;
@@ -270,10 +262,7 @@ async fn an_entry_claimed_past_the_delivery_limit_is_dead_lettered_without_runni
     let mut conn = delivered_twice_to_ghosts(&prefix, &group).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::ok();
-    let config = ConsumerConfig {
-        max_deliveries: 2,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_max_deliveries(2);
     let c = consumer(config, &group, &db, handler.clone());
     let running = Running::start(&c);
     eventually("dead-lettered", || c.stats().dead_lettered == 1).await;
@@ -301,10 +290,7 @@ async fn an_applied_entry_claimed_past_the_limit_is_acked_not_dead_lettered() {
         Processed::Applied
     );
     let handler = Recorder::ok();
-    let config = ConsumerConfig {
-        max_deliveries: 2,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_max_deliveries(2);
     let c = consumer(config, &group, &db, handler.clone());
     let running = Running::start(&c);
     eventually("acknowledged as a duplicate", || c.stats().duplicates == 1).await;
@@ -353,10 +339,7 @@ async fn a_store_outage_does_not_spend_deliveries() {
     let c = Consumer::builder(redis_url(), unique("outage"))
         .handle::<OrderPaid, _>(handler.clone())
         .idempotency(inbox)
-        .config(ConsumerConfig {
-            max_deliveries: 2,
-            ..fast_config(&prefix)
-        })
+        .with_config(fast_config(&prefix).with_max_deliveries(2))
         .build()
         .unwrap();
     let running = Running::start(&c);
@@ -471,10 +454,7 @@ async fn unknown_types_can_be_acked_and_counted_instead() {
         .await
         .unwrap();
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        ignore_unknown_types: true,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_ignore_unknown_types(true);
     let c = consumer(config, &unique("ignore"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("ignored", || c.stats().ignored == 1).await;
@@ -528,11 +508,9 @@ async fn blocking_reads_longer_than_500_ms_do_not_error() {
     // The consumer blocks 1.5 s per read and must go through several empty reads
     // without a single error, then still receive.
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        block: Duration::from_millis(1500),
-        claim_interval: Duration::from_secs(3600),
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix)
+        .with_block(Duration::from_millis(1500))
+        .with_claim_interval(Duration::from_secs(3600));
     let c = consumer(config, &group, &db, Recorder::ok());
     let running = Running::start(&c);
     tokio::time::sleep(Duration::from_millis(3500)).await;
@@ -559,10 +537,7 @@ async fn graceful_shutdown_finishes_and_acks_in_flight_messages() {
         released.lock().unwrap().recv().ok();
         Ok(())
     });
-    let config = ConsumerConfig {
-        max_in_flight: 1,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_max_in_flight(1);
     let c = consumer(config, &unique("graceful"), &db, handler.clone());
     let mut running = Running::start(&c);
     tokio::task::spawn_blocking(move || started.recv().unwrap())
@@ -595,10 +570,7 @@ async fn start_from_end_skips_earlier_entries_and_groups_are_created_idempotentl
     let prefix = unique_prefix("test");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        start_from: StartFrom::End,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_start_from(StartFrom::End);
     let c = consumer(config, &unique("end"), &db, Recorder::ok());
     c.ensure_groups().await.unwrap();
     c.ensure_groups().await.unwrap();
@@ -630,19 +602,13 @@ async fn builder_reports_mistakes() {
     let zero = Consumer::builder(redis_url(), "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db.clone())
-        .config(ConsumerConfig {
-            block: Duration::ZERO,
-            ..ConsumerConfig::default()
-        })
+        .with_config(ConsumerConfig::default().with_block(Duration::ZERO))
         .build();
     assert!(zero.unwrap_err().is_config());
     let forever = Consumer::builder(redis_url(), "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db.clone())
-        .config(ConsumerConfig {
-            claim_interval: Duration::MAX,
-            ..ConsumerConfig::default()
-        })
+        .with_config(ConsumerConfig::default().with_claim_interval(Duration::MAX))
         .build();
     assert!(
         forever.unwrap_err().is_config(),
@@ -661,6 +627,76 @@ async fn builder_reports_mistakes() {
         .idempotency(db)
         .build();
     assert!(bad_url.is_err());
+}
+
+/// The builder takes the config whole (issue 11): a consumer name and a batch size given
+/// in it both hold. The builder has no shortcut setter that could overwrite either, or
+/// be overwritten by the config (`ConsumerBuilder::with_config` has a `compile_fail`
+/// doc test for `.batch_size(..)`).
+#[tokio::test]
+async fn a_config_given_whole_keeps_every_field() {
+    let config = ConsumerConfig::default()
+        .with_consumer_name("points-1")
+        .with_batch_size(7)
+        .with_stream_prefix("app:");
+    let c = Consumer::builder(redis_url(), "g")
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(MemoryDb::new(Applied::new()))
+        .with_config(config.clone())
+        .build()
+        .unwrap();
+    assert_eq!(c.consumer_name(), "points-1");
+    assert_eq!(c.config().batch_size, Some(7));
+    assert_eq!(c.config(), &config);
+    assert!(
+        c.streams().all(|s| s.starts_with("app:")),
+        "{:?}",
+        c.streams().collect::<Vec<_>>()
+    );
+    // A later `with_config` replaces the earlier one whole: nothing of it lingers.
+    let c = Consumer::builder(redis_url(), "g")
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(MemoryDb::new(Applied::new()))
+        .with_config(config)
+        .with_config(ConsumerConfig::default().with_max_in_flight(3))
+        .build()
+        .unwrap();
+    assert_eq!(c.config(), &ConsumerConfig::default().with_max_in_flight(3));
+    assert_ne!(c.consumer_name(), "points-1");
+}
+
+/// Build errors are typed: a config rule names its field, a group name too long is a
+/// config error of `group`, no handler at all is its own error.
+#[tokio::test]
+async fn build_errors_name_the_broken_rule() {
+    let built = |group: &str, config: ConsumerConfig| {
+        Consumer::builder(redis_url(), group)
+            .handle::<OrderPaid, _>(Recorder::ok())
+            .idempotency(MemoryDb::new(Applied::new()))
+            .with_config(config)
+            .build()
+            .unwrap_err()
+    };
+    let field = |e: &outbox_redis::Error| match e {
+        outbox_redis::Error::Config(e) => e.field().to_owned(),
+        other => panic!("not a config error: {other:?}"),
+    };
+    let e = built("g", ConsumerConfig::default().with_read_count(0));
+    assert_eq!(field(&e), "read_count", "{e}");
+    assert_eq!(
+        e.to_string(),
+        "invalid configuration: read_count must be at least 1"
+    );
+    let e = built("g", ConsumerConfig::default().with_batch_size(0));
+    assert_eq!(field(&e), "batch_size", "{e}");
+    let e = built(&"g".repeat(65), ConsumerConfig::default());
+    assert_eq!(field(&e), "group", "{e}");
+    let none = Consumer::builder::<MemoryTx<Applied>>(redis_url(), "g")
+        .idempotency(MemoryDb::new(Applied::new()))
+        .build()
+        .unwrap_err();
+    assert!(matches!(none, outbox_redis::Error::NoHandler), "{none:?}");
+    assert!(none.is_config());
 }
 
 #[tokio::test]
@@ -713,7 +749,7 @@ async fn async_handlers_are_retried_and_applied_once() {
     let db = MemoryDb::new(Applied::new());
     let receipts = Receipts::default();
     let c = Consumer::builder(redis_url(), unique("receipts"))
-        .config(fast_config(&prefix))
+        .with_config(fast_config(&prefix))
         .handle_async::<OrderPaid, _>(receipts.clone())
         .idempotency(db.clone())
         .build()

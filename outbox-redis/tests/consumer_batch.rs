@@ -12,11 +12,9 @@ use outbox_redis::redis;
 use outbox_redis::{Consumer, ConsumerConfig};
 
 fn batch_config(prefix: &str, size: usize) -> ConsumerConfig {
-    ConsumerConfig {
-        batch_size: Some(size),
-        max_in_flight: 2,
-        ..fast_config(prefix)
-    }
+    fast_config(prefix)
+        .with_batch_size(size)
+        .with_max_in_flight(2)
 }
 
 /// The in-memory inbox, recording each batch's size; its next `outages` batches fail
@@ -83,7 +81,7 @@ fn recording_consumer(
     Consumer::builder(redis_url(), group)
         .handle::<OrderPaid, _>(handler)
         .idempotency(inbox.clone())
-        .config(config)
+        .with_config(config)
         .build()
         .unwrap()
 }
@@ -134,10 +132,7 @@ async fn a_failing_message_is_retried_then_dead_lettered_while_the_others_are_ac
             Ok(())
         }
     });
-    let config = ConsumerConfig {
-        max_deliveries: 3,
-        ..batch_config(&prefix, 10)
-    };
+    let config = batch_config(&prefix, 10).with_max_deliveries(3);
     let c = consumer(config, &unique("dlq"), &db, handler.clone());
     let running = Running::start(&c);
     eventually("dead-lettered", || c.stats().dead_lettered == 1).await;
@@ -232,10 +227,7 @@ async fn a_store_outage_fails_the_batch_without_spending_deliveries() {
     let db = MemoryDb::new(Applied::new());
     let inbox = Recording::new(&db, 4);
     let handler = Recorder::ok();
-    let config = ConsumerConfig {
-        max_deliveries: 2,
-        ..batch_config(&prefix, 10)
-    };
+    let config = batch_config(&prefix, 10).with_max_deliveries(2);
     let c = recording_consumer(config, &unique("outage"), &inbox, handler.clone());
     let running = Running::start(&c);
     eventually("applied after the outage", || c.stats().consumed == 3).await;
@@ -326,7 +318,7 @@ async fn a_zero_batch_size_is_a_config_error() {
     let built = Consumer::builder(redis_url(), "g")
         .handle::<OrderPaid, _>(Recorder::ok())
         .idempotency(db)
-        .batch_size(0)
+        .with_config(ConsumerConfig::default().with_batch_size(0))
         .build();
     assert!(built.unwrap_err().is_config());
 }

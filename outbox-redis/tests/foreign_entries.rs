@@ -368,11 +368,7 @@ async fn in_batch_mode_bad_entries_are_dead_lettered_and_the_batch_commits() {
             set("msg_id", "order-9:OrderShipped"),
         ]),
     ];
-    let outcome = feed(&bad, |prefix| ConsumerConfig {
-        batch_size: Some(16),
-        ..fast_config(prefix)
-    })
-    .await;
+    let outcome = feed(&bad, |prefix| fast_config(prefix).with_batch_size(16)).await;
     let reasons: Vec<String> = outcome
         .dead
         .iter()

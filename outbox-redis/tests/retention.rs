@@ -29,19 +29,13 @@ fn retention_defaults() {
 async fn retention_settings_are_validated() {
     let db = MemoryDb::new(Applied::new());
     for config in [
-        ConsumerConfig {
-            dead_letter_max_len: Some(0),
-            ..ConsumerConfig::default()
-        },
-        ConsumerConfig {
-            trim_interval: Some(Duration::ZERO),
-            ..ConsumerConfig::default()
-        },
+        ConsumerConfig::default().with_dead_letter_max_len(0),
+        ConsumerConfig::default().with_trim_interval(Some(Duration::ZERO)),
     ] {
         let built = Consumer::builder(redis_url(), "g")
             .handle::<OrderPaid, _>(Recorder::ok())
             .idempotency(db.clone())
-            .config(config)
+            .with_config(config)
             .build();
         assert!(built.unwrap_err().is_config());
     }
@@ -69,10 +63,7 @@ async fn a_dead_letter_stream_keeps_at_most_dead_letter_max_len_entries() {
             .unwrap();
     }
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        dead_letter_max_len: Some(10),
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_dead_letter_max_len(10);
     let c = consumer(config, &unique("capped"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 50 dead-lettered", || c.stats().dead_lettered == 50).await;
@@ -107,10 +98,7 @@ async fn without_a_cap_every_dead_letter_is_kept() {
             .unwrap();
     }
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        dead_letter_max_len: None,
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_dead_letter_max_len(None);
     let c = consumer(config, &unique("uncapped"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 15 dead-lettered", || c.stats().dead_lettered == 15).await;
@@ -126,10 +114,7 @@ async fn trim_interval_removes_acknowledged_entries_while_running() {
     let mut conn = conn().await;
     publish(&prefix, (1..=20).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
-    let config = ConsumerConfig {
-        trim_interval: Some(Duration::from_millis(100)),
-        ..fast_config(&prefix)
-    };
+    let config = fast_config(&prefix).with_trim_interval(Some(Duration::from_millis(100)));
     let c = consumer(config, &unique("trimming"), &db, Recorder::ok());
     let running = Running::start(&c);
     eventually("all 20 consumed", || c.stats().consumed == 20).await;

@@ -104,13 +104,13 @@ async fn batches_sharing_keys_do_not_deadlock() {
                 .build(ConnectionManager::<PgConnection>::new(&schema.url))
                 .unwrap();
             Consumer::builder(redis_url(), "credit")
-                .config(ConsumerConfig {
-                    stream_prefix: prefix.clone(),
-                    batch_size: Some(50),
-                    max_in_flight: 8,
-                    block: Duration::from_millis(100),
-                    ..ConsumerConfig::default()
-                })
+                .with_config(
+                    ConsumerConfig::default()
+                        .with_stream_prefix(prefix.clone())
+                        .with_batch_size(50)
+                        .with_max_in_flight(8)
+                        .with_block(Duration::from_millis(100)),
+                )
                 .handle::<Credited, _>(Credit)
                 .idempotency(PgInbox::new(pool))
                 .build()

@@ -115,18 +115,16 @@ impl Fixture {
     }
 
     fn config(&self) -> ConsumerConfig {
-        ConsumerConfig {
-            stream_prefix: self.prefix.clone(),
-            block: Duration::from_millis(200),
-            min_idle: Duration::from_millis(300),
-            claim_interval: Duration::from_millis(100),
-            ..ConsumerConfig::default()
-        }
+        ConsumerConfig::default()
+            .with_stream_prefix(self.prefix.clone())
+            .with_block(Duration::from_millis(200))
+            .with_min_idle(Duration::from_millis(300))
+            .with_claim_interval(Duration::from_millis(100))
     }
 
     fn consumer(&self, config: ConsumerConfig, handler: AddPoints) -> Consumer<PgInbox> {
         Consumer::builder(redis_url(), self.group.clone())
-            .config(config)
+            .with_config(config)
             .handle::<AccountTransferred, _>(handler)
             .idempotency(PgInbox::new(self.pool.clone()))
             .build()
@@ -236,10 +234,7 @@ async fn an_entry_of_a_consumer_killed_before_xack_is_reclaimed_and_applied_once
         Err(HandlerError::msg("process killed"))
     });
     let first = f.consumer(
-        ConsumerConfig {
-            min_idle: Duration::from_secs(3600),
-            ..f.config()
-        },
+        f.config().with_min_idle(Duration::from_secs(3600)),
         doomed.clone(),
     );
     let task = tokio::spawn(async move { first.run_until(std::future::pending()).await });
@@ -273,13 +268,7 @@ async fn a_handler_failing_every_time_is_dead_lettered_and_leaves_no_write() {
             "points service refused (attempt {call})"
         )))
     });
-    let consumer = f.consumer(
-        ConsumerConfig {
-            max_deliveries: 3,
-            ..f.config()
-        },
-        failing.clone(),
-    );
+    let consumer = f.consumer(f.config().with_max_deliveries(3), failing.clone());
     run_until(&consumer, |c| c.stats().dead_lettered == 1).await;
     assert_eq!(failing.calls.load(Ordering::SeqCst), 3);
     assert_eq!(f.points(), 0, "every failed attempt rolled back its write");

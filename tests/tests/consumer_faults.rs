@@ -87,18 +87,16 @@ impl Fixture {
     }
 
     fn config(&self) -> ConsumerConfig {
-        ConsumerConfig {
-            stream_prefix: self.prefix.clone(),
-            block: Duration::from_millis(200),
-            claim_interval: Duration::from_millis(100),
-            min_idle: Duration::from_millis(300),
-            ..ConsumerConfig::default()
-        }
+        ConsumerConfig::default()
+            .with_stream_prefix(self.prefix.clone())
+            .with_block(Duration::from_millis(200))
+            .with_claim_interval(Duration::from_millis(100))
+            .with_min_idle(Duration::from_millis(300))
     }
 
     fn consumer(&self, config: ConsumerConfig, work: Work, pool: PgPool) -> Consumer<PgInbox> {
         Consumer::builder(redis_url(), "work")
-            .config(config)
+            .with_config(config)
             .handle::<Job, _>(work)
             .idempotency(PgInbox::new(pool))
             .build()
@@ -259,10 +257,7 @@ async fn a_slow_failing_handler_is_not_pushed_to_the_dead_letters_by_its_own_cla
             Ok(())
         }
     });
-    let config = ConsumerConfig {
-        max_deliveries: 2,
-        ..fx.config()
-    };
+    let config = fx.config().with_max_deliveries(2);
     let consumer = fx.consumer(config, work.clone(), fx.pool(4, Duration::from_secs(30)));
     run_until_applied(&fx, std::slice::from_ref(&consumer), 1).await;
     assert_eq!(fx.applied(), (1, 1));
@@ -310,11 +305,10 @@ async fn a_consumer_stuck_in_lock_waits_shuts_down_within_its_bound() {
         diesel::sql_query("UPDATE hot SET v = v + 1 WHERE id = 1").execute(conn)?;
         Ok(())
     });
-    let config = ConsumerConfig {
-        batch_size: Some(5),
-        shutdown_timeout: Duration::from_secs(1),
-        ..fx.config()
-    };
+    let config = fx
+        .config()
+        .with_batch_size(5)
+        .with_shutdown_timeout(Duration::from_secs(1));
     let stuck = fx.consumer(config, work.clone(), fx.pool(4, Duration::from_secs(30)));
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let run = {
@@ -387,12 +381,11 @@ async fn a_deadlocked_handler_runs_again(batch: Option<usize>) {
     });
     // One message (or batch) at a time: a second handler queued for row 1 would meet
     // the rival in a deadlock of its own, and the test would show a different story.
-    let config = ConsumerConfig {
-        max_deliveries: 1,
-        batch_size: batch,
-        max_in_flight: 1,
-        ..fx.config()
-    };
+    let config = fx
+        .config()
+        .with_max_deliveries(1)
+        .with_batch_size(batch)
+        .with_max_in_flight(1);
     let consumer = fx.consumer(config, work, fx.pool(4, Duration::from_secs(30)));
     run_until_applied(&fx, std::slice::from_ref(&consumer), 3).await;
     rival.join().unwrap();

@@ -142,11 +142,9 @@ impl Fixture {
     }
 
     fn config(&self, case: &Case) -> ConsumerConfig {
-        let mut config = ConsumerConfig {
-            stream_prefix: self.prefix.clone(),
-            batch_size: case.batch.then_some(20),
-            ..ConsumerConfig::default()
-        };
+        let mut config = ConsumerConfig::default()
+            .with_stream_prefix(self.prefix.clone())
+            .with_batch_size(case.batch.then_some(20));
         if case.short {
             config.block = Duration::from_millis(200);
             config.claim_interval = Duration::from_millis(200);
@@ -167,7 +165,7 @@ async fn survives(case: Case) {
     let mut running = Vec::new();
     for _ in 0..case.consumers {
         let consumer = Consumer::builder(fx.redis.url(), "ticks")
-            .config(config.clone())
+            .with_config(config.clone())
             .handle::<Tick, _>(CountApplications)
             .idempotency(PgInbox::new(fx.pool.clone()))
             .build()
@@ -304,7 +302,7 @@ async fn a_consumer_started_while_redis_is_down_waits_for_it() {
     fx.publish(0..10).await;
     tokio::task::block_in_place(|| fx.redis.stop());
     let consumer = Consumer::builder(fx.redis.url(), "ticks")
-        .config(fx.config(&Case {
+        .with_config(fx.config(&Case {
             consumers: 1,
             batch: false,
             short: true,

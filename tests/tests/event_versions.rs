@@ -77,18 +77,16 @@ fn consumer(
     db: &MemoryDb<Ledger>,
     batch: bool,
 ) -> Consumer<MemoryDb<Ledger>> {
-    let config = ConsumerConfig {
-        stream_prefix: prefix.to_owned(),
-        block: Duration::from_millis(200),
+    let config = ConsumerConfig::default()
+        .with_stream_prefix(prefix.to_owned())
+        .with_block(Duration::from_millis(200))
         // Short, so that an entry left pending would be delivered again within the
         // test and show up as a second delivery.
-        min_idle: Duration::from_millis(300),
-        claim_interval: Duration::from_millis(100),
-        batch_size: batch.then_some(16),
-        ..ConsumerConfig::default()
-    };
+        .with_min_idle(Duration::from_millis(300))
+        .with_claim_interval(Duration::from_millis(100))
+        .with_batch_size(batch.then_some(16));
     Consumer::builder(redis_url(), group)
-        .config(config)
+        .with_config(config)
         .handle::<OrderPaid, _>(Book)
         .upgrade::<OrderPaid>(1, |mut v| {
             let cents = v

@@ -1,7 +1,7 @@
 //! Run with: cargo run -p outbox-examples --bin chaos_consumer -- --backend postgres --database-url URL --redis-url URL --stream-prefix PREFIX
 //!
 //! The consumer process of the chaos run (`bin/chaos.rs` starts several of them): a
-//! [`Consumer`] with the default [`ConsumerConfig`](outbox_redis::ConsumerConfig) (only
+//! [`Consumer`] with the default [`ConsumerConfig`] (only
 //! the stream prefix is set), a diesel inbox, and the [`ApplyTick`] handler, which adds
 //! each message's sequence number to a per-key sum in the dedup transaction. It stops on
 //! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0.
@@ -14,7 +14,7 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use diesel::{MysqlConnection, PgConnection};
 use outbox_diesel::{DieselInbox, OutboxConnection};
 use outbox_examples::chaos::{ApplyTick, ChaosDb, Tick};
-use outbox_redis::Consumer;
+use outbox_redis::{Consumer, ConsumerConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -123,7 +123,7 @@ where
     let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
         .await??;
     let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
-        .stream_prefix(args.stream_prefix.as_str())
+        .with_config(ConsumerConfig::default().with_stream_prefix(args.stream_prefix.as_str()))
         .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
         .idempotency(DieselInbox::new(pool))
         .build()?;

@@ -239,20 +239,18 @@ impl ConsumerBench {
                     .build(ConnectionManager::<PgConnection>::new(url))
             })
             .await??;
-            let config = ConsumerConfig {
-                stream_prefix: self.prefix.clone(),
-                max_in_flight: in_flight,
-                batch_size: batch,
-                block: Duration::from_millis(100),
-                ..ConsumerConfig::default()
-            };
+            let config = ConsumerConfig::default()
+                .with_stream_prefix(self.prefix.clone())
+                .with_max_in_flight(in_flight)
+                .with_batch_size(batch)
+                .with_block(Duration::from_millis(100));
             let builder = Consumer::builder(self.svc.redis_url.as_str(), group.clone());
             let consumer = match load {
                 Load::Distinct => builder.handle::<PointsEarned, _>(Award),
                 Load::Shared => builder.handle::<Credited, _>(Award),
             }
             .idempotency(PgInbox::new(pool))
-            .config(config)
+            .with_config(config)
             .build()?;
             running.push(consumer);
         }

@@ -1,0 +1,194 @@
+//! Batch mode: one transaction per batch of messages.
+
+use std::sync::Arc;
+
+use outbox_core::{Delivery, Inbox, InboxBatchOutcomes, Processed};
+use tracing::Instrument as _;
+
+use super::stats::Count;
+use super::{Consumer, Done, Job};
+use crate::conn::topic_of;
+use crate::entry::envelope_from_fields;
+
+/// A batch whose store transaction failed as a whole.
+struct BatchFailed {
+    reason: String,
+    outage: bool,
+    /// A deadlock or serialization failure rolled the whole batch back.
+    conflict: bool,
+}
+
+/// What the checks before the store decided for an entry in batch mode.
+enum Screened {
+    Deliver(Delivery),
+    Ignore,
+    DeadLetter(String),
+    /// Delivered past the limit without an outcome: see `Consumer::over_limit`.
+    OverLimit,
+}
+
+impl<I, C> Consumer<I, C>
+where
+    I: Inbox<Conn = C>,
+    C: 'static,
+{
+    /// Processes a batch of entries to the end: the checks of single mode per entry,
+    /// then one store transaction for the rest, then one `XACK` per stream.
+    pub(super) async fn process_batch(self, jobs: Vec<Job>) -> Done {
+        let span = tracing::info_span!("outbox.consume_batch", messages = jobs.len());
+        let outage = self.process_batch_inner(&jobs).instrument(span).await;
+        Done {
+            entries: jobs
+                .into_iter()
+                .map(|job| (job.stream, job.entry.id))
+                .collect(),
+            outage,
+        }
+    }
+
+    /// Returns whether Redis or the store failed as a whole.
+    async fn process_batch_inner(&self, jobs: &[Job]) -> bool {
+        let mut outage = false;
+        let mut acks: Vec<&Job> = Vec::new();
+        let mut runs: Vec<&Job> = Vec::new();
+        let mut deliveries: Vec<Delivery> = Vec::new();
+        for job in jobs {
+            match self.screen(job) {
+                Screened::Deliver(delivery) => {
+                    runs.push(job);
+                    deliveries.push(delivery);
+                }
+                Screened::Ignore => {
+                    self.count(Count::Ignored, Some(&job.stream));
+                    acks.push(job);
+                }
+                Screened::DeadLetter(reason) => outage |= self.dead_letter(job, &reason).await,
+                Screened::OverLimit => outage |= self.over_limit(job).await,
+            }
+        }
+        if !deliveries.is_empty() {
+            match self.attempt_batch(deliveries).await {
+                Ok(outcomes) => {
+                    for (job, outcome) in runs.into_iter().zip(outcomes) {
+                        match outcome {
+                            Ok(Processed::Applied) => {
+                                self.count(Count::Consumed, Some(&job.stream));
+                                acks.push(job);
+                            }
+                            Ok(Processed::Duplicate) => {
+                                self.count(Count::Duplicate, Some(&job.stream));
+                                acks.push(job);
+                            }
+                            Err(e) if e.is_poison() => {
+                                outage |= self
+                                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                                    .await;
+                            }
+                            Err(e) if e.is_transient() => {
+                                // Only its savepoint rolled back: it runs again on its own.
+                                tracing::debug!(error = %outbox_core::error_chain(&e), "transient database conflict; running the message again on its own");
+                                self.count(Count::Conflict, Some(&job.stream));
+                                outage |= self.process_inner(job).await;
+                            }
+                            Err(e) => {
+                                outage |= self
+                                    .failed(
+                                        job,
+                                        &outbox_core::error_chain(&e).to_string(),
+                                        e.is_outage(),
+                                    )
+                                    .await;
+                            }
+                        }
+                    }
+                }
+                Err(BatchFailed {
+                    conflict: true,
+                    reason,
+                    ..
+                }) => {
+                    // The database rolled the whole batch back (MySQL ends the
+                    // transaction on a deadlock, savepoints included): nobody's fault.
+                    // Each message runs again on its own, so a conflict costs its own
+                    // message at most.
+                    tracing::debug!(%reason, "transient database conflict rolled the batch back; running its messages one by one");
+                    for job in &runs {
+                        self.count(Count::Conflict, Some(&job.stream));
+                    }
+                    for job in runs {
+                        outage |= self.process_inner(job).await;
+                    }
+                }
+                Err(BatchFailed {
+                    reason,
+                    outage: store_down,
+                    ..
+                }) => {
+                    for job in runs {
+                        outage |= self.failed(job, &reason, store_down).await;
+                    }
+                }
+            }
+        }
+        outage | self.ack_all(&acks).await
+    }
+
+    /// The checks before the store, as in single mode: the delivery limit, the entry's
+    /// fields, a handler for its type. Decoding is left to the dispatcher.
+    fn screen(&self, job: &Job) -> Screened {
+        let inner = &self.inner;
+        if job.delivery_count > inner.config.max_deliveries {
+            return Screened::OverLimit;
+        }
+        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
+        let envelope = match envelope_from_fields(&job.entry.map, topic) {
+            Ok(envelope) => envelope,
+            Err(e) => return Screened::DeadLetter(outbox_core::error_chain(&e).to_string()),
+        };
+        if !inner.dispatcher.handles(&envelope.event_type) {
+            if inner.config.ignore_unknown_types {
+                tracing::debug!(event_type = %envelope.event_type, "no handler for this event type; acknowledged");
+                return Screened::Ignore;
+            }
+            let e = outbox_core::Error::UnknownEventType(envelope.event_type);
+            return Screened::DeadLetter(e.to_string());
+        }
+        Screened::Deliver(Delivery {
+            envelope,
+            delivery_count: job.delivery_count,
+            entry_id: Some(job.entry.id.clone()),
+        })
+    }
+
+    /// Runs the batch's store transaction on a blocking thread. `Err`: the whole batch
+    /// failed and nothing committed.
+    async fn attempt_batch(
+        &self,
+        deliveries: Vec<Delivery>,
+    ) -> Result<InboxBatchOutcomes, BatchFailed> {
+        let inner = Arc::clone(&self.inner);
+        let joined = tokio::task::spawn_blocking(move || {
+            inner
+                .dispatcher
+                .consume_batch(&*inner.inbox, &inner.group, &deliveries)
+        })
+        .await;
+        match joined {
+            Ok(Ok(outcomes)) => Ok(outcomes),
+            Ok(Err(e)) => Err(BatchFailed {
+                outage: e.is_outage(),
+                conflict: e.is_transient(),
+                reason: outbox_core::error_chain(&e).to_string(),
+            }),
+            // Handler panics are caught per message; this is the store's own panic.
+            Err(e) => Err(BatchFailed {
+                conflict: false,
+                reason: match e.try_into_panic() {
+                    Ok(panic) => format!("batch panicked: {}", outbox_core::panic_message(&*panic)),
+                    Err(e) => format!("batch task failed: {e}"),
+                },
+                outage: false,
+            }),
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! Consumer groups: created on start, and again when deleted.
+
+use std::future::Future;
+
+use outbox_core::Inbox;
+use redis::RedisResult;
+
+use super::stats::Count;
+use super::{Consumer, StartFrom};
+use crate::Result;
+
+impl<I, C> Consumer<I, C>
+where
+    I: Inbox<Conn = C>,
+    C: 'static,
+{
+    /// Creates the group on each stream (and the stream, `MKSTREAM`) if it does not
+    /// exist, and registers this consumer in it (`XGROUP CREATECONSUMER`). Idempotent;
+    /// [`run_until`](Self::run_until) calls it first.
+    pub async fn ensure_groups(&self) -> Result<()> {
+        let inner = &self.inner;
+        let start = match inner.config.start_from {
+            StartFrom::Beginning => "0",
+            StartFrom::End => "$",
+        };
+        let mut conn = inner.commands.get().await?;
+        for stream in &inner.streams {
+            let created: RedisResult<()> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&**stream)
+                .arg(&inner.group)
+                .arg(start)
+                .arg("MKSTREAM")
+                .query_async(&mut conn)
+                .await;
+            match created {
+                Ok(()) => {
+                    tracing::info!(stream = &**stream, group = %inner.group, start, "consumer group created")
+                }
+                Err(e) if e.code() == Some("BUSYGROUP") => {}
+                Err(e) => {
+                    inner.commands.check(&e).await;
+                    return Err(e.into());
+                }
+            }
+            // Registers the consumer at once, so that `XINFO CONSUMERS` lists it before
+            // its first delivery.
+            let registered: RedisResult<redis::Value> = redis::cmd("XGROUP")
+                .arg("CREATECONSUMER")
+                .arg(&**stream)
+                .arg(&inner.group)
+                .arg(&inner.consumer_name)
+                .query_async(&mut conn)
+                .await;
+            if let Err(e) = registered {
+                inner.commands.check(&e).await;
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the groups, waiting out an outage of Redis (a consumer started before
+    /// Redis, or during a restart, must not need a restart of its own). Returns false
+    /// if `shutdown` came first.
+    pub(super) async fn wait_for_groups(
+        &self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<bool> {
+        let mut outages = 0;
+        loop {
+            match self.ensure_groups().await {
+                Ok(()) => return Ok(true),
+                Err(e) if e.is_outage() => {
+                    outages += 1;
+                    self.count(Count::RedisError, None);
+                    tracing::warn!(error = %outbox_core::error_chain(&e), "redis unavailable at start; waiting for it");
+                    tokio::select! {
+                        biased;
+                        () = &mut *shutdown => return Ok(false),
+                        () = tokio::time::sleep(self.inner.config.outage_backoff.pause(outages)) => {}
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}

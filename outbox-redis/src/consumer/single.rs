@@ -1,0 +1,177 @@
+//! One transaction per message.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{Delivery, Inbox, Prepared, Processed};
+use tracing::Instrument as _;
+
+use super::stats::Count;
+use super::{Consumer, Done, Job};
+use crate::conn::topic_of;
+use crate::entry::envelope_from_fields;
+
+/// How one run of a message's transaction ended.
+enum Attempt {
+    Processed(Processed),
+    Failed {
+        reason: String,
+        outage: bool,
+        /// A deadlock or serialization failure: nothing committed, run it again soon.
+        conflict: bool,
+    },
+}
+
+/// Immediate runs again of a message whose transaction met a transient conflict
+/// (deadlock, serialization failure, lock wait timeout), before the conflict counts as
+/// a failed delivery. A conflict is nobody's fault and usually gone at once; running
+/// it again from the loop would wait `min_idle` for nothing.
+const CONFLICT_RETRIES: u32 = 3;
+
+/// The pause before the `n`-th run again after a conflict: 10, 20, 40 ms plus up to as
+/// much again at random, so that the two sides of a deadlock do not meet again.
+fn conflict_pause(n: u32) -> Duration {
+    let base = Duration::from_millis(10) * (1 << n.min(6));
+    base + base.mul_f64(fastrand::f64())
+}
+
+impl<I, C> Consumer<I, C>
+where
+    I: Inbox<Conn = C>,
+    C: 'static,
+{
+    /// Processes one entry to the end: dead-letter, ack, or leave pending.
+    pub(super) async fn process(self, job: Job) -> Done {
+        let span = tracing::info_span!(
+            "outbox.consume",
+            stream = &*job.stream,
+            entry_id = %job.entry.id,
+            delivery_count = job.delivery_count,
+            msg_id = tracing::field::Empty,
+            event_type = tracing::field::Empty,
+            traceparent = tracing::field::Empty,
+        );
+        let outage = self.process_inner(&job).instrument(span).await;
+        Done {
+            entries: vec![(job.stream, job.entry.id)],
+            outage,
+        }
+    }
+
+    /// Returns whether Redis or the store failed as a whole.
+    pub(super) async fn process_inner(&self, job: &Job) -> bool {
+        let inner = &self.inner;
+        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
+        if job.delivery_count > inner.config.max_deliveries {
+            return self.over_limit(job).await;
+        }
+        let envelope = match envelope_from_fields(&job.entry.map, topic) {
+            Ok(envelope) => envelope,
+            Err(e) => {
+                return self
+                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                    .await;
+            }
+        };
+        let span = tracing::Span::current();
+        span.record("msg_id", envelope.msg_id.as_str());
+        span.record("event_type", envelope.event_type.as_str());
+        // Trace context captured at emit time, for subscribers that link the spans.
+        // A W3C traceparent is 55 bytes; a foreign producer's huge header stays out of
+        // every log line.
+        if let Some(parent) = envelope.headers.get(outbox_core::TRACEPARENT)
+            && parent.len() <= MAX_TRACEPARENT_LEN
+        {
+            span.record("traceparent", parent.as_str());
+        }
+        let mut prepared = match inner.dispatcher.prepare(&envelope) {
+            Ok(prepared) => prepared,
+            Err(outbox_core::Error::UnknownEventType(t)) if inner.config.ignore_unknown_types => {
+                tracing::debug!(event_type = %t, "no handler for this event type; acknowledged");
+                self.count(Count::Ignored, Some(&job.stream));
+                return self.ack(job).await;
+            }
+            Err(e) => {
+                return self
+                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                    .await;
+            }
+        };
+        let delivery = Delivery {
+            envelope,
+            delivery_count: job.delivery_count,
+            entry_id: Some(job.entry.id.clone()),
+        };
+        let mut conflicts = 0;
+        let attempt = loop {
+            match self.attempt(prepared, delivery.clone()).await {
+                Attempt::Failed {
+                    reason,
+                    conflict: true,
+                    ..
+                } if conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    self.count(Count::Conflict, Some(&job.stream));
+                    tracing::debug!(%reason, conflicts, "transient database conflict; running the message again");
+                    tokio::time::sleep(conflict_pause(conflicts)).await;
+                    // Decoded before, so it decodes again.
+                    prepared = match inner.dispatcher.prepare(&delivery.envelope) {
+                        Ok(prepared) => prepared,
+                        Err(e) => {
+                            return self
+                                .dead_letter(job, &outbox_core::error_chain(&e).to_string())
+                                .await;
+                        }
+                    };
+                }
+                attempt => break attempt,
+            }
+        };
+        match attempt {
+            Attempt::Processed(Processed::Applied) => {
+                self.count(Count::Consumed, Some(&job.stream));
+                self.ack(job).await
+            }
+            Attempt::Processed(Processed::Duplicate) => {
+                tracing::debug!("duplicate message acknowledged without running the handler");
+                self.count(Count::Duplicate, Some(&job.stream));
+                self.ack(job).await
+            }
+            Attempt::Failed { reason, outage, .. } => self.failed(job, &reason, outage).await,
+        }
+    }
+
+    /// Runs the dedup transaction on a blocking thread; a panic is a failure.
+    async fn attempt(&self, prepared: Prepared<C>, delivery: Delivery) -> Attempt {
+        let inbox = Arc::clone(&self.inner.inbox);
+        let group = self.inner.group.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            inbox.process(&group, &delivery.envelope.msg_id, |conn| {
+                prepared.run(conn, &delivery)
+            })
+        })
+        .await;
+        match joined {
+            Ok(Ok(processed)) => Attempt::Processed(processed),
+            Ok(Err(e)) => Attempt::Failed {
+                outage: e.is_outage(),
+                conflict: e.is_transient(),
+                reason: outbox_core::error_chain(&e).to_string(),
+            },
+            Err(e) => Attempt::Failed {
+                conflict: false,
+                reason: match e.try_into_panic() {
+                    Ok(panic) => {
+                        format!("handler panicked: {}", outbox_core::panic_message(&*panic))
+                    }
+                    Err(e) => format!("handler task failed: {e}"),
+                },
+                outage: false,
+            },
+        }
+    }
+}
+
+/// Longest `traceparent` header recorded on a span (W3C's is 55 bytes; room for a
+/// version with more fields).
+const MAX_TRACEPARENT_LEN: usize = 256;
