@@ -578,7 +578,12 @@ async fn emit_part(
             for round in 0..sizes.rounds {
                 for w in order(round, ways.len()) {
                     let (name, way) = ways[w];
-                    let rate = tokio::task::block_in_place(|| bench.run(way, conns, txns))?;
+                    let rate = tokio::task::block_in_place(|| {
+                        if relay.is_some() {
+                            bench.settle()?;
+                        }
+                        bench.run(way, conns, txns)
+                    })?;
                     progress(
                         &format!("{name}, {conns} conn., {relay_state}"),
                         rate,
