@@ -6,10 +6,11 @@ mod fixtures;
 use std::fs::File;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fixtures::relay::{RelayProcess, Streams};
 use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, outbox, redis_url, unique};
 use predicates::str::contains;
 
@@ -280,159 +281,6 @@ fn relay_start_failures_are_reported() {
         .assert()
         .code(1)
         .stderr(contains("error: PostgreSQL is not reachable at"));
-}
-
-/// Streams under a prefix of their own, deleted at the end.
-struct Streams {
-    prefix: String,
-    redis: redis::Client,
-}
-
-impl Streams {
-    fn new() -> Self {
-        Self::on(&redis_url())
-    }
-
-    /// Streams on the Redis at `url`.
-    fn on(url: &str) -> Self {
-        let redis = redis::Client::open(url).expect("a Redis URL");
-        let mut con = redis
-            .get_connection()
-            .unwrap_or_else(|e| panic!("Redis at {url} is needed: {e}"));
-        let _: String = redis::cmd("PING")
-            .query(&mut con)
-            .expect("Redis answers PING");
-        Self {
-            prefix: format!("{}:", unique("cli")),
-            redis,
-        }
-    }
-
-    fn stream(&self) -> String {
-        format!("{}cli.ping", self.prefix)
-    }
-
-    /// The msg_ids on the stream, in stream order.
-    fn msg_ids(&self) -> Vec<String> {
-        let mut con = self.redis.get_connection().expect("Redis connection");
-        let entries: Vec<(String, Vec<String>)> = redis::cmd("XRANGE")
-            .arg(self.stream())
-            .arg("-")
-            .arg("+")
-            .query(&mut con)
-            .expect("XRANGE");
-        entries
-            .into_iter()
-            .map(|(_, fields)| {
-                let at = fields
-                    .chunks(2)
-                    .position(|kv| kv[0] == "msg_id")
-                    .expect("a msg_id field");
-                fields[at * 2 + 1].clone()
-            })
-            .collect()
-    }
-
-    /// Waits until `n` entries are on the stream, failing if the relay exits first.
-    fn wait_for(&self, n: usize, relay: &mut RelayProcess) -> Vec<String> {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let ids = self.msg_ids();
-            if ids.len() >= n {
-                return ids;
-            }
-            if let Some(status) = relay.child.try_wait().expect("try_wait") {
-                panic!(
-                    "the relay exited ({status}) with {} of {n} published; log:\n{}",
-                    ids.len(),
-                    relay.log()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} of {n} published; log:\n{}",
-                ids.len(),
-                relay.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Streams {
-    fn drop(&mut self) {
-        if let Ok(mut con) = self.redis.get_connection() {
-            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(self.stream()).query(&mut con);
-        }
-    }
-}
-
-/// `outbox relay` running in the background, its stderr in a file; killed on drop.
-struct RelayProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl RelayProcess {
-    fn start(db: &TestDb, prefix: &str, extra: &[&str]) -> Self {
-        Self::start_on(db, &redis_url(), prefix, extra)
-    }
-
-    /// A relay publishing to the Redis at `redis`.
-    fn start_on(db: &TestDb, redis: &str, prefix: &str, extra: &[&str]) -> Self {
-        let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_relay")));
-        let stderr = File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .env_remove("DATABASE_URL")
-            .env_remove("REDIS_URL")
-            .env("RUST_LOG", "info")
-            .args(["--database-url", &db.url, "relay", "--redis-url", redis])
-            .args(["--stream-prefix", prefix, "--poll-interval", "100ms"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("start the relay");
-        Self { child, log }
-    }
-
-    /// Sends a signal with `kill -<sig>`.
-    fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([format!("-{sig}"), self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill -{sig} failed");
-    }
-
-    /// Waits for the process to exit.
-    fn wait(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the relay did not exit; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
 }
 
 /// `GET /metrics` over plain HTTP/1.1.

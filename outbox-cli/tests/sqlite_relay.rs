@@ -2,18 +2,14 @@
 //! relay must not make the application's transactions fail, a relay killed with SIGKILL
 //! is replaced at once, and a second live relay on the same file is refused.
 
-// This binary uses no per-backend scenarios.
-#[allow(unused_macros, unused_imports)]
 mod fixtures;
 
-use std::fs::File;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
-use fixtures::{TestDb, redis_url, unique};
+use fixtures::relay::{RelayProcess, Streams};
+use fixtures::{TestDb, redis_url};
 use predicates::str::contains;
 
 /// Fail-safe for waits on the subprocess and Redis; no test relies on it for timing.
@@ -33,7 +29,7 @@ fn idle_sqlite_relay_does_not_fail_deferred_transactions() {
          INSERT INTO counter (id, n) VALUES (1, 0);",
     );
     let streams = Streams::new();
-    let mut relay = RelayProcess::start(&db, &streams.prefix);
+    let mut relay = RelayProcess::start(&db, &streams.prefix, &[]);
     // The relay is up and polling once it has published a message and marked it SENT;
     // from then on it has nothing to do.
     db.emit([1]);
@@ -96,7 +92,7 @@ fn sqlite_relay_killed_with_sigkill_is_replaced_at_once() {
     db.migrate();
     db.emit([1]);
     let streams = Streams::new();
-    let mut first = RelayProcess::start(&db, &streams.prefix);
+    let mut first = RelayProcess::start(&db, &streams.prefix, &[]);
     streams.wait_for(1, &mut first);
 
     first.child.kill().expect("SIGKILL"); // std's kill is SIGKILL on Unix
@@ -107,7 +103,7 @@ fn sqlite_relay_killed_with_sigkill_is_replaced_at_once() {
         "{status}"
     );
 
-    let mut second = RelayProcess::start(&db, &streams.prefix);
+    let mut second = RelayProcess::start(&db, &streams.prefix, &[]);
     db.emit([2]);
     let published = streams.wait_for(2, &mut second);
     assert_eq!(published, ["1:Ping", "2:Ping"]);
@@ -127,7 +123,7 @@ fn second_live_sqlite_relay_is_refused() {
     db.migrate();
     db.emit([1]);
     let streams = Streams::new();
-    let mut first = RelayProcess::start(&db, &streams.prefix);
+    let mut first = RelayProcess::start(&db, &streams.prefix, &[]);
     streams.wait_for(1, &mut first);
 
     let pid = first.child.id();
@@ -183,135 +179,5 @@ fn wait_until_sent(db: &TestDb, n: u32, relay: &mut RelayProcess) {
         assert!(relay.child.try_wait().unwrap().is_none(), "{}", relay.log());
         assert!(Instant::now() < deadline, "not SENT; log:\n{}", relay.log());
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A stream of its own, deleted at the end.
-struct Streams {
-    prefix: String,
-    redis: redis::Client,
-}
-
-impl Streams {
-    fn new() -> Self {
-        let url = redis_url();
-        let redis = redis::Client::open(url.as_str()).expect("a Redis URL");
-        let mut con = redis
-            .get_connection()
-            .unwrap_or_else(|e| panic!("Redis at {url} is needed: {e}"));
-        let _: String = redis::cmd("PING").query(&mut con).expect("PING");
-        Self {
-            prefix: format!("{}:", unique("clilock")),
-            redis,
-        }
-    }
-
-    fn stream(&self) -> String {
-        format!("{}cli.ping", self.prefix)
-    }
-
-    /// Waits until `n` entries are on the stream; returns their msg_ids. Fails if the
-    /// relay exits first.
-    fn wait_for(&self, n: usize, relay: &mut RelayProcess) -> Vec<String> {
-        let deadline = Instant::now() + PATIENCE;
-        let mut con = self.redis.get_connection().expect("Redis connection");
-        loop {
-            let entries: Vec<(String, Vec<String>)> = redis::cmd("XRANGE")
-                .arg(self.stream())
-                .arg("-")
-                .arg("+")
-                .query(&mut con)
-                .expect("XRANGE");
-            let ids: Vec<String> = entries
-                .into_iter()
-                .filter_map(|(_, f)| {
-                    f.chunks(2)
-                        .find(|kv| kv[0] == "msg_id")
-                        .map(|kv| kv[1].clone())
-                })
-                .collect();
-            if ids.len() >= n {
-                return ids;
-            }
-            if let Some(status) = relay.child.try_wait().expect("try_wait") {
-                panic!("the relay exited ({status}); log:\n{}", relay.log());
-            }
-            assert!(Instant::now() < deadline, "{ids:?}; log:\n{}", relay.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Streams {
-    fn drop(&mut self) {
-        if let Ok(mut con) = self.redis.get_connection() {
-            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(self.stream()).query(&mut con);
-        }
-    }
-}
-
-/// `outbox relay --poll-interval 100ms` in the background, its stderr in a file; killed
-/// on drop.
-struct RelayProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl RelayProcess {
-    fn start(db: &TestDb, prefix: &str) -> Self {
-        let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_relay_lock")));
-        let stderr = File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .env_remove("DATABASE_URL")
-            .env_remove("REDIS_URL")
-            .env("RUST_LOG", "info")
-            .args([
-                "--database-url",
-                &db.url,
-                "relay",
-                "--redis-url",
-                &redis_url(),
-            ])
-            .args(["--stream-prefix", prefix, "--poll-interval", "100ms"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("start the relay");
-        Self { child, log }
-    }
-
-    fn wait(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "no exit; log:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// SIGTERM, then a clean exit.
-    fn stop(&mut self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
-        let status = self.wait();
-        assert!(status.success(), "exit {status}; log:\n{}", self.log());
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
     }
 }

@@ -1,7 +1,5 @@
 //! `outbox trim` against the real Redis, on streams under a prefix of its own.
 
-// This binary uses none of the database helpers.
-#[allow(unused_macros, unused_imports)]
 mod fixtures;
 
 use fixtures::{outbox, redis_url, unique};
