@@ -1,10 +1,4 @@
-//! Shared domain code for the runnable examples: the bank transfer of the reference
-//! scenario. A transfer commits the balance change and its [`AccountTransferred`] event
-//! in one transaction; a consumer notes each transfer once.
-//!
-//! [`memory`] runs it on `outbox-core`'s in-memory database, [`sql`] on PostgreSQL or
-//! SQLite through `outbox-diesel`, and [`scenario`] plays the reference scenario on them
-//! with Redis; [`services`] reaches those services and names the one that is down.
+#![doc = include_str!("../README.md")]
 
 use outbox_core::OutboxEvent;
 use serde::{Deserialize, Serialize};

@@ -1,73 +1,12 @@
-//! Typed domain events with the transactional outbox pattern.
+#![doc = include_str!("../README.md")]
 //!
-//! An event is a serde struct with `#[derive(OutboxEvent)]`. Business code writes it to an
-//! `outbox` table in its own database transaction (`outbox-diesel`), a [`Relay`] moves
-//! committed rows to a broker (`outbox-redis`), and consumers apply each message exactly
-//! once in effect through typed [`Handler`]s that record `(consumer_group, msg_id)` in the
-//! handler's own transaction.
-//!
-//! # Example
-//!
-//! The whole pipeline with the in-memory database and broker (feature `memory`), as a
-//! handler's unit test would run it:
-//!
-//! ```
-//! use outbox_core::{Delivery, Dispatcher, Handler, HandlerError, MemoryBroker, MemoryDb, MemoryTx,
-//!                   OutboxEvent, Processed, Relay};
-//!
-//! #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
-//! struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
-//!
-//! assert_eq!(OrderPaid::TOPIC, "order.paid");
-//! assert_eq!(OrderPaid::EVENT_TYPE, "OrderPaid");
-//! assert_eq!(OrderPaid::msg_id_for("order-42")?.as_str(), "order-42:OrderPaid");
-//!
-//! // The consumer's state: points per order.
-//! type Points = std::collections::BTreeMap<String, i64>;
-//! struct AwardPoints;
-//! impl Handler<OrderPaid> for AwardPoints {
-//!     type Conn = MemoryTx<Points>;
-//!     fn handle(&self, e: OrderPaid, tx: &mut MemoryTx<Points>, _: &Delivery) -> Result<(), HandlerError> {
-//!         tx.data().insert(e.order_id, e.amount_cents / 100);
-//!         Ok(())
-//!     }
-//! }
-//!
-//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
-//! let orders = MemoryDb::new(());
-//! orders.transaction(|tx| tx.emit(OrderPaid { order_id: "order-42".into(), amount_cents: 1999 }))?;
-//!
-//! let broker = MemoryBroker::new();
-//! Relay::new(orders.clone(), broker.clone()).run_once().await?;
-//!
-//! let points = MemoryDb::new(Points::new());
-//! let mut dispatcher = Dispatcher::new();
-//! dispatcher.register::<OrderPaid, _>(AwardPoints)?;
-//! for envelope in broker.published("order.paid") {
-//!     let delivery = Delivery { envelope, delivery_count: 1, entry_id: None };
-//!     assert_eq!(dispatcher.consume(&points, "points", &delivery)?, Processed::Applied);
-//!     // A redelivery is recognised and skipped.
-//!     assert_eq!(dispatcher.consume(&points, "points", &delivery)?, Processed::Duplicate);
-//! }
-//! assert_eq!(points.read(|p| p["order-42"]), 19);
-//! # Ok::<_, outbox_core::Error>(()) })?;
-//! # Ok::<_, Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! # Configuration
+//! ## Configuration
 //!
 //! Every config type ([`RelayConfig`], [`RetryPolicy`], [`OutageBackoff`]) is
 //! `#[non_exhaustive]` and `Default`: start from the default and change fields with its
 //! consuming `with_<field>` setters, each of which keeps the other fields. The component
 //! that takes a config validates it ([`Relay::with_config`]) and refuses a value out of
 //! range with [`Error::Config`], an [`InvalidConfig`] that names the field and the rule.
-//!
-//! # Features
-//!
-//! | feature  | default | what it gives |
-//! |----------|---------|---------------|
-//! | `derive` | yes     | `#[derive(OutboxEvent)]` |
-//! | `memory` | yes     | [`MemoryDb`], [`MemoryBroker`] and [`FlakyPublisher`] for tests without services |
 #![doc(test(attr(deny(warnings))))]
 
 // Lets the derive's `::outbox_core::` paths resolve in this crate's own unit tests.

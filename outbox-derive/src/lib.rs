@@ -1,10 +1,4 @@
-//! `#[derive(OutboxEvent)]`: an implementation detail of `outbox-core`, which re-exports it
-//! and documents its attributes. Depend on `outbox-core` instead of this crate.
-//!
-//! The derive runs in four stages, one module each: `attr` parses the `#[outbox(...)]`
-//! attributes, `ast` builds the model of the event type from them, `valid` checks the
-//! model, and `expand` generates the impls. Errors are collected in a `ctxt::Ctxt` across
-//! the stages.
+#![doc = include_str!("../README.md")]
 
 mod ast;
 mod attr;

@@ -1,80 +1,6 @@
-//! Transactional outbox on diesel: emit typed events in your own transaction, and the
-//! relay's and consumers' stores, on PostgreSQL, MySQL/MariaDB and SQLite.
+#![doc = include_str!("../README.md")]
 //!
-//! - [`Emit`] adds `emit` to diesel connections: the message row is written by your
-//!   transaction, so it exists iff your business rows commit.
-//! - [`migrate`] (or the SQL files under `migrations/<backend>/`) creates the tables and
-//!   records [`MIGRATION_VERSION`] in `outbox_migrations`; it leaves tables a newer
-//!   release migrated alone ([`Error::SchemaTooNew`]). [`schema`] has their `table!`
-//!   definitions.
-//! - [`PgRelayStore`], [`MysqlRelayStore`] and [`SqliteRelayStore`] implement
-//!   [`outbox_core::RelayStore`] for the [`outbox_core::Relay`].
-//! - [`PgInbox`], [`MysqlInbox`] and [`SqliteInbox`] implement [`outbox_core::Inbox`]:
-//!   the consumer's `(consumer_group, msg_id)` record in the handler's transaction.
-//! - Operations: [`backlog`], [`dead_letters`], [`find_message`], [`redrive`],
-//!   [`purge_dead`], [`purge_sent`], [`purge_consumed`].
-//!
-//! # Example
-//!
-//! ```no_run
-//! # #[cfg(feature = "postgres")]
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use diesel::prelude::*;
-//! use outbox_core::OutboxEvent;
-//! use outbox_diesel::Emit;
-//!
-//! diesel::table! { accounts (id) { id -> Text, balance -> BigInt } }
-//! use accounts::{balance, table as accounts_table};
-//!
-//! #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
-//! struct AccountTransferred {
-//!     #[outbox(id)]
-//!     transfer_id: String,
-//!     from: String,
-//!     to: String,
-//!     amount: i64,
-//! }
-//!
-//! let mut conn = PgConnection::establish("postgres://postgres@127.0.0.1:5432/test")?;
-//! outbox_diesel::migrate(&mut conn)?;
-//!
-//! conn.transaction(|c| {
-//!     diesel::update(accounts_table.find("alice")).set(balance.eq(balance - 100)).execute(c)?;
-//!     diesel::update(accounts_table.find("bob")).set(balance.eq(balance + 100)).execute(c)?;
-//!     c.emit(AccountTransferred { transfer_id: "t-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 })?;
-//!     Ok::<_, diesel::result::Error>(())
-//! })?;
-//!
-//! // The same fact again is recognised, and nothing is written.
-//! let again = conn.transaction(|c| {
-//!     c.emit(AccountTransferred { transfer_id: "t-1".into(), from: "alice".into(), to: "bob".into(), amount: 100 })?;
-//!     Ok::<_, diesel::result::Error>(())
-//! });
-//! assert!(again.is_err_and(|e| outbox_diesel::is_duplicate(&e)));
-//! # Ok(())
-//! # }
-//! # #[cfg(not(feature = "postgres"))]
-//! # fn main() {}
-//! ```
-//!
-//! The relay, on a pool, publishing to any [`outbox_core::Publisher`]:
-//!
-//! ```no_run
-//! # #[cfg(feature = "postgres")]
-//! # async fn run(publisher: outbox_core::MemoryBroker) -> Result<(), Box<dyn std::error::Error>> {
-//! let store = outbox_diesel::PgRelayStore::connect("postgres://postgres@127.0.0.1:5432/test", 4)?;
-//! let relay = outbox_core::Relay::new(store, publisher);
-//! // Runs until the shutdown future completes (here: a minute), finishing the batch in hand.
-//! relay.run_until(tokio::time::sleep(std::time::Duration::from_secs(60))).await?;
-//! # Ok(())
-//! # }
-//! # #[cfg(feature = "postgres")]
-//! # fn main() { let _ = run; }
-//! # #[cfg(not(feature = "postgres"))]
-//! # fn main() {}
-//! ```
-//!
-//! # Errors and transactions
+//! ## Errors and transactions
 //!
 //! The errors emit detects itself (duplicate or invalid msg_id, payload too large or not
 //! serializable, field too long) leave your transaction usable: nothing was written, and
@@ -86,7 +12,7 @@
 //! [`MSG_ID_CONSTRAINT`]; test it with [`is_duplicate`]) and into
 //! [`outbox_core::Error`].
 //!
-//! # Order per key and many relays
+//! ## Order per key and many relays
 //!
 //! [`PgRelayStore`] and [`MysqlRelayStore`] claim with row locks (`FOR UPDATE SKIP
 //! LOCKED`), so any number of relay instances can share one outbox: each row is in one
@@ -103,7 +29,7 @@
 //! serialized (see [`ClaimOrder`]). [`SqliteRelayStore`] runs one relay per database; its
 //! per-key mode holds a key back only behind a retry.
 //!
-//! # SQLite
+//! ## SQLite
 //!
 //! SQLite has one writer at a time, and a transaction begun with a plain `BEGIN`
 //! (diesel's [`Connection::transaction`](diesel::Connection::transaction)) asks for the
@@ -128,7 +54,7 @@
 //! on `<database file>.outbox-relay.lock` that goes with the process, so a relay killed
 //! with SIGKILL can be restarted at once.
 //!
-//! # Wake-up on PostgreSQL
+//! ## Wake-up on PostgreSQL
 //!
 //! Emit can `NOTIFY` the relay inside your transaction (delivered at commit):
 //! [`Notify::WhenRelayIdle`] (the default) notifies only while a relay is parked waiting
@@ -136,14 +62,6 @@
 //! [`Notify::Always`] and [`Notify::Never`] are the alternatives (see [`EmitOptions`]).
 //! The parked relay sleeps on its own LISTEN connection (opened with `tokio-postgres`,
 //! without TLS: see [`PgRelayStore`]) and wakes as soon as the notification arrives.
-//!
-//! # Features
-//!
-//! | feature    | default | what it gives |
-//! |------------|---------|---------------|
-//! | `postgres` | yes     | `PgConnection` support, [`PgRelayStore`] with LISTEN/NOTIFY, [`PgInbox`] (libpq; tokio-postgres for LISTEN) |
-//! | `mysql`    | yes     | `MysqlConnection` support, [`MysqlRelayStore`], [`MysqlInbox`] (libmysqlclient) |
-//! | `sqlite`   | yes     | `SqliteConnection` support, [`SqliteRelayStore`] (one relay per database), [`SqliteInbox`] (libsqlite3) |
 #![doc(test(attr(deny(warnings))))]
 
 #[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]

@@ -1,81 +1,6 @@
-//! Redis Streams for the transactional outbox: a pipelined publisher for the relay, and
-//! consumer groups that apply each message exactly once in effect through typed handlers.
+#![doc = include_str!("../README.md")]
 //!
-//! - [`RedisPublisher`] implements [`outbox_core::Publisher`]: each topic is a stream
-//!   (`outbox:<topic>`), a relay batch is one pipelined round trip of `XADD`s, and an
-//!   outage backs the relay off without spending any message's retries.
-//! - [`Consumer`] reads a consumer group with `XREADGROUP ... BLOCK`, routes each entry by
-//!   event type to a [`Handler`](outbox_core::Handler), records `(group, msg_id)` in the
-//!   handler's own transaction through an [`Inbox`](outbox_core::Inbox), and acknowledges
-//!   after the commit. Failures are retried via `XAUTOCLAIM` and end in a dead-letter
-//!   stream after a delivery limit.
-//! - [`trim_acknowledged`] bounds a stream without ever removing an entry some group still
-//!   needs; a consumer can run it periodically
-//!   ([`trim_interval`](ConsumerConfig::trim_interval)), and `outbox trim` runs it on
-//!   every stream of a prefix. Dead-letter streams keep at most
-//!   [`dead_letter_max_len`](ConsumerConfig::dead_letter_max_len) entries.
-//!
-//! # Example
-//!
-//! The publisher goes to the relay; the consumer runs handlers in the idempotency
-//! store's transactions. With `outbox-diesel` the store is its inbox over a connection
-//! pool and `Conn` is e.g. `PgConnection`; here the in-memory database of `outbox-core`
-//! stands in.
-//!
-//! ```no_run
-//! use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent, Relay};
-//! use outbox_redis::{Consumer, RedisPublisher};
-//!
-//! #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
-//! struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
-//!
-//! #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
-//! struct OrderRefunded { #[outbox(id)] order_id: String }
-//!
-//! type Points = std::collections::BTreeMap<String, i64>;
-//!
-//! struct AwardPoints;
-//! impl Handler<OrderPaid> for AwardPoints {
-//!     type Conn = MemoryTx<Points>; // with outbox-diesel: `PgConnection`
-//!     fn handle(&self, e: OrderPaid, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
-//!         *tx.data().entry(e.order_id).or_default() += e.amount_cents / 100;
-//!         Ok(())
-//!     }
-//! }
-//!
-//! struct RevokePoints;
-//! impl Handler<OrderRefunded> for RevokePoints {
-//!     type Conn = MemoryTx<Points>;
-//!     fn handle(&self, e: OrderRefunded, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
-//!         tx.data().remove(&e.order_id);
-//!         Ok(())
-//!     }
-//! }
-//!
-//! # tokio::runtime::Runtime::new()?.block_on(async {
-//! let redis_url = "redis://127.0.0.1:6379";
-//!
-//! // Publishing side: the relay moves committed outbox rows to the streams.
-//! let outbox = MemoryDb::new(());
-//! let relay = Relay::new(outbox, RedisPublisher::new(redis_url)?);
-//! relay.run_once().await?;
-//!
-//! // Consuming side.
-//! let store = MemoryDb::new(Points::new());
-//! let consumer = Consumer::builder(redis_url, "points") // consumer group
-//!     .handle::<OrderPaid, _>(AwardPoints)
-//!     .handle::<OrderRefunded, _>(RevokePoints)
-//!     .idempotency(store)
-//!     .build()?;
-//! // Typically `tokio::signal::ctrl_c()`; here a channel.
-//! let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-//! let shutdown_signal = async { stopped.await.ok(); };
-//! consumer.run_until(shutdown_signal).await?;
-//! # Ok::<_, Box<dyn std::error::Error>>(()) })?;
-//! # Ok::<_, Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! # Stream entries
+//! ## Stream entries
 //!
 //! One entry per message, with the fields of [`ENTRY_FIELDS`]: `msg_id`, `topic`, `type`,
 //! `version`, `key`, `payload` (the event's JSON), `headers` (a JSON object) and
@@ -83,7 +8,7 @@
 //! `group`, `stream` and `entry_id` in front of the original fields (an original field
 //! with one of those names is not copied).
 //!
-//! # Redis versions
+//! ## Redis versions
 //!
 //! Redis 6.2 or later. New in 6.2 and used here: `XAUTOCLAIM` (reclaiming idle
 //! entries), `XGROUP CREATECONSUMER` (registering the consumer at start) and
@@ -94,7 +19,7 @@
 //!
 //! On a Redis Cluster the same commands are used, within one hash slot each (see below).
 //!
-//! # Redis Cluster
+//! ## Redis Cluster
 //!
 //! With the `cluster` feature, `RedisPublisher::cluster(nodes)` (then
 //! `.with_config(config)`, as on one server) and `Consumer::builder_cluster(nodes, group)`
@@ -130,15 +55,7 @@
 //! The tests start a real three-master cluster (`redis-server --cluster-enabled yes`,
 //! `redis-cli --cluster create`) and run the publisher and consumers against it.
 //!
-//! # Features
-//!
-//! | feature   | default | what it gives |
-//! |-----------|---------|---------------|
-//! | `cluster` | no      | Redis Cluster support: `RedisPublisher::cluster` and `Consumer::builder_cluster`, with hash-tagged stream names (enables the redis crate's `cluster-async`) |
-//!
-//! Without features the crate talks to one Redis server; it runs on tokio either way.
-//!
-//! # Metrics
+//! ## Metrics
 //!
 //! Through the [`metrics`](https://docs.rs/metrics) facade, labelled by `group` and
 //! `stream`: `outbox_consumer_consumed_total`, `outbox_consumer_duplicates_total`,

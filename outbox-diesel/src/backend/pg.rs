@@ -62,7 +62,7 @@ fn begin_claim_sql(stall: Duration) -> String {
     )
 }
 
-/// The per-key claim (DESIGN "Order per key") in one statement, with walks instead of a
+/// The per-key claim (ARCHITECTURE.md, "Order per key") in one statement, with walks instead of a
 /// probe per row:
 ///
 /// - `r`: the keys whose NEW rows wait for a retry, from the small `outbox_retrying`
