@@ -4,6 +4,9 @@ use redis::RedisError;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in `outbox-redis`.
+///
+/// Its `Display` says only what failed at this layer; the cause, if any, is its
+/// [`source`](std::error::Error::source). Show both with [`outbox_core::error_chain`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
