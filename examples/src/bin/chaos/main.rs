@@ -739,9 +739,11 @@ fn chaos_phase(
                 // No target now (all down, or Redis down for CLIENT KILL): try again soon.
                 Ok(None) => break,
                 Err(e) => {
-                    tally
-                        .injection_errors
-                        .push(format!("{}: {e}", fault.name()));
+                    tally.injection_errors.push(format!(
+                        "{}: {}",
+                        fault.name(),
+                        outbox_core::error_chain(&*e)
+                    ));
                     faults.next();
                 }
             }

@@ -50,7 +50,7 @@ impl From<diesel::result::Error> for TxError {
 
 impl From<outbox_diesel::Error> for TxError {
     fn from(e: outbox_diesel::Error) -> Self {
-        Self::Failed(e.to_string())
+        Self::Failed(outbox_core::error_chain(&e).to_string())
     }
 }
 
