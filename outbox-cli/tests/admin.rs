@@ -5,7 +5,6 @@
 mod fixtures;
 
 use std::fs::File;
-use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -61,24 +60,10 @@ impl Relay {
 
     /// `GET path`: the status code and the body.
     fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        let mut stream = TcpStream::connect(self.admin).expect("the admin endpoint accepts");
-        stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-            self.admin
-        )
-        .expect("request");
-        let mut response = String::new();
-        stream.read_to_string(&mut response).expect("response");
-        let code = response
-            .get(9..12)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or_else(|| panic!("not an HTTP response: {response}"));
-        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-        let json = serde_json::from_str(body)
-            .unwrap_or_else(|e| panic!("{path}: body is not JSON ({e}): {response}"));
-        (code, json)
+        let response = outbox_tests::http_get(self.admin, path, PATIENCE);
+        let json = serde_json::from_str(response.body())
+            .unwrap_or_else(|e| panic!("{path}: body is not JSON ({e}): {}", response.text));
+        (response.status, json)
     }
 
     /// Polls `path` until it answers `code`; returns the body.
@@ -92,16 +77,10 @@ impl Relay {
         last.expect("one answer at least")
     }
 
-    fn eventually(&self, what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = Instant::now() + PATIENCE;
-        while !cond() {
-            assert!(
-                Instant::now() < deadline,
-                "{what}: not within {PATIENCE:?}; relay log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    fn eventually(&self, what: &str, cond: impl FnMut() -> bool) {
+        outbox_tests::wait_until_explained(PATIENCE, cond, || {
+            format!("{what}; relay log:\n{}", self.log())
+        });
     }
 
     fn log(&self) -> String {

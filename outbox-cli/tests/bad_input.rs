@@ -8,8 +8,7 @@ mod fixtures;
 
 use std::ffi::OsString;
 use std::fs::File;
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::unix::ffi::OsStringExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::PathBuf;
@@ -19,6 +18,7 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection as _;
 use diesel::sql_types::{BigInt, Integer};
 use diesel::{Connection as _, MysqlConnection, PgConnection, QueryableByName, RunQueryDsl as _};
+use fixtures::relay::scrape;
 use fixtures::{AnyConn, Backend, Engine, Mariadb, Postgres, Sqlite, TestDb, redis_url, unique};
 use outbox_diesel::OutboxRecord;
 use outbox_tests::{
@@ -980,21 +980,6 @@ fn xlen(stream: &str) -> usize {
 
 fn del(key: &str) {
     let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(key).query(&mut redis_conn());
-}
-
-/// `GET /metrics` over plain HTTP/1.1.
-fn scrape(addr: SocketAddr) -> String {
-    let mut stream = TcpStream::connect(addr).expect("the metrics endpoint accepts");
-    stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    response
 }
 
 /// The binary running in the background at `RUST_LOG=debug`, its stderr in a file;

@@ -4,13 +4,12 @@
 mod fixtures;
 
 use std::fs::File;
-use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fixtures::relay::{RelayProcess, Streams};
+use fixtures::relay::{RelayProcess, Streams, scrape};
 use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, outbox, redis_url, unique};
 use predicates::str::contains;
 
@@ -281,19 +280,4 @@ fn relay_start_failures_are_reported() {
         .assert()
         .code(1)
         .stderr(contains("error: PostgreSQL is not reachable at"));
-}
-
-/// `GET /metrics` over plain HTTP/1.1.
-fn scrape(addr: std::net::SocketAddr) -> String {
-    let mut stream = TcpStream::connect(addr).expect("the metrics endpoint accepts");
-    stream.set_read_timeout(Some(PATIENCE)).expect("timeout");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    response
 }

@@ -14,6 +14,7 @@
 //! - [`scratch_postgres`]: [`ScratchPostgres`], a private PostgreSQL that requires a
 //!   password.
 //! - [`secrets`]: [`assert_hidden`], no password in an error or its sources.
+//! - [`http`]: [`http_get`], a plain HTTP/1.1 GET for the relay's admin endpoints.
 //! - [`ports`]: free loopback ports, waiting for a server to listen.
 //! - [`wait`]: [`wait_until`] / [`eventually`] (async), polling a condition with a timeout and a
 //!   message that says what never happened.
@@ -24,6 +25,7 @@
 //! Service tests fail, never skip, when a service is unreachable.
 
 pub mod backends;
+pub mod http;
 pub mod isolated;
 pub mod names;
 pub mod plans;
@@ -34,10 +36,13 @@ pub mod secrets;
 pub mod services;
 pub mod wait;
 
+pub use http::{HttpResponse, http_get};
 pub use isolated::{Engine, Isolated, MariadbUser, mariadb, psql};
 pub use names::{unique, unique_prefix};
 pub use scratch_postgres::ScratchPostgres;
 pub use scratch_redis::{PasswordRedis, ScratchRedis};
 pub use secrets::assert_hidden;
 pub use services::{database_url, mysql_url, redis_url};
-pub use wait::{PATIENCE, eventually, eventually_within, wait_until, wait_until_within};
+pub use wait::{
+    PATIENCE, eventually, eventually_within, wait_until, wait_until_explained, wait_until_within,
+};

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::names::unique;
 use crate::ports::{free_port, wait_for_port};
+use crate::wait::wait_until_within;
 
 /// The directory of the PostgreSQL server binaries (`pg_config --bindir`).
 fn pg_bindir() -> PathBuf {
@@ -84,6 +85,18 @@ impl ScratchPostgres {
             .expect("postgres starts");
         let server = Self { port, dir, child };
         wait_for_port(port, "the scratch PostgreSQL", Duration::from_secs(30));
+        // The port opens before recovery ends ("the database system is starting up"):
+        // wait until the server accepts sessions.
+        wait_until_within(
+            "the scratch PostgreSQL to accept connections",
+            Duration::from_secs(30),
+            || {
+                Command::new(bin.join("pg_isready"))
+                    .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string()])
+                    .status()
+                    .is_ok_and(|s| s.success())
+            },
+        );
         server
     }
 

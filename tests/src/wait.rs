@@ -17,13 +17,23 @@ pub fn wait_until(what: &str, cond: impl FnMut() -> bool) {
 
 /// Blocks until `cond` holds, polling it every 20 ms; panics with
 /// "timed out after {timeout}: waiting for {what}" once `timeout` has passed.
-pub fn wait_until_within(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+pub fn wait_until_within(what: &str, timeout: Duration, cond: impl FnMut() -> bool) {
+    wait_until_explained(timeout, cond, || format!("waiting for {what}"));
+}
+
+/// [`wait_until_within`] whose failure message is built only when the time is up, e.g.
+/// to show a child process's log as it is then: panics with
+/// "timed out after {timeout}: {explain()}".
+pub fn wait_until_explained(
+    timeout: Duration,
+    mut cond: impl FnMut() -> bool,
+    explain: impl FnOnce() -> String,
+) {
     let deadline = Instant::now() + timeout;
     while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?}: waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?}: {}", explain());
+        }
         std::thread::sleep(POLL);
     }
 }
