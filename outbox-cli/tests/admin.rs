@@ -4,12 +4,11 @@
 
 mod fixtures;
 
-use std::fs::File;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use fixtures::process::Background;
 use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, unique};
 use outbox_tests::{ScratchPostgres, ScratchRedis};
 
@@ -18,40 +17,29 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 /// A relay with its admin endpoint on a free port; killed on drop.
 struct Relay {
-    child: Child,
-    log: PathBuf,
+    process: Background,
     admin: SocketAddr,
 }
 
 impl Relay {
     fn start(database_url: &str, redis_url: &str, extra: &[&str]) -> Self {
         let admin = SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
-        let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_admin")));
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .env_remove("DATABASE_URL")
-            .env_remove("REDIS_URL")
-            .env("RUST_LOG", "info")
-            .args([
-                "--database-url",
-                database_url,
-                "relay",
-                "--redis-url",
-                redis_url,
-            ])
-            .args(["--stream-prefix", &format!("{}:", unique("admin"))])
-            .args([
-                "--poll-interval",
-                "100ms",
-                "--admin-addr",
-                &admin.to_string(),
-            ])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).expect("log file"))
-            .spawn()
-            .expect("start the relay");
-        let relay = Self { child, log, admin };
+        let prefix = format!("{}:", unique("admin"));
+        let admin_addr = admin.to_string();
+        let mut args = vec![
+            "--database-url",
+            database_url,
+            "relay",
+            "--redis-url",
+            redis_url,
+        ];
+        args.extend(["--stream-prefix", &prefix, "--poll-interval", "100ms"]);
+        args.extend(["--admin-addr", &admin_addr]);
+        args.extend_from_slice(extra);
+        let relay = Self {
+            process: Background::spawn(&args, "info"),
+            admin,
+        };
         relay.eventually("the admin endpoint accepts", || {
             TcpStream::connect(relay.admin).is_ok()
         });
@@ -84,33 +72,12 @@ impl Relay {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log()
     }
 
     /// SIGTERM; the relay must exit with 0.
     fn stop(mut self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                assert!(status.success(), "exit {status}; log:\n{}", self.log());
-                return;
-            }
-            assert!(Instant::now() < deadline, "no exit; log:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
+        self.process.stop();
     }
 }
 

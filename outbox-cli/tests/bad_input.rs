@@ -7,17 +7,16 @@
 mod fixtures;
 
 use std::ffi::OsString;
-use std::fs::File;
 use std::net::SocketAddr;
 use std::os::unix::ffi::OsStringExt as _;
 use std::os::unix::process::ExitStatusExt as _;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
 
 use diesel::connection::SimpleConnection as _;
 use diesel::sql_types::{BigInt, Integer};
 use diesel::{Connection as _, MysqlConnection, PgConnection, QueryableByName, RunQueryDsl as _};
+use fixtures::process::Background;
 use fixtures::relay::scrape;
 use fixtures::{AnyConn, Backend, Engine, Mariadb, Postgres, Sqlite, TestDb, redis_url, unique};
 use outbox_diesel::OutboxRecord;
@@ -241,7 +240,7 @@ fn relay_with_a_wrong_redis_password(db: &TestDb) {
             None => server.url_with_password("").replace(":@", ""),
         };
         let metrics = free_addr();
-        let mut relay = Spawned::relay(
+        let mut relay = spawn_relay(
             db,
             &url,
             &[
@@ -307,17 +306,20 @@ fn relay_never_shows_passwords(database_url: &str, db_password: &str) {
     let redis_url = redis.url_with_password(PasswordRedis::PASSWORD);
     let prefix = format!("{}:", unique("bad_input"));
     let metrics = free_addr();
-    let mut relay = Spawned::start(&[
-        "--database-url",
-        database_url,
-        "relay",
-        "--redis-url",
-        &redis_url,
-        "--stream-prefix",
-        &prefix,
-        "--metrics-addr",
-        &metrics.to_string(),
-    ]);
+    let mut relay = Background::spawn(
+        &[
+            "--database-url",
+            database_url,
+            "relay",
+            "--redis-url",
+            &redis_url,
+            "--stream-prefix",
+            &prefix,
+            "--metrics-addr",
+            &metrics.to_string(),
+        ],
+        "debug",
+    );
     let mut con = redis::Client::open(redis_url.as_str())
         .unwrap()
         .get_connection()
@@ -466,7 +468,7 @@ fn relay_with_an_unreachable_redis_spends_no_retries() {
     db.migrate();
     db.emit(1..=3);
     let before = snapshot(&db);
-    let mut relay = Spawned::relay(&db, "redis://:Unreach4ble-Secret@127.0.0.1:1", &[]);
+    let mut relay = spawn_relay(&db, "redis://:Unreach4ble-Secret@127.0.0.1:1", &[]);
     relay.wait_for_log("broker unavailable", 2);
     relay.signal("TERM");
     let status = relay.wait();
@@ -590,8 +592,8 @@ outbox_tests::on_every_backend! {
 // ---- SIGTERM during `outbox migrate` ----
 
 /// Spawns `outbox migrate` with its stderr in a file.
-fn spawn_migrate(db: &TestDb) -> Spawned {
-    Spawned::start(&["--database-url", &db.url, "migrate"])
+fn spawn_migrate(db: &TestDb) -> Background {
+    Background::spawn(&["--database-url", &db.url, "migrate"], "debug")
 }
 
 #[derive(QueryableByName)]
@@ -822,7 +824,7 @@ fn extreme_but_valid_values_start_publish_and_stop() {
     db.migrate();
     db.emit(1..=3);
     let prefix = format!("{}:", unique("bad_input"));
-    let mut relay = Spawned::relay_with_prefix(
+    let mut relay = spawn_relay_with_prefix(
         &db,
         &redis_url(),
         &prefix,
@@ -899,7 +901,7 @@ fn sql_in_arguments_is_data<B: Backend>() {
     // A stream prefix with SQL and glob characters: published under exactly that name.
     let prefix = format!("{}'; DROP TABLE outbox; -- *?[", unique("x"));
     let stream = format!("{prefix}cli.ping");
-    let mut relay = Spawned::relay_with_prefix(db, &redis_url(), &prefix, &[]);
+    let mut relay = spawn_relay_with_prefix(db, &redis_url(), &prefix, &[]);
     wait_until_within("published under the odd prefix", PATIENCE, || {
         assert!(
             relay.child.try_wait().unwrap().is_none(),
@@ -982,93 +984,15 @@ fn del(key: &str) {
     let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(key).query(&mut redis_conn());
 }
 
-/// The binary running in the background at `RUST_LOG=debug`, its stderr in a file;
-/// killed on drop.
-struct Spawned {
-    child: Child,
-    log: PathBuf,
+/// `outbox relay` at `RUST_LOG=debug` under a stream prefix of its own.
+fn spawn_relay(db: &TestDb, redis: &str, extra: &[&str]) -> Background {
+    spawn_relay_with_prefix(db, redis, &format!("{}:", unique("bad_input")), extra)
 }
 
-impl Spawned {
-    fn start(args: &[&str]) -> Self {
-        let log = std::env::temp_dir().join(format!("{}.log", unique("outbox_bad_input")));
-        let stderr = File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .env_remove("DATABASE_URL")
-            .env_remove("REDIS_URL")
-            .env("RUST_LOG", "debug")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("start the binary");
-        Self { child, log }
-    }
-
-    fn relay(db: &TestDb, redis: &str, extra: &[&str]) -> Self {
-        Self::relay_with_prefix(db, redis, &format!("{}:", unique("bad_input")), extra)
-    }
-
-    fn relay_with_prefix(db: &TestDb, redis: &str, prefix: &str, extra: &[&str]) -> Self {
-        let mut args = vec!["--database-url", &db.url, "relay", "--redis-url", redis];
-        args.extend(["--stream-prefix", prefix]);
-        args.extend_from_slice(extra);
-        Self::start(&args)
-    }
-
-    /// Waits until `needle` appears `times` times in the log, failing if the process
-    /// exits first.
-    fn wait_for_log(&mut self, needle: &str, times: usize) {
-        let deadline = Instant::now() + PATIENCE;
-        while self.log().matches(needle).count() < times {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                panic!(
-                    "exited ({status}) before logging {needle:?}; log:\n{}",
-                    self.log()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{needle:?} not logged {times} times; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([format!("-{sig}"), self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill -{sig} failed");
-    }
-
-    fn wait(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the process did not exit; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Spawned {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
+/// `outbox relay` at `RUST_LOG=debug` under `prefix`.
+fn spawn_relay_with_prefix(db: &TestDb, redis: &str, prefix: &str, extra: &[&str]) -> Background {
+    let mut args = vec!["--database-url", &db.url, "relay", "--redis-url", redis];
+    args.extend(["--stream-prefix", prefix]);
+    args.extend_from_slice(extra);
+    Background::spawn(&args, "debug")
 }

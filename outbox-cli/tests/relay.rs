@@ -9,7 +9,7 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fixtures::relay::{RelayProcess, Streams, scrape};
+use fixtures::relay::{Streams, scrape, start_relay, start_relay_on};
 use fixtures::{Backend, Mariadb, Postgres, Sqlite, TestDb, outbox, redis_url, unique};
 use predicates::str::contains;
 
@@ -37,7 +37,7 @@ fn relay_publishes_committed_messages_and_stops_on_sigterm<B: Backend>() {
     db.migrate();
     db.emit(1..=5);
     let streams = Streams::new();
-    let mut relay = RelayProcess::start(db, &streams.prefix, &[]);
+    let mut relay = start_relay(db, &streams.prefix, &[]);
 
     streams.wait_for(5, &mut relay);
     // Committed while the relay runs: picked up without a restart.
@@ -78,7 +78,7 @@ fn relay_process_publishes_everything_after_a_12_s_redis_outage<B: Backend>() {
     db.migrate();
     let mut redis = outbox_tests::ScratchRedis::start_persistent();
     let streams = Streams::on(&redis.url());
-    let mut relay = RelayProcess::start_on(db, &redis.url(), &streams.prefix, &[]);
+    let mut relay = start_relay_on(db, &redis.url(), &streams.prefix, &[]);
     db.emit(1..=20);
     streams.wait_for(20, &mut relay);
 
@@ -112,10 +112,10 @@ fn stalled_relay_process_releases_its_rows(db: &TestDb) {
     }
     let streams = Streams::new();
     let bound = ["--stall-timeout", "2s", "--batch-size", "200"];
-    let mut stalled = RelayProcess::start(db, &streams.prefix, &bound);
+    let mut stalled = start_relay(db, &streams.prefix, &bound);
     streams.wait_for(1, &mut stalled);
     stalled.signal("STOP");
-    let mut rescuer = RelayProcess::start(db, &streams.prefix, &bound);
+    let mut rescuer = start_relay(db, &streams.prefix, &bound);
     let deadline = Instant::now() + PATIENCE;
     loop {
         let mut published = streams.msg_ids();
@@ -189,7 +189,7 @@ fn unordered_relay_publishes_everything_once() {
     db.migrate();
     db.emit(1..=5);
     let streams = Streams::new();
-    let mut relay = RelayProcess::start(&db, &streams.prefix, &["--order", "unordered"]);
+    let mut relay = start_relay(&db, &streams.prefix, &["--order", "unordered"]);
     let published = streams.wait_for(5, &mut relay);
     let mut sorted = published.clone();
     sorted.sort();
@@ -211,8 +211,7 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
     db.emit(1..=3);
     let streams = Streams::new();
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
-    let mut relay =
-        RelayProcess::start(&db, &streams.prefix, &["--metrics-addr", &addr.to_string()]);
+    let mut relay = start_relay(&db, &streams.prefix, &["--metrics-addr", &addr.to_string()]);
     streams.wait_for(3, &mut relay);
 
     let metrics = scrape(addr);
@@ -250,7 +249,7 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
     );
 
     // The lease was given up on the way out: a new relay may start.
-    let mut next = RelayProcess::start(&db, &streams.prefix, &[]);
+    let mut next = start_relay(&db, &streams.prefix, &[]);
     db.emit([4]);
     assert_eq!(streams.wait_for(4, &mut next).len(), 4);
     next.signal("TERM");

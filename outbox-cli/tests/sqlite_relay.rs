@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
-use fixtures::relay::{RelayProcess, Streams};
+use fixtures::process::Background;
+use fixtures::relay::{Streams, start_relay};
 use fixtures::{TestDb, redis_url};
 use predicates::str::contains;
 
@@ -29,7 +30,7 @@ fn idle_sqlite_relay_does_not_fail_deferred_transactions() {
          INSERT INTO counter (id, n) VALUES (1, 0);",
     );
     let streams = Streams::new();
-    let mut relay = RelayProcess::start(&db, &streams.prefix, &[]);
+    let mut relay = start_relay(&db, &streams.prefix, &[]);
     // The relay is up and polling once it has published a message and marked it SENT;
     // from then on it has nothing to do.
     db.emit([1]);
@@ -92,7 +93,7 @@ fn sqlite_relay_killed_with_sigkill_is_replaced_at_once() {
     db.migrate();
     db.emit([1]);
     let streams = Streams::new();
-    let mut first = RelayProcess::start(&db, &streams.prefix, &[]);
+    let mut first = start_relay(&db, &streams.prefix, &[]);
     streams.wait_for(1, &mut first);
 
     first.child.kill().expect("SIGKILL"); // std's kill is SIGKILL on Unix
@@ -103,7 +104,7 @@ fn sqlite_relay_killed_with_sigkill_is_replaced_at_once() {
         "{status}"
     );
 
-    let mut second = RelayProcess::start(&db, &streams.prefix, &[]);
+    let mut second = start_relay(&db, &streams.prefix, &[]);
     db.emit([2]);
     let published = streams.wait_for(2, &mut second);
     assert_eq!(published, ["1:Ping", "2:Ping"]);
@@ -123,7 +124,7 @@ fn second_live_sqlite_relay_is_refused() {
     db.migrate();
     db.emit([1]);
     let streams = Streams::new();
-    let mut first = RelayProcess::start(&db, &streams.prefix, &[]);
+    let mut first = start_relay(&db, &streams.prefix, &[]);
     streams.wait_for(1, &mut first);
 
     let pid = first.child.id();
@@ -163,7 +164,7 @@ fn app_connection(db: &TestDb) -> SqliteConnection {
 }
 
 /// Waits until `<n>:Ping` is SENT, reading the database (a reader takes no write lock).
-fn wait_until_sent(db: &TestDb, n: u32, relay: &mut RelayProcess) {
+fn wait_until_sent(db: &TestDb, n: u32, relay: &mut Background) {
     let deadline = Instant::now() + PATIENCE;
     let mut c = app_connection(db);
     loop {
