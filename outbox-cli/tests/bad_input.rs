@@ -71,26 +71,15 @@ fn assert_fails(out: &Output, code: i32, needles: &[&str], secret: Option<&str>)
 
 /// Every outbox row and the number of dedup records: what a bad input must not change.
 fn snapshot(db: &TestDb) -> (Vec<OutboxRecord>, i64) {
-    #[derive(QueryableByName)]
-    struct N {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let count = "SELECT COUNT(*) AS n FROM consumed_msg";
-    match db.conn() {
-        AnyConn::Pg(mut c) => (
-            outbox_diesel::list_messages(&mut c, None, 0, 10_000).unwrap(),
-            diesel::sql_query(count).get_result::<N>(&mut c).unwrap().n,
-        ),
-        AnyConn::Mysql(mut c) => (
-            outbox_diesel::list_messages(&mut c, None, 0, 10_000).unwrap(),
-            diesel::sql_query(count).get_result::<N>(&mut c).unwrap().n,
-        ),
-        AnyConn::Sqlite(mut c) => (
-            outbox_diesel::list_messages(&mut c, None, 0, 10_000).unwrap(),
-            diesel::sql_query(count).get_result::<N>(&mut c).unwrap().n,
-        ),
-    }
+    let rows = match db.conn() {
+        AnyConn::Pg(mut c) => outbox_diesel::list_messages(&mut c, None, 0, 10_000),
+        AnyConn::Mysql(mut c) => outbox_diesel::list_messages(&mut c, None, 0, 10_000),
+        AnyConn::Sqlite(mut c) => outbox_diesel::list_messages(&mut c, None, 0, 10_000),
+    };
+    (
+        rows.unwrap(),
+        db.scalar("SELECT COUNT(*) AS n FROM consumed_msg"),
+    )
 }
 
 /// The database commands, each of which connects first.
@@ -560,25 +549,10 @@ fn migrate_refuses_tables_of_a_newer_release<B: Backend>() {
         Engine::Sqlite => "SELECT COUNT(*) AS n FROM sqlite_master WHERE name = 'outbox_sent'",
     };
     assert_eq!(
-        count(db, index_sql),
+        db.scalar(index_sql),
         0,
         "migrate re-created a dropped index"
     );
-}
-
-fn count(db: &TestDb, sql: &str) -> i64 {
-    #[derive(QueryableByName)]
-    struct N {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    match db.conn() {
-        AnyConn::Pg(mut c) => diesel::sql_query(sql).get_result::<N>(&mut c),
-        AnyConn::Mysql(mut c) => diesel::sql_query(sql).get_result::<N>(&mut c),
-        AnyConn::Sqlite(mut c) => diesel::sql_query(sql).get_result::<N>(&mut c),
-    }
-    .unwrap_or_else(|e| panic!("{sql}: {e}"))
-    .n
 }
 
 outbox_tests::on_every_backend! {
@@ -650,8 +624,7 @@ fn postgres_sigterm_during_migrate_leaves_all_or_nothing() {
         .is_empty()
     });
     let tables = |db: &TestDb| {
-        count(
-            db,
+        db.scalar(
             "SELECT COUNT(*) AS n FROM pg_tables WHERE schemaname = current_schema() \
              AND tablename IN ('outbox', 'consumed_msg', 'outbox_relay_idle', 'outbox_migrations')",
         )
@@ -663,7 +636,7 @@ fn postgres_sigterm_during_migrate_leaves_all_or_nothing() {
     );
     db.migrate();
     assert_eq!(tables(&db), 4);
-    assert_eq!(count(&db, "SELECT COUNT(*) AS n FROM outbox_migrations"), 1);
+    assert_eq!(db.scalar("SELECT COUNT(*) AS n FROM outbox_migrations"), 1);
     db.emit([1]);
     assert_eq!(db.status()["due"], 1);
 }
@@ -715,14 +688,13 @@ fn mariadb_sigterm_during_migrate_can_be_rerun() {
     });
     db.migrate();
     assert_eq!(
-        count(
-            &db,
+        db.scalar(
             "SELECT COUNT(*) AS n FROM information_schema.tables WHERE table_schema = DATABASE() \
              AND table_name IN ('outbox', 'consumed_msg', 'outbox_migrations')"
         ),
         3
     );
-    assert_eq!(count(&db, "SELECT COUNT(*) AS n FROM outbox_migrations"), 1);
+    assert_eq!(db.scalar("SELECT COUNT(*) AS n FROM outbox_migrations"), 1);
     db.emit([1]);
     assert_eq!(db.status()["due"], 1);
 }
