@@ -71,12 +71,18 @@ mod conn;
 mod consumer;
 mod entry;
 mod error;
+#[cfg(feature = "http")]
+mod http;
 mod publisher;
 mod trim;
 
-pub use consumer::{Consumer, ConsumerBuilder, ConsumerConfig, ConsumerStats, NoInbox, StartFrom};
+pub use consumer::{
+    Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth, ConsumerStats, NoInbox, StartFrom,
+};
 pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};
+#[cfg(feature = "http")]
+pub use http::health_router;
 pub use publisher::{
     DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig, RedisPublisher,
 };

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use outbox_core::{Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent};
 use redis::{IntoConnectionInfo, RedisResult};
 
+use super::health::HealthState;
 use super::read::Reader;
 use super::stats::Counters;
 use super::{Consumer, ConsumerConfig, Inner};
@@ -182,6 +183,7 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
                 readers,
                 commands,
                 counters: Counters::default(),
+                health: HealthState::default(),
             }),
             acks: None,
         })

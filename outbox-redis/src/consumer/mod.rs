@@ -4,7 +4,8 @@
 //! - [`config`]: [`ConsumerConfig`] and [`StartFrom`]; [`builder`]: [`ConsumerBuilder`];
 //!   [`stats`]: [`ConsumerStats`] and the metrics;
 //! - [`groups`]: group creation; [`run`]: the loop of
-//!   [`run_until`](Consumer::run_until); [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
+//!   [`run_until`](Consumer::run_until), whose state [`health`] reports to probes;
+//!   [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
 //! - [`single`]: one transaction per message; [`batch`] and [`lanes`]: batch mode;
 //! - [`failure`] and [`dead_letter`]: failed deliveries; [`ack`]: `XACK`;
@@ -28,6 +29,7 @@ mod config;
 mod dead_letter;
 mod failure;
 mod groups;
+mod health;
 mod in_flight;
 mod lanes;
 mod read;
@@ -38,6 +40,7 @@ mod trim;
 
 pub use builder::{ConsumerBuilder, NoInbox};
 pub use config::{ConsumerConfig, StartFrom};
+pub use health::ConsumerHealth;
 pub use stats::ConsumerStats;
 
 use ack::AckQueue;
@@ -143,6 +146,8 @@ struct Inner<I, C> {
     readers: Vec<Reader>,
     commands: Connector,
     counters: Counters,
+    /// What [`Consumer::health`] reports, kept up by the run loop.
+    health: health::HealthState,
 }
 
 /// One entry to process, read or claimed.

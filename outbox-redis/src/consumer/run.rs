@@ -75,7 +75,9 @@ where
         );
         let mut run = Run::new(self, acks, in_flight, span.clone());
         tracing::info!(parent: &span, streams = ?inner.streams, "consumer started");
+        let running = Running::new(&inner.health);
         while run.round(&mut shutdown).await.is_some() {}
+        drop(running);
         run.stop().await;
         keep_alive.abort();
         // The run, and with it the worker's ack sender, is gone: the acks of what
@@ -163,11 +165,13 @@ where
     /// One round: takes in finished work, backs off after failures, trims when due,
     /// then claims or reads and starts the work on what came. `None`: shut down.
     async fn round<S: Future<Output = ()>>(&mut self, shutdown: &mut Pin<&mut S>) -> Option<()> {
+        self.consumer.inner.health.round();
         while let Some(done) = self.tasks.try_join_next() {
             self.finished(done);
         }
         if self.acks_failed.swap(false, Ordering::Relaxed) {
             self.health.work = self.health.work.saturating_add(1);
+            self.consumer.inner.health.work_ended(true);
         }
         if let Some(pause) = self.health.pause(&self.config().outage_backoff) {
             unless(shutdown, tokio::time::sleep(pause)).await?;
@@ -247,6 +251,7 @@ where
             Ok(jobs) => {
                 // Redis answered: whatever failed before, it is back.
                 self.health.redis = 0;
+                self.consumer.inner.health.redis_answered();
                 let fresh: Vec<Job> = jobs
                     .into_iter()
                     // Skips entries claimed back while this consumer still works on them.
@@ -263,6 +268,7 @@ where
     async fn read_failed(&mut self, e: RedisError) {
         let span = &self.span;
         self.consumer.count(Count::RedisError, None);
+        self.consumer.inner.health.redis_failed(&e);
         if e.code() == Some("NOGROUP") {
             // The stream or group was deleted under us: recreate it.
             tracing::warn!(parent: span, error = %e, "consumer group missing; recreating it");
@@ -325,6 +331,7 @@ where
         match done {
             Ok(done) => {
                 self.in_flight.remove(&done.entries);
+                self.consumer.inner.health.work_ended(done.outage);
                 self.health.work = if done.outage {
                     self.health.work.saturating_add(1)
                 } else {
@@ -362,6 +369,23 @@ where
                 }
             }
         }
+    }
+}
+
+/// Marks the consumer running for [`Consumer::health`] while it lives: until the loop
+/// ends, or the future of [`run_until`](Consumer::run_until) is dropped.
+struct Running<'a>(&'a super::health::HealthState);
+
+impl<'a> Running<'a> {
+    fn new(health: &'a super::health::HealthState) -> Self {
+        health.set_running(true);
+        Self(health)
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.set_running(false);
     }
 }
 
