@@ -236,11 +236,17 @@ impl Backend for MysqlConnection {
     /// due); [`__key_probe_sql`](Backend::__key_probe_sql) then finds, per key
     /// of `L`, the first NEW row outside it.
     ///
+    /// The scan is forced onto `outbox_claim` (`status, id, ..`), in id order: with the
+    /// head check in its condition, MariaDB otherwise picks a range scan on
+    /// `(status, next_retry_at)` and a filesort on small tables, which reads, and so
+    /// locks, every due NEW row before the LIMIT, leaving nothing to a second relay.
+    ///
     /// (`held` is always empty: see `MysqlRelayStore`'s `claim_after`.)
     fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
         debug_assert!(held.is_empty(), "MySQL claims ahead without `held`");
         format!(
-            "SELECT {} FROM outbox o WHERE status = 0 AND next_retry_at <= {} AND {} \
+            "SELECT {} FROM outbox o FORCE INDEX (outbox_claim) \
+             WHERE status = 0 AND next_retry_at <= {} AND {} \
              ORDER BY id LIMIT {limit}{}",
             DIALECT.columns,
             DIALECT.now,

@@ -102,9 +102,10 @@ impl RelayStore for MysqlRelayStore {
     /// per-key claim holds back the later rows of their keys.
     ///
     /// It keeps the default [`claim_after`](RelayStore::claim_after) (the batch in hand
-    /// holds back the later rows of its keys): MariaDB locks every row that the locking
-    /// statement's head check reads, which includes later rows of the batch's keys, so
-    /// a claim ahead could not take them anyway.
+    /// holds back the later rows of its keys): the head check inside MariaDB's locking
+    /// statement is a locking read too, which skips a key whose first NEW row another
+    /// transaction holds (the batch in hand included), so a claim ahead could not take
+    /// the later rows of its keys anyway.
     fn claims_ahead(&self) -> bool {
         true
     }
