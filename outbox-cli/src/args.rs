@@ -82,6 +82,60 @@ pub(crate) enum Command {
     /// Remove the Redis stream entries every consumer group has acknowledged.
     #[command(after_help = TRIM_HELP)]
     Trim(TrimArgs),
+    /// Serve the operator's web page and its JSON API: backlog, dead letters, consumer
+    /// groups.
+    #[cfg(feature = "serve")]
+    #[command(after_help = SERVE_HELP)]
+    Serve(ServeArgs),
+}
+
+#[cfg(feature = "serve")]
+const SERVE_HELP: &str = "\
+Binds 127.0.0.1:8080 by default. Redrive and purge (every POST) need the token of --token
+or OUTBOX_SERVE_TOKEN; without one the page is read-only, and a non-loopback --addr is
+refused. The token is never logged.
+
+Example:
+  OUTBOX_SERVE_TOKEN=$(openssl rand -hex 16) outbox serve --redis-url redis://127.0.0.1:6379";
+
+/// `outbox serve`.
+#[cfg(feature = "serve")]
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on. Anything but a loopback address needs --token.
+    #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR")]
+    pub(crate) addr: std::net::SocketAddr,
+    /// The secret every state-changing request (redrive, purge) must carry. Without it
+    /// the page is read-only.
+    #[arg(
+        long,
+        env = "OUTBOX_SERVE_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub(crate) token: Option<String>,
+    /// Redis URL, for the consumer groups and their dead-letter streams (left out
+    /// without it).
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) redis_url: Option<String>,
+    /// Prefix of the outbox's stream names (as `outbox relay --stream-prefix`).
+    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
+    pub(crate) stream_prefix: String,
+    /// Streams whose name ends with SUFFIX are consumer dead-letter streams.
+    #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]
+    pub(crate) dead_letter_suffix: String,
+}
+
+impl Command {
+    /// The relay and the server run until stopped; the other commands run once.
+    pub(crate) fn is_long_running(&self) -> bool {
+        match self {
+            Self::Relay(_) => true,
+            #[cfg(feature = "serve")]
+            Self::Serve(_) => true,
+            _ => false,
+        }
+    }
 }
 
 /// `outbox migrate`.

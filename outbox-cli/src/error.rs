@@ -91,6 +91,25 @@ pub(crate) enum CliError {
         /// Why.
         source: io::Error,
     },
+    /// `outbox serve` on an address other hosts reach, without a token.
+    #[cfg(feature = "serve")]
+    #[error(
+        "refusing to serve on {addr} without a token: it is not a loopback address, so \
+         anyone who reaches it could redrive and purge; pass --token or set OUTBOX_SERVE_TOKEN"
+    )]
+    ServeWithoutToken {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+    },
+    /// `outbox serve` could not listen on its address.
+    #[cfg(feature = "serve")]
+    #[error("cannot serve the operator's page on {addr}")]
+    Serve {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
     /// Writing to stdout failed.
     #[error("cannot write the output")]
     Output(#[from] io::Error),
@@ -107,6 +126,8 @@ impl CliError {
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
             Self::MissingDatabaseUrl | Self::UnsupportedUrl(_) => 2,
+            #[cfg(feature = "serve")]
+            Self::ServeWithoutToken { .. } => 2,
             _ => 1,
         }
     }

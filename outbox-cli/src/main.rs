@@ -7,6 +7,8 @@ mod backend;
 mod commands;
 mod error;
 mod output;
+#[cfg(feature = "serve")]
+mod serve;
 
 use std::io::{IsTerminal as _, Write as _};
 use std::process::ExitCode;
@@ -16,7 +18,7 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let cli = args::Cli::parse();
-    init_logging(matches!(cli.command, args::Command::Relay(_)));
+    init_logging(cli.command.is_long_running());
     let result = commands::run(cli, &mut std::io::stdout().lock());
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -29,10 +31,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG`; by default `info` for the long-running relay
+/// Logs to stderr, filtered by `RUST_LOG`; by default `info` for the relay and the server
 /// and `warn` for the one-shot commands.
-fn init_logging(relay: bool) {
-    let default = if relay { "info" } else { "warn" };
+fn init_logging(long_running: bool) {
+    let default = if long_running { "info" } else { "warn" };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -23,6 +23,8 @@ pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
         Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
         Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
         Command::Trim(args) => trim::run(&args, out),
+        #[cfg(feature = "serve")]
+        Command::Serve(args) => crate::serve::run(database(url)?, args),
     }
 }
 

@@ -1,0 +1,137 @@
+//! The JSON API: the pages' data under `/api/`. Reads answer 200 with JSON, failures
+//! 500 with `{"error": "…"}`; redrive and purge take `{"items": ["outbox:17",
+//! "consumer:<id>:<dead-letter stream>"]}` and need `Authorization: Bearer <token>`
+//! (403 otherwise).
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::App;
+use super::data::{self, Action, Failure, Filter, Item};
+
+/// 500 with the failure.
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": self.0})),
+        )
+            .into_response()
+    }
+}
+
+fn joined<T>(r: Result<Result<T, Failure>, tokio::task::JoinError>) -> Result<T, Failure> {
+    r.map_err(|e| Failure(e.to_string()))?
+}
+
+/// `GET /api/overview`.
+pub(super) async fn overview(State(app): State<Arc<App>>) -> Result<Response, Failure> {
+    let overview = joined(tokio::task::spawn_blocking(move || data::overview(&app)).await)?;
+    Ok(Json(overview).into_response())
+}
+
+/// `GET /api/dead?topic=&type=&error=&older_than=&page=&per_page=`.
+pub(super) async fn dead_letters(
+    State(app): State<Arc<App>>,
+    Query(filter): Query<Filter>,
+) -> Result<Response, Failure> {
+    Ok(Json(data::dead_page(&app, &filter).await?).into_response())
+}
+
+/// `?item=…`.
+#[derive(Debug, Deserialize)]
+pub(super) struct ItemQuery {
+    /// `outbox:<id>` or `consumer:<id>:<dead-letter stream>`.
+    pub(super) item: String,
+}
+
+/// `GET /api/dead/show?item=…`: 404 when there is no such dead letter.
+pub(super) async fn dead_letter(
+    State(app): State<Arc<App>>,
+    Query(q): Query<ItemQuery>,
+) -> Result<Response, Failure> {
+    let found = match Item::parse(&q.item)? {
+        Item::Outbox(id) => {
+            let app = app.clone();
+            joined(tokio::task::spawn_blocking(move || data::outbox_row(&app, id)).await)?
+                .map(|r| serde_json::to_value(data::outbox_item(&r)))
+        }
+        Item::Consumer { dead_stream, id } => data::consumer_entry(&app, &dead_stream, &id)
+            .await?
+            .map(|d| serde_json::to_value(d)),
+    };
+    Ok(match found {
+        Some(value) => Json(value.unwrap_or_default()).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no such dead letter"})),
+        )
+            .into_response(),
+    })
+}
+
+/// The body of a redrive or purge.
+#[derive(Debug, Deserialize)]
+pub(super) struct Selection {
+    /// The dead letters.
+    items: Vec<String>,
+}
+
+/// `POST /api/dead/redrive`.
+pub(super) async fn redrive(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Json(sel): Json<Selection>,
+) -> Result<Response, Failure> {
+    act(app, &headers, Action::Redrive, &sel).await
+}
+
+/// `POST /api/dead/purge`.
+pub(super) async fn purge(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Json(sel): Json<Selection>,
+) -> Result<Response, Failure> {
+    act(app, &headers, Action::Purge, &sel).await
+}
+
+async fn act(
+    app: Arc<App>,
+    headers: &HeaderMap,
+    action: Action,
+    sel: &Selection,
+) -> Result<Response, Failure> {
+    if let Err(denied) = app.auth.check_api(headers) {
+        return Ok((
+            StatusCode::FORBIDDEN,
+            Json(json!({"error": denied.message()})),
+        )
+            .into_response());
+    }
+    let items = sel
+        .items
+        .iter()
+        .map(|i| Item::parse(i))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|f| f)?;
+    let done = data::apply(&app, action, &items).await?;
+    tracing::info!(
+        action = action.name(),
+        outbox = done.outbox,
+        consumers = done.consumers,
+        skipped = done.skipped,
+        "dead letters handled through the API"
+    );
+    Ok(Json(done).into_response())
+}
+
+/// `GET /api/groups`: `null` without `--redis-url`.
+pub(super) async fn groups(State(app): State<Arc<App>>) -> Result<Response, Failure> {
+    Ok(Json(data::groups(&app).await?).into_response())
+}

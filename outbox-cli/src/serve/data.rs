@@ -1,0 +1,941 @@
+//! What the pages and the API show, read from the database and Redis, and the redrive
+//! and purge they do. Everything here is plain data (serialized as the API's JSON); the
+//! pages render the same values.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::RunQueryDsl as _;
+use diesel::sql_types::{BigInt, Double, Nullable, SmallInt, Text};
+use outbox_diesel::OutboxRecord;
+use outbox_redis::redis::aio::MultiplexedConnection;
+use outbox_redis::redis::streams::{
+    StreamInfoConsumersReply, StreamInfoGroupsReply, StreamPendingReply, StreamRangeReply,
+};
+use outbox_redis::redis::{self, AsyncConnectionConfig, Value};
+use serde::{Deserialize, Serialize};
+
+use super::App;
+use crate::backend::{BackendKind, Conn, redact, with_conn};
+use crate::output::RecordJson;
+
+/// Minutes of history the publish chart covers.
+pub(crate) const CHART_MINUTES: i64 = 15;
+/// The most dead letters of one source read to filter and page (the newest are shown
+/// first; past this many the list says it is cut).
+const SCAN_LIMIT: usize = 5000;
+/// Rows per query while scanning.
+const SCAN_PAGE: usize = 500;
+/// Fields a consumer dead letter adds before the original entry's fields (as the
+/// consumer writes them).
+const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
+/// How long connecting to Redis may take.
+const REDIS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A failure the page shows (and the API returns with 500): the innermost cause, never
+/// a URL (which may carry a password).
+#[derive(Debug)]
+pub(crate) struct Failure(pub(crate) String);
+
+impl Failure {
+    fn of(e: &(dyn std::error::Error + 'static)) -> Self {
+        let mut cause = e;
+        while let Some(c) = cause.source() {
+            cause = c;
+        }
+        Self(
+            cause
+                .to_string()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+        )
+    }
+}
+
+impl From<crate::error::CliError> for Failure {
+    fn from(e: crate::error::CliError) -> Self {
+        Self::of(&e)
+    }
+}
+impl From<outbox_diesel::Error> for Failure {
+    fn from(e: outbox_diesel::Error) -> Self {
+        Self::of(&e)
+    }
+}
+impl From<diesel::result::Error> for Failure {
+    fn from(e: diesel::result::Error) -> Self {
+        Self::of(&e)
+    }
+}
+impl From<redis::RedisError> for Failure {
+    fn from(e: redis::RedisError) -> Self {
+        Self::of(&e)
+    }
+}
+
+/// The overview page.
+#[derive(Debug, Serialize)]
+pub(crate) struct Overview {
+    /// The database URL, password hidden.
+    pub(crate) database: String,
+    /// The Redis URL, password hidden (`null` without `--redis-url`).
+    pub(crate) redis: Option<String>,
+    /// Due NEW messages.
+    pub(crate) due: u64,
+    /// Age of the oldest due message in seconds.
+    pub(crate) oldest_due_age_seconds: Option<f64>,
+    /// DEAD messages.
+    pub(crate) dead: u64,
+    /// NEW and DEAD messages per topic.
+    pub(crate) topics: Vec<TopicCounts>,
+    /// Published messages per minute, oldest minute first.
+    pub(crate) published: Vec<Minute>,
+    /// Relays seen.
+    pub(crate) relays: Relays,
+}
+
+/// One topic's counts.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct TopicCounts {
+    /// The topic.
+    pub(crate) topic: String,
+    /// NEW messages (due or waiting for a retry).
+    pub(crate) new: u64,
+    /// DEAD messages.
+    pub(crate) dead: u64,
+}
+
+/// One minute of publishing.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Minute {
+    /// How many minutes ago it began (0: the current minute).
+    pub(crate) minutes_ago: i64,
+    /// Messages published in it.
+    pub(crate) published: u64,
+    /// Messages per second over it.
+    pub(crate) per_second: f64,
+    /// Average commit→publish latency of them, in seconds.
+    pub(crate) avg_latency_seconds: Option<f64>,
+}
+
+/// The relays the database knows of.
+#[derive(Debug, Serialize)]
+pub(crate) struct Relays {
+    /// Whether this backend keeps track of relays at all.
+    pub(crate) tracked: bool,
+    /// What the entries are.
+    pub(crate) note: String,
+    /// One line per relay seen.
+    pub(crate) seen: Vec<String>,
+}
+
+#[derive(diesel::QueryableByName)]
+struct TopicRow {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = SmallInt)]
+    status: i16,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct MinuteRow {
+    #[diesel(sql_type = BigInt)]
+    minutes_ago: i64,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+    #[diesel(sql_type = Nullable<Double>)]
+    latency: Option<f64>,
+}
+
+#[derive(diesel::QueryableByName)]
+struct RelayRow {
+    #[diesel(sql_type = Text)]
+    relay: String,
+    #[diesel(sql_type = Text)]
+    until: String,
+}
+
+/// Per-topic counts of NEW and DEAD rows (SENT rows are left out: counting them would
+/// read the whole table, and the partial indexes serve NEW and DEAD).
+const TOPICS_SQL: &str = "SELECT topic, status, COUNT(*) AS n FROM outbox \
+     WHERE status IN (0, 2) GROUP BY topic, status ORDER BY topic";
+
+/// SENT rows of the last minutes per minute, with their mean latency, per backend.
+fn minutes_sql(kind: BackendKind) -> String {
+    let m = CHART_MINUTES;
+    match kind {
+        BackendKind::Postgres => format!(
+            "SELECT floor(extract(epoch FROM now() - sent_at) / 60)::bigint AS minutes_ago, \
+             COUNT(*) AS n, avg(extract(epoch FROM sent_at - created_at))::float8 AS latency \
+             FROM outbox WHERE status = 1 AND sent_at > now() - interval '{m} minutes' \
+             GROUP BY 1"
+        ),
+        BackendKind::Mysql => format!(
+            "SELECT CAST(FLOOR(TIMESTAMPDIFF(MICROSECOND, sent_at, UTC_TIMESTAMP(6)) / 60000000) \
+             AS SIGNED) AS minutes_ago, COUNT(*) AS n, \
+             CAST(AVG(TIMESTAMPDIFF(MICROSECOND, created_at, sent_at)) / 1000000 AS DOUBLE) \
+             AS latency FROM outbox WHERE status = 1 \
+             AND sent_at > UTC_TIMESTAMP(6) - INTERVAL {m} MINUTE GROUP BY minutes_ago"
+        ),
+        BackendKind::Sqlite => format!(
+            "SELECT CAST((julianday('now') - julianday(sent_at)) * 1440 AS INTEGER) AS minutes_ago, \
+             COUNT(*) AS n, AVG((julianday(sent_at) - julianday(created_at)) * 86400.0) AS latency \
+             FROM outbox WHERE status = 1 \
+             AND sent_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-{m} minutes') \
+             GROUP BY minutes_ago"
+        ),
+    }
+}
+
+/// Reads the overview (blocking).
+pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
+    let mut conn = app.db.connect(false)?;
+    let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
+    let rows: Vec<TopicRow> = with_conn!(&mut conn, c => diesel::sql_query(TOPICS_SQL).load(c))?;
+    let mut topics: BTreeMap<String, TopicCounts> = BTreeMap::new();
+    for row in rows {
+        let entry = topics.entry(row.topic.clone()).or_default();
+        entry.topic = row.topic;
+        let n = u64::try_from(row.n).unwrap_or_default();
+        if row.status == 2 {
+            entry.dead += n;
+        } else {
+            entry.new += n;
+        }
+    }
+    let sql = minutes_sql(app.db.kind);
+    let rows: Vec<MinuteRow> = with_conn!(&mut conn, c => diesel::sql_query(&sql).load(c))?;
+    Ok(Overview {
+        database: app.db.display(),
+        redis: app.redis_display.clone(),
+        due: backlog.due,
+        oldest_due_age_seconds: backlog.oldest_due_age.map(|d| d.as_secs_f64()),
+        dead: backlog.dead,
+        topics: topics.into_values().collect(),
+        published: minutes(&rows),
+        relays: relays(app, &mut conn)?,
+    })
+}
+
+/// Every minute of the chart, empty ones included.
+fn minutes(rows: &[MinuteRow]) -> Vec<Minute> {
+    (0..CHART_MINUTES)
+        .rev()
+        .map(|ago| {
+            let row = rows.iter().find(|r| r.minutes_ago == ago);
+            let published = row.map_or(0, |r| u64::try_from(r.n).unwrap_or_default());
+            Minute {
+                minutes_ago: ago,
+                published,
+                per_second: published as f64 / 60.0,
+                avg_latency_seconds: row.and_then(|r| r.latency),
+            }
+        })
+        .collect()
+}
+
+/// PostgreSQL: the relays parked now (their idle marks; a relay at work has none);
+/// SQLite: the lock file's last holder; MySQL: nothing to read.
+fn relays(app: &App, conn: &mut Conn) -> Result<Relays, Failure> {
+    match conn {
+        Conn::Pg(c) => {
+            let rows: Vec<RelayRow> = diesel::sql_query(
+                "SELECT relay_id AS relay, idle_until::text AS until FROM outbox_relay_idle \
+                 WHERE idle_until > now() ORDER BY relay_id",
+            )
+            .load(c)?;
+            Ok(Relays {
+                tracked: true,
+                note: "relays parked now, waiting for work (idle marks; a relay at work has none)"
+                    .into(),
+                seen: rows
+                    .into_iter()
+                    .map(|r| format!("{} (parked until {})", r.relay, r.until))
+                    .collect(),
+            })
+        }
+        Conn::Sqlite(_) => {
+            let lock = format!(
+                "{}{}",
+                app.db.target,
+                outbox_diesel::SqliteRelayStore::LOCK_FILE_SUFFIX
+            );
+            let holder = std::fs::read_to_string(&lock).ok();
+            Ok(Relays {
+                tracked: true,
+                note: "one relay per SQLite file; its lock file names the last relay that \
+                       took it (whether it still runs is not checked: testing the lock \
+                       could keep a starting relay out)"
+                    .into(),
+                seen: holder
+                    .map(|h| h.trim().to_owned())
+                    .filter(|h| !h.is_empty())
+                    .into_iter()
+                    .collect(),
+            })
+        }
+        Conn::Mysql(_) => Ok(Relays {
+            tracked: false,
+            note: "not tracked on MySQL / MariaDB".into(),
+            seen: Vec::new(),
+        }),
+    }
+}
+
+/// The dead-letter list's filters and page, from the query string.
+#[derive(Debug, Default, Clone, Deserialize, Serialize)]
+#[serde(default)]
+pub(crate) struct Filter {
+    /// Only this topic (exact).
+    pub(crate) topic: String,
+    /// Only this event type (exact).
+    #[serde(rename = "type")]
+    pub(crate) event_type: String,
+    /// Only errors containing this text (case-insensitive).
+    pub(crate) error: String,
+    /// Only messages older than this (`30m`, `2d`).
+    pub(crate) older_than: String,
+    /// The page, from 0.
+    pub(crate) page: usize,
+    /// Per page and source (default 50, at most 500).
+    pub(crate) per_page: Option<usize>,
+}
+
+impl Filter {
+    /// Entries per page.
+    pub(crate) fn per_page(&self) -> usize {
+        self.per_page.unwrap_or(50).clamp(1, 500)
+    }
+
+    fn min_age(&self) -> Result<Option<Duration>, Failure> {
+        if self.older_than.trim().is_empty() {
+            return Ok(None);
+        }
+        humantime::parse_duration(self.older_than.trim())
+            .map(Some)
+            .map_err(|e| Failure(format!("older_than `{}`: {e}", self.older_than)))
+    }
+
+    fn matches(&self, topic: &str, event_type: &str, error: &str, age: Duration) -> bool {
+        let min_age = self.min_age().ok().flatten().unwrap_or_default();
+        (self.topic.is_empty() || topic == self.topic)
+            && (self.event_type.is_empty() || event_type == self.event_type)
+            && (self.error.is_empty() || error.to_lowercase().contains(&self.error.to_lowercase()))
+            && age >= min_age
+    }
+}
+
+/// One page of dead letters of both sources.
+#[derive(Debug, Serialize)]
+pub(crate) struct DeadPage {
+    /// The outbox's DEAD rows on this page, newest first.
+    pub(crate) outbox: Vec<OutboxDead>,
+    /// Matching DEAD rows in all.
+    pub(crate) outbox_total: usize,
+    /// The consumers' dead letters on this page, newest first.
+    pub(crate) consumers: Vec<ConsumerDead>,
+    /// Matching consumer dead letters in all.
+    pub(crate) consumers_total: usize,
+    /// Whether a source had more than could be scanned (the oldest are left out).
+    pub(crate) truncated: bool,
+    /// Whether the consumers' dead letters were read (`--redis-url` given).
+    pub(crate) redis: bool,
+}
+
+/// An outbox DEAD row.
+#[derive(Debug, Serialize)]
+pub(crate) struct OutboxDead {
+    /// What selects it: `outbox:<id>`.
+    pub(crate) item: String,
+    /// The row as `outbox dead show --json` prints it.
+    #[serde(flatten)]
+    pub(crate) record: serde_json::Value,
+    /// Seconds since it was emitted.
+    pub(crate) age_seconds: f64,
+}
+
+/// A consumer's dead letter: an entry of `<stream>:dead`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ConsumerDead {
+    /// What selects it: `consumer:<entry id>:<dead-letter stream>`.
+    pub(crate) item: String,
+    /// The dead-letter stream.
+    pub(crate) dead_stream: String,
+    /// Its id there.
+    pub(crate) id: String,
+    /// The stream it came from.
+    pub(crate) stream: String,
+    /// The consumer group that gave up on it.
+    pub(crate) group: String,
+    /// Its id on that stream.
+    pub(crate) entry_id: String,
+    /// Why it was dead-lettered.
+    pub(crate) reason: String,
+    /// Deliveries before it was.
+    pub(crate) delivery_count: String,
+    /// The message's topic, type and msg_id (empty if the entry had none).
+    pub(crate) topic: String,
+    /// The event type.
+    #[serde(rename = "type")]
+    pub(crate) event_type: String,
+    /// The msg_id.
+    pub(crate) msg_id: String,
+    /// Seconds since it was dead-lettered.
+    pub(crate) age_seconds: f64,
+    /// The original entry's fields (payload, headers, …) as text.
+    pub(crate) fields: BTreeMap<String, String>,
+}
+
+/// A selected dead letter: `outbox:<id>` or `consumer:<entry id>:<dead-letter stream>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Item {
+    /// An outbox row.
+    Outbox(i64),
+    /// An entry of a dead-letter stream.
+    Consumer {
+        /// The dead-letter stream.
+        dead_stream: String,
+        /// The entry's id there.
+        id: String,
+    },
+}
+
+impl Item {
+    /// Parses a selection value.
+    pub(crate) fn parse(text: &str) -> Result<Self, Failure> {
+        let bad = || Failure(format!("not a dead letter: `{text}`"));
+        if let Some(id) = text.strip_prefix("outbox:") {
+            return id.parse().map(Self::Outbox).map_err(|_| bad());
+        }
+        let rest = text.strip_prefix("consumer:").ok_or_else(bad)?;
+        let (id, dead_stream) = rest.split_once(':').ok_or_else(bad)?;
+        if entry_ms(id).is_none() || dead_stream.is_empty() {
+            return Err(bad());
+        }
+        Ok(Self::Consumer {
+            dead_stream: dead_stream.to_owned(),
+            id: id.to_owned(),
+        })
+    }
+}
+
+/// The millisecond time of a stream entry id `<ms>-<seq>`.
+fn entry_ms(id: &str) -> Option<i64> {
+    let (ms, seq) = id.split_once('-')?;
+    seq.parse::<u64>().ok()?;
+    ms.parse().ok()
+}
+
+fn age_of(time: DateTime<Utc>) -> Duration {
+    (Utc::now() - time).to_std().unwrap_or_default()
+}
+
+/// The outbox's DEAD rows that match, newest first (blocking).
+pub(crate) fn outbox_dead(
+    app: &App,
+    filter: &Filter,
+) -> Result<(Vec<OutboxRecord>, bool), Failure> {
+    filter.min_age()?;
+    let mut conn = app.db.connect(false)?;
+    let mut all = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = with_conn!(&mut conn, c => outbox_diesel::dead_letters(c, after, SCAN_PAGE))?;
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        all.extend(page);
+    }
+    let truncated = all.len() > SCAN_LIMIT;
+    all.reverse();
+    all.truncate(SCAN_LIMIT);
+    all.retain(|r| {
+        let e = &r.envelope;
+        filter.matches(
+            &e.topic,
+            &e.event_type,
+            r.last_error.as_deref().unwrap_or_default(),
+            age_of(e.created_at),
+        )
+    });
+    Ok((all, truncated))
+}
+
+/// An outbox row for the API and the pages.
+pub(crate) fn outbox_item(r: &OutboxRecord) -> OutboxDead {
+    OutboxDead {
+        item: format!("outbox:{}", r.id),
+        record: serde_json::to_value(RecordJson::from(r)).unwrap_or_default(),
+        age_seconds: age_of(r.envelope.created_at).as_secs_f64(),
+    }
+}
+
+/// One outbox row by id, whatever its status (blocking).
+pub(crate) fn outbox_row(app: &App, id: i64) -> Result<Option<OutboxRecord>, Failure> {
+    let mut conn = app.db.connect(false)?;
+    let page =
+        with_conn!(&mut conn, c => outbox_diesel::list_messages(c, None, id.saturating_sub(1), 1))?;
+    Ok(page.into_iter().find(|r| r.id == id))
+}
+
+/// A Redis connection, if `--redis-url` was given.
+pub(crate) async fn redis_conn(app: &App) -> Result<Option<MultiplexedConnection>, Failure> {
+    let Some(client) = &app.redis else {
+        return Ok(None);
+    };
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(REDIS_TIMEOUT))
+        .set_response_timeout(Some(REDIS_TIMEOUT));
+    Ok(Some(
+        client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?,
+    ))
+}
+
+/// The streams named `<prefix>…`, sorted, dead-letter streams and the others apart.
+async fn streams(
+    app: &App,
+    conn: &mut MultiplexedConnection,
+) -> Result<(Vec<String>, Vec<String>), Failure> {
+    let mut found = std::collections::BTreeSet::new();
+    let pattern = format!("{}*", glob_escape(&app.prefix));
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .arg("TYPE")
+            .arg("stream")
+            .query_async(conn)
+            .await?;
+        found.extend(keys);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    Ok(found
+        .into_iter()
+        .partition(|s| s.ends_with(&app.dead_suffix)))
+}
+
+/// `text` with the glob characters of `SCAN MATCH` escaped.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A field's value as Redis gave it (payloads are written back byte for byte).
+fn raw(value: &Value) -> Vec<u8> {
+    match value {
+        Value::BulkString(b) => b.clone(),
+        other => text_of(other).into_bytes(),
+    }
+}
+
+fn consumer_dead(dead_stream: &str, id: &str, map: &HashMap<String, Value>) -> ConsumerDead {
+    let field = |name: &str| map.get(name).map(text_of).unwrap_or_default();
+    let fields = map
+        .iter()
+        .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), text_of(v)))
+        .collect();
+    let age_ms = entry_ms(id).map_or(0, |ms| Utc::now().timestamp_millis().saturating_sub(ms));
+    ConsumerDead {
+        item: format!("consumer:{id}:{dead_stream}"),
+        dead_stream: dead_stream.to_owned(),
+        id: id.to_owned(),
+        stream: field("stream"),
+        group: field("group"),
+        entry_id: field("entry_id"),
+        reason: field("reason"),
+        delivery_count: field("delivery_count"),
+        topic: field("topic"),
+        event_type: field("type"),
+        msg_id: field("msg_id"),
+        age_seconds: age_ms.max(0) as f64 / 1000.0,
+        fields,
+    }
+}
+
+/// The consumers' dead letters that match, newest first.
+pub(crate) async fn consumers_dead(
+    app: &App,
+    filter: &Filter,
+) -> Result<(Vec<ConsumerDead>, bool), Failure> {
+    filter.min_age()?;
+    let Some(mut conn) = redis_conn(app).await? else {
+        return Ok((Vec::new(), false));
+    };
+    let (dead_streams, _) = streams(app, &mut conn).await?;
+    let mut all = Vec::new();
+    let mut truncated = false;
+    for dead in &dead_streams {
+        let reply: StreamRangeReply = redis::cmd("XREVRANGE")
+            .arg(dead)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(SCAN_LIMIT + 1)
+            .query_async(&mut conn)
+            .await?;
+        truncated |= reply.ids.len() > SCAN_LIMIT;
+        all.extend(
+            reply
+                .ids
+                .iter()
+                .take(SCAN_LIMIT)
+                .map(|e| consumer_dead(dead, &e.id, &e.map)),
+        );
+    }
+    all.sort_by(|a, b| a.age_seconds.total_cmp(&b.age_seconds));
+    all.retain(|d| {
+        filter.matches(
+            &d.topic,
+            &d.event_type,
+            &d.reason,
+            Duration::from_secs_f64(d.age_seconds),
+        )
+    });
+    Ok((all, truncated))
+}
+
+/// One page of both sources' dead letters.
+pub(crate) async fn dead_page(
+    app: &std::sync::Arc<App>,
+    filter: &Filter,
+) -> Result<DeadPage, Failure> {
+    let (app2, filter2) = (app.clone(), filter.clone());
+    let (outbox, outbox_cut) = tokio::task::spawn_blocking(move || outbox_dead(&app2, &filter2))
+        .await
+        .map_err(|e| Failure(e.to_string()))??;
+    let (consumers, consumers_cut) = consumers_dead(app, filter).await?;
+    let (per, page) = (filter.per_page(), filter.page);
+    let slice = |len: usize| (page.saturating_mul(per).min(len), per);
+    let (skip, take) = slice(outbox.len());
+    let outbox_page = outbox
+        .iter()
+        .skip(skip)
+        .take(take)
+        .map(outbox_item)
+        .collect();
+    let (skip, take) = slice(consumers.len());
+    Ok(DeadPage {
+        outbox: outbox_page,
+        outbox_total: outbox.len(),
+        consumers_total: consumers.len(),
+        consumers: consumers.into_iter().skip(skip).take(take).collect(),
+        truncated: outbox_cut || consumers_cut,
+        redis: app.redis.is_some(),
+    })
+}
+
+/// One consumer dead letter.
+pub(crate) async fn consumer_entry(
+    app: &App,
+    dead_stream: &str,
+    id: &str,
+) -> Result<Option<ConsumerDead>, Failure> {
+    let Some(mut conn) = redis_conn(app).await? else {
+        return Ok(None);
+    };
+    let reply: StreamRangeReply = redis::cmd("XRANGE")
+        .arg(dead_stream)
+        .arg(id)
+        .arg(id)
+        .query_async(&mut conn)
+        .await?;
+    Ok(reply
+        .ids
+        .first()
+        .map(|e| consumer_dead(dead_stream, &e.id, &e.map)))
+}
+
+/// What a redrive or purge did.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct Done {
+    /// Outbox rows changed.
+    pub(crate) outbox: usize,
+    /// Consumer dead letters handled.
+    pub(crate) consumers: usize,
+    /// Selected dead letters that were not there (any more) or not DEAD.
+    pub(crate) skipped: usize,
+}
+
+/// Redrive or purge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Action {
+    /// Outbox rows back to NEW; consumer dead letters back on their stream.
+    Redrive,
+    /// Delete them.
+    Purge,
+}
+
+impl Action {
+    /// `redrive` / `purge`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Redrive => "redrive",
+            Self::Purge => "purge",
+        }
+    }
+}
+
+/// Applies `action` to the selected dead letters.
+pub(crate) async fn apply(
+    app: &std::sync::Arc<App>,
+    action: Action,
+    items: &[Item],
+) -> Result<Done, Failure> {
+    let mut done = Done::default();
+    let ids: Vec<i64> = items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Outbox(id) => Some(*id),
+            Item::Consumer { .. } => None,
+        })
+        .collect();
+    if !ids.is_empty() {
+        let app2 = app.clone();
+        let ids2 = ids.clone();
+        let changed = tokio::task::spawn_blocking(move || -> Result<usize, Failure> {
+            let mut conn = app2.db.connect(false)?;
+            Ok(match action {
+                Action::Redrive => with_conn!(&mut conn, c => outbox_diesel::redrive(c, &ids2))?,
+                Action::Purge => with_conn!(&mut conn, c => outbox_diesel::purge_dead(c, &ids2))?,
+            })
+        })
+        .await
+        .map_err(|e| Failure(e.to_string()))??;
+        done.outbox = changed;
+        done.skipped += ids.len() - changed;
+    }
+    let consumer: Vec<(&str, &str)> = items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Consumer { dead_stream, id } => Some((dead_stream.as_str(), id.as_str())),
+            Item::Outbox(_) => None,
+        })
+        .collect();
+    if consumer.is_empty() {
+        return Ok(done);
+    }
+    let mut conn = redis_conn(app)
+        .await?
+        .ok_or_else(|| Failure("no --redis-url: consumer dead letters are not served".into()))?;
+    for (dead_stream, id) in consumer {
+        if !dead_stream.ends_with(&app.dead_suffix) || !dead_stream.starts_with(&app.prefix) {
+            done.skipped += 1;
+            continue;
+        }
+        let handled = match action {
+            Action::Redrive => redrive_consumer(&mut conn, dead_stream, id).await?,
+            Action::Purge => {
+                let n: usize = redis::cmd("XDEL")
+                    .arg(dead_stream)
+                    .arg(id)
+                    .query_async(&mut conn)
+                    .await?;
+                n == 1
+            }
+        };
+        if handled {
+            done.consumers += 1;
+        } else {
+            done.skipped += 1;
+        }
+    }
+    Ok(done)
+}
+
+/// Puts a consumer dead letter back on its stream: its original fields are added anew
+/// (XADD) and the dead letter deleted (XDEL), in one transaction. Every group of the
+/// stream reads the new entry; groups that had handled the message already skip it by
+/// its msg_id (the consumer's inbox), so in effect it goes back to the group that gave up.
+async fn redrive_consumer(
+    conn: &mut MultiplexedConnection,
+    dead_stream: &str,
+    id: &str,
+) -> Result<bool, Failure> {
+    let reply: StreamRangeReply = redis::cmd("XRANGE")
+        .arg(dead_stream)
+        .arg(id)
+        .arg(id)
+        .query_async(conn)
+        .await?;
+    let Some(entry) = reply.ids.first() else {
+        return Ok(false);
+    };
+    let stream = entry.map.get("stream").map(text_of).unwrap_or_default();
+    if stream.is_empty() {
+        return Err(Failure(format!("dead letter {id} names no stream")));
+    }
+    let mut fields: Vec<(&String, &Value)> = entry
+        .map
+        .iter()
+        .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
+        .collect();
+    fields.sort_by(|a, b| a.0.cmp(b.0));
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    let xadd = pipe.cmd("XADD").arg(&stream).arg("*");
+    for (field, value) in fields {
+        xadd.arg(field).arg(raw(value));
+    }
+    xadd.ignore();
+    pipe.cmd("XDEL").arg(dead_stream).arg(id).ignore();
+    pipe.query_async::<()>(conn).await?;
+    Ok(true)
+}
+
+/// A consumer group of a stream.
+#[derive(Debug, Serialize)]
+pub(crate) struct Group {
+    /// The stream.
+    pub(crate) stream: String,
+    /// The group.
+    pub(crate) group: String,
+    /// Entries not yet delivered to the group (Redis 7+; `null` when Redis cannot tell).
+    pub(crate) lag: Option<usize>,
+    /// Entries delivered and not acknowledged.
+    pub(crate) pending: usize,
+    /// The last entry delivered.
+    pub(crate) last_delivered_id: String,
+    /// The oldest pending entry's id.
+    pub(crate) oldest_pending_id: Option<String>,
+    /// Its age in seconds (from its id).
+    pub(crate) oldest_pending_age_seconds: Option<f64>,
+    /// The group's consumers.
+    pub(crate) consumers: Vec<GroupConsumer>,
+}
+
+/// A consumer of a group.
+#[derive(Debug, Serialize)]
+pub(crate) struct GroupConsumer {
+    /// Its name.
+    pub(crate) name: String,
+    /// Entries it holds unacknowledged.
+    pub(crate) pending: usize,
+    /// Milliseconds since it last read or claimed.
+    pub(crate) idle_ms: usize,
+}
+
+/// Every group of every stream of the prefix (dead-letter streams have none).
+pub(crate) async fn groups(app: &App) -> Result<Option<Vec<Group>>, Failure> {
+    let Some(mut conn) = redis_conn(app).await? else {
+        return Ok(None);
+    };
+    let (_, streams) = streams(app, &mut conn).await?;
+    let mut out = Vec::new();
+    for stream in streams {
+        let info: StreamInfoGroupsReply = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&stream)
+            .query_async(&mut conn)
+            .await?;
+        for g in info.groups {
+            let consumers: StreamInfoConsumersReply = redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(&stream)
+                .arg(&g.name)
+                .query_async(&mut conn)
+                .await?;
+            let pending: StreamPendingReply = redis::cmd("XPENDING")
+                .arg(&stream)
+                .arg(&g.name)
+                .query_async(&mut conn)
+                .await?;
+            let oldest = match pending {
+                StreamPendingReply::Data(d) if d.count > 0 => Some(d.start_id),
+                _ => None,
+            };
+            let now = Utc::now().timestamp_millis();
+            out.push(Group {
+                stream: stream.clone(),
+                group: g.name,
+                lag: g.lag,
+                pending: g.pending,
+                last_delivered_id: g.last_delivered_id,
+                oldest_pending_age_seconds: oldest
+                    .as_deref()
+                    .and_then(entry_ms)
+                    .map(|ms| now.saturating_sub(ms).max(0) as f64 / 1000.0),
+                oldest_pending_id: oldest,
+                consumers: consumers
+                    .consumers
+                    .into_iter()
+                    .map(|c| GroupConsumer {
+                        name: c.name,
+                        pending: c.pending,
+                        idle_ms: c.idle,
+                    })
+                    .collect(),
+            });
+        }
+    }
+    Ok(Some(out))
+}
+
+/// A Redis URL fit to show.
+pub(crate) fn redis_display(url: &str) -> String {
+    redact(url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selections_parse() {
+        assert_eq!(Item::parse("outbox:17").unwrap(), Item::Outbox(17));
+        assert_eq!(
+            Item::parse("consumer:1700-0:outbox:a.b:dead").unwrap(),
+            Item::Consumer {
+                dead_stream: "outbox:a.b:dead".into(),
+                id: "1700-0".into()
+            }
+        );
+        for bad in ["outbox:x", "consumer:x:s", "consumer:1-0:", "17", ""] {
+            assert!(Item::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn filters_match_exact_names_and_error_text() {
+        let f = Filter {
+            topic: "a".into(),
+            error: "wrongtype".into(),
+            older_than: "1m".into(),
+            ..Filter::default()
+        };
+        let old = Duration::from_secs(120);
+        assert!(f.matches("a", "T", "WRONGTYPE x", old));
+        assert!(!f.matches("ab", "T", "WRONGTYPE x", old));
+        assert!(!f.matches("a", "T", "timeout", old));
+        assert!(!f.matches("a", "T", "WRONGTYPE x", Duration::from_secs(5)));
+    }
+}

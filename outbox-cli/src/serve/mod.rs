@@ -1,0 +1,163 @@
+//! `outbox serve`: the operator's web page and its JSON API.
+//!
+//! Server-rendered HTML (maud) that works without JavaScript, and the same data as JSON
+//! under `/api/`:
+//!
+//! | page | API | what |
+//! |---|---|---|
+//! | `GET /` | `GET /api/overview` | backlog, per-topic counts, publish rate and latency, relays |
+//! | `GET /dead` | `GET /api/dead` | dead letters: the outbox's DEAD rows and the consumers' dead-letter streams, filtered and paged |
+//! | `GET /dead/show?item=…` | `GET /api/dead/show?item=…` | one dead letter |
+//! | `GET /dead/confirm` | | the confirmation step of a redrive or purge |
+//! | `POST /dead/redrive`, `POST /dead/purge` | `POST /api/dead/redrive`, `POST /api/dead/purge` | act on a selection (token needed) |
+//! | `GET /groups` | `GET /api/groups` | consumer groups: lag, pending, consumers, oldest pending |
+//!
+//! The database is read on a new connection per request, on the blocking pool, as the
+//! admin endpoint's probes do.
+
+mod api;
+mod auth;
+mod data;
+mod pages;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{get, post};
+use outbox_redis::redis;
+
+use crate::args::ServeArgs;
+use crate::backend::{Database, redact};
+use crate::error::CliError;
+
+/// What the handlers share.
+pub(crate) struct App {
+    /// The outbox's database.
+    db: Database,
+    /// Redis, when `--redis-url` was given.
+    redis: Option<redis::Client>,
+    /// The Redis URL, password hidden.
+    redis_display: Option<String>,
+    /// Prefix of the outbox's streams.
+    prefix: String,
+    /// Suffix of the consumers' dead-letter streams.
+    dead_suffix: String,
+    /// The token and the CSRF secret.
+    auth: auth::Auth,
+}
+
+/// Checks the arguments, binds the address and serves until SIGINT or SIGTERM.
+pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
+    check_exposure(args.addr, args.token.as_deref())?;
+    let redis = args
+        .redis_url
+        .as_deref()
+        .map(|url| {
+            redis::Client::open(url).map_err(|source| CliError::RedisUrl {
+                url: redact(url),
+                source: source.into(),
+            })
+        })
+        .transpose()?;
+    let app = Arc::new(App {
+        db,
+        redis,
+        redis_display: args.redis_url.as_deref().map(data::redis_display),
+        prefix: args.stream_prefix,
+        dead_suffix: args.dead_letter_suffix,
+        auth: auth::Auth::new(args.token),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    runtime.block_on(serve(args.addr, app))
+}
+
+/// A server other hosts can reach must have a token: without one, anyone there could
+/// redrive and purge.
+fn check_exposure(addr: SocketAddr, token: Option<&str>) -> Result<(), CliError> {
+    let has_token = token.is_some_and(|t| !t.is_empty());
+    if !addr.ip().is_loopback() && !has_token {
+        return Err(CliError::ServeWithoutToken { addr });
+    }
+    Ok(())
+}
+
+async fn serve(addr: SocketAddr, app: Arc<App>) -> Result<(), CliError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| CliError::Serve { addr, source })?;
+    let read_only = if app.auth.has_token() {
+        ""
+    } else {
+        " (read-only: no token)"
+    };
+    // The token itself is never logged.
+    tracing::info!(
+        "serving the operator's page on http://{}{read_only}",
+        listener.local_addr().unwrap_or(addr)
+    );
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(shutdown())
+        .await
+        .map_err(|source| CliError::Serve { addr, source })
+}
+
+/// The pages and the API.
+fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/", get(pages::overview))
+        .route("/dead", get(pages::dead_letters))
+        .route("/dead/show", get(pages::dead_letter))
+        .route("/dead/confirm", get(pages::confirm))
+        .route("/dead/redrive", post(pages::redrive))
+        .route("/dead/purge", post(pages::purge))
+        .route("/groups", get(pages::groups))
+        .route("/api/overview", get(api::overview))
+        .route("/api/dead", get(api::dead_letters))
+        .route("/api/dead/show", get(api::dead_letter))
+        .route("/api/dead/redrive", post(api::redrive))
+        .route("/api/dead/purge", post(api::purge))
+        .route("/api/groups", get(api::groups))
+        .with_state(app)
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_may_go_without_a_token() {
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(check_exposure(addr("127.0.0.1:8080"), None).is_ok());
+        assert!(check_exposure(addr("[::1]:8080"), None).is_ok());
+        assert!(check_exposure(addr("0.0.0.0:8080"), None).is_err());
+        assert!(check_exposure(addr("0.0.0.0:8080"), Some("")).is_err());
+        assert!(check_exposure(addr("0.0.0.0:8080"), Some("s3cret")).is_ok());
+    }
+}
