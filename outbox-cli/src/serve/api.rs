@@ -64,7 +64,7 @@ pub(super) async fn dead_letter(
         }
         Item::Consumer { dead_stream, id } => data::consumer_entry(&app, &dead_stream, &id)
             .await?
-            .map(|d| serde_json::to_value(d)),
+            .map(serde_json::to_value),
     };
     Ok(match found {
         Some(value) => Json(value.unwrap_or_default()).into_response(),
@@ -118,8 +118,13 @@ async fn act(
         .items
         .iter()
         .map(|i| Item::parse(i))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|f| f)?;
+        .collect::<Result<Vec<_>, _>>();
+    let items = match items {
+        Ok(items) => items,
+        Err(f) => {
+            return Ok((StatusCode::BAD_REQUEST, Json(json!({"error": f.0}))).into_response());
+        }
+    };
     let done = data::apply(&app, action, &items).await?;
     tracing::info!(
         action = action.name(),

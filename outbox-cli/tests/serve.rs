@@ -1,0 +1,361 @@
+//! `outbox serve` as a process: its pages and JSON API against an isolated database and
+//! streams under a unique prefix, redrive and purge with and without the token and the
+//! CSRF token, the refusal to serve other hosts without a token, and no password on any
+//! page.
+#![cfg(feature = "serve")]
+
+mod fixtures;
+mod serve_support;
+
+use fixtures::TestDb;
+use outbox_tests::{Engine, PasswordRedis, redis_url};
+use serde_json::json;
+use serve_support::{Server, Streams, TOKEN};
+
+/// An outbox with `1:Ping`..`3:Ping`, the first two DEAD, and streams with a group and
+/// two consumer dead letters.
+fn scenario() -> (TestDb, Streams) {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=3);
+    db.kill(&[1, 2]);
+    (db, Streams::new(&redis_url()))
+}
+
+fn serve(db: &TestDb, streams: &Streams, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--redis-url",
+        outbox_tests_redis(),
+        "--stream-prefix",
+        streams.prefix.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&db.url, &args)
+}
+
+fn outbox_tests_redis() -> &'static str {
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(redis_url)
+}
+
+#[test]
+fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
+    let (db, streams) = scenario();
+    let server = serve(&db, &streams, &["--token", TOKEN]);
+
+    let overview = server.json("/api/overview");
+    assert_eq!(overview["due"], 1, "{overview}");
+    assert_eq!(overview["dead"], 2, "{overview}");
+    assert_eq!(
+        overview["topics"],
+        json!([{"topic": "cli.ping", "new": 1, "dead": 2}])
+    );
+    assert_eq!(overview["published"].as_array().map(Vec::len), Some(15));
+    assert_eq!(overview["relays"]["tracked"], true);
+    let (status, page) = server.get("/");
+    assert_eq!(status, 200);
+    for text in ["cli.ping", "<svg", "due messages", "Relays"] {
+        assert!(page.contains(text), "the overview lacks {text}: {page}");
+    }
+
+    let dead = server.json("/api/dead");
+    assert_eq!(dead["outbox_total"], 2, "{dead}");
+    assert_eq!(dead["consumers_total"], 2, "{dead}");
+    assert_eq!(
+        dead["outbox"][0]["msg_id"], "2:Ping",
+        "newest first: {dead}"
+    );
+    assert_eq!(
+        dead["consumers"][0]["msg_id"], "9:Ping",
+        "newest first: {dead}"
+    );
+    assert_eq!(dead["consumers"][0]["group"], "billing");
+    // Filters: error text (case-insensitive), topic, type, age; pages.
+    let one = server.json("/api/dead?error=wrongtype%201");
+    assert_eq!(one["outbox_total"], 1, "{one}");
+    assert_eq!(one["outbox"][0]["msg_id"], "1:Ping");
+    assert_eq!(one["consumers_total"], 0);
+    assert_eq!(server.json("/api/dead?topic=other")["outbox_total"], 0);
+    assert_eq!(server.json("/api/dead?type=Ping")["consumers_total"], 2);
+    assert_eq!(server.json("/api/dead?older_than=1h")["outbox_total"], 0);
+    let paged = server.json("/api/dead?per_page=1&page=1");
+    assert_eq!(paged["outbox"][0]["msg_id"], "1:Ping", "{paged}");
+    assert_eq!(paged["consumers"][0]["msg_id"], "8:Ping", "{paged}");
+    let (status, _) = server.get("/api/dead?older_than=soon");
+    assert_eq!(status, 500);
+
+    let (status, page) = server.get("/dead?error=WRONGTYPE");
+    assert_eq!(status, 200);
+    assert!(page.contains("1:Ping") && page.contains("2:Ping"), "{page}");
+    assert!(
+        !page.contains("9:Ping"),
+        "the consumer's reason does not match: {page}"
+    );
+
+    // Details: the outbox row and the consumer dead letter, payload pretty-printed (and
+    // escaped, as all text is).
+    let id = db.id_of(1);
+    let (status, page) = server.get(&format!("/dead/show?item=outbox:{id}"));
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("&quot;n&quot;: 1") && page.contains("WRONGTYPE 1"),
+        "{page}"
+    );
+    let item = dead["consumers"][0]["item"].as_str().unwrap();
+    let shown = server.json(&format!("/api/dead/show?item={}", urlencode(item)));
+    assert_eq!(shown["fields"]["payload"], "{\"n\":9}", "{shown}");
+    let (status, page) = server.get(&format!("/dead/show?item={}", urlencode(item)));
+    assert_eq!(status, 200);
+    assert!(
+        page.contains("&quot;trace&quot;: &quot;t-1&quot;") && page.contains("no such account"),
+        "{page}"
+    );
+    let (status, _) = server.get("/api/dead/show?item=outbox:999999");
+    assert_eq!(status, 404);
+
+    // Consumer groups: lag, pending, consumers, oldest pending.
+    let groups = server.json("/api/groups");
+    let group = &groups[0];
+    assert_eq!(group["stream"], streams.stream.as_str(), "{groups}");
+    assert_eq!(group["group"], "billing");
+    assert_eq!(group["pending"], 1);
+    assert_eq!(group["consumers"][0]["name"], "c1");
+    assert!(group["oldest_pending_id"].is_string(), "{groups}");
+    assert_eq!(
+        groups.as_array().map(Vec::len),
+        Some(1),
+        "dead-letter streams have no group"
+    );
+    let (status, page) = server.get("/groups");
+    assert_eq!(status, 200);
+    assert!(page.contains("billing") && page.contains("c1"), "{page}");
+}
+
+fn urlencode(text: &str) -> String {
+    form_urlencoded::byte_serialize(text.as_bytes()).collect()
+}
+
+#[test]
+fn redrive_and_purge_need_the_token_and_the_forms_their_csrf_token() {
+    let (db, streams) = scenario();
+    let server = serve(&db, &streams, &["--token", TOKEN]);
+    let (one, two) = (db.id_of(1), db.id_of(2));
+    let item1 = format!("outbox:{one}");
+    let csrf = server.csrf();
+
+    // Refused: no token, a wrong one, no CSRF token; the API without its bearer token.
+    for pairs in [
+        vec![("item", item1.as_str()), ("csrf", csrf.as_str())],
+        vec![
+            ("item", item1.as_str()),
+            ("csrf", csrf.as_str()),
+            ("token", "wrong"),
+        ],
+        vec![("item", item1.as_str()), ("token", TOKEN)],
+        vec![
+            ("item", item1.as_str()),
+            ("csrf", "0".repeat(64).as_str()),
+            ("token", TOKEN),
+        ],
+    ] {
+        for path in ["/dead/redrive", "/dead/purge"] {
+            let (status, page) = server.post_form(path, &pairs);
+            assert_eq!(status, 403, "{path} {pairs:?}: {page}");
+        }
+    }
+    let body = json!({"items": [item1]});
+    for token in [None, Some("wrong")] {
+        for path in ["/api/dead/redrive", "/api/dead/purge"] {
+            assert_eq!(
+                server.post_json(path, &body, token).0,
+                403,
+                "{path} {token:?}"
+            );
+        }
+    }
+    assert_eq!(db.status()["dead"], 2, "nothing changed");
+    assert_eq!(streams.msg_ids(&streams.dead).len(), 2, "nothing changed");
+
+    // The form with both: `1:Ping` back to NEW; through the API: `2:Ping` deleted.
+    let (status, page) = server.post_form(
+        "/dead/redrive",
+        &[("item", &item1), ("csrf", &csrf), ("token", TOKEN)],
+    );
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("Re-drove 1 outbox message(s)"), "{page}");
+    let (status, done) = server.post_json(
+        "/api/dead/purge",
+        &json!({"items": [format!("outbox:{two}")]}),
+        Some(TOKEN),
+    );
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(db.status()["dead"], 0);
+    assert_eq!(db.status()["due"], 2, "3:Ping and the re-driven 1:Ping");
+    assert_eq!(
+        db.json(&["dead", "show", "1:Ping", "--json"])["status"],
+        "NEW"
+    );
+    db.outbox()
+        .args(["dead", "show", "2:Ping"])
+        .assert()
+        .failure();
+
+    // Consumer dead letters: 9:Ping back on its stream, 8:Ping purged.
+    let dead = server.json("/api/dead");
+    let (nine, eight) = (
+        dead["consumers"][0]["item"].as_str().unwrap().to_owned(),
+        dead["consumers"][1]["item"].as_str().unwrap().to_owned(),
+    );
+    let (status, page) = server.post_form(
+        "/dead/redrive",
+        &[("item", &nine), ("csrf", &csrf), ("token", TOKEN)],
+    );
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("and 1 consumer dead letter(s)"), "{page}");
+    let (status, done) =
+        server.post_json("/api/dead/purge", &json!({"items": [eight]}), Some(TOKEN));
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(streams.msg_ids(&streams.stream), ["7:Ping", "9:Ping"]);
+    assert!(streams.msg_ids(&streams.dead).is_empty());
+
+    assert!(
+        !server.log().contains(TOKEN),
+        "the token was logged: {}",
+        server.log()
+    );
+}
+
+#[test]
+fn without_a_token_the_page_is_read_only() {
+    let (db, streams) = scenario();
+    let server = serve(&db, &streams, &[]);
+    let item = format!("outbox:{}", db.id_of(1));
+    let (status, page) = server.get(&format!("/dead/confirm?action=redrive&item={item}"));
+    assert_eq!(status, 200);
+    assert!(page.contains("read-only"), "{page}");
+    let csrf = server.csrf();
+    let (status, _) = server.post_form(
+        "/dead/redrive",
+        &[("item", &item), ("csrf", &csrf), ("token", "")],
+    );
+    assert_eq!(status, 403);
+    assert_eq!(db.status()["dead"], 2);
+}
+
+#[test]
+fn a_non_loopback_address_without_a_token_is_refused() {
+    let db = TestDb::postgres();
+    db.migrate();
+    let port = outbox_tests::ports::free_port();
+    let out = db
+        .outbox()
+        .env_remove("OUTBOX_SERVE_TOKEN")
+        .args(["serve", "--addr", &format!("0.0.0.0:{port}")])
+        .timeout(std::time::Duration::from_secs(30))
+        .assert()
+        .code(2)
+        .get_output()
+        .stderr
+        .clone();
+    let stderr = String::from_utf8_lossy(&out);
+    assert!(
+        stderr.contains("refusing to serve on 0.0.0.0") && stderr.contains("--token"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn no_password_appears_on_any_page() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=2);
+    db.kill(&[1]);
+    // The server trusts local connections, so the password is only carried along.
+    let db_password = "pg-secret-4f2a";
+    let url = db.url.replacen(
+        "postgres://postgres@",
+        &format!("postgres://postgres:{db_password}@"),
+        1,
+    );
+    assert!(url.contains(db_password), "{url}");
+    let redis = PasswordRedis::start();
+    let redis_url = redis.url_with_password(PasswordRedis::PASSWORD);
+    let streams = Streams::new(&redis_url);
+    let server = Server::start(
+        &url,
+        &[
+            "--redis-url",
+            &redis_url,
+            "--stream-prefix",
+            &streams.prefix,
+            "--token",
+            TOKEN,
+        ],
+    );
+    let item = format!("outbox:{}", db.id_of(1));
+    for path in [
+        "/",
+        "/dead",
+        &format!("/dead/show?item={item}"),
+        &format!("/dead/confirm?action=purge&item={item}"),
+        "/groups",
+        "/api/overview",
+        "/api/dead",
+        "/api/groups",
+    ] {
+        let (status, body) = server.get(path);
+        assert_eq!(status, 200, "{path}: {body}");
+        for secret in [db_password, PasswordRedis::PASSWORD, TOKEN] {
+            assert!(!body.contains(secret), "{path} shows a secret: {body}");
+        }
+    }
+    let overview = server.json("/api/overview");
+    assert!(
+        overview["redis"].as_str().unwrap().contains(":***@"),
+        "{overview}"
+    );
+    assert!(
+        overview["database"].as_str().unwrap().contains(":***@"),
+        "{overview}"
+    );
+    let log = server.log();
+    for secret in [db_password, PasswordRedis::PASSWORD, TOKEN] {
+        assert!(!log.contains(secret), "the log shows a secret: {log}");
+    }
+}
+
+#[test]
+fn the_overview_reads_every_backend() {
+    for engine in [Engine::Postgres, Engine::Mariadb, Engine::Sqlite] {
+        let db = TestDb::new(engine);
+        db.migrate();
+        db.emit(1..=3);
+        db.kill(&[1]);
+        db.exec(&format!(
+            "UPDATE outbox SET status = 1, sent_at = {} WHERE msg_id = '2:Ping'",
+            db.ago(90)
+        ));
+        let server = Server::start(&db.url, &[]);
+        let o = server.json("/api/overview");
+        assert_eq!(
+            o["topics"],
+            json!([{"topic": "cli.ping", "new": 1, "dead": 1}]),
+            "{engine:?}: {o}"
+        );
+        let published: u64 = o["published"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["published"].as_u64().unwrap())
+            .sum();
+        assert_eq!(published, 1, "{engine:?}: {o}");
+        assert_eq!(
+            o["relays"]["tracked"],
+            engine != Engine::Mariadb,
+            "{engine:?}: {o}"
+        );
+        let (status, page) = server.get("/");
+        assert_eq!(status, 200, "{engine:?}");
+        assert!(page.contains("<svg"), "{engine:?}");
+    }
+}
