@@ -4,8 +4,7 @@
 //! it, `/healthz` stays 200 throughout (an outage is no reason to restart the process),
 //! and the consumer applies what was published after the restart.
 
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
@@ -17,7 +16,7 @@ use outbox_core::{
 };
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, eventually_within, unique_prefix};
+use outbox_tests::{Isolated, ScratchRedis, eventually_within, http_get, unique_prefix};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
 struct Ping {
@@ -38,24 +37,9 @@ impl Handler<Ping> for Record {
     }
 }
 
-/// The status code of `GET path` on `addr`, over a plain HTTP/1.1 connection.
+/// The status code of `GET path` on `addr`.
 fn status(addr: SocketAddr, path: &str) -> u16 {
-    let mut stream = TcpStream::connect(addr).expect("the probe server listens");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
+    http_get(addr, path, Duration::from_secs(5)).status
 }
 
 fn seen(pool: &PgPool) -> i64 {
