@@ -1,0 +1,239 @@
+//! `outbox serve` in a real browser: headless Chromium (Debian's `chromium` and
+//! `chromium-driver`) driven over WebDriver by fantoccini opens the dead-letter page,
+//! redrives a dead letter of the outbox and one of a consumer, purges another of each
+//! (clicking through the confirmation and typing the token), and the test checks the
+//! database and the streams afterwards. With `OUTBOX_SCREENSHOTS=docs/serve` (a path
+//! relative to the workspace) it saves PNG screenshots of the pages there.
+#![cfg(feature = "serve")]
+
+mod fixtures;
+mod serve_support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use fixtures::TestDb;
+use outbox_tests::redis_url;
+use serve_support::{Server, Streams, TOKEN};
+
+/// A chromedriver on a free port; killed on drop.
+struct Chromedriver {
+    child: Child,
+    url: String,
+}
+
+impl Chromedriver {
+    fn start() -> Self {
+        let port = outbox_tests::ports::free_port();
+        let child = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver is installed (Debian: apt-get install chromium chromium-driver)");
+        outbox_tests::ports::wait_for_port(port, "chromedriver", Duration::from_secs(30));
+        Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+}
+
+impl Drop for Chromedriver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A headless Chromium session.
+async fn browser(driver: &Chromedriver) -> Client {
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            // --no-sandbox: CI runs as root, where Chromium's sandbox cannot start.
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1280,900"],
+        }),
+    );
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .expect("a Chromium session")
+}
+
+/// Where to save screenshots, if anywhere.
+fn screenshot_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("OUTBOX_SCREENSHOTS")?;
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(dir);
+    std::fs::create_dir_all(&dir).expect("screenshot directory");
+    Some(dir)
+}
+
+async fn snap(client: &Client, name: &str) {
+    if let Some(dir) = screenshot_dir() {
+        let png = client.screenshot().await.expect("screenshot");
+        std::fs::write(dir.join(format!("{name}.png")), png).expect("save screenshot");
+    }
+}
+
+async fn text(client: &Client, css: &str) -> String {
+    client
+        .wait()
+        .for_element(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+        .text()
+        .await
+        .expect("text")
+}
+
+async fn click(client: &Client, css: &str) {
+    client
+        .find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+        .click()
+        .await
+        .unwrap_or_else(|e| panic!("click `{css}`: {e}"));
+}
+
+/// On the confirmation page: checks what it lists, types the token and confirms.
+async fn confirm(client: &Client, items: &[&str]) -> String {
+    let listed = text(client, "#confirm-items").await;
+    for item in items {
+        assert!(
+            listed.contains(item),
+            "{item} not in the confirmation: {listed}"
+        );
+    }
+    client
+        .find(Locator::Css("#token"))
+        .await
+        .expect("token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("type the token");
+    click(client, "#confirm-button").await;
+    text(client, "#done").await
+}
+
+/// Messages published over the last minutes, for the chart.
+fn published_recently(db: &TestDb) {
+    db.emit(100..=160);
+    db.exec(
+        "UPDATE outbox SET status = 1, \
+         sent_at = now() - (id % 12) * interval '55 seconds', \
+         created_at = now() - (id % 12) * interval '55 seconds' - (id % 4 + 1) * interval '40 milliseconds' \
+         WHERE msg_id LIKE '1__:Ping'",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redrive_and_purge_in_a_browser() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=3);
+    db.kill(&[1, 2]);
+    published_recently(&db);
+    let streams = Streams::new(&redis_url());
+    let server = Server::start(
+        &db.url,
+        &[
+            "--redis-url",
+            &redis_url(),
+            "--stream-prefix",
+            &streams.prefix,
+            "--token",
+            TOKEN,
+        ],
+    );
+    let dead = server.json("/api/dead");
+    let consumer_item = |msg_id: &str| {
+        dead["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["msg_id"] == msg_id)
+            .and_then(|d| d["item"].as_str())
+            .unwrap_or_else(|| panic!("no consumer dead letter {msg_id}: {dead}"))
+            .to_owned()
+    };
+    let (nine, eight) = (consumer_item("9:Ping"), consumer_item("8:Ping"));
+    let (one, two) = (
+        format!("outbox:{}", db.id_of(1)),
+        format!("outbox:{}", db.id_of(2)),
+    );
+
+    let driver = Chromedriver::start();
+    let client = browser(&driver).await;
+    let base = &server.base;
+
+    client.goto(&format!("{base}/")).await.expect("overview");
+    assert!(text(&client, "#dead").await.contains('2'));
+    snap(&client, "overview").await;
+
+    // Redrive 1:Ping and the consumer's 9:Ping, selected on the list.
+    client
+        .goto(&format!("{base}/dead"))
+        .await
+        .expect("dead letters");
+    snap(&client, "dead-letters").await;
+    click(&client, &format!("input[value=\"{one}\"]")).await;
+    click(&client, &format!("input[value=\"{nine}\"]")).await;
+    click(&client, "#redrive-selected").await;
+    snap(&client, "confirm").await;
+    let done = confirm(&client, &[&one, &nine]).await;
+    assert!(
+        done.contains("Re-drove 1 outbox message(s) and 1 consumer dead letter(s)"),
+        "{done}"
+    );
+
+    // Purge 2:Ping from the list, and the consumer's 8:Ping from its detail page.
+    client
+        .goto(&format!("{base}/dead"))
+        .await
+        .expect("dead letters");
+    click(&client, &format!("input[value=\"{two}\"]")).await;
+    click(&client, "#purge-selected").await;
+    let done = confirm(&client, &[&two]).await;
+    assert!(done.contains("Purged 1 outbox message(s)"), "{done}");
+    let detail = format!(
+        "{base}/dead/show?item={}",
+        form_urlencoded::byte_serialize(eight.as_bytes()).collect::<String>()
+    );
+    client.goto(&detail).await.expect("detail");
+    assert!(text(&client, "#payload").await.contains("\"n\": 8"));
+    snap(&client, "dead-letter").await;
+    click(&client, "button[value=\"purge\"]").await;
+    let done = confirm(&client, &[&eight]).await;
+    assert!(done.contains("and 1 consumer dead letter(s)"), "{done}");
+
+    client
+        .goto(&format!("{base}/groups"))
+        .await
+        .expect("groups");
+    assert!(text(&client, "#groups").await.contains("billing"));
+    snap(&client, "groups").await;
+    client.close().await.expect("close the browser");
+
+    // The database and the streams.
+    assert_eq!(
+        db.json(&["dead", "show", "1:Ping", "--json"])["status"],
+        "NEW"
+    );
+    db.outbox()
+        .args(["dead", "show", "2:Ping"])
+        .assert()
+        .failure();
+    assert_eq!(db.status()["dead"], 0);
+    assert_eq!(streams.msg_ids(&streams.stream), ["7:Ping", "9:Ping"]);
+    assert!(streams.msg_ids(&streams.dead).is_empty());
+}
