@@ -359,3 +359,23 @@ fn the_overview_reads_every_backend() {
         assert!(page.contains("<svg"), "{engine:?}");
     }
 }
+
+#[test]
+fn every_value_is_escaped() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit([1]);
+    db.kill(&[1]);
+    db.exec(
+        "UPDATE outbox SET last_error = '<script>alert(1)</script>', \
+         headers = '{\"x\": \"<img src=x onerror=alert(2)>\"}' WHERE msg_id = '1:Ping'",
+    );
+    let server = Server::start(&db.url, &[]);
+    let item = format!("outbox:{}", db.id_of(1));
+    for path in ["/dead".to_owned(), format!("/dead/show?item={item}")] {
+        let (status, page) = server.get(&path);
+        assert_eq!(status, 200, "{path}: {page}");
+        assert!(!page.contains("<script>alert") && !page.contains("<img src=x"), "{path}: {page}");
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{path}: {page}");
+    }
+}
