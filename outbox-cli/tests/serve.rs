@@ -375,7 +375,13 @@ fn every_value_is_escaped() {
     for path in ["/dead".to_owned(), format!("/dead/show?item={item}")] {
         let (status, page) = server.get(&path);
         assert_eq!(status, 200, "{path}: {page}");
-        assert!(!page.contains("<script>alert") && !page.contains("<img src=x"), "{path}: {page}");
-        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{path}: {page}");
+        assert!(
+            !page.contains("<script>alert") && !page.contains("<img src=x"),
+            "{path}: {page}"
+        );
+        assert!(
+            page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+            "{path}: {page}"
+        );
     }
 }

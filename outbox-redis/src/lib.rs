@@ -69,6 +69,7 @@
 
 mod conn;
 mod consumer;
+mod dead_letters;
 mod entry;
 mod error;
 #[cfg(feature = "http")]
@@ -78,6 +79,10 @@ mod trim;
 
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth, ConsumerStats, NoInbox, StartFrom,
+};
+pub use dead_letters::{
+    DeadLetter, GroupConsumer, GroupInfo, consumer_groups, dead_letter, dead_letters,
+    purge_dead_letter, redrive_dead_letter,
 };
 pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};

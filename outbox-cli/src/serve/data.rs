@@ -2,7 +2,7 @@
 //! and purge they do. Everything here is plain data (serialized as the API's JSON); the
 //! pages render the same values.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -10,10 +10,7 @@ use diesel::RunQueryDsl as _;
 use diesel::sql_types::{BigInt, Double, Nullable, SmallInt, Text};
 use outbox_diesel::OutboxRecord;
 use outbox_redis::redis::aio::MultiplexedConnection;
-use outbox_redis::redis::streams::{
-    StreamInfoConsumersReply, StreamInfoGroupsReply, StreamPendingReply, StreamRangeReply,
-};
-use outbox_redis::redis::{self, AsyncConnectionConfig, Value};
+use outbox_redis::redis::{self, AsyncConnectionConfig};
 use serde::{Deserialize, Serialize};
 
 use super::App;
@@ -27,9 +24,6 @@ pub(crate) const CHART_MINUTES: i64 = 15;
 const SCAN_LIMIT: usize = 5000;
 /// Rows per query while scanning.
 const SCAN_PAGE: usize = 500;
-/// Fields a consumer dead letter adds before the original entry's fields (as the
-/// consumer writes them).
-const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
 /// How long connecting to Redis may take.
 const REDIS_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -377,7 +371,7 @@ pub(crate) struct ConsumerDead {
     /// Why it was dead-lettered.
     pub(crate) reason: String,
     /// Deliveries before it was.
-    pub(crate) delivery_count: String,
+    pub(crate) delivery_count: Option<u64>,
     /// The message's topic, type and msg_id (empty if the entry had none).
     pub(crate) topic: String,
     /// The event type.
@@ -539,45 +533,27 @@ fn glob_escape(text: &str) -> String {
     out
 }
 
-fn text_of(value: &Value) -> String {
-    match value {
-        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-        Value::SimpleString(s) => s.clone(),
-        Value::Int(i) => i.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
-/// A field's value as Redis gave it (payloads are written back byte for byte).
-fn raw(value: &Value) -> Vec<u8> {
-    match value {
-        Value::BulkString(b) => b.clone(),
-        other => text_of(other).into_bytes(),
-    }
-}
-
-fn consumer_dead(dead_stream: &str, id: &str, map: &HashMap<String, Value>) -> ConsumerDead {
-    let field = |name: &str| map.get(name).map(text_of).unwrap_or_default();
-    let fields = map
-        .iter()
-        .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), text_of(v)))
-        .collect();
-    let age_ms = entry_ms(id).map_or(0, |ms| Utc::now().timestamp_millis().saturating_sub(ms));
+fn consumer_dead(dead_stream: &str, d: &outbox_redis::DeadLetter) -> ConsumerDead {
+    let field = |name: &str| d.field(name).unwrap_or_default().to_owned();
+    let age_ms = entry_ms(&d.id).map_or(0, |ms| Utc::now().timestamp_millis().saturating_sub(ms));
     ConsumerDead {
-        item: format!("consumer:{id}:{dead_stream}"),
+        item: format!("consumer:{}:{dead_stream}", d.id),
         dead_stream: dead_stream.to_owned(),
-        id: id.to_owned(),
-        stream: field("stream"),
-        group: field("group"),
-        entry_id: field("entry_id"),
-        reason: field("reason"),
-        delivery_count: field("delivery_count"),
+        id: d.id.clone(),
+        stream: d.stream.clone(),
+        group: d.group.clone(),
+        entry_id: d.entry_id.clone(),
+        reason: d.reason.clone(),
+        delivery_count: d.delivery_count,
         topic: field("topic"),
         event_type: field("type"),
         msg_id: field("msg_id"),
         age_seconds: age_ms.max(0) as f64 / 1000.0,
-        fields,
+        fields: d
+            .fields
+            .iter()
+            .map(|(k, v)| (k.clone(), String::from_utf8_lossy(v).into_owned()))
+            .collect(),
     }
 }
 
@@ -594,21 +570,15 @@ pub(crate) async fn consumers_dead(
     let mut all = Vec::new();
     let mut truncated = false;
     for dead in &dead_streams {
-        let reply: StreamRangeReply = redis::cmd("XREVRANGE")
-            .arg(dead)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(SCAN_LIMIT + 1)
-            .query_async(&mut conn)
-            .await?;
-        truncated |= reply.ids.len() > SCAN_LIMIT;
+        let letters = outbox_redis::dead_letters(&mut conn, dead, SCAN_LIMIT + 1)
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        truncated |= letters.len() > SCAN_LIMIT;
         all.extend(
-            reply
-                .ids
+            letters
                 .iter()
                 .take(SCAN_LIMIT)
-                .map(|e| consumer_dead(dead, &e.id, &e.map)),
+                .map(|d| consumer_dead(dead, d)),
         );
     }
     all.sort_by(|a, b| a.age_seconds.total_cmp(&b.age_seconds));
@@ -662,16 +632,10 @@ pub(crate) async fn consumer_entry(
     let Some(mut conn) = redis_conn(app).await? else {
         return Ok(None);
     };
-    let reply: StreamRangeReply = redis::cmd("XRANGE")
-        .arg(dead_stream)
-        .arg(id)
-        .arg(id)
-        .query_async(&mut conn)
-        .await?;
-    Ok(reply
-        .ids
-        .first()
-        .map(|e| consumer_dead(dead_stream, &e.id, &e.map)))
+    let found = outbox_redis::dead_letter(&mut conn, dead_stream, id)
+        .await
+        .map_err(|e| Failure::of(&e))?;
+    Ok(found.map(|d| consumer_dead(dead_stream, &d)))
 }
 
 /// What a redrive or purge did.
@@ -753,16 +717,10 @@ pub(crate) async fn apply(
             continue;
         }
         let handled = match action {
-            Action::Redrive => redrive_consumer(&mut conn, dead_stream, id).await?,
-            Action::Purge => {
-                let n: usize = redis::cmd("XDEL")
-                    .arg(dead_stream)
-                    .arg(id)
-                    .query_async(&mut conn)
-                    .await?;
-                n == 1
-            }
-        };
+            Action::Redrive => outbox_redis::redrive_dead_letter(&mut conn, dead_stream, id).await,
+            Action::Purge => outbox_redis::purge_dead_letter(&mut conn, dead_stream, id).await,
+        }
+        .map_err(|e| Failure::of(&e))?;
         if handled {
             done.consumers += 1;
         } else {
@@ -770,46 +728,6 @@ pub(crate) async fn apply(
         }
     }
     Ok(done)
-}
-
-/// Puts a consumer dead letter back on its stream: its original fields are added anew
-/// (XADD) and the dead letter deleted (XDEL), in one transaction. Every group of the
-/// stream reads the new entry; groups that had handled the message already skip it by
-/// its msg_id (the consumer's inbox), so in effect it goes back to the group that gave up.
-async fn redrive_consumer(
-    conn: &mut MultiplexedConnection,
-    dead_stream: &str,
-    id: &str,
-) -> Result<bool, Failure> {
-    let reply: StreamRangeReply = redis::cmd("XRANGE")
-        .arg(dead_stream)
-        .arg(id)
-        .arg(id)
-        .query_async(conn)
-        .await?;
-    let Some(entry) = reply.ids.first() else {
-        return Ok(false);
-    };
-    let stream = entry.map.get("stream").map(text_of).unwrap_or_default();
-    if stream.is_empty() {
-        return Err(Failure(format!("dead letter {id} names no stream")));
-    }
-    let mut fields: Vec<(&String, &Value)> = entry
-        .map
-        .iter()
-        .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
-        .collect();
-    fields.sort_by(|a, b| a.0.cmp(b.0));
-    let mut pipe = redis::pipe();
-    pipe.atomic();
-    let xadd = pipe.cmd("XADD").arg(&stream).arg("*");
-    for (field, value) in fields {
-        xadd.arg(field).arg(raw(value));
-    }
-    xadd.ignore();
-    pipe.cmd("XDEL").arg(dead_stream).arg(id).ignore();
-    pipe.query_async::<()>(conn).await?;
-    Ok(true)
 }
 
 /// A consumer group of a stream.
@@ -852,46 +770,30 @@ pub(crate) async fn groups(app: &App) -> Result<Option<Vec<Group>>, Failure> {
     let (_, streams) = streams(app, &mut conn).await?;
     let mut out = Vec::new();
     for stream in streams {
-        let info: StreamInfoGroupsReply = redis::cmd("XINFO")
-            .arg("GROUPS")
-            .arg(&stream)
-            .query_async(&mut conn)
-            .await?;
-        for g in info.groups {
-            let consumers: StreamInfoConsumersReply = redis::cmd("XINFO")
-                .arg("CONSUMERS")
-                .arg(&stream)
-                .arg(&g.name)
-                .query_async(&mut conn)
-                .await?;
-            let pending: StreamPendingReply = redis::cmd("XPENDING")
-                .arg(&stream)
-                .arg(&g.name)
-                .query_async(&mut conn)
-                .await?;
-            let oldest = match pending {
-                StreamPendingReply::Data(d) if d.count > 0 => Some(d.start_id),
-                _ => None,
-            };
-            let now = Utc::now().timestamp_millis();
+        let now = Utc::now().timestamp_millis();
+        let infos = outbox_redis::consumer_groups(&mut conn, &stream)
+            .await
+            .map_err(|e| Failure::of(&e))?;
+        for g in infos {
             out.push(Group {
                 stream: stream.clone(),
                 group: g.name,
                 lag: g.lag,
                 pending: g.pending,
                 last_delivered_id: g.last_delivered_id,
-                oldest_pending_age_seconds: oldest
+                oldest_pending_age_seconds: g
+                    .oldest_pending_id
                     .as_deref()
                     .and_then(entry_ms)
                     .map(|ms| now.saturating_sub(ms).max(0) as f64 / 1000.0),
-                oldest_pending_id: oldest,
-                consumers: consumers
+                oldest_pending_id: g.oldest_pending_id,
+                consumers: g
                     .consumers
                     .into_iter()
                     .map(|c| GroupConsumer {
                         name: c.name,
                         pending: c.pending,
-                        idle_ms: c.idle,
+                        idle_ms: c.idle_ms,
                     })
                     .collect(),
             });

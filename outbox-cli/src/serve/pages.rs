@@ -277,7 +277,7 @@ fn consumer_table(rows: &[ConsumerDead]) -> Markup {
                     td { (d.group) }
                     td { (d.msg_id) }
                     td { (d.event_type) }
-                    td.num { (d.delivery_count) }
+                    td.num { (d.delivery_count.map_or("?".to_owned(), |n| n.to_string())) }
                     td { (seconds(d.age_seconds)) }
                     td.err { (d.reason) }
                 }
@@ -373,7 +373,7 @@ fn consumer_detail(d: &ConsumerDead) -> Markup {
             tr { th { "topic" } td { (d.topic) } }
             tr { th { "type" } td { (d.event_type) " (schema version " (field("version")) ")" } }
             tr { th { "key" } td { (field("key")) } }
-            tr { th { "deliveries" } td { (d.delivery_count) } }
+            tr { th { "deliveries" } td { (d.delivery_count.map_or("?".to_owned(), |n| n.to_string())) } }
             tr { th { "dead-lettered" } td { (seconds(d.age_seconds)) " ago" } }
             tr { th { "reason" } td.err { (d.reason) } }
         }

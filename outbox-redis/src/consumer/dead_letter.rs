@@ -68,4 +68,5 @@ where
 }
 
 /// Fields a dead-letter entry sets before the original entry's fields.
-const DEAD_LETTER_FIELDS: [&str; 5] = ["reason", "delivery_count", "group", "stream", "entry_id"];
+pub(crate) const DEAD_LETTER_FIELDS: [&str; 5] =
+    ["reason", "delivery_count", "group", "stream", "entry_id"];

@@ -44,6 +44,7 @@ pub use health::ConsumerHealth;
 pub use stats::ConsumerStats;
 
 use ack::AckQueue;
+pub(crate) use dead_letter::DEAD_LETTER_FIELDS;
 use read::Reader;
 use stats::{Count, Counters};
 

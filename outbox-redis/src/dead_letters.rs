@@ -1,0 +1,226 @@
+//! For operators: the consumers' dead letters (`<stream>:dead`, as
+//! [`Consumer`](crate::Consumer) writes them) and the consumer groups of a stream.
+//! `outbox serve` shows and acts on them through these functions. Any async connection
+//! works; each call names one stream (a dead letter's redrive names its stream and its
+//! dead-letter stream, which share a hash slot on a cluster).
+
+use std::collections::BTreeMap;
+
+use redis::aio::ConnectionLike;
+use redis::streams::{
+    StreamId, StreamInfoConsumersReply, StreamInfoGroupsReply, StreamPendingReply, StreamRangeReply,
+};
+
+use crate::Result;
+use crate::consumer::DEAD_LETTER_FIELDS;
+use crate::entry::value_bytes;
+
+/// An entry of a dead-letter stream: why the consumer gave up, and the original entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Its id in the dead-letter stream.
+    pub id: String,
+    /// The stream the entry came from.
+    pub stream: String,
+    /// The consumer group that gave up on it.
+    pub group: String,
+    /// The entry's id on `stream`.
+    pub entry_id: String,
+    /// Why (the handler's error, or a malformed entry).
+    pub reason: String,
+    /// Deliveries before it was dead-lettered.
+    pub delivery_count: Option<u64>,
+    /// The original entry's fields (`msg_id`, `type`, `payload`, …), byte for byte.
+    pub fields: BTreeMap<String, Vec<u8>>,
+}
+
+impl DeadLetter {
+    /// An original field as text (`None` if missing or not UTF-8).
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .get(name)
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    fn from_entry(entry: &StreamId) -> Self {
+        let text = |name: &str| {
+            entry
+                .map
+                .get(name)
+                .map(|v| String::from_utf8_lossy(&value_bytes(v)).into_owned())
+                .unwrap_or_default()
+        };
+        Self {
+            id: entry.id.clone(),
+            stream: text("stream"),
+            group: text("group"),
+            entry_id: text("entry_id"),
+            reason: text("reason"),
+            delivery_count: text("delivery_count").parse().ok(),
+            fields: entry
+                .map
+                .iter()
+                .filter(|(k, _)| !DEAD_LETTER_FIELDS.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), value_bytes(v)))
+                .collect(),
+        }
+    }
+}
+
+/// The newest `count` dead letters of `dead_stream`, newest first (`XREVRANGE`).
+pub async fn dead_letters<C>(
+    conn: &mut C,
+    dead_stream: &str,
+    count: usize,
+) -> Result<Vec<DeadLetter>>
+where
+    C: ConnectionLike + Send,
+{
+    let reply: StreamRangeReply = redis::cmd("XREVRANGE")
+        .arg(dead_stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(count)
+        .query_async(conn)
+        .await?;
+    Ok(reply.ids.iter().map(DeadLetter::from_entry).collect())
+}
+
+/// The dead letter `id` of `dead_stream`, if it is there.
+pub async fn dead_letter<C>(conn: &mut C, dead_stream: &str, id: &str) -> Result<Option<DeadLetter>>
+where
+    C: ConnectionLike + Send,
+{
+    let reply: StreamRangeReply = redis::cmd("XRANGE")
+        .arg(dead_stream)
+        .arg(id)
+        .arg(id)
+        .query_async(conn)
+        .await?;
+    Ok(reply.ids.first().map(DeadLetter::from_entry))
+}
+
+/// Puts a dead letter back on its stream: its original fields are added as a new entry
+/// (`XADD`) and the dead letter deleted (`XDEL`), in one transaction. Returns `false`
+/// if it was not there (redriven or purged already).
+///
+/// A stream entry cannot be delivered to one group only: every group of the stream
+/// reads the new entry. Groups that applied the message already skip it by its msg_id
+/// (their [`Inbox`](outbox_core::Inbox)), so in effect it goes back to the group that
+/// gave up.
+pub async fn redrive_dead_letter<C>(conn: &mut C, dead_stream: &str, id: &str) -> Result<bool>
+where
+    C: ConnectionLike + Send,
+{
+    let Some(dead) = dead_letter(conn, dead_stream, id).await? else {
+        return Ok(false);
+    };
+    if dead.stream.is_empty() {
+        return Err(crate::Error::MalformedEntry(format!(
+            "dead letter {id} of {dead_stream} names no stream"
+        )));
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    let xadd = pipe.cmd("XADD").arg(&dead.stream).arg("*");
+    for (field, value) in &dead.fields {
+        xadd.arg(field).arg(value.as_slice());
+    }
+    xadd.ignore();
+    pipe.cmd("XDEL").arg(dead_stream).arg(id).ignore();
+    pipe.query_async::<()>(conn).await?;
+    Ok(true)
+}
+
+/// Deletes a dead letter; returns whether it was there.
+pub async fn purge_dead_letter<C>(conn: &mut C, dead_stream: &str, id: &str) -> Result<bool>
+where
+    C: ConnectionLike + Send,
+{
+    let removed: usize = redis::cmd("XDEL")
+        .arg(dead_stream)
+        .arg(id)
+        .query_async(conn)
+        .await?;
+    Ok(removed > 0)
+}
+
+/// A consumer group of a stream, as [`consumer_groups`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupInfo {
+    /// The group.
+    pub name: String,
+    /// Entries not yet delivered to the group (Redis 7+; `None` when Redis cannot tell).
+    pub lag: Option<usize>,
+    /// Entries delivered and not acknowledged.
+    pub pending: usize,
+    /// The last entry delivered.
+    pub last_delivered_id: String,
+    /// The oldest pending entry, if any.
+    pub oldest_pending_id: Option<String>,
+    /// The group's consumers.
+    pub consumers: Vec<GroupConsumer>,
+}
+
+/// A consumer of a group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupConsumer {
+    /// Its name.
+    pub name: String,
+    /// Entries it holds unacknowledged.
+    pub pending: usize,
+    /// Milliseconds since it last read or claimed.
+    pub idle_ms: usize,
+}
+
+/// Every consumer group of `stream` with its consumers and oldest pending entry
+/// (`XINFO GROUPS`, `XINFO CONSUMERS`, `XPENDING`).
+pub async fn consumer_groups<C>(conn: &mut C, stream: &str) -> Result<Vec<GroupInfo>>
+where
+    C: ConnectionLike + Send,
+{
+    let info: StreamInfoGroupsReply = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(conn)
+        .await?;
+    let mut groups = Vec::with_capacity(info.groups.len());
+    for g in info.groups {
+        let consumers: StreamInfoConsumersReply = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(stream)
+            .arg(&g.name)
+            .query_async(conn)
+            .await?;
+        let pending: StreamPendingReply = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(&g.name)
+            .query_async(conn)
+            .await?;
+        let oldest_pending_id = match pending {
+            StreamPendingReply::Data(d) if d.count > 0 => Some(d.start_id),
+            _ => None,
+        };
+        groups.push(GroupInfo {
+            name: g.name,
+            lag: g.lag,
+            pending: g.pending,
+            last_delivered_id: g.last_delivered_id,
+            oldest_pending_id,
+            consumers: consumers
+                .consumers
+                .into_iter()
+                .map(|c| GroupConsumer {
+                    name: c.name,
+                    pending: c.pending,
+                    idle_ms: c.idle,
+                })
+                .collect(),
+        });
+    }
+    Ok(groups)
+}
