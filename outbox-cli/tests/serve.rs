@@ -385,3 +385,25 @@ fn every_value_is_escaped() {
         );
     }
 }
+
+#[test]
+fn the_outbox_dead_letters_show_while_redis_is_down() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit([1]);
+    db.kill(&[1]);
+    // Nothing listens there.
+    let redis = format!("redis://127.0.0.1:{}", outbox_tests::ports::free_port());
+    let server = Server::start(&db.url, &["--redis-url", &redis]);
+    let dead = server.json("/api/dead");
+    assert_eq!(dead["outbox_total"], 1, "{dead}");
+    assert!(dead["redis_error"].is_string(), "{dead}");
+    let (status, page) = server.get("/dead");
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("1:Ping") && page.contains("Cannot read them from Redis"),
+        "{page}"
+    );
+    let (status, _) = server.get("/api/groups");
+    assert_eq!(status, 500, "the groups need Redis");
+}

@@ -339,6 +339,9 @@ pub(crate) struct DeadPage {
     pub(crate) truncated: bool,
     /// Whether the consumers' dead letters were read (`--redis-url` given).
     pub(crate) redis: bool,
+    /// Why the consumers' dead letters could not be read (Redis down, say): the
+    /// outbox's are shown all the same.
+    pub(crate) redis_error: Option<String>,
 }
 
 /// An outbox DEAD row.
@@ -602,7 +605,11 @@ pub(crate) async fn dead_page(
     let (outbox, outbox_cut) = tokio::task::spawn_blocking(move || outbox_dead(&app2, &filter2))
         .await
         .map_err(|e| Failure(e.to_string()))??;
-    let (consumers, consumers_cut) = consumers_dead(app, filter).await?;
+    filter.min_age()?;
+    let (consumers, consumers_cut, redis_error) = match consumers_dead(app, filter).await {
+        Ok((consumers, cut)) => (consumers, cut, None),
+        Err(f) => (Vec::new(), false, Some(f.0)),
+    };
     let (per, page) = (filter.per_page(), filter.page);
     let slice = |len: usize| (page.saturating_mul(per).min(len), per);
     let (skip, take) = slice(outbox.len());
@@ -620,6 +627,7 @@ pub(crate) async fn dead_page(
         consumers: consumers.into_iter().skip(skip).take(take).collect(),
         truncated: outbox_cut || consumers_cut,
         redis: app.redis.is_some(),
+        redis_error,
     })
 }
 

@@ -225,6 +225,8 @@ pub(super) async fn dead_letters(
             h2 { "Consumers (" (dead.consumers_total) ")" }
             @if !dead.redis {
                 p.muted { "Not read: start with --redis-url to see the consumers' dead-letter streams." }
+            } @else if let Some(error) = &dead.redis_error {
+                p.err #redis-error { "Cannot read them from Redis: " (error) }
             } @else if dead.consumers.is_empty() {
                 p.muted { "None." }
             } @else {
