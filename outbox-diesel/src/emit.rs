@@ -209,8 +209,7 @@ pub trait Emit {
 
 impl<C: OutboxConnection> Emit for C {
     fn emit_with<E: OutboxEvent>(&mut self, options: &EmitOptions, event: E) -> Result<MsgId> {
-        options.validate()?;
-        let envelope = options.envelope(&event)?;
+        let envelope = options.prepare_one(&event)?;
         self.__insert(options, std::slice::from_ref(&envelope))?;
         Ok(envelope.msg_id)
     }
@@ -220,27 +219,49 @@ impl<C: OutboxConnection> Emit for C {
         E: OutboxEvent,
         I: IntoIterator<Item = E>,
     {
-        options.validate()?;
-        let envelopes = events
-            .into_iter()
-            .map(|e| options.envelope(&e))
-            .collect::<Result<Vec<_>>>()?;
+        let envelopes = options.prepare_all(events)?;
         self.emit_envelopes(options, &envelopes)?;
         Ok(envelopes.into_iter().map(|e| e.msg_id).collect())
     }
 
     fn emit_envelopes(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
-        options.validate()?;
+        options.check_envelopes(envelopes)?;
         if envelopes.is_empty() {
             return Ok(());
         }
+        self.__insert(options, envelopes)
+    }
+}
+
+/// What every emit, blocking or async, checks and builds before its statement.
+impl EmitOptions {
+    /// Validates these options and serializes one event.
+    pub(crate) fn prepare_one<E: OutboxEvent>(&self, event: &E) -> Result<Envelope> {
+        self.validate()?;
+        self.envelope(event)
+    }
+
+    /// Validates these options and serializes the events of an `emit_all`.
+    pub(crate) fn prepare_all<E, I>(&self, events: I) -> Result<Vec<Envelope>>
+    where
+        E: OutboxEvent,
+        I: IntoIterator<Item = E>,
+    {
+        self.validate()?;
+        events.into_iter().map(|e| self.envelope(&e)).collect()
+    }
+
+    /// Validates these options and ready-made envelopes: each payload within the limit,
+    /// no msg_id twice.
+    pub(crate) fn check_envelopes(&self, envelopes: &[Envelope]) -> Result<()> {
+        self.validate()?;
         let mut seen = HashSet::with_capacity(envelopes.len());
         for e in envelopes {
-            if e.payload.len() > options.max_payload_bytes {
+            if e.payload.len() > self.max_payload_bytes {
                 return Err(outbox_core::Error::PayloadTooLarge {
                     msg_id: e.msg_id.clone(),
                     size: e.payload.len(),
-                    limit: options.max_payload_bytes,
+                    limit: self.max_payload_bytes,
                 }
                 .into());
             }
@@ -248,7 +269,7 @@ impl<C: OutboxConnection> Emit for C {
                 return Err(outbox_core::Error::Duplicate(e.msg_id.clone()).into());
             }
         }
-        self.__insert(options, envelopes)
+        Ok(())
     }
 }
 

@@ -67,6 +67,8 @@
 #[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
 compile_error!("outbox-diesel needs at least one of the features `postgres`, `mysql`, `sqlite`");
 
+#[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+mod async_emit;
 mod backend;
 mod conn;
 mod emit;
@@ -77,6 +79,8 @@ mod ops;
 pub mod schema;
 mod store;
 
+#[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+pub use async_emit::AsyncEmit;
 pub use conn::OutboxConnection;
 pub use emit::{Emit, EmitOptions, Notify};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager};
 use diesel::mysql::Mysql;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::query_builder::{AstPass, BoxedSqlQuery, QueryFragment, QueryId, SqlQuery};
 use diesel::result::{DatabaseErrorKind, QueryResult};
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{MysqlConnection, QueryableByName, RunQueryDsl};
@@ -124,19 +124,9 @@ fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
         match (Insert { rows: chunk }).execute(conn) {
             Ok(_) => done.extend(chunk.iter().map(|r| r.msg_id)),
             Err(diesel::result::Error::DatabaseError(DatabaseErrorKind::UniqueViolation, info)) => {
-                let dup = match chunk {
-                    [one] => Some(one.msg_id),
-                    _ => named_duplicate(info.message(), chunk),
-                };
-                let dup = match dup {
+                let dup = match known_duplicate(chunk, info.message()) {
                     Some(d) => d.to_owned(),
-                    None => {
-                        let ids: Vec<&str> = chunk.iter().map(|r| r.msg_id).collect();
-                        with_msg_ids::<Mysql>(FIND_ONE, &ids)
-                            .load::<MsgIdRow>(conn)?
-                            .pop()
-                            .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id)
-                    }
+                    None => found_duplicate(chunk, find_one(chunk).load::<MsgIdRow>(conn)?),
                 };
                 // The failed statement was rolled back by InnoDB; take back the earlier
                 // chunks of this call so that it is all or nothing.
@@ -149,6 +139,81 @@ fn insert(conn: &mut MysqlConnection, envelopes: &[Envelope]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The msg_id a chunk's duplicate-key error (`message`) is about, when it says so
+/// without a query: the chunk's one row, or the row MySQL names.
+fn known_duplicate<'a>(chunk: &[Row<'a>], message: &str) -> Option<&'a str> {
+    match chunk {
+        [one] => Some(one.msg_id),
+        _ => named_duplicate(message, chunk),
+    }
+}
+
+/// The query for a chunk's duplicate that [`known_duplicate`] could not name.
+fn find_one<'a>(chunk: &[Row<'a>]) -> BoxedSqlQuery<'a, Mysql, SqlQuery> {
+    let ids: Vec<&str> = chunk.iter().map(|r| r.msg_id).collect();
+    with_msg_ids::<Mysql>(FIND_ONE, &ids)
+}
+
+/// The duplicate [`find_one`] found (the chunk's first row if it found none).
+fn found_duplicate(chunk: &[Row<'_>], mut found: Vec<MsgIdRow>) -> String {
+    found
+        .pop()
+        .map_or_else(|| chunk[0].msg_id.to_owned(), |r| r.msg_id)
+}
+
+/// Emit on diesel-async's MySQL connections: the same statements as above ([`Insert`],
+/// the duplicate lookup, the take-back), awaited.
+#[cfg(feature = "async-mysql")]
+mod nonblocking {
+    use diesel::mysql::Mysql;
+    use diesel::result::DatabaseErrorKind;
+    use diesel_async::{AsyncConnectionCore, RunQueryDsl as _};
+    use outbox_core::{Envelope, MsgId};
+
+    use super::{Insert, MsgIdRow, Row, TAKE_BACK, chunks, with_msg_ids};
+    use super::{find_one, found_duplicate, known_duplicate};
+    use crate::{EmitOptions, Result};
+
+    impl crate::async_emit::AsyncInsert for Mysql {
+        async fn insert<C>(
+            conn: &mut C,
+            _options: &EmitOptions,
+            envelopes: &[Envelope],
+        ) -> Result<()>
+        where
+            C: AsyncConnectionCore<Backend = Mysql>,
+        {
+            let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
+            let mut done: Vec<&str> = Vec::new();
+            for chunk in chunks(&rows) {
+                match (Insert { rows: chunk }).execute(conn).await {
+                    Ok(_) => done.extend(chunk.iter().map(|r| r.msg_id)),
+                    Err(diesel::result::Error::DatabaseError(
+                        DatabaseErrorKind::UniqueViolation,
+                        info,
+                    )) => {
+                        let dup = match known_duplicate(chunk, info.message()) {
+                            Some(d) => d.to_owned(),
+                            None => {
+                                let found = find_one(chunk).load::<MsgIdRow>(conn).await?;
+                                found_duplicate(chunk, found)
+                            }
+                        };
+                        if !done.is_empty() {
+                            with_msg_ids::<Mysql>(TAKE_BACK, &done)
+                                .execute(conn)
+                                .await?;
+                        }
+                        return Err(outbox_core::Error::Duplicate(MsgId::new(dup)?).into());
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `INSERT IGNORE INTO consumed_msg ..`: 0 rows when already consumed, no error, so the

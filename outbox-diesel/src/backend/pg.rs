@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use diesel::connection::{AnsiTransactionManager, SimpleConnection as _};
 use diesel::pg::Pg;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId, SqlQuery};
 use diesel::result::QueryResult;
 use diesel::sql_types::{BigInt, Integer, Nullable, Text};
 use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
@@ -165,7 +165,7 @@ fn insert_one(
 }
 
 /// NOTIFY variants, as types so that each SQL text has its own static query id.
-trait Mode: 'static {
+trait Mode: Send + Sync + 'static {
     /// The `notified` column: before the channel bind (if any).
     const HEAD: &'static str;
     /// After the channel bind; `None`: no bind.
@@ -260,34 +260,153 @@ fn load_chunk(
 fn insert(conn: &mut PgConnection, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
     let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
     if let [row] = rows.as_slice() {
-        return match insert_one(conn, options.notify, row, &options.channel)? {
-            true => Ok(()),
-            false => Err(outbox_core::Error::Duplicate(envelopes[0].msg_id.clone()).into()),
-        };
+        let new = insert_one(conn, options.notify, row, &options.channel)?;
+        return one_inserted(new, row);
     }
     let mut inserted = Vec::new();
     for chunk in chunks(&rows) {
         let got = load_chunk(conn, options.notify, chunk, &options.channel)?;
-        inserted.extend(got.iter().map(|r| r.0));
-        if got.len() < chunk.len() {
-            let got: HashSet<&str> = got.iter().map(|r| r.1.as_str()).collect();
-            let dup = chunk
-                .iter()
-                .find(|r| !got.contains(r.msg_id))
-                .map_or(chunk[0].msg_id, |r| r.msg_id);
-            // All or nothing, without aborting the caller's transaction: take back the
-            // rows this call did insert.
-            if !inserted.is_empty() {
-                diesel::sql_query(format!(
-                    "DELETE FROM outbox WHERE id IN ({})",
-                    in_list(&inserted)
-                ))
-                .execute(conn)?;
+        if let Some(dup) = note_chunk(&mut inserted, chunk, &got) {
+            if let Some(take_back) = take_back(&inserted) {
+                take_back.execute(conn)?;
             }
-            return Err(outbox_core::Error::Duplicate(MsgId::new(dup)?).into());
+            return duplicate(dup);
         }
     }
     Ok(())
+}
+
+/// The outcome of [`PlainInsert`]: `new` is false when the row's msg_id was there.
+fn one_inserted(new: bool, row: &Row<'_>) -> Result<()> {
+    if new { Ok(()) } else { duplicate(row.msg_id) }
+}
+
+/// The duplicate msg_id error.
+fn duplicate(msg_id: &str) -> Result<()> {
+    Err(outbox_core::Error::Duplicate(MsgId::new(msg_id)?).into())
+}
+
+/// Adds the ids of a chunk's inserted rows (`got`) to `inserted`; the msg_id of a row
+/// of `chunk` that `ON CONFLICT` skipped, if any.
+fn note_chunk<'a>(inserted: &mut Vec<i64>, chunk: &[Row<'a>], got: &[Inserted]) -> Option<&'a str> {
+    inserted.extend(got.iter().map(|r| r.0));
+    if got.len() == chunk.len() {
+        return None;
+    }
+    let got: HashSet<&str> = got.iter().map(|r| r.1.as_str()).collect();
+    let dup = chunk
+        .iter()
+        .find(|r| !got.contains(r.msg_id))
+        .map_or(chunk[0].msg_id, |r| r.msg_id);
+    Some(dup)
+}
+
+/// All or nothing, without aborting the caller's transaction: the statement that takes
+/// back the rows an `emit_all` did insert before its duplicate (none: nothing to do).
+fn take_back(inserted: &[i64]) -> Option<SqlQuery> {
+    (!inserted.is_empty()).then(|| {
+        diesel::sql_query(format!(
+            "DELETE FROM outbox WHERE id IN ({})",
+            in_list(inserted)
+        ))
+    })
+}
+
+/// Emit on diesel-async's PostgreSQL connections: the same statements as above
+/// ([`PlainInsert`], [`Insert`] in their NOTIFY modes, the take-back), awaited.
+#[cfg(feature = "async-postgres")]
+mod nonblocking {
+    use std::marker::PhantomData;
+
+    use diesel::pg::Pg;
+    use diesel::result::QueryResult;
+    use diesel_async::{AsyncConnectionCore, RunQueryDsl as _};
+    use outbox_core::Envelope;
+
+    use super::{Always, Insert, Inserted, Mode, NoNotify, PlainInsert, Row, WhenIdle};
+    use super::{chunks, duplicate, note_chunk, one_inserted, take_back};
+    use crate::{EmitOptions, Notify, Result};
+
+    impl crate::async_emit::AsyncInsert for Pg {
+        async fn insert<C>(
+            conn: &mut C,
+            options: &EmitOptions,
+            envelopes: &[Envelope],
+        ) -> Result<()>
+        where
+            C: AsyncConnectionCore<Backend = Pg>,
+        {
+            let rows = envelopes.iter().map(Row::new).collect::<Result<Vec<_>>>()?;
+            if let [row] = rows.as_slice() {
+                let new = insert_one(conn, options.notify, row, &options.channel).await?;
+                return one_inserted(new, row);
+            }
+            let mut inserted = Vec::new();
+            for chunk in chunks(&rows) {
+                let got = load_chunk(conn, options.notify, chunk, &options.channel).await?;
+                if let Some(dup) = note_chunk(&mut inserted, chunk, &got) {
+                    if let Some(take_back) = take_back(&inserted) {
+                        take_back.execute(conn).await?;
+                    }
+                    return duplicate(dup);
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// [`super::insert_one`], awaited.
+    async fn insert_one<C: AsyncConnectionCore<Backend = Pg>>(
+        conn: &mut C,
+        notify: Notify,
+        row: &Row<'_>,
+        channel: &str,
+    ) -> QueryResult<bool> {
+        async fn q<M: Mode, C: AsyncConnectionCore<Backend = Pg>>(
+            conn: &mut C,
+            row: &Row<'_>,
+            channel: &str,
+        ) -> QueryResult<bool> {
+            let insert = PlainInsert::<M> {
+                row,
+                channel,
+                mode: PhantomData,
+            };
+            Ok(insert.execute(conn).await? == 1)
+        }
+        match notify {
+            Notify::Never => q::<NoNotify, C>(conn, row, channel).await,
+            Notify::Always => q::<Always, C>(conn, row, channel).await,
+            Notify::WhenRelayIdle => q::<WhenIdle, C>(conn, row, channel).await,
+        }
+    }
+
+    /// [`super::load_chunk`], awaited.
+    async fn load_chunk<C: AsyncConnectionCore<Backend = Pg>>(
+        conn: &mut C,
+        notify: Notify,
+        rows: &[Row<'_>],
+        channel: &str,
+    ) -> QueryResult<Vec<Inserted>> {
+        async fn q<M: Mode, C: AsyncConnectionCore<Backend = Pg>>(
+            conn: &mut C,
+            rows: &[Row<'_>],
+            channel: &str,
+        ) -> QueryResult<Vec<Inserted>> {
+            Insert::<M> {
+                rows,
+                channel,
+                mode: PhantomData,
+            }
+            .load(conn)
+            .await
+        }
+        match notify {
+            Notify::Never => q::<NoNotify, C>(conn, rows, channel).await,
+            Notify::Always => q::<Always, C>(conn, rows, channel).await,
+            Notify::WhenRelayIdle => q::<WhenIdle, C>(conn, rows, channel).await,
+        }
+    }
 }
 
 /// `INSERT INTO consumed_msg .. ON CONFLICT DO NOTHING`, prepared once per connection.
