@@ -90,6 +90,22 @@ impl HealthState {
         }
     }
 
+    fn snapshot(&self, stall_limit: Duration) -> ConsumerHealth {
+        ConsumerHealth {
+            running: self.running.load(Ordering::Relaxed),
+            last_round: self.age(&self.last_round),
+            last_redis_answer: self.age(&self.last_redis_answer),
+            redis_failures: self.redis_failures.load(Ordering::Relaxed),
+            store_failures: self.store_failures.load(Ordering::Relaxed),
+            last_error: self
+                .last_error
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+            stall_limit,
+        }
+    }
+
     pub(super) fn set_running(&self, running: bool) {
         self.running.store(running, Ordering::Relaxed);
         if running {
@@ -176,20 +192,7 @@ where
     /// }
     /// ```
     pub fn health(&self) -> ConsumerHealth {
-        let state = &self.inner.health;
-        ConsumerHealth {
-            running: state.running.load(Ordering::Relaxed),
-            last_round: state.age(&state.last_round),
-            last_redis_answer: state.age(&state.last_redis_answer),
-            redis_failures: state.redis_failures.load(Ordering::Relaxed),
-            store_failures: state.store_failures.load(Ordering::Relaxed),
-            last_error: state
-                .last_error
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone(),
-            stall_limit: stall_limit(&self.inner.config),
-        }
+        self.inner.health.snapshot(stall_limit(&self.inner.config))
     }
 }
 
@@ -198,15 +201,7 @@ mod tests {
     use super::*;
 
     fn health(state: &HealthState) -> ConsumerHealth {
-        ConsumerHealth {
-            running: state.running.load(Ordering::Relaxed),
-            last_round: state.age(&state.last_round),
-            last_redis_answer: state.age(&state.last_redis_answer),
-            redis_failures: state.redis_failures.load(Ordering::Relaxed),
-            store_failures: state.store_failures.load(Ordering::Relaxed),
-            last_error: state.last_error.lock().unwrap().clone(),
-            stall_limit: Duration::from_secs(60),
-        }
+        state.snapshot(Duration::from_secs(60))
     }
 
     #[test]
