@@ -23,10 +23,13 @@ pub(crate) enum Way {
     Emit(Notify),
 }
 
-fn hand_written(c: &mut PgConnection, e: &AccountTransferred) -> QueryResult<usize> {
-    let payload = serde_json::to_value(e).expect("serializable");
-    diesel::insert_into(outbox::table)
-        .values((
+/// The hand-written insert of `e`'s row, as a diesel statement (blocking and async
+/// rounds run the same one).
+macro_rules! hand_written_insert {
+    ($e:expr) => {{
+        let e: &AccountTransferred = $e;
+        let payload = serde_json::to_value(e).expect("serializable");
+        diesel::insert_into(outbox::table).values((
             outbox::msg_id.eq(e.msg_id().expect("valid").into_string()),
             outbox::topic.eq(e.topic()),
             outbox::event_type.eq(e.event_type()),
@@ -35,7 +38,11 @@ fn hand_written(c: &mut PgConnection, e: &AccountTransferred) -> QueryResult<usi
             outbox::payload.eq(payload),
             outbox::headers.eq(serde_json::json!({})),
         ))
-        .execute(c)
+    }};
+}
+
+fn hand_written(c: &mut PgConnection, e: &AccountTransferred) -> QueryResult<usize> {
+    hand_written_insert!(e).execute(c)
 }
 
 pub(crate) struct EmitBench {
@@ -174,6 +181,67 @@ impl EmitBench {
                 .into_iter()
                 .try_for_each(|w| w.join().expect("worker panicked"))
         })?;
+        Ok((conns * txns) as f64 / started.elapsed().as_secs_f64())
+    }
+
+    /// [`run`](Self::run) on diesel-async: `conns` tasks on `AsyncPgConnection`s, each
+    /// `txns` transactions of one row written `way` (`AsyncEmit`, or the hand-written
+    /// insert awaited). Rows/s.
+    pub(crate) async fn run_async(
+        &self,
+        way: Way,
+        conns: usize,
+        txns: usize,
+    ) -> Result<f64, BoxError> {
+        use diesel_async::{AsyncConnection as _, AsyncPgConnection};
+        use outbox_diesel::AsyncEmit as _;
+
+        let round = self
+            .rounds
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut connections = Vec::with_capacity(conns);
+        for _ in 0..conns {
+            connections.push(AsyncPgConnection::establish(&self.url).await?);
+        }
+        let started = Instant::now();
+        let workers: Vec<_> = connections
+            .into_iter()
+            .enumerate()
+            .map(|(w, mut c)| {
+                tokio::spawn(async move {
+                    let opts = match way {
+                        Way::Emit(n) => EmitOptions::new().with_notify(n),
+                        Way::Hand => EmitOptions::new(),
+                    };
+                    for i in 0..txns {
+                        let e = AccountTransferred::new(
+                            &format!("a{round}-{w}-{i}"),
+                            "alice",
+                            "bob",
+                            100,
+                        );
+                        let opts = &opts;
+                        c.transaction(async |c| {
+                            match way {
+                                Way::Hand => {
+                                    diesel_async::RunQueryDsl::execute(hand_written_insert!(&e), c)
+                                        .await?;
+                                }
+                                Way::Emit(_) => {
+                                    c.emit_with(opts, e).await?;
+                                }
+                            }
+                            Ok::<_, outbox_diesel::Error>(())
+                        })
+                        .await?;
+                    }
+                    Ok::<_, outbox_diesel::Error>(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.await??;
+        }
         Ok((conns * txns) as f64 / started.elapsed().as_secs_f64())
     }
 }

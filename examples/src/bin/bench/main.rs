@@ -11,7 +11,8 @@
 //!   against single mode, and two consumers in batch mode against single mode when
 //!   handlers update one row per key over 64 keys;
 //! - emit: `emit` (default `Notify::WhenRelayIdle`) against a hand-written diesel insert,
-//!   with no relay and with one parked on LISTEN.
+//!   with no relay and with one parked on LISTEN; and `AsyncEmit` against the same
+//!   insert on diesel-async (`AsyncPgConnection`), no relay parked.
 //!
 //! Prints one table (median and range over the rounds of each ratio) with the machine's
 //! facts, and writes it with SVG plots (throughput against batch size and relay count,
@@ -614,6 +615,46 @@ async fn emit_part(
                 figures.push(f);
             }
         }
+    }
+    emit_async_part(sizes, bench, figures).await
+}
+
+/// `AsyncEmit` against the same hand-written insert on diesel-async, no relay parked.
+async fn emit_async_part(
+    sizes: &Sizes,
+    bench: &EmitBench,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    let txns = sizes.emit_txns;
+    let ways = [
+        ("diesel-async hand-written insert", Way::Hand),
+        (
+            "AsyncEmit, Notify::WhenRelayIdle (default)",
+            Way::Emit(Notify::WhenRelayIdle),
+        ),
+    ];
+    for conns in [1usize, 8] {
+        for (_, way) in ways {
+            bench.run_async(way, conns, txns / 10 + 1).await?;
+        }
+        // rates[way][round]
+        let mut rates = vec![Vec::new(); ways.len()];
+        for round in 0..sizes.rounds {
+            for w in order(round, ways.len()) {
+                let (name, way) = ways[w];
+                let rate = bench.run_async(way, conns, txns).await?;
+                progress(&format!("{name}, {conns} conn."), rate, "tx/s");
+                rates[w].push(rate);
+            }
+        }
+        let mut f = Figure::ratio(
+            "emit",
+            format!("AsyncEmit (default WhenRelayIdle), {conns} conn., no relay parked"),
+            "AsyncEmit / diesel-async hand-written insert",
+            Target::AtLeast(0.95),
+        );
+        f.values = rates[1].iter().zip(&rates[0]).map(|(x, y)| x / y).collect();
+        figures.push(f);
     }
     Ok(())
 }
