@@ -89,8 +89,8 @@ pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
 pub use ops::{
-    OutboxRecord, backlog, dead_letters, find_message, list_messages, purge_consumed, purge_dead,
-    purge_sent, redrive, redrive_all,
+    OutboxRecord, TopicCounts, backlog, dead_letters, find_message, list_messages, purge_consumed,
+    purge_dead, purge_sent, redrive, redrive_all, topic_counts,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use store::DEFAULT_STALL_TIMEOUT;

@@ -39,6 +39,41 @@ pub fn backlog<C: OutboxConnection>(conn: &mut C) -> Result<Backlog> {
     conn.__backlog()
 }
 
+/// One topic's NEW and DEAD messages, as [`topic_counts`] returns them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicCounts {
+    /// The topic.
+    pub topic: String,
+    /// NEW messages (due or waiting for a retry).
+    pub new: u64,
+    /// DEAD messages.
+    pub dead: u64,
+}
+
+/// NEW and DEAD messages per topic, in topic order (one `GROUP BY`; topics with only SENT
+/// messages are left out, and SENT rows are not counted: that would read the whole table).
+pub fn topic_counts<C: OutboxConnection>(conn: &mut C) -> Result<Vec<TopicCounts>> {
+    let mut counts: Vec<TopicCounts> = Vec::new();
+    for row in conn.topic_rows()? {
+        if counts.last().is_none_or(|c| c.topic != row.topic) {
+            counts.push(TopicCounts {
+                topic: row.topic.clone(),
+                ..TopicCounts::default()
+            });
+        }
+        let n = u64::try_from(row.n).unwrap_or(0);
+        if let Some(c) = counts.last_mut() {
+            if row.status == Status::Dead.as_i16() {
+                c.dead += n;
+            } else {
+                c.new += n;
+            }
+        }
+    }
+    Ok(counts)
+}
+
 /// DEAD rows with `id > after_id`, in id order, at most `limit`: page with the last id.
 pub fn dead_letters<C: OutboxConnection>(
     conn: &mut C,

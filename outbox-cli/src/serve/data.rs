@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::RunQueryDsl as _;
-use diesel::sql_types::{BigInt, Double, Nullable, SmallInt, Text};
+use diesel::sql_types::{BigInt, Double, Nullable, Text};
 use outbox_diesel::OutboxRecord;
 use outbox_redis::redis::aio::MultiplexedConnection;
 use outbox_redis::redis::{self, AsyncConnectionConfig};
@@ -92,7 +92,7 @@ pub(crate) struct Overview {
 }
 
 /// One topic's counts.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Serialize)]
 pub(crate) struct TopicCounts {
     /// The topic.
     pub(crate) topic: String,
@@ -100,6 +100,16 @@ pub(crate) struct TopicCounts {
     pub(crate) new: u64,
     /// DEAD messages.
     pub(crate) dead: u64,
+}
+
+impl From<outbox_diesel::TopicCounts> for TopicCounts {
+    fn from(c: outbox_diesel::TopicCounts) -> Self {
+        Self {
+            topic: c.topic,
+            new: c.new,
+            dead: c.dead,
+        }
+    }
 }
 
 /// One minute of publishing.
@@ -127,16 +137,6 @@ pub(crate) struct Relays {
 }
 
 #[derive(diesel::QueryableByName)]
-struct TopicRow {
-    #[diesel(sql_type = Text)]
-    topic: String,
-    #[diesel(sql_type = SmallInt)]
-    status: i16,
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-#[derive(diesel::QueryableByName)]
 struct MinuteRow {
     #[diesel(sql_type = BigInt)]
     minutes_ago: i64,
@@ -153,11 +153,6 @@ struct RelayRow {
     #[diesel(sql_type = Text)]
     until: String,
 }
-
-/// Per-topic counts of NEW and DEAD rows (SENT rows are left out: counting them would
-/// read the whole table, and the partial indexes serve NEW and DEAD).
-const TOPICS_SQL: &str = "SELECT topic, status, COUNT(*) AS n FROM outbox \
-     WHERE status IN (0, 2) GROUP BY topic, status ORDER BY topic";
 
 /// SENT rows of the last minutes per minute, with their mean latency, per backend.
 fn minutes_sql(kind: BackendKind) -> String {
@@ -190,18 +185,7 @@ fn minutes_sql(kind: BackendKind) -> String {
 pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
     let mut conn = app.db.connect(false)?;
     let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
-    let rows: Vec<TopicRow> = with_conn!(&mut conn, c => diesel::sql_query(TOPICS_SQL).load(c))?;
-    let mut topics: BTreeMap<String, TopicCounts> = BTreeMap::new();
-    for row in rows {
-        let entry = topics.entry(row.topic.clone()).or_default();
-        entry.topic = row.topic;
-        let n = u64::try_from(row.n).unwrap_or_default();
-        if row.status == 2 {
-            entry.dead += n;
-        } else {
-            entry.new += n;
-        }
-    }
+    let topics = with_conn!(&mut conn, c => outbox_diesel::topic_counts(c))?;
     let sql = minutes_sql(app.db.kind);
     let rows: Vec<MinuteRow> = with_conn!(&mut conn, c => diesel::sql_query(&sql).load(c))?;
     Ok(Overview {
@@ -210,7 +194,7 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         due: backlog.due,
         oldest_due_age_seconds: backlog.oldest_due_age.map(|d| d.as_secs_f64()),
         dead: backlog.dead,
-        topics: topics.into_values().collect(),
+        topics: topics.into_iter().map(TopicCounts::from).collect(),
         published: minutes(&rows),
         relays: relays(app, &mut conn)?,
     })

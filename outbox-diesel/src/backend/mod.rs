@@ -31,7 +31,7 @@ pub(crate) mod sqlite;
 pub(crate) use pg::NOTIFY_IDLE_SLACK;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
-pub(crate) use record::{BacklogRow, RecordRow, VersionRow, claimed};
+pub(crate) use record::{BacklogRow, RecordRow, TopicRow, VersionRow, claimed};
 pub(crate) use row::{Row, check_group, chunks, push_values};
 
 /// The highest recorded migration: the same text on every backend.
@@ -92,6 +92,9 @@ pub(crate) trait Backend: Connection + Sized {
 
     /// Runs [`VERSION_SQL`].
     fn version_row(&mut self) -> QueryResult<VersionRow>;
+
+    /// Runs [`TOPICS_SQL`].
+    fn topic_rows(&mut self) -> QueryResult<Vec<TopicRow>>;
 
     /// Inserts envelopes (validated by the caller: sizes, in-batch duplicates).
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()>;
@@ -319,6 +322,11 @@ where
         None => query.load(conn),
     }
 }
+
+/// NEW and DEAD rows per topic and status (SENT rows are left out: counting them would
+/// read the whole table, where the partial indexes hold only NEW and DEAD rows).
+pub(crate) const TOPICS_SQL: &str = "SELECT topic, status, COUNT(*) AS n FROM outbox \
+     WHERE status IN (0, 2) GROUP BY topic, status ORDER BY topic";
 
 /// Loads the one row of `sql` (see [`load_rows`]).
 pub(crate) fn load_one<C, T>(conn: &mut C, sql: &str) -> QueryResult<T>

@@ -264,6 +264,10 @@ impl Backend for MysqlConnection {
         super::load_one(self, super::VERSION_SQL)
     }
 
+    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
+        super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, envelopes)
     }

@@ -453,6 +453,10 @@ impl Backend for PgConnection {
         super::load_one(self, super::VERSION_SQL)
     }
 
+    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
+        super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, options, envelopes)
     }

@@ -29,6 +29,9 @@ where
     fn version_row(&mut self) -> QueryResult<VersionRow> {
         (**self).version_row()
     }
+    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
+        (**self).topic_rows()
+    }
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         (**self).__insert(options, envelopes)
     }

@@ -103,6 +103,17 @@ pub(crate) fn claimed<C: Backend>(conn: &mut C, rows: Vec<RecordRow>) -> Result<
     Ok(records)
 }
 
+/// One (topic, status) group of [`TOPICS_SQL`](super::TOPICS_SQL).
+#[derive(QueryableByName)]
+pub(crate) struct TopicRow {
+    #[diesel(sql_type = Text)]
+    pub(crate) topic: String,
+    #[diesel(sql_type = SmallInt)]
+    pub(crate) status: i16,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) n: i64,
+}
+
 #[derive(QueryableByName)]
 pub(crate) struct BacklogRow {
     #[diesel(sql_type = BigInt)]
