@@ -28,6 +28,7 @@ mod publish;
 mod relay;
 mod retry;
 mod store;
+pub mod trace;
 
 pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared, panic_message};
 pub use error::{BoxError, Error, HandlerError, InvalidConfig, Result};

@@ -123,9 +123,11 @@ impl<S> MemoryTx<S> {
 
     /// Writes `event` to the outbox in this transaction and returns its msg_id.
     /// A msg_id already in the outbox (or emitted earlier in this transaction) is
-    /// [`Error::Duplicate`].
+    /// [`Error::Duplicate`]. With the `opentelemetry` feature it carries the current
+    /// span's trace ([`trace`](crate::trace)).
     pub fn emit<E: OutboxEvent>(&mut self, event: E) -> Result<MsgId, Error> {
-        let envelope = Envelope::from_event(&event, DEFAULT_MAX_PAYLOAD_BYTES)?;
+        let mut envelope = Envelope::from_event(&event, DEFAULT_MAX_PAYLOAD_BYTES)?;
+        crate::trace::add_current(&mut envelope.headers);
         let taken = lock(&self.shared.state).msg_ids.contains(&envelope.msg_id)
             || self.emitted.iter().any(|e| e.msg_id == envelope.msg_id);
         if taken {

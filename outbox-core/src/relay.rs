@@ -308,6 +308,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         if claimed == 0 {
             return Ok(BatchReport::default());
         }
+        // Open until the batch is recorded (dropped on return).
+        let _traces = crate::trace::publish_spans(batch.messages());
         // On an outage in the first wave `batch` is dropped here, which releases every
         // row untouched.
         let (results, interrupted) = self.publish_in_waves(batch.messages()).await?;

@@ -121,12 +121,14 @@ pub trait AsyncEmit: AsyncConnectionCore<Backend: AsyncInsert> + Sized {
         options: &EmitOptions,
         envelopes: &[Envelope],
     ) -> impl Future<Output = Result<()>> + Send {
+        // The caller's span, not whichever is current when the future is polled.
+        let envelopes = crate::emit::with_trace(envelopes);
         async move {
-            options.check_envelopes(envelopes)?;
+            options.check_envelopes(&envelopes)?;
             if envelopes.is_empty() {
                 return Ok(());
             }
-            Self::Backend::insert(self, options, envelopes).await
+            Self::Backend::insert(self, options, &envelopes).await
         }
     }
 }

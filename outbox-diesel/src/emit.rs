@@ -2,7 +2,7 @@ use std::borrow::Cow;
 use std::collections::HashSet;
 
 use outbox_core::{
-    DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, InvalidConfig, MsgId, OutboxEvent,
+    DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, InvalidConfig, MsgId, OutboxEvent, TRACEPARENT,
 };
 
 use crate::{OutboxConnection, Result};
@@ -148,6 +148,7 @@ impl EmitOptions {
         envelope
             .headers
             .extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        outbox_core::trace::add_current(&mut envelope.headers);
         Ok(envelope)
     }
 }
@@ -174,6 +175,9 @@ impl Default for EmitOptions {
 /// connection, a statement timeout) is like any failed statement: on PostgreSQL it aborts
 /// the transaction, which can then only roll back. A duplicate msg_id is [`outbox_core::Error::Duplicate`]; after `?` has
 /// turned it into a [`diesel::result::Error`], test it with [`is_duplicate`](crate::is_duplicate).
+///
+/// With the `opentelemetry` feature, every message emitted carries the current span's
+/// W3C `traceparent` header unless it has one already (see [`outbox_core::trace`]).
 pub trait Emit {
     /// Writes `event` with the default [`EmitOptions`] and returns its msg_id.
     fn emit<E: OutboxEvent>(&mut self, event: E) -> Result<MsgId> {
@@ -229,7 +233,7 @@ impl<C: OutboxConnection> Emit for C {
         if envelopes.is_empty() {
             return Ok(());
         }
-        self.__insert(options, envelopes)
+        self.__insert(options, &with_trace(envelopes))
     }
 }
 
@@ -271,6 +275,27 @@ impl EmitOptions {
         }
         Ok(())
     }
+}
+
+/// `envelopes`, each with the current span's `traceparent` unless it has one (see
+/// [`outbox_core::trace`]); borrowed when there is nothing to add.
+pub(crate) fn with_trace(envelopes: &[Envelope]) -> Cow<'_, [Envelope]> {
+    let mut current = Headers::new();
+    outbox_core::trace::add_current(&mut current);
+    let Some(parent) = current.remove(TRACEPARENT) else {
+        return Cow::Borrowed(envelopes);
+    };
+    if envelopes.iter().all(|e| e.headers.contains_key(TRACEPARENT)) {
+        return Cow::Borrowed(envelopes);
+    }
+    let traced = envelopes.iter().map(|e| {
+        let mut e = e.clone();
+        e.headers
+            .entry(TRACEPARENT.to_owned())
+            .or_insert_with(|| parent.clone());
+        e
+    });
+    Cow::Owned(traced.collect())
 }
 
 #[cfg(test)]

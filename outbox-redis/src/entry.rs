@@ -168,6 +168,14 @@ pub fn envelope_from_fields(
 }
 
 /// A field value as bytes, for copying an entry verbatim.
+/// The headers of a stream entry's fields, if it has a well-formed `headers` field. The
+/// consumer reads them before the entry is decoded, for the trace its span joins.
+#[cfg(feature = "opentelemetry")]
+pub(crate) fn headers_of(fields: &HashMap<String, Value>) -> Option<Headers> {
+    let headers = text(fields, "headers").ok()??;
+    serde_json::from_str(&headers).ok()
+}
+
 pub(crate) fn value_bytes(v: &Value) -> Vec<u8> {
     redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_else(|_| format!("{v:?}").into_bytes())
 }

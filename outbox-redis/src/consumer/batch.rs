@@ -36,6 +36,17 @@ where
     /// then one store transaction for the rest, then one `XACK` per stream.
     pub(super) async fn process_batch(self, jobs: Vec<Job>) -> Done {
         let span = tracing::info_span!("outbox.consume_batch", messages = jobs.len());
+        // A batch serves many traces: it links to each instead of joining one.
+        #[cfg(feature = "opentelemetry")]
+        for job in &jobs {
+            use opentelemetry::trace::TraceContextExt as _;
+            use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+            let cx = crate::entry::headers_of(&job.entry.map)
+                .and_then(|headers| outbox_core::trace::context_of(&headers));
+            if let Some(cx) = cx {
+                span.add_link(cx.span().span_context().clone());
+            }
+        }
         let outage = self.process_batch_inner(&jobs).instrument(span).await;
         Done {
             entries: jobs
@@ -167,7 +178,10 @@ where
         deliveries: Vec<Delivery>,
     ) -> Result<InboxBatchOutcomes, BatchFailed> {
         let inner = Arc::clone(&self.inner);
+        // The handlers' own spans and events belong to the batch's span.
+        let span = tracing::Span::current();
         let joined = tokio::task::spawn_blocking(move || {
+            let _entered = span.enter();
             inner
                 .dispatcher
                 .consume_batch(&*inner.inbox, &inner.group, &deliveries)

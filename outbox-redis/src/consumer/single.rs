@@ -51,6 +51,10 @@ where
             event_type = tracing::field::Empty,
             traceparent = tracing::field::Empty,
         );
+        #[cfg(feature = "opentelemetry")]
+        if let Some(headers) = crate::entry::headers_of(&job.entry.map) {
+            outbox_core::trace::set_parent(&span, &headers);
+        }
         let outage = self.process_inner(&job).instrument(span).await;
         Done {
             entries: vec![(job.stream, job.entry.id)],
@@ -145,7 +149,10 @@ where
     async fn attempt(&self, prepared: Prepared<C>, delivery: Delivery) -> Attempt {
         let inbox = Arc::clone(&self.inner.inbox);
         let group = self.inner.group.clone();
+        // The handler's own spans and events belong to this message's span.
+        let span = tracing::Span::current();
         let joined = tokio::task::spawn_blocking(move || {
+            let _entered = span.enter();
             inbox.process(&group, &delivery.envelope.msg_id, |conn| {
                 prepared.run(conn, &delivery)
             })
