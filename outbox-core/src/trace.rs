@@ -121,7 +121,10 @@ mod tests {
         let cx = context_of(&headers).expect("a valid traceparent");
         let span = cx.span();
         let sc = span.span_context();
-        assert_eq!(sc.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
         assert_eq!(sc.span_id().to_string(), "00f067aa0ba902b7");
         assert!(sc.is_remote() && sc.is_sampled());
     }
@@ -129,7 +132,11 @@ mod tests {
     #[test]
     fn a_missing_or_malformed_traceparent_gives_none() {
         assert!(context_of(&Headers::new()).is_none());
-        for bad in ["", "00-abc", "00-00000000000000000000000000000000-00f067aa0ba902b7-01"] {
+        for bad in [
+            "",
+            "00-abc",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        ] {
             let headers = Headers::from([(TRACEPARENT.to_owned(), bad.to_owned())]);
             assert!(context_of(&headers).is_none(), "{bad:?}");
         }

@@ -285,7 +285,10 @@ pub(crate) fn with_trace(envelopes: &[Envelope]) -> Cow<'_, [Envelope]> {
     let Some(parent) = current.remove(TRACEPARENT) else {
         return Cow::Borrowed(envelopes);
     };
-    if envelopes.iter().all(|e| e.headers.contains_key(TRACEPARENT)) {
+    if envelopes
+        .iter()
+        .all(|e| e.headers.contains_key(TRACEPARENT))
+    {
         return Cow::Borrowed(envelopes);
     }
     let traced = envelopes.iter().map(|e| {

@@ -37,7 +37,10 @@ impl Handler<AccountTransferred> for Traced {
         d: &Delivery,
     ) -> Result<(), HandlerError> {
         let _apply = tracing::info_span!("handler.apply", transfer = %e.transfer_id).entered();
-        self.headers.lock().unwrap().push(d.envelope.headers.clone());
+        self.headers
+            .lock()
+            .unwrap()
+            .push(d.envelope.headers.clone());
         Ok(())
     }
 }
@@ -151,7 +154,10 @@ async fn request_emit_relay_and_handler_share_one_trace() {
     seen.sort();
     let mut wanted = vec![Some(expected), Some(FOREIGN_PARENT.to_owned())];
     wanted.sort();
-    assert_eq!(seen, wanted, "emit adds the request's traceparent, keeps the caller's");
+    assert_eq!(
+        seen, wanted,
+        "emit adds the request's traceparent, keeps the caller's"
+    );
 
     // request → outbox.relay.publish, linked to its outbox.relay.batch.
     let publish = spans_of(&spans, "outbox.relay.publish", traced_id.as_str());
@@ -160,7 +166,12 @@ async fn request_emit_relay_and_handler_share_one_trace() {
     assert_eq!(publish[0].parent_span_id, request.span_context.span_id());
     let batch = spans
         .iter()
-        .find(|s| s.name == "outbox.relay.batch" && s.attributes.iter().any(|kv| kv.key.as_str() == "claimed" && kv.value.as_str() == "2"))
+        .find(|s| {
+            s.name == "outbox.relay.batch"
+                && s.attributes
+                    .iter()
+                    .any(|kv| kv.key.as_str() == "claimed" && kv.value.as_str() == "2")
+        })
         .expect("the batch span that claimed both messages");
     assert!(
         publish[0]
@@ -178,15 +189,24 @@ async fn request_emit_relay_and_handler_share_one_trace() {
     assert_eq!(consume[0].parent_span_id, request.span_context.span_id());
     let applies: Vec<_> = spans
         .iter()
-        .filter(|s| s.name == "handler.apply" && s.parent_span_id == consume[0].span_context.span_id())
+        .filter(|s| {
+            s.name == "handler.apply" && s.parent_span_id == consume[0].span_context.span_id()
+        })
         .collect();
-    assert_eq!(applies.len(), 1, "the handler's span is a child of outbox.consume");
+    assert_eq!(
+        applies.len(),
+        1,
+        "the handler's span is a child of outbox.consume"
+    );
     assert_eq!(applies[0].span_context.trace_id(), trace);
 
     // The caller's own trace context wins over the current span's.
     let foreign = spans_of(&spans, "outbox.consume", foreign_id.as_str());
     assert_eq!(foreign.len(), 1);
-    assert_eq!(foreign[0].span_context.trace_id().to_string(), FOREIGN_TRACE);
+    assert_eq!(
+        foreign[0].span_context.trace_id().to_string(),
+        FOREIGN_TRACE
+    );
     assert_eq!(
         foreign[0].parent_span_id,
         SpanId::from_hex("00f067aa0ba902b7").unwrap()
@@ -203,6 +223,10 @@ async fn request_emit_relay_and_handler_share_one_trace() {
         .await
         .unwrap();
     if !keys.is_empty() {
-        let () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
+        let () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
     }
 }
