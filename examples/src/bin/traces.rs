@@ -1,4 +1,4 @@
-//! Run with: cargo run -p outbox-examples --bin traces
+//! Run with: cargo run -p outbox-examples --features traces --bin traces
 //!
 //! One trace from the request to the handler, printed by OpenTelemetry's stdout
 //! exporter: a `request` span emits a transfer in a SQLite transaction (emit adds the
