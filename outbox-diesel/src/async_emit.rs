@@ -106,10 +106,16 @@ pub trait AsyncEmit: AsyncConnectionCore<Backend: AsyncInsert> + Sized {
         E: OutboxEvent,
         I: IntoIterator<Item = E>,
     {
-        let envelopes = options.prepare_all(events);
+        // Validated, within the payload limit and traced already: only the msg_ids are
+        // left to check.
+        let envelopes = options
+            .prepare_all(events)
+            .and_then(|envelopes| crate::emit::unique_msg_ids(&envelopes).map(|()| envelopes));
         async move {
             let envelopes = envelopes?;
-            self.emit_envelopes(options, &envelopes).await?;
+            if !envelopes.is_empty() {
+                Self::Backend::insert(self, options, &envelopes).await?;
+            }
             Ok(envelopes.into_iter().map(|e| e.msg_id).collect())
         }
     }

@@ -223,8 +223,13 @@ impl<C: OutboxConnection> Emit for C {
         E: OutboxEvent,
         I: IntoIterator<Item = E>,
     {
+        // Validated, within the payload limit and traced already: only the msg_ids are
+        // left to check.
         let envelopes = options.prepare_all(events)?;
-        self.emit_envelopes(options, &envelopes)?;
+        unique_msg_ids(&envelopes)?;
+        if !envelopes.is_empty() {
+            self.__insert(options, &envelopes)?;
+        }
         Ok(envelopes.into_iter().map(|e| e.msg_id).collect())
     }
 
@@ -259,21 +264,27 @@ impl EmitOptions {
     /// no msg_id twice.
     pub(crate) fn check_envelopes(&self, envelopes: &[Envelope]) -> Result<()> {
         self.validate()?;
-        let mut seen = HashSet::with_capacity(envelopes.len());
-        for e in envelopes {
-            if e.payload.len() > self.max_payload_bytes {
-                return Err(outbox_core::Error::PayloadTooLarge {
-                    msg_id: e.msg_id.clone(),
-                    size: e.payload.len(),
-                    limit: self.max_payload_bytes,
-                }
-                .into());
+        if let Some(e) = envelopes
+            .iter()
+            .find(|e| e.payload.len() > self.max_payload_bytes)
+        {
+            return Err(outbox_core::Error::PayloadTooLarge {
+                msg_id: e.msg_id.clone(),
+                size: e.payload.len(),
+                limit: self.max_payload_bytes,
             }
-            if !seen.insert(e.msg_id.as_str()) {
-                return Err(outbox_core::Error::Duplicate(e.msg_id.clone()).into());
-            }
+            .into());
         }
-        Ok(())
+        unique_msg_ids(envelopes)
+    }
+}
+
+/// Fails on the first msg_id that comes twice in one multi-row emit.
+pub(crate) fn unique_msg_ids(envelopes: &[Envelope]) -> Result<()> {
+    let mut seen = HashSet::with_capacity(envelopes.len());
+    match envelopes.iter().find(|e| !seen.insert(e.msg_id.as_str())) {
+        Some(e) => Err(outbox_core::Error::Duplicate(e.msg_id.clone()).into()),
+        None => Ok(()),
     }
 }
 
