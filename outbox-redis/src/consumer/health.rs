@@ -4,7 +4,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::Inbox;
+use outbox_core::{Inbox, OutageBackoff};
 
 use super::{Consumer, ConsumerConfig};
 
@@ -49,7 +49,8 @@ impl ConsumerHealth {
     }
 }
 
-/// The run loop's side of [`ConsumerHealth`]: written by the loop, read by probes.
+/// The run loop's side of [`ConsumerHealth`]: written by the loop, read by probes and by
+/// the loop's own backoff ([`pause`](Self::pause)).
 #[derive(Debug)]
 pub(super) struct HealthState {
     since: Instant,
@@ -106,11 +107,27 @@ impl HealthState {
         }
     }
 
+    /// A run starts (its failures in a row start from none) or ends.
     pub(super) fn set_running(&self, running: bool) {
         self.running.store(running, Ordering::Relaxed);
         if running {
+            self.redis_failures.store(0, Ordering::Relaxed);
+            self.store_failures.store(0, Ordering::Relaxed);
+            self.clear_error();
             self.round();
         }
+    }
+
+    /// The pause before the loop's next round, after failures. Each kind of failure in a
+    /// row is reset by its own success, so a success of one kind (a claim that works) can
+    /// never hide that the other recovered, nor keep the loop pausing after Redis answers
+    /// again.
+    pub(super) fn pause(&self, backoff: &OutageBackoff) -> Option<Duration> {
+        let failures = self
+            .redis_failures
+            .load(Ordering::Relaxed)
+            .max(self.store_failures.load(Ordering::Relaxed));
+        (failures > 0).then(|| backoff.pause(failures))
     }
 
     pub(super) fn round(&self) {

@@ -5,9 +5,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use outbox_core::{Inbox, OutageBackoff};
+use outbox_core::Inbox;
 use redis::{RedisError, RedisResult};
 use tokio::sync::{Mutex, Semaphore};
 use tokio::task::{JoinError, JoinSet};
@@ -113,7 +113,6 @@ struct Run<I, C> {
     /// Whether the last round claimed: a claim is always followed by a read.
     claimed_last: bool,
     next_trim: Option<Instant>,
-    health: Health,
     reads: Reads,
 }
 
@@ -153,7 +152,6 @@ where
             next_claim: Instant::now(),
             claimed_last: false,
             next_trim: config.trim_interval.map(|i| Instant::now() + i),
-            health: Health::default(),
             reads: Reads::default(),
         }
     }
@@ -170,10 +168,10 @@ where
             self.finished(done);
         }
         if self.acks_failed.swap(false, Ordering::Relaxed) {
-            self.health.work = self.health.work.saturating_add(1);
             self.consumer.inner.health.work_ended(true);
         }
-        if let Some(pause) = self.health.pause(&self.config().outage_backoff) {
+        let health = &self.consumer.inner.health;
+        if let Some(pause) = health.pause(&self.config().outage_backoff) {
             unless(shutdown, tokio::time::sleep(pause)).await?;
         }
         let free = self.task_limit.saturating_sub(self.tasks.len());
@@ -250,7 +248,6 @@ where
         match jobs {
             Ok(jobs) => {
                 // Redis answered: whatever failed before, it is back.
-                self.health.redis = 0;
                 self.consumer.inner.health.redis_answered();
                 let fresh: Vec<Job> = jobs
                     .into_iter()
@@ -268,17 +265,18 @@ where
     async fn read_failed(&mut self, e: RedisError) {
         let span = &self.span;
         self.consumer.count(Count::RedisError, None);
-        self.consumer.inner.health.redis_failed(&e);
+        let health = &self.consumer.inner.health;
         if e.code() == Some("NOGROUP") {
             // The stream or group was deleted under us: recreate it.
             tracing::warn!(parent: span, error = %e, "consumer group missing; recreating it");
             if let Err(e) = self.consumer.ensure_groups().await {
-                tracing::warn!(parent: span, error = %outbox_core::error_chain(&e), "cannot recreate consumer groups");
-                self.health.redis = self.health.redis.saturating_add(1);
+                let e = outbox_core::error_chain(&e);
+                tracing::warn!(parent: span, error = %e, "cannot recreate consumer groups");
+                health.redis_failed(&e);
             }
         } else {
             tracing::warn!(parent: span, error = %e, "redis read failed; backing off");
-            self.health.redis = self.health.redis.saturating_add(1);
+            health.redis_failed(&e);
         }
     }
 
@@ -332,11 +330,6 @@ where
             Ok(done) => {
                 self.in_flight.remove(&done.entries);
                 self.consumer.inner.health.work_ended(done.outage);
-                self.health.work = if done.outage {
-                    self.health.work.saturating_add(1)
-                } else {
-                    0
-                };
             }
             // `process` catches handler panics; this is a bug in the runner itself, or
             // a task aborted at the shutdown timeout. The entry stays pending and is
@@ -399,24 +392,5 @@ async fn unless<S: Future<Output = ()>, T>(
         biased;
         () = shutdown.as_mut() => None,
         out = work => Some(out),
-    }
-}
-
-/// Consecutive whole failures, by where they happened. Each kind is reset by its own
-/// success, so a success of one kind (a claim that works) can never hide that the other
-/// recovered, nor keep the loop pausing after Redis answers again.
-#[derive(Default)]
-struct Health {
-    /// Failed reads and claims.
-    redis: u32,
-    /// Messages or batches that ended in a store outage (or a failed ack).
-    work: u32,
-}
-
-impl Health {
-    /// The pause before the next round, after failures.
-    fn pause(&self, backoff: &OutageBackoff) -> Option<Duration> {
-        let failures = self.redis.max(self.work);
-        (failures > 0).then(|| backoff.pause(failures))
     }
 }
