@@ -24,6 +24,7 @@ mod inbox;
 mod memory;
 mod message;
 mod msg_id;
+mod partition;
 mod publish;
 mod relay;
 mod retry;
@@ -43,6 +44,7 @@ pub use message::{
     DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, Status, StoredMessage, TRACEPARENT,
 };
 pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
+pub use partition::{MAX_PARTITIONS, Partitions, partition_of};
 pub use publish::{PublishOutcomes, Publisher, RejectKind, Rejected};
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};

@@ -105,15 +105,34 @@ pub(crate) fn stream_name(prefix: &str, topic: &str, cluster: bool) -> String {
     }
 }
 
-/// The topic of a stream named by [`stream_name`].
+/// The stream of partition `partition` of a partitioned `topic`: `<prefix><topic>:<p>`, or
+/// `<prefix>{<topic>:<p>}` on a cluster, where each partition is its own hash tag (so the
+/// partitions of one topic spread over the cluster's nodes, and a partition's dead-letter
+/// stream and lease keys, named by suffix, share its slot). Topics never hold `:`, so the
+/// name parses back unambiguously ([`topic_of`]).
+pub(crate) fn partition_stream_name(
+    prefix: &str,
+    topic: &str,
+    partition: u32,
+    cluster: bool,
+) -> String {
+    stream_name(prefix, &format!("{topic}:{partition}"), cluster)
+}
+
+/// The topic of a stream named by [`stream_name`] or [`partition_stream_name`] (without
+/// the partition).
 pub(crate) fn topic_of<'a>(stream: &'a str, prefix: &str, cluster: bool) -> &'a str {
     let rest = stream.strip_prefix(prefix).unwrap_or(stream);
-    if cluster {
+    let rest = if cluster {
         rest.strip_prefix('{')
             .and_then(|r| r.strip_suffix('}'))
             .unwrap_or(rest)
     } else {
         rest
+    };
+    match rest.rsplit_once(':') {
+        Some((topic, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => topic,
+        _ => rest,
     }
 }
 
@@ -323,6 +342,19 @@ mod tests {
         assert_eq!(groups, vec![vec!["outbox:a", "outbox:b"]]);
         assert!(by_slot(false, Vec::<&str>::new(), |s| s).is_empty());
         assert!(check_prefix("app{x}:", false).is_ok());
+    }
+
+    #[test]
+    fn partition_streams_name_their_partition_and_parse_back() {
+        for cluster in [false, true] {
+            let stream = partition_stream_name("outbox:", "order.paid", 7, cluster);
+            let expected = if cluster { "outbox:{order.paid:7}" } else { "outbox:order.paid:7" };
+            assert_eq!(stream, expected);
+            assert_eq!(topic_of(&stream, "outbox:", cluster), "order.paid");
+        }
+        // A prefix that ends in digits after a colon is not mistaken for a partition.
+        assert_eq!(topic_of("app:1:order.paid", "app:1:", false), "order.paid");
+        assert_eq!(topic_of("outbox:order.paid:", "outbox:", false), "order.paid:");
     }
 
     #[cfg(feature = "cluster")]
