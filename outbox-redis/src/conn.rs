@@ -119,6 +119,20 @@ pub(crate) fn partition_stream_name(
     stream_name(prefix, &format!("{topic}:{partition}"), cluster)
 }
 
+/// The key of the lease by which one consumer of `group` holds a partition `stream` (the
+/// ordered consumers'): `<stream>:lease:<group>`, in the stream's slot on a cluster. Its
+/// value is `<epoch>:<consumer name>`, set with a TTL; the epoch, one more at each
+/// acquisition, is counted at `<lease key>:epoch`.
+pub(crate) fn lease_key(stream: &str, group: &str) -> String {
+    format!("{stream}:lease:{group}")
+}
+
+/// The hash in which publishers record the partition count of each partitioned topic
+/// (field: topic, value: count), so that consumers can check theirs: `<prefix>partitions`.
+pub(crate) fn partitions_key(prefix: &str) -> String {
+    format!("{prefix}partitions")
+}
+
 /// The topic of a stream named by [`stream_name`] or [`partition_stream_name`] (without
 /// the partition).
 pub(crate) fn topic_of<'a>(stream: &'a str, prefix: &str, cluster: bool) -> &'a str {
