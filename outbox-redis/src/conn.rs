@@ -127,6 +127,20 @@ pub(crate) fn lease_key(stream: &str, group: &str) -> String {
     format!("{stream}:lease:{group}")
 }
 
+/// The sorted set of the live ordered consumers of `group` (member: consumer name,
+/// score: when its membership expires, in Redis's clock's milliseconds):
+/// `<prefix>members:<group>`. Ordered consumers share their streams' leases by its size.
+pub(crate) fn members_key(prefix: &str, group: &str) -> String {
+    format!("{prefix}members:{group}")
+}
+
+/// The hash of the keys an ordered consumer of `group` keeps blocked on `stream` after
+/// a dead letter (field: the key, value: the dead-lettered entry's id):
+/// `<stream>:blocked:<group>`, in the stream's slot on a cluster.
+pub(crate) fn blocked_key(stream: &str, group: &str) -> String {
+    format!("{stream}:blocked:{group}")
+}
+
 /// The hash in which publishers record the partition count of each partitioned topic
 /// (field: topic, value: count), so that consumers can check theirs: `<prefix>partitions`.
 pub(crate) fn partitions_key(prefix: &str) -> String {
@@ -362,13 +376,20 @@ mod tests {
     fn partition_streams_name_their_partition_and_parse_back() {
         for cluster in [false, true] {
             let stream = partition_stream_name("outbox:", "order.paid", 7, cluster);
-            let expected = if cluster { "outbox:{order.paid:7}" } else { "outbox:order.paid:7" };
+            let expected = if cluster {
+                "outbox:{order.paid:7}"
+            } else {
+                "outbox:order.paid:7"
+            };
             assert_eq!(stream, expected);
             assert_eq!(topic_of(&stream, "outbox:", cluster), "order.paid");
         }
         // A prefix that ends in digits after a colon is not mistaken for a partition.
         assert_eq!(topic_of("app:1:order.paid", "app:1:", false), "order.paid");
-        assert_eq!(topic_of("outbox:order.paid:", "outbox:", false), "order.paid:");
+        assert_eq!(
+            topic_of("outbox:order.paid:", "outbox:", false),
+            "order.paid:"
+        );
     }
 
     #[cfg(feature = "cluster")]

@@ -224,3 +224,40 @@ where
     }
     Ok(groups)
 }
+
+/// The keys an ordered consumer of `group` keeps blocked on `stream` after a dead letter
+/// (with [`AfterDeadLetter::Block`](crate::AfterDeadLetter::Block)), each with the id
+/// of the dead-lettered entry, sorted by key (`HGETALL <stream>:blocked:<group>`).
+pub async fn blocked_keys<C>(
+    conn: &mut C,
+    stream: &str,
+    group: &str,
+) -> Result<Vec<(String, String)>>
+where
+    C: ConnectionLike + Send,
+{
+    let mut keys: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(crate::conn::blocked_key(stream, group))
+        .query_async(conn)
+        .await?;
+    keys.sort();
+    Ok(keys)
+}
+
+/// Lets an ordered consumer of `group` go on with `key` on `stream` after it was blocked
+/// by a dead letter: its later entries are then handled, in order, within a lease
+/// renewal period (a third of [`lease_ttl`](crate::OrderedConfig::lease_ttl)). The
+/// dead-lettered entry itself stays in the dead-letter stream; redrive it first if it
+/// must be applied (it then comes after the key's entries that waited). Returns whether
+/// the key was blocked.
+pub async fn unblock_key<C>(conn: &mut C, stream: &str, group: &str, key: &str) -> Result<bool>
+where
+    C: ConnectionLike + Send,
+{
+    let removed: usize = redis::cmd("HDEL")
+        .arg(crate::conn::blocked_key(stream, group))
+        .arg(key)
+        .query_async(conn)
+        .await?;
+    Ok(removed == 1)
+}

@@ -74,15 +74,17 @@ mod entry;
 mod error;
 #[cfg(feature = "http")]
 mod http;
+mod lease;
 mod publisher;
 mod trim;
 
 pub use consumer::{
-    Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth, ConsumerStats, NoInbox, StartFrom,
+    AfterDeadLetter, Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth, ConsumerStats,
+    NoInbox, OrderedConfig, StartFrom,
 };
 pub use dead_letters::{
-    DeadLetter, GroupConsumer, GroupInfo, consumer_groups, dead_letter, dead_letters,
-    purge_dead_letter, redrive_dead_letter,
+    DeadLetter, GroupConsumer, GroupInfo, blocked_keys, consumer_groups, dead_letter, dead_letters,
+    purge_dead_letter, redrive_dead_letter, unblock_key,
 };
 pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use outbox_core::Inbox;
 use redis::RedisResult;
 
-use super::{Consumer, Job};
+use super::{Consumer, Job, Outcome};
 use crate::conn::{by_slot, query_all};
 
 /// The acknowledgements of one [`run_until`](Consumer::run_until): work whose
@@ -106,8 +106,12 @@ where
         .await
     }
 
-    /// `XACK` of one entry, through the ack queue; returns whether Redis failed.
-    pub(super) async fn ack(&self, job: &Job) -> bool {
-        self.ack_all(&[job]).await
+    /// `XACK` of one entry, through the ack queue.
+    pub(super) async fn ack(&self, job: &Job) -> Outcome {
+        if self.ack_all(&[job]).await {
+            Outcome::Pending { outage: true }
+        } else {
+            Outcome::Acked
+        }
     }
 }

@@ -6,7 +6,7 @@ use outbox_core::{Delivery, Inbox, InboxBatchOutcomes, Processed};
 use tracing::Instrument as _;
 
 use super::stats::Count;
-use super::{Consumer, Done, Job};
+use super::{Consumer, Done, Job, Outcome};
 use crate::conn::topic_of;
 use crate::entry::envelope_from_fields;
 
@@ -35,10 +35,23 @@ where
     /// Processes a batch of entries to the end: the checks of single mode per entry,
     /// then one store transaction for the rest, then one `XACK` per stream.
     pub(super) async fn process_batch(self, jobs: Vec<Job>) -> Done {
+        let outcomes = self.process_batch_outcomes(&jobs).await;
+        Done {
+            entries: jobs
+                .into_iter()
+                .map(|job| (job.stream, job.entry.id))
+                .collect(),
+            outage: outcomes.iter().any(|o| o.outage()),
+        }
+    }
+
+    /// [`process_batch_inner`](Self::process_batch_inner) in the batch's
+    /// `outbox.consume_batch` span: how each of `jobs` ended, in order.
+    pub(super) async fn process_batch_outcomes(&self, jobs: &[Job]) -> Vec<Outcome> {
         let span = tracing::info_span!("outbox.consume_batch", messages = jobs.len());
         // A batch serves many traces: it links to each instead of joining one.
         #[cfg(feature = "opentelemetry")]
-        for job in &jobs {
+        for job in jobs {
             use opentelemetry::trace::TraceContextExt as _;
             use tracing_opentelemetry::OpenTelemetrySpanExt as _;
             let cx = crate::entry::headers_of(&job.entry.map)
@@ -47,51 +60,45 @@ where
                 span.add_link(cx.span().span_context().clone());
             }
         }
-        let outage = self.process_batch_inner(&jobs).instrument(span).await;
-        Done {
-            entries: jobs
-                .into_iter()
-                .map(|job| (job.stream, job.entry.id))
-                .collect(),
-            outage,
-        }
+        self.process_batch_inner(jobs).instrument(span).await
     }
 
-    /// Returns whether Redis or the store failed as a whole.
-    async fn process_batch_inner(&self, jobs: &[Job]) -> bool {
-        let mut outage = false;
-        let mut acks: Vec<&Job> = Vec::new();
-        let mut runs: Vec<&Job> = Vec::new();
+    /// How each of `jobs` ended, in order.
+    async fn process_batch_inner(&self, jobs: &[Job]) -> Vec<Outcome> {
+        let mut ended = vec![Outcome::Acked; jobs.len()];
+        let mut acks: Vec<usize> = Vec::new();
+        let mut runs: Vec<usize> = Vec::new();
         let mut deliveries: Vec<Delivery> = Vec::new();
-        for job in jobs {
+        for (i, job) in jobs.iter().enumerate() {
             match self.screen(job) {
                 Screened::Deliver(delivery) => {
-                    runs.push(job);
+                    runs.push(i);
                     deliveries.push(delivery);
                 }
                 Screened::Ignore => {
                     self.count(Count::Ignored, Some(&job.stream));
-                    acks.push(job);
+                    acks.push(i);
                 }
-                Screened::DeadLetter(reason) => outage |= self.dead_letter(job, &reason).await,
-                Screened::OverLimit => outage |= self.over_limit(job).await,
+                Screened::DeadLetter(reason) => ended[i] = self.dead_letter(job, &reason).await,
+                Screened::OverLimit => ended[i] = self.over_limit(job).await,
             }
         }
         if !deliveries.is_empty() {
             match self.attempt_batch(deliveries).await {
                 Ok(outcomes) => {
-                    for (job, outcome) in runs.into_iter().zip(outcomes) {
+                    for (i, outcome) in runs.into_iter().zip(outcomes) {
+                        let job = &jobs[i];
                         match outcome {
                             Ok(Processed::Applied) => {
                                 self.count(Count::Consumed, Some(&job.stream));
-                                acks.push(job);
+                                acks.push(i);
                             }
                             Ok(Processed::Duplicate) => {
                                 self.count(Count::Duplicate, Some(&job.stream));
-                                acks.push(job);
+                                acks.push(i);
                             }
                             Err(e) if e.is_poison() => {
-                                outage |= self
+                                ended[i] = self
                                     .dead_letter(job, &outbox_core::error_chain(&e).to_string())
                                     .await;
                             }
@@ -99,10 +106,10 @@ where
                                 // Only its savepoint rolled back: it runs again on its own.
                                 tracing::debug!(error = %outbox_core::error_chain(&e), "transient database conflict; running the message again on its own");
                                 self.count(Count::Conflict, Some(&job.stream));
-                                outage |= self.process_inner(job).await;
+                                ended[i] = self.process_inner(job).await;
                             }
                             Err(e) => {
-                                outage |= self
+                                ended[i] = self
                                     .failed(
                                         job,
                                         &outbox_core::error_chain(&e).to_string(),
@@ -123,11 +130,11 @@ where
                     // Each message runs again on its own, so a conflict costs its own
                     // message at most.
                     tracing::debug!(%reason, "transient database conflict rolled the batch back; running its messages one by one");
-                    for job in &runs {
-                        self.count(Count::Conflict, Some(&job.stream));
+                    for &i in &runs {
+                        self.count(Count::Conflict, Some(&jobs[i].stream));
                     }
-                    for job in runs {
-                        outage |= self.process_inner(job).await;
+                    for i in runs {
+                        ended[i] = self.process_inner(&jobs[i]).await;
                     }
                 }
                 Err(BatchFailed {
@@ -135,13 +142,19 @@ where
                     outage: store_down,
                     ..
                 }) => {
-                    for job in runs {
-                        outage |= self.failed(job, &reason, store_down).await;
+                    for i in runs {
+                        ended[i] = self.failed(&jobs[i], &reason, store_down).await;
                     }
                 }
             }
         }
-        outage | self.ack_all(&acks).await
+        let acked: Vec<&Job> = acks.iter().map(|&i| &jobs[i]).collect();
+        if self.ack_all(&acked).await {
+            for i in acks {
+                ended[i] = Outcome::Pending { outage: true };
+            }
+        }
+        ended
     }
 
     /// The checks before the store, as in single mode: the delivery limit, the entry's

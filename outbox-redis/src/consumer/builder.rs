@@ -9,7 +9,7 @@ use super::health::HealthState;
 use super::read::Reader;
 use super::stats::Counters;
 use super::{Consumer, ConsumerConfig, Inner};
-use crate::conn::{Target, by_slot, check_prefix, stream_name};
+use crate::conn::{Target, by_slot, check_prefix, partition_stream_name, stream_name};
 use crate::{Error, Result};
 
 /// Marks a [`ConsumerBuilder`] that has no idempotency store yet; see
@@ -162,12 +162,12 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
         let config = self.config;
         let cluster = target.is_cluster();
         check_prefix(&config.stream_prefix, cluster)?;
-        let streams: Vec<Arc<str>> = self
-            .dispatcher
-            .topics()
-            .iter()
-            .map(|t| Arc::<str>::from(stream_name(&config.stream_prefix, t, cluster)))
-            .collect();
+        if cluster && config.ordered.is_some() {
+            return Err(
+                InvalidConfig::new("ordered", "is not available on a Redis Cluster yet").into(),
+            );
+        }
+        let streams = streams(self.dispatcher.topics(), &config, cluster);
         let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
         let readers = readers(&target, &config, &streams)?;
         let commands = target.connector(config.connect_timeout, config.response_timeout)?;
@@ -209,8 +209,34 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
         if self.dispatcher.topics().is_empty() {
             return Err(Error::NoHandler);
         }
+        if let Some(topic) = (self.config.partitions.keys())
+            .find(|t| !self.dispatcher.topics().contains(&t.as_str()))
+        {
+            return Err(InvalidConfig::new(
+                "partitions",
+                format!("names the topic {topic:?}, which no handler of this consumer reads"),
+            )
+            .into());
+        }
         Ok(())
     }
+}
+
+/// The streams of `topics`: one per topic, or one per partition of a topic with a
+/// partition count above one (`<prefix><topic>:<p>`).
+fn streams(topics: &[&str], config: &ConsumerConfig, cluster: bool) -> Vec<Arc<str>> {
+    let prefix = &config.stream_prefix;
+    let mut streams = Vec::new();
+    for topic in topics {
+        match config.partitions.get(*topic) {
+            Some(partitions) => streams.extend(
+                (0..partitions.get())
+                    .map(|p| Arc::from(partition_stream_name(prefix, topic, p, cluster))),
+            ),
+            None => streams.push(Arc::from(stream_name(prefix, topic, cluster))),
+        }
+    }
+    streams
 }
 
 /// One blocking reader for all streams; on a cluster one per hash slot, each on its own

@@ -1,8 +1,9 @@
 //! Consumer settings.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_core::{InvalidConfig, OutageBackoff};
+use outbox_core::{InvalidConfig, OutageBackoff, Partitions};
 
 use crate::publisher::DEFAULT_STREAM_PREFIX;
 
@@ -117,6 +118,21 @@ pub struct ConsumerConfig {
     /// the same from outside. Dead-letter streams are bounded by
     /// [`dead_letter_max_len`](Self::dead_letter_max_len) instead.
     pub trim_interval: Option<Duration>,
+    /// The partition count of partitioned topics (default: none; a topic not listed has
+    /// one stream). A topic published to `P > 1` partition streams
+    /// (`<prefix><topic>:0` .. `<prefix><topic>:<P-1>`) must be read with the same
+    /// count: the consumer then reads, and creates its group on, all `P` streams. Set
+    /// it with [`with_partitions`](Self::with_partitions); every topic listed must be
+    /// one of the consumer's handled topics.
+    pub partitions: BTreeMap<String, Partitions>,
+    /// Opt-in ordered mode (default `None`: any consumer of the group may take any
+    /// entry, as Redis consumer groups do). With `Some(..)`, each stream of the
+    /// consumer's topics (each partition of a partitioned topic) is read by one consumer
+    /// of the group at a time, the holder of its lease, and the entries of one key are
+    /// handled one after another in stream order; see [`OrderedConfig`] and
+    /// docs/partitions.md ("Ordered consumers"). Applies to every topic of this
+    /// consumer; not available on a Redis Cluster yet.
+    pub ordered: Option<OrderedConfig>,
     /// Pauses after Redis or the idempotency store fails as a whole.
     pub outage_backoff: OutageBackoff,
     /// How long [`run_until`](crate::Consumer::run_until) waits, after its shutdown signal, for
@@ -146,6 +162,8 @@ impl Default for ConsumerConfig {
             connect_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
             trim_interval: None,
+            partitions: BTreeMap::new(),
+            ordered: None,
             outage_backoff: OutageBackoff::default(),
             shutdown_timeout: Duration::from_secs(20),
         }
@@ -275,6 +293,27 @@ impl ConsumerConfig {
         self
     }
 
+    /// Sets the partition count of `topic` in [`partitions`](Self::partitions) (one
+    /// partition removes the topic from the map), keeping the other topics' counts.
+    #[must_use]
+    pub fn with_partitions(mut self, topic: impl Into<String>, partitions: Partitions) -> Self {
+        let topic = topic.into();
+        if partitions == Partitions::ONE {
+            self.partitions.remove(&topic);
+        } else {
+            self.partitions.insert(topic, partitions);
+        }
+        self
+    }
+
+    /// Sets [`ordered`](Self::ordered): `Some(OrderedConfig::default())` turns ordered
+    /// mode on, `None` off.
+    #[must_use]
+    pub fn with_ordered(mut self, ordered: impl Into<Option<OrderedConfig>>) -> Self {
+        self.ordered = ordered.into();
+        self
+    }
+
     /// Sets [`outage_backoff`](Self::outage_backoff).
     #[must_use]
     pub fn with_outage_backoff(mut self, outage_backoff: OutageBackoff) -> Self {
@@ -354,9 +393,100 @@ impl ConsumerConfig {
                 return broken(field, "must be at most a day");
             }
         }
+        if let Some(ordered) = &self.ordered {
+            ordered.validate().map_err(|e| e.in_field("ordered"))?;
+        }
         self.outage_backoff
             .validate()
             .map_err(|e| e.in_field("outage_backoff"))
+    }
+}
+
+/// What an ordered consumer does with a key once one of its entries was dead-lettered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AfterDeadLetter {
+    /// The key moves on to its next entry (the default): the dead-lettered entry is
+    /// skipped, and an operator may redrive it later (it then comes after the key's
+    /// later entries).
+    #[default]
+    MoveOn,
+    /// The key stays blocked: its later entries wait, pending, until an operator
+    /// removes the key from the partition's hash of blocked keys
+    /// (`HDEL <stream>:blocked:<group> <key>`, or [`unblock_key`](crate::unblock_key));
+    /// [`blocked_keys`](crate::blocked_keys) lists them. A blocked key holds its
+    /// entries in memory and, once they fill the read-ahead, holds its whole
+    /// partition back.
+    Block,
+}
+
+/// Settings of ordered mode ([`ConsumerConfig::ordered`]); `Default` gives the values
+/// documented on each field.
+///
+/// Each stream (a partition of a partitioned topic, or an unpartitioned topic's stream)
+/// is read only by the consumer holding its lease in Redis (`<stream>:lease:<group>`).
+/// A lease lasts [`lease_ttl`](Self::lease_ttl), is renewed every third of it, and a
+/// holder that could not renew it in time stops handling the stream's entries at once.
+/// The live consumers of the group share the streams evenly (each holds at most
+/// `ceil(streams / consumers)`); one that joins, leaves or dies is rebalanced within a
+/// few lease periods.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_redis::{AfterDeadLetter, ConsumerConfig, OrderedConfig};
+///
+/// let config = ConsumerConfig::default().with_ordered(
+///     OrderedConfig::default()
+///         .with_lease_ttl(Duration::from_secs(5))
+///         .with_after_dead_letter(AfterDeadLetter::Block),
+/// );
+/// assert!(config.validate().is_ok());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct OrderedConfig {
+    /// How long a lease lasts without renewal (default 10 s): how long the streams of a
+    /// consumer that died (or stalled) wait before another consumer takes them over.
+    /// Renewed every third of it; at least 300 ms and at most a day.
+    pub lease_ttl: Duration,
+    /// What happens to a key after one of its entries was dead-lettered (default
+    /// [`AfterDeadLetter::MoveOn`]).
+    pub after_dead_letter: AfterDeadLetter,
+}
+
+impl Default for OrderedConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(10),
+            after_dead_letter: AfterDeadLetter::MoveOn,
+        }
+    }
+}
+
+impl OrderedConfig {
+    /// Sets [`lease_ttl`](Self::lease_ttl).
+    #[must_use]
+    pub fn with_lease_ttl(mut self, lease_ttl: Duration) -> Self {
+        self.lease_ttl = lease_ttl;
+        self
+    }
+
+    /// Sets [`after_dead_letter`](Self::after_dead_letter).
+    #[must_use]
+    pub fn with_after_dead_letter(mut self, after_dead_letter: AfterDeadLetter) -> Self {
+        self.after_dead_letter = after_dead_letter;
+        self
+    }
+
+    /// Checks `lease_ttl`: from 300 ms (a renewal every 100 ms) to a day.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.lease_ttl < Duration::from_millis(300) || self.lease_ttl > DAY {
+            return Err(InvalidConfig::new(
+                "lease_ttl",
+                "must be between 300 ms and a day",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -397,6 +527,10 @@ mod tests {
             ),
             (ok().with_response_timeout(too_long), "response_timeout"),
             (ok().with_shutdown_timeout(too_long), "shutdown_timeout"),
+            (
+                ok().with_ordered(OrderedConfig::default().with_lease_ttl(Duration::ZERO)),
+                "ordered.lease_ttl",
+            ),
             (
                 ok().with_outage_backoff(
                     OutageBackoff::default()

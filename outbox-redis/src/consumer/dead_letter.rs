@@ -3,8 +3,11 @@
 use outbox_core::Inbox;
 use redis::RedisResult;
 
+use super::AfterDeadLetter;
+use super::lanes::entry_key;
 use super::stats::Count;
-use super::{Consumer, Job};
+use super::{Consumer, Job, Outcome};
+use crate::conn::blocked_key;
 use crate::entry::value_bytes;
 
 impl<I, C> Consumer<I, C>
@@ -14,8 +17,8 @@ where
 {
     /// Copies the entry to the dead-letter stream and acks it, in one transaction (on a
     /// cluster the dead-letter stream shares the stream's hash slot, which `MULTI` needs).
-    /// Returns whether Redis failed.
-    pub(super) async fn dead_letter(&self, job: &Job, reason: &str) -> bool {
+    /// If Redis failed, the entry stays pending.
+    pub(super) async fn dead_letter(&self, job: &Job, reason: &str) -> Outcome {
         let inner = &self.inner;
         let dead = self.dead_letter_stream(&job.stream);
         let mut pipe = redis::pipe();
@@ -46,6 +49,19 @@ where
             xadd.arg(field).arg(value_bytes(value));
         }
         xadd.ignore();
+        if inner
+            .config
+            .ordered
+            .as_ref()
+            .is_some_and(|o| o.after_dead_letter == AfterDeadLetter::Block)
+        {
+            // In the same transaction: the key can never move on unblocked.
+            pipe.cmd("HSET")
+                .arg(blocked_key(&job.stream, &inner.group))
+                .arg(entry_key(&job.entry))
+                .arg(&job.entry.id)
+                .ignore();
+        }
         pipe.cmd("XACK")
             .arg(&*job.stream)
             .arg(&inner.group)
@@ -59,11 +75,12 @@ where
         let failed = self
             .redis_done(written, "dead-lettering failed; the entry stays pending")
             .await;
-        if !failed {
-            tracing::warn!(dead_letter_stream = %dead, %reason, "entry dead-lettered");
-            self.count(Count::DeadLettered, Some(&job.stream));
+        if failed {
+            return Outcome::Pending { outage: true };
         }
-        failed
+        tracing::warn!(dead_letter_stream = %dead, %reason, "entry dead-lettered");
+        self.count(Count::DeadLettered, Some(&job.stream));
+        Outcome::DeadLettered
     }
 }
 

@@ -6,7 +6,7 @@ use outbox_core::{Inbox, Processed};
 use redis::RedisResult;
 
 use super::stats::Count;
-use super::{Consumer, Job};
+use super::{Consumer, Job, Outcome};
 use crate::conn::topic_of;
 use crate::entry::envelope_from_fields;
 
@@ -19,9 +19,8 @@ where
     /// stalled past `min_idle` each time, and running it again could crash this one too.
     /// It is dead-lettered without running its handler, unless the inbox shows it was
     /// applied and only its `XACK` got lost: then it is acknowledged as a duplicate (asked
-    /// by a `process` whose closure refuses, so nothing is written either way). Returns
-    /// whether Redis or the store failed as a whole.
-    pub(super) async fn over_limit(&self, job: &Job) -> bool {
+    /// by a `process` whose closure refuses, so nothing is written either way).
+    pub(super) async fn over_limit(&self, job: &Job) -> Outcome {
         let inner = &self.inner;
         let reason = format!(
             "delivery limit exceeded: delivered {} times (limit {}) without being processed",
@@ -55,7 +54,7 @@ where
             // Asking met a conflict: nothing is known yet; ask again at the next claim.
             Ok(Err(e)) if e.is_transient() => {
                 self.count(Count::Conflict, Some(&job.stream));
-                false
+                Outcome::Pending { outage: false }
             }
             _ => self.dead_letter(job, &reason).await,
         }
@@ -63,25 +62,31 @@ where
 
     /// A failed attempt: after a store outage the delivery is not counted; a handler
     /// failure on the last delivery is dead-lettered, earlier ones stay pending.
-    /// Returns whether Redis or the store failed as a whole.
-    pub(super) async fn failed(&self, job: &Job, reason: &str, outage: bool) -> bool {
+    pub(super) async fn failed(&self, job: &Job, reason: &str, outage: bool) -> Outcome {
         self.count(Count::Failure, Some(&job.stream));
         if outage {
             tracing::warn!(entry_id = %job.entry.id, %reason, "idempotency store unavailable; the message will be retried");
             self.uncount_delivery(job).await;
-            true
+            Outcome::Pending { outage: true }
         } else if job.delivery_count >= self.inner.config.max_deliveries {
             tracing::warn!(entry_id = %job.entry.id, %reason, "handler failed on its last delivery");
             self.dead_letter(job, reason).await
         } else {
             tracing::warn!(entry_id = %job.entry.id, %reason, "handler failed; the message will be retried");
-            false
+            Outcome::Pending { outage: false }
         }
     }
 
     /// After a store outage: sets the entry's delivery count back, so that outages never
     /// bring a message closer to the dead-letter stream. Best effort.
     async fn uncount_delivery(&self, job: &Job) {
+        self.set_delivery_count(job, job.delivery_count.saturating_sub(1))
+            .await;
+    }
+
+    /// Sets the entry's delivery count in the group to `count` (`XCLAIM .. RETRYCOUNT`,
+    /// to this consumer, which holds it already). Best effort.
+    pub(super) async fn set_delivery_count(&self, job: &Job, count: u64) {
         let inner = &self.inner;
         let reset: RedisResult<redis::Value> = async {
             let mut conn = inner.commands.get().await?;
@@ -92,13 +97,13 @@ where
                 .arg(0)
                 .arg(&job.entry.id)
                 .arg("RETRYCOUNT")
-                .arg(job.delivery_count.saturating_sub(1))
+                .arg(count)
                 .arg("JUSTID")
                 .query_async(&mut conn)
                 .await
         }
         .await;
-        self.redis_done(reset, "cannot reset the delivery count")
+        self.redis_done(reset, "cannot set the delivery count")
             .await;
     }
 }

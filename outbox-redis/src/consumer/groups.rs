@@ -8,6 +8,7 @@ use redis::RedisResult;
 use super::stats::Count;
 use super::{Consumer, StartFrom};
 use crate::Result;
+use crate::conn::partitions_key;
 
 impl<I, C> Consumer<I, C>
 where
@@ -57,7 +58,34 @@ where
                 return Err(e.into());
             }
         }
+        self.check_partitions(&mut conn).await;
         Ok(())
+    }
+
+    /// Warns about each topic whose partition count, as its publishers recorded it
+    /// (`<prefix>partitions`), differs from this consumer's: entries of partitions it
+    /// does not read would never be handled. Best effort: a topic without a record (no
+    /// partitioned publisher yet) is not checked.
+    async fn check_partitions(&self, conn: &mut crate::conn::Conn) {
+        let inner = &self.inner;
+        for topic in inner.dispatcher.topics() {
+            let published: RedisResult<Option<u32>> = redis::cmd("HGET")
+                .arg(partitions_key(&inner.config.stream_prefix))
+                .arg(*topic)
+                .query_async(&mut *conn)
+                .await;
+            let read = inner.config.partitions.get(*topic).map_or(1, |p| p.get());
+            if let Ok(Some(published)) = published
+                && published != read
+            {
+                tracing::warn!(
+                    topic,
+                    published,
+                    read,
+                    "the topic is published to another number of partitions than this consumer reads"
+                );
+            }
+        }
     }
 
     /// Creates the groups, waiting out an outage of Redis (a consumer started before

@@ -9,7 +9,7 @@ use crate::entry::value_bytes;
 
 /// The ordering key of an entry, as the relay wrote it (the `key` field; an entry of
 /// another producer without one falls back to its `msg_id`).
-fn entry_key(entry: &StreamId) -> Vec<u8> {
+pub(super) fn entry_key(entry: &StreamId) -> Vec<u8> {
     entry
         .map
         .get("key")

@@ -9,7 +9,8 @@
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
 //! - [`single`]: one transaction per message; [`batch`] and [`lanes`]: batch mode;
 //! - [`failure`] and [`dead_letter`]: failed deliveries; [`ack`]: `XACK`;
-//!   [`trim`]: the periodic trim.
+//!   [`trim`]: the periodic trim;
+//! - [`ordered`]: ordered mode, its own loop over leased streams and per-key queues.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +33,7 @@ mod groups;
 mod health;
 mod in_flight;
 mod lanes;
+mod ordered;
 mod read;
 mod run;
 mod single;
@@ -39,7 +41,7 @@ mod stats;
 mod trim;
 
 pub use builder::{ConsumerBuilder, NoInbox};
-pub use config::{ConsumerConfig, StartFrom};
+pub use config::{AfterDeadLetter, ConsumerConfig, OrderedConfig, StartFrom};
 pub use health::ConsumerHealth;
 pub use stats::ConsumerStats;
 
@@ -156,6 +158,25 @@ struct Job {
     stream: Arc<str>,
     entry: StreamId,
     delivery_count: u64,
+}
+
+/// How the work on one entry ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Acknowledged (or queued for it): applied, a duplicate, or ignored.
+    Acked,
+    /// Copied to the dead-letter stream and acknowledged.
+    DeadLettered,
+    /// Still pending: a handler failed (retried later), or Redis or the store failed as
+    /// a whole (`outage`).
+    Pending { outage: bool },
+}
+
+impl Outcome {
+    /// Whether Redis or the store failed as a whole.
+    fn outage(self) -> bool {
+        matches!(self, Outcome::Pending { outage: true })
+    }
 }
 
 /// How a job or a batch of jobs ended, reported to the run loop.

@@ -54,6 +54,14 @@ where
         }
         let inner = &self.inner;
         let span = tracing::info_span!("outbox.consumer", group = %inner.group, consumer = %inner.consumer_name);
+        if inner.config.ordered.is_some() {
+            tracing::info!(parent: &span, streams = ?inner.streams, "ordered consumer started");
+            let running = Running::new(&inner.health);
+            self.run_ordered(&mut shutdown, span.clone()).await;
+            drop(running);
+            tracing::info!(parent: &span, "consumer stopped");
+            return Ok(());
+        }
         let in_flight = InFlight::default();
         let keep_alive = tokio::spawn(
             self.clone()

@@ -7,7 +7,7 @@ use outbox_core::{Delivery, Inbox, Prepared, Processed};
 use tracing::Instrument as _;
 
 use super::stats::Count;
-use super::{Consumer, Done, Job};
+use super::{Consumer, Done, Job, Outcome};
 use crate::conn::topic_of;
 use crate::entry::envelope_from_fields;
 
@@ -42,6 +42,15 @@ where
 {
     /// Processes one entry to the end: dead-letter, ack, or leave pending.
     pub(super) async fn process(self, job: Job) -> Done {
+        let outcome = self.process_one(&job).await;
+        Done {
+            entries: vec![(job.stream, job.entry.id)],
+            outage: outcome.outage(),
+        }
+    }
+
+    /// [`process_inner`](Self::process_inner) in the entry's `outbox.consume` span.
+    pub(super) async fn process_one(&self, job: &Job) -> Outcome {
         let span = tracing::info_span!(
             "outbox.consume",
             stream = &*job.stream,
@@ -55,15 +64,11 @@ where
         if let Some(headers) = crate::entry::headers_of(&job.entry.map) {
             outbox_core::trace::set_parent(&span, &headers);
         }
-        let outage = self.process_inner(&job).instrument(span).await;
-        Done {
-            entries: vec![(job.stream, job.entry.id)],
-            outage,
-        }
+        self.process_inner(job).instrument(span).await
     }
 
-    /// Returns whether Redis or the store failed as a whole.
-    pub(super) async fn process_inner(&self, job: &Job) -> bool {
+    /// Processes one entry: dead-letter, ack, or leave pending.
+    pub(super) async fn process_inner(&self, job: &Job) -> Outcome {
         let inner = &self.inner;
         let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
         if job.delivery_count > inner.config.max_deliveries {

@@ -1,0 +1,135 @@
+//! Ordered mode's reads: `XREADGROUP` only while the lease is ours, checked by Redis in
+//! the same script; then, when nothing came, a blocking `XREAD` that takes nothing and
+//! only waits for new entries.
+//!
+//! A plain blocking `XREADGROUP` would hand entries to whoever is blocked on the stream:
+//! a consumer that lost its lease while blocked (stopped with `SIGSTOP`, or releasing the
+//! stream) would take entries the holder then never sees, and that would come back
+//! later, out of order. Checked in Redis, a read delivers entries only to the holder.
+
+use std::sync::Arc;
+
+use outbox_core::Inbox;
+use redis::streams::StreamReadReply;
+use redis::{FromRedisValue, ParsingError, RedisResult, Value};
+
+use super::super::{Consumer, Job, duration_ms};
+use crate::lease::{Lease, eval};
+
+/// `KEYS[1]` the stream, `KEYS[2]` its lease; `ARGV`: the lease's value, the group, the
+/// consumer, the count. Returns -1 if the lease is not the caller's; else the
+/// `XREADGROUP` reply; else (nothing new) the stream's last entry id, or `0-0`.
+const READ: &str = r"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
+if r then return r end
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if top[1] then return top[1][1] end
+return '0-0'
+";
+
+/// One stream's answer to [`READ`].
+enum Fenced {
+    /// The lease is not ours (any more).
+    Lost,
+    Entries(StreamReadReply),
+    /// Nothing new after this id.
+    Empty(String),
+}
+
+impl FromRedisValue for Fenced {
+    fn from_redis_value(v: Value) -> Result<Self, ParsingError> {
+        match v {
+            Value::Int(-1) => Ok(Self::Lost),
+            Value::Array(_) => Ok(Self::Entries(StreamReadReply::from_redis_value(v)?)),
+            v => Ok(Self::Empty(String::from_redis_value(v)?)),
+        }
+    }
+}
+
+/// What a read of the streams held brought.
+#[derive(Default)]
+pub(super) struct Read {
+    pub(super) jobs: Vec<Job>,
+    /// Streams whose lease Redis no longer has as ours.
+    pub(super) lost: Vec<Arc<str>>,
+}
+
+impl<I, C> Consumer<I, C>
+where
+    I: Inbox<Conn = C>,
+    C: 'static,
+{
+    /// New entries of `held` (each stream with its lease), up to `count` per stream,
+    /// with one pipeline of [`READ`] scripts. When none came, waits up to `block` for
+    /// one to be added (`XREAD BLOCK`, which takes nothing), and returns nothing: the
+    /// next read takes it.
+    pub(super) async fn read_fenced(
+        self,
+        held: Vec<(Arc<str>, Arc<Lease>)>,
+        count: usize,
+    ) -> RedisResult<Read> {
+        let inner = &self.inner;
+        // Ordered mode runs on one server: one reader.
+        let reader = &inner.readers[0];
+        let mut pipe = redis::pipe();
+        for (stream, lease) in &held {
+            pipe.add_command(
+                eval(READ, 2)
+                    .arg(&**stream)
+                    .arg(lease.key())
+                    .arg(lease.value())
+                    .arg(&inner.group)
+                    .arg(&inner.consumer_name)
+                    .arg(count.max(1))
+                    .clone(),
+            );
+        }
+        let mut conn = reader.conn.get().await?;
+        let replies: Vec<Fenced> = match pipe.query_async(&mut conn).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                reader.conn.check(&e).await;
+                return Err(e);
+            }
+        };
+        let mut read = Read::default();
+        let mut tops = Vec::new();
+        for ((stream, lease), reply) in held.iter().zip(replies) {
+            match reply {
+                Fenced::Lost => {
+                    lease.give_up();
+                    read.lost.push(Arc::clone(stream));
+                }
+                Fenced::Entries(reply) => {
+                    for key in reply.keys {
+                        read.jobs.extend(key.ids.into_iter().map(|entry| Job {
+                            stream: Arc::clone(stream),
+                            entry,
+                            delivery_count: 1,
+                        }));
+                    }
+                }
+                Fenced::Empty(top) => tops.push((stream, top)),
+            }
+        }
+        if read.jobs.is_empty() && read.lost.is_empty() && !tops.is_empty() {
+            let mut wait = redis::cmd("XREAD");
+            wait.arg("BLOCK")
+                .arg(duration_ms(inner.config.block))
+                .arg("STREAMS");
+            for (stream, _) in &tops {
+                wait.arg(&***stream);
+            }
+            for (_, top) in &tops {
+                wait.arg(top);
+            }
+            let woken: RedisResult<Value> = wait.query_async(&mut conn).await;
+            if let Err(e) = woken {
+                reader.conn.check(&e).await;
+                return Err(e);
+            }
+        }
+        Ok(read)
+    }
+}

@@ -1,0 +1,458 @@
+//! Partitioned topics and ordered consumers against the real Redis: an unordered
+//! consumer reads every partition stream; ordered consumers share the partitions by
+//! lease, keep every key's order through failures, takeovers and rebalancing, and keep a
+//! key blocked after a dead letter when told to, until an operator unblocks it.
+
+mod fixtures;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fixtures::{cleanup, conn, eventually, pending_count, redis_url, unique, unique_prefix};
+use outbox_core::{
+    Delivery, Envelope, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent, Partitions,
+    partition_of,
+};
+use outbox_redis::redis::{self, aio::MultiplexedConnection};
+use outbox_redis::{AfterDeadLetter, Consumer, ConsumerConfig, OrderedConfig, entry_fields};
+
+/// One step of a key's sequence.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(topic = "ordered.step", key = key, id = "{key}/{seq}")]
+struct Step {
+    key: String,
+    seq: i64,
+}
+
+const TOPIC: &str = "ordered.step";
+
+/// What the handlers committed: per key, the sequence numbers applied in order, and
+/// every step applied out of its key's order.
+#[derive(Debug, Default, Clone)]
+struct Applied {
+    by_key: BTreeMap<String, Vec<i64>>,
+    violations: Vec<String>,
+}
+
+/// Applies a step in its transaction, checking it follows its key's last one (unless
+/// `gaps` are expected); fails the first delivery of the steps `fail_first` picks, and
+/// every delivery of those `fail_always` picks.
+#[derive(Clone)]
+struct Apply {
+    seen: Arc<Mutex<HashSet<String>>>,
+    fail_first: fn(&Step) -> bool,
+    fail_always: fn(&Step) -> bool,
+    gaps: bool,
+}
+
+impl Apply {
+    fn new(fail_first: fn(&Step) -> bool) -> Self {
+        Self {
+            seen: Arc::default(),
+            fail_first,
+            fail_always: |_| false,
+            gaps: false,
+        }
+    }
+}
+
+impl Handler<Step> for Apply {
+    type Conn = MemoryTx<Applied>;
+
+    fn handle(&self, e: Step, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+        let first = self
+            .seen
+            .lock()
+            .unwrap()
+            .insert(format!("{}/{}", e.key, e.seq));
+        if (first && (self.fail_first)(&e)) || (self.fail_always)(&e) {
+            return Err(HandlerError::msg(format!("{}/{} refused", e.key, e.seq)));
+        }
+        let data = tx.data();
+        let applied = data.by_key.entry(e.key.clone()).or_default();
+        let last = applied.last().copied().unwrap_or(0);
+        if !self.gaps && e.seq != last + 1 {
+            data.violations
+                .push(format!("{}: {} after {last}", e.key, e.seq));
+        }
+        applied.push(e.seq);
+        Ok(())
+    }
+}
+
+fn partitions(n: u32) -> Partitions {
+    Partitions::new(n).unwrap()
+}
+
+/// Publishes `steps` as a foreign producer would: each to its key's partition stream.
+async fn produce(conn: &mut MultiplexedConnection, prefix: &str, p: u32, steps: &[Step]) {
+    let mut pipe = redis::pipe();
+    for step in steps {
+        let envelope = Envelope::from_event(step, 1 << 20).unwrap();
+        let stream = stream_of(prefix, p, partition_of(&step.key, partitions(p)));
+        let cmd = pipe.cmd("XADD").arg(stream).arg("*");
+        for (field, value) in entry_fields(&envelope) {
+            cmd.arg(field).arg(&*value);
+        }
+        cmd.ignore();
+    }
+    let () = pipe.query_async(conn).await.unwrap();
+}
+
+/// The stream of `partition` of `p`: unpartitioned for one.
+fn stream_of(prefix: &str, p: u32, partition: u32) -> String {
+    if p == 1 {
+        format!("{prefix}{TOPIC}")
+    } else {
+        format!("{prefix}{TOPIC}:{partition}")
+    }
+}
+
+/// `keys` keys of `steps` steps each, interleaved as writers would produce them.
+fn steps(keys: usize, steps: i64) -> Vec<Step> {
+    (1..=steps)
+        .flat_map(|seq| {
+            (0..keys).map(move |k| Step {
+                key: format!("k{k}"),
+                seq,
+            })
+        })
+        .collect()
+}
+
+fn config(prefix: &str, p: u32) -> ConsumerConfig {
+    ConsumerConfig::default()
+        .with_stream_prefix(prefix.to_owned())
+        .with_partitions(TOPIC, partitions(p))
+        .with_block(Duration::from_millis(200))
+        .with_max_in_flight(4)
+        .with_outage_backoff(
+            outbox_core::OutageBackoff::default()
+                .with_min(Duration::from_millis(10))
+                .with_max(Duration::from_millis(100)),
+        )
+}
+
+fn ordered(prefix: &str, p: u32) -> ConsumerConfig {
+    config(prefix, p).with_ordered(OrderedConfig::default().with_lease_ttl(Duration::from_secs(2)))
+}
+
+fn consumer(
+    config: ConsumerConfig,
+    group: &str,
+    db: &MemoryDb<Applied>,
+    handler: Apply,
+) -> Consumer<MemoryDb<Applied>> {
+    Consumer::builder(redis_url(), group)
+        .handle::<Step, _>(handler)
+        .idempotency(db.clone())
+        .with_config(config)
+        .build()
+        .unwrap()
+}
+
+/// A consumer run in a task; stopped gracefully, or dropped like a crashed process.
+struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<outbox_redis::Result<()>>,
+}
+
+fn start(consumer: &Consumer<MemoryDb<Applied>>) -> Running {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = consumer.clone();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(async {
+                stopped.await.ok();
+            })
+            .await
+    });
+    Running { stop, task }
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn complete(db: &MemoryDb<Applied>, keys: usize, last: i64) -> bool {
+    let applied = db.read(Clone::clone);
+    applied.by_key.len() == keys && applied.by_key.values().all(|s| s.len() as i64 == last)
+}
+
+fn assert_in_order_once(db: &MemoryDb<Applied>, keys: usize, last: i64) {
+    let applied = db.read(Clone::clone);
+    assert!(applied.violations.is_empty(), "{:?}", applied.violations);
+    assert_eq!(applied.by_key.len(), keys);
+    for (key, seqs) in &applied.by_key {
+        assert_eq!(*seqs, (1..=last).collect::<Vec<_>>(), "key {key}");
+    }
+}
+
+async fn nothing_pending(conn: &mut MultiplexedConnection, prefix: &str, p: u32, group: &str) {
+    for partition in 0..p {
+        let stream = stream_of(prefix, p, partition);
+        assert_eq!(pending_count(conn, &stream, group).await, 0, "{stream}");
+    }
+}
+
+/// The holder of each partition's lease (`None`: free).
+async fn holders(
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+    p: u32,
+    group: &str,
+) -> Vec<Option<String>> {
+    let mut holders = Vec::new();
+    for partition in 0..p {
+        let lease = format!("{}:lease:{group}", stream_of(prefix, p, partition));
+        let value: Option<String> = redis::cmd("GET")
+            .arg(lease)
+            .query_async(conn)
+            .await
+            .unwrap();
+        holders.push(value.map(|v| v.split_once(':').unwrap().1.to_owned()));
+    }
+    holders
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unordered_consumer_reads_every_partition_stream() {
+    let prefix = unique_prefix("partitioned");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let mut apply = Apply::new(|_| false);
+    apply.gaps = true;
+    let consumer = consumer(config(&prefix, 4), "g", &db, apply);
+    assert_eq!(
+        consumer.streams().collect::<Vec<_>>(),
+        (0..4)
+            .map(|p| format!("{prefix}{TOPIC}:{p}"))
+            .collect::<Vec<_>>()
+    );
+    let running = start(&consumer);
+    produce(&mut c, &prefix, 4, &steps(20, 5)).await;
+    eventually("every step applied", || complete(&db, 20, 5)).await;
+    running.stop().await;
+    assert_eq!(consumer.stats().consumed, 100);
+    nothing_pending(&mut c, &prefix, 4, "g").await;
+    cleanup(&prefix).await;
+}
+
+#[tokio::test]
+async fn partitions_of_a_topic_not_handled_are_a_config_error() {
+    let err = Consumer::builder(redis_url(), "g")
+        .handle::<Step, _>(Apply::new(|_| false))
+        .idempotency(MemoryDb::new(Applied::default()))
+        .with_config(ConsumerConfig::default().with_partitions("other.topic", partitions(4)))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("partitions"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_ordered_consumers_share_the_partitions_and_keep_every_key_in_order() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    // A first delivery in seven fails: its key waits for it while the others go on.
+    let apply = Apply::new(|s| s.seq % 7 == 3);
+    let a = consumer(ordered(&prefix, 4), &group, &db, apply.clone());
+    let b = consumer(ordered(&prefix, 4), &group, &db, apply);
+    let (ra, rb) = (start(&a), start(&b));
+    // Rebalanced: every partition held, two each.
+    let mut shared = false;
+    for _ in 0..300 {
+        let h = holders(&mut c, &prefix, 4, &group).await;
+        let by_a = h
+            .iter()
+            .filter(|x| x.as_deref() == Some(a.consumer_name()))
+            .count();
+        let by_b = h
+            .iter()
+            .filter(|x| x.as_deref() == Some(b.consumer_name()))
+            .count();
+        if by_a == 2 && by_b == 2 {
+            shared = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(shared, "{:?}", holders(&mut c, &prefix, 4, &group).await);
+    produce(&mut c, &prefix, 4, &steps(40, 10)).await;
+    eventually("every step applied", || complete(&db, 40, 10)).await;
+    ra.stop().await;
+    rb.stop().await;
+    assert_in_order_once(&db, 40, 10);
+    assert!(a.stats().consumed > 0 && b.stats().consumed > 0);
+    assert_eq!(a.stats().consumed + b.stats().consumed, 400);
+    assert!(a.stats().failures + b.stats().failures > 0);
+    nothing_pending(&mut c, &prefix, 4, &group).await;
+    // Shut down cleanly: the leases were given back.
+    assert!(
+        holders(&mut c, &prefix, 4, &group)
+            .await
+            .iter()
+            .all(Option::is_none)
+    );
+    cleanup(&prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_takeover_finishes_the_pending_entries_of_a_dead_holder_first_and_in_order() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    // The first holder fails everything: its entries stay pending, in its name.
+    let mut failing = Apply::new(|_| false);
+    failing.fail_always = |_| true;
+    // Retried in process again and again, never dead-lettered.
+    let config = ordered(&prefix, 2).with_max_deliveries(1_000_000);
+    let a = consumer(config.clone(), &group, &db, failing);
+    let ra = start(&a);
+    produce(&mut c, &prefix, 2, &steps(10, 3)).await;
+    eventually("the first holder failing", || a.stats().failures >= 10).await;
+    // It dies: no release, no ack; its leases expire.
+    ra.task.abort();
+    let _ = ra.task.await;
+    produce(&mut c, &prefix, 2, &steps(10, 6)[30..]).await;
+    let b = consumer(config, &group, &db, Apply::new(|_| false));
+    let rb = start(&b);
+    eventually("every step applied", || complete(&db, 10, 6)).await;
+    rb.stop().await;
+    assert_in_order_once(&db, 10, 6);
+    assert!(b.stats().reclaimed > 0, "{:?}", b.stats());
+    nothing_pending(&mut c, &prefix, 2, &group).await;
+    cleanup(&prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_taken_away_stops_the_reads_of_its_partition_at_once() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let a = consumer(ordered(&prefix, 1), &group, &db, Apply::new(|_| false));
+    let ra = start(&a);
+    let stream = format!("{prefix}{TOPIC}");
+    let lease = format!("{stream}:lease:{group}");
+    eventually_holder(&mut c, &lease).await;
+    // Another holder got it (as after an expiry): the old one must not read on.
+    let () = redis::cmd("SET")
+        .arg(&lease)
+        .arg("999:intruder")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let envelope = Envelope::from_event(
+        &Step {
+            key: "x".into(),
+            seq: 1,
+        },
+        1 << 20,
+    )
+    .unwrap();
+    let mut xadd = redis::cmd("XADD");
+    xadd.arg(&stream).arg("*");
+    for (field, value) in entry_fields(&envelope) {
+        xadd.arg(field).arg(&*value);
+    }
+    let _: String = xadd.query_async(&mut c).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        a.stats().consumed,
+        0,
+        "read while another holder had the lease"
+    );
+    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        .arg(&stream)
+        .arg(&group)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(pending.count(), 0, "nothing delivered to the old holder");
+    ra.stop().await;
+    cleanup(&prefix).await;
+}
+
+async fn eventually_holder(c: &mut MultiplexedConnection, lease: &str) {
+    for _ in 0..300 {
+        let v: Option<String> = redis::cmd("GET").arg(lease).query_async(c).await.unwrap();
+        if v.is_some() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("nobody took {lease}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_blocked_after_a_dead_letter_waits_for_the_operator() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let mut apply = Apply::new(|_| false);
+    apply.fail_always = |s| s.key == "k0" && s.seq == 2;
+    apply.gaps = true;
+    let config = ordered(&prefix, 1).with_max_deliveries(2).with_ordered(
+        OrderedConfig::default()
+            .with_lease_ttl(Duration::from_secs(2))
+            .with_after_dead_letter(AfterDeadLetter::Block),
+    );
+    let a = consumer(config, &group, &db, apply);
+    let ra = start(&a);
+    produce(&mut c, &prefix, 1, &steps(3, 4)).await;
+    eventually("the other keys applied", || {
+        let applied = db.read(Clone::clone);
+        applied.by_key.get("k1").is_some_and(|s| s.len() == 4)
+            && applied.by_key.get("k2").is_some_and(|s| s.len() == 4)
+    })
+    .await;
+    eventually("k0's step 2 dead-lettered", || a.stats().dead_lettered == 1).await;
+    let stream = format!("{prefix}{TOPIC}");
+    let blocked = outbox_redis::blocked_keys(&mut c, &stream, &group)
+        .await
+        .unwrap();
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(blocked[0].0, "k0");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(db.read(Clone::clone).by_key["k0"], [1], "k0 waits");
+    assert!(
+        outbox_redis::unblock_key(&mut c, &stream, &group, "k0")
+            .await
+            .unwrap()
+    );
+    eventually("k0 moving on", || {
+        db.read(Clone::clone).by_key["k0"].len() == 3
+    })
+    .await;
+    ra.stop().await;
+    assert_eq!(db.read(Clone::clone).by_key["k0"], [1, 3, 4]);
+    nothing_pending(&mut c, &prefix, 1, &group).await;
+    cleanup(&prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_batches_keep_every_key_in_order() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let config = ordered(&prefix, 4).with_batch_size(16);
+    let a = consumer(config, &group, &db, Apply::new(|s| s.seq % 5 == 2));
+    let ra = start(&a);
+    produce(&mut c, &prefix, 4, &steps(30, 8)).await;
+    eventually("every step applied", || complete(&db, 30, 8)).await;
+    ra.stop().await;
+    assert_in_order_once(&db, 30, 8);
+    nothing_pending(&mut c, &prefix, 4, &group).await;
+    cleanup(&prefix).await;
+}
