@@ -18,6 +18,16 @@ pub trait OutboxEvent: Serialize + DeserializeOwned + Send + 'static {
     const TOPICS: &'static [&'static str];
     /// The payload's schema version, carried with each message (default 1).
     const SCHEMA_VERSION: u32;
+    /// How many partition streams each of [`TOPICS`](Self::TOPICS) is spread over, by
+    /// ordering key (`#[outbox(partitions = N)]`; default 1: one stream a topic, named
+    /// as without partitions). From 1 to [`MAX_PARTITIONS`](crate::MAX_PARTITIONS): the
+    /// derive refuses anything else, and [`Partitions::of_event`](crate::Partitions::of_event)
+    /// turns a hand-written value out of range into a compile error.
+    ///
+    /// The count only says what the type's producers and consumers should agree on; the
+    /// relay's publisher decides where messages go, so give it the same count (e.g.
+    /// `outbox_redis::PublisherConfig::with_partitions_of::<E>()`). See `docs/partitions.md`.
+    const PARTITIONS: u32 = 1;
 
     /// The topic of this value.
     fn topic(&self) -> &'static str;

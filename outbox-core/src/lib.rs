@@ -61,6 +61,7 @@ pub use store::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore};
 /// | `#[outbox(topic = "order.paid")]` | the stream topic, `[A-Za-z0-9._-]+` | type name split at case, dotted: `OrderPaid` → `order.paid` |
 /// | `#[outbox(name = "OrderPaid")]` | the event type name (structs; on enums, per variant) | the type (or variant) name |
 /// | `#[outbox(version = 2)]` | the payload's schema version | `1` |
+/// | `#[outbox(partitions = 8)]` | the partition streams each of its topics is spread over by ordering key, 1 to [`MAX_PARTITIONS`] ([`OutboxEvent::PARTITIONS`](trait@OutboxEvent); docs/partitions.md) | `1`: one stream a topic |
 /// | `#[outbox(key = field)]` | the ordering key: messages sharing it are published in order | the business key |
 /// | `#[outbox(id = "{tenant}/{order_id}")]` | the business key as a template over fields | — |
 /// | `#[outbox(crate = "my_app::outbox")]` | the path the generated code reaches `outbox-core` by | `::outbox_core` |

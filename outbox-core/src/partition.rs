@@ -7,7 +7,7 @@
 
 use std::num::NonZeroU32;
 
-use crate::InvalidConfig;
+use crate::{InvalidConfig, OutboxEvent};
 
 /// The most partitions a topic may have. Each partition is a stream with its own consumer
 /// lease; more than this costs Redis round trips without adding parallelism a consumer
@@ -32,6 +32,50 @@ impl Partitions {
                 "partitions",
                 format!("must be between 1 and {MAX_PARTITIONS}; got {count}"),
             )),
+        }
+    }
+
+    /// The partition count of event type `E`: its
+    /// [`OutboxEvent::PARTITIONS`]. A hand-written count out of `1..=`[`MAX_PARTITIONS`]
+    /// fails the build where this is called (the derive already refuses one), so the
+    /// value needs no check at run time.
+    ///
+    /// ```
+    /// use outbox_core::{OutboxEvent, Partitions};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    /// #[outbox(partitions = 8)]
+    /// struct OrderPaid { #[outbox(id)] order_id: String }
+    ///
+    /// assert_eq!(Partitions::of_event::<OrderPaid>().get(), 8);
+    /// ```
+    ///
+    /// A hand-written impl with a count of 0 does not build:
+    ///
+    /// ```compile_fail,E0080
+    /// use outbox_core::{OutboxEvent, Partitions};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct HandMade { key: String }
+    ///
+    /// impl OutboxEvent for HandMade {
+    ///     const EVENT_TYPES: &'static [&'static str] = &["HandMade"];
+    ///     const TOPICS: &'static [&'static str] = &["hand.made"];
+    ///     const SCHEMA_VERSION: u32 = 1;
+    ///     const PARTITIONS: u32 = 0;
+    ///     fn topic(&self) -> &'static str { "hand.made" }
+    ///     fn event_type(&self) -> &'static str { "HandMade" }
+    ///     fn business_key(&self) -> String { self.key.clone() }
+    /// }
+    ///
+    /// let _ = Partitions::of_event::<HandMade>();
+    /// ```
+    pub const fn of_event<E: OutboxEvent>() -> Self {
+        const {
+            match NonZeroU32::new(E::PARTITIONS) {
+                Some(n) if n.get() <= MAX_PARTITIONS => Self(n),
+                _ => panic!("OutboxEvent::PARTITIONS must be from 1 to MAX_PARTITIONS (1024)"),
+            }
         }
     }
 
@@ -123,7 +167,10 @@ mod tests {
             counts[p.of(&format!("order-{i}")) as usize] += 1;
         }
         // Even spread is 1,000 each; FNV-1a on such keys stays well inside ±20 %.
-        assert!(counts.iter().all(|&c| (800..=1_200).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (800..=1_200).contains(&c)),
+            "{counts:?}"
+        );
     }
 
     #[test]
@@ -135,6 +182,9 @@ mod tests {
         }
         assert_eq!(Partitions::new(1).unwrap(), Partitions::ONE);
         assert!(!Partitions::ONE.is_partitioned());
-        assert_eq!(Partitions::new(MAX_PARTITIONS).unwrap().get(), MAX_PARTITIONS);
+        assert_eq!(
+            Partitions::new(MAX_PARTITIONS).unwrap().get(),
+            MAX_PARTITIONS
+        );
     }
 }

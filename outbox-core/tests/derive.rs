@@ -1,7 +1,10 @@
 //! What `#[derive(OutboxEvent)]` promises: topics, event types, msg_ids, ordering keys and
 //! payloads, checked against concrete values.
 
-use outbox_core::{DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, InvalidMsgId, OutboxEvent};
+use outbox_core::{
+    DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, InvalidMsgId, MAX_PARTITIONS, OutboxEvent,
+    Partitions,
+};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
@@ -126,6 +129,53 @@ fn topic_name_version_and_key_attributes() {
     );
     // `key = customer`: messages of one customer keep their order, whatever the invoice.
     assert_eq!(e.ordering_key(), "cust-1");
+}
+
+/// `partitions = N` on a struct or an enum sets `PARTITIONS` for all its topics; without
+/// it the trait's default, one stream a topic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(partitions = 8, key = account)]
+struct Transfer {
+    #[outbox(id)]
+    transfer_id: String,
+    account: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(id = "{account}", partitions = 1024, topic = "ledger")]
+enum Accounts {
+    Debited {
+        account: String,
+    },
+    #[outbox(topic = "ledger.credits")]
+    Credited {
+        account: String,
+    },
+}
+
+#[test]
+fn partitions_attribute_sets_the_count_of_every_topic() {
+    assert_eq!(<Transfer as OutboxEvent>::PARTITIONS, 8);
+    assert_eq!(
+        Partitions::of_event::<Transfer>(),
+        Partitions::new(8).unwrap()
+    );
+    // The derive's upper bound is outbox_core's.
+    assert_eq!(<Accounts as OutboxEvent>::PARTITIONS, MAX_PARTITIONS);
+    assert_eq!(
+        <Accounts as OutboxEvent>::TOPICS,
+        ["ledger", "ledger.credits"]
+    );
+    assert_eq!(<Invoice as OutboxEvent>::PARTITIONS, 1);
+    assert_eq!(<HandMade as OutboxEvent>::PARTITIONS, 1);
+    assert_eq!(Partitions::of_event::<HandMade>(), Partitions::ONE);
+    // The partition follows the ordering key, not the msg_id.
+    let t = Transfer {
+        transfer_id: "t-1".into(),
+        account: "acct-7".into(),
+    };
+    let eight = Partitions::of_event::<Transfer>();
+    assert_eq!(eight.of(&t.ordering_key()), eight.of("acct-7"));
 }
 
 #[test]

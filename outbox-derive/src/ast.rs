@@ -19,6 +19,8 @@ pub(crate) struct Event<'a> {
     /// The enum's or struct's topic, inherited by variants that set none.
     pub(crate) topic: Text,
     pub(crate) version: u32,
+    /// `#[outbox(partitions = N)]`; `None` keeps the trait's default (one stream a topic).
+    pub(crate) partitions: Option<u32>,
     /// `#[outbox(crate = "...")]`: the path generated code reaches `outbox-core` by, in
     /// place of `::outbox_core`.
     pub(crate) krate: Option<Path>,
@@ -122,6 +124,7 @@ impl<'a> Event<'a> {
             None => Text::ident(case::dotted(&ident.unraw().to_string()), ident.span()),
         };
         let version = attrs.version.as_ref().map_or(1, |v| v.value);
+        let partitions = attrs.partitions.as_ref().map(|p| p.value);
         let krate = attrs.krate.clone();
         let mut event = Self {
             input,
@@ -129,6 +132,7 @@ impl<'a> Event<'a> {
             shape: Shape::Struct,
             topic,
             version,
+            partitions,
             krate,
             variants: Vec::new(),
         };

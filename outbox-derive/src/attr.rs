@@ -22,6 +22,8 @@ pub(crate) struct ContainerAttrs {
     pub(crate) topic: Option<Spanned<String>>,
     pub(crate) name: Option<Spanned<String>>,
     pub(crate) version: Option<Spanned<u32>>,
+    /// `partitions = N`: how many partition streams each of the type's topics has.
+    pub(crate) partitions: Option<Spanned<u32>>,
     pub(crate) key: Option<Ident>,
     pub(crate) id_template: Option<Spanned<String>>,
     /// `crate = "path"`: how generated code names `outbox-core`.
@@ -38,7 +40,7 @@ pub(crate) enum Place {
 }
 
 const CONTAINER_HELP: &str = "expected one of `topic = \"...\"`, `name = \"...\"`, \
-     `version = N`, `key = field`, `id = \"{field}...\"`, `crate = \"path\"`";
+     `version = N`, `partitions = N`, `key = field`, `id = \"{field}...\"`, `crate = \"path\"`";
 const VARIANT_HELP: &str =
     "expected one of `topic = \"...\"`, `name = \"...\"`, `key = field`, `id = \"{field}...\"`";
 
@@ -48,6 +50,11 @@ const NAME_EXPECTED: &str =
     "#[outbox(name)] expects a string\nhelp: `#[outbox(name = \"OrderPaid\")]`";
 const VERSION_EXPECTED: &str = "#[outbox(version)] must be an integer from 1 to 4294967295\n\
      help: `#[outbox(version = 2)]`";
+/// The most partitions a topic may have: `outbox_core::MAX_PARTITIONS`, which this crate
+/// cannot name (the facade depends on it). `outbox-core/tests/derive.rs` checks the two agree.
+const MAX_PARTITIONS: u32 = 1024;
+const PARTITIONS_EXPECTED: &str = "#[outbox(partitions)] must be an integer from 1 to 1024\n\
+     help: `#[outbox(partitions = 8)]`";
 const KEY_EXPECTED: &str =
     "#[outbox(key)] expects a field name\nhelp: `#[outbox(key = customer_id)]`";
 const ID_EXPECTED: &str = "#[outbox(id)] on a type expects a template string\n\
@@ -163,6 +170,10 @@ fn container_item(cx: &Ctxt, out: &mut ContainerAttrs, path: &Path, value: Value
         if let Some(v) = version(cx, path, value) {
             set_once(cx, &mut out.version, v, span, "version");
         }
+    } else if path.is_ident("partitions") && on_type {
+        if let Some(v) = partitions(cx, path, value) {
+            set_once(cx, &mut out.partitions, v, span, "partitions");
+        }
     } else if path.is_ident("key") {
         if let Some(field) = key(cx, path, value) {
             set_once(cx, &mut out.key, field, span, "key");
@@ -182,7 +193,10 @@ fn container_item(cx: &Ctxt, out: &mut ContainerAttrs, path: &Path, value: Value
         if let Some(krate) = krate(cx, path, value) {
             set_once(cx, &mut out.krate, krate, span, "crate");
         }
-    } else if path.is_ident("version") || path.is_ident("crate") {
+    } else if ["version", "partitions", "crate"]
+        .iter()
+        .any(|name| path.is_ident(name))
+    {
         misplaced_on_variant(cx, path);
     } else {
         let help = if on_type {
@@ -205,6 +219,21 @@ fn version(cx: &Ctxt, path: &Path, value: Value) -> Option<Spanned<u32>> {
         }),
         _ => {
             cx.error(lit.span(), VERSION_EXPECTED);
+            None
+        }
+    }
+}
+
+/// `partitions = N`, N from 1 to [`MAX_PARTITIONS`]; the error points at the value.
+fn partitions(cx: &Ctxt, path: &Path, value: Value) -> Option<Spanned<u32>> {
+    let lit: LitInt = value.parse(cx, path, PARTITIONS_EXPECTED)?;
+    match lit.base10_parse::<u32>() {
+        Ok(value) if (1..=MAX_PARTITIONS).contains(&value) => Some(Spanned {
+            value,
+            span: lit.span(),
+        }),
+        _ => {
+            cx.error(lit.span(), PARTITIONS_EXPECTED);
             None
         }
     }
@@ -239,13 +268,19 @@ fn krate(cx: &Ctxt, path: &Path, value: Value) -> Option<Path> {
     }
 }
 
-/// `version` and `crate` hold for the whole enum, not for one variant.
+/// `version`, `partitions` and `crate` hold for the whole enum, not for one variant.
 fn misplaced_on_variant(cx: &Ctxt, path: &Path) {
     let (what, why, example) = if path.is_ident("version") {
         (
             "version",
             "its variants share one payload schema",
             "version = N",
+        )
+    } else if path.is_ident("partitions") {
+        (
+            "partitions",
+            "one partition count holds for every topic of the type",
+            "partitions = N",
         )
     } else {
         ("crate", "its variants share one impl", "crate = \"...\"")

@@ -58,6 +58,9 @@ fn expand(event: &Event<'_>) -> TokenStream {
         }
     }
     let version = event.version;
+    let partitions = event
+        .partitions
+        .map(|n| quote!(const PARTITIONS: u32 = #n;));
     let topic_arms = event.variants.iter().map(|v| arm(v, &v.topic.value));
     let name_arms = event.variants.iter().map(|v| arm(v, &v.name.value));
     let key_arms = event.variants.iter().map(|v| business_key_arm(event, v));
@@ -72,6 +75,7 @@ fn expand(event: &Event<'_>) -> TokenStream {
             const EVENT_TYPES: &'static [&'static str] = &[#(#event_types),*];
             const TOPICS: &'static [&'static str] = &[#(#topics),*];
             const SCHEMA_VERSION: u32 = #version;
+            #partitions
 
             fn topic(&self) -> &'static str {
                 match self { #(#topic_arms)* }
@@ -367,6 +371,19 @@ mod tests {
     fn enum_variants_are_event_types() {
         insta::assert_snapshot!(expand_ok(quote! {
             #[outbox(id = "{order_id}")]
+            enum OrderEvent {
+                Paid { order_id: String },
+                #[outbox(topic = "refunds")]
+                Refunded { order_id: String },
+            }
+        }));
+    }
+
+    /// Only a type that sets it gets `PARTITIONS`; the others keep the trait's default.
+    #[test]
+    fn partitions_set_the_const() {
+        insta::assert_snapshot!(expand_ok(quote! {
+            #[outbox(id = "{order_id}", partitions = 8)]
             enum OrderEvent {
                 Paid { order_id: String },
                 #[outbox(topic = "refunds")]

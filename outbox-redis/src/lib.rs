@@ -19,6 +19,20 @@
 //!
 //! On a Redis Cluster the same commands are used, within one hash slot each (see below).
 //!
+//! ## Partitioned topics
+//!
+//! A topic given a partition count in [`PublisherConfig::partitions`] (with
+//! [`PublisherConfig::with_partitions`], or [`PublisherConfig::with_partitions_of`] from
+//! an event's `#[outbox(partitions = N)]`) is published to N streams,
+//! `<prefix><topic>:<p>`, where `p` is [`outbox_core::partition_of`] the message's
+//! ordering key: every message of a key lands on one stream, in the order the relay
+//! publishes it. Publishers record the counts in the hash `<prefix>partitions`
+//! ([`recorded_partitions`]). The ordered consumers hold each partition of a group by a
+//! lease, `<stream>:lease:<group>` ([`partition_lease`]); [`stream_topic`] reads a
+//! stream's topic and partition back from its name. The repository's
+//! `docs/partitions.md` covers the hash, choosing the count and changing it on a live
+//! system.
+//!
 //! ## Redis Cluster
 //!
 //! With the `cluster` feature, `RedisPublisher::cluster(nodes)` (then
@@ -36,7 +50,8 @@
 //!   and a cluster consumer always agree. (Streams written by a single-server publisher,
 //!   `outbox:order.paid`, are other keys: moving from one server to a cluster starts
 //!   new streams.) The prefix must not contain `{` or `}`; `build` and the publisher's
-//!   constructor refuse one.
+//!   constructor refuse one. Each partition of a partitioned topic is its own hash tag
+//!   (`outbox:{order.paid:3}`), so a topic's partitions spread over the nodes.
 //! - **Publisher**: a batch is split per slot (per topic) and each part is one
 //!   pipeline (or several, past `max_pipeline_bytes`); the parts are sent concurrently,
 //!   so a batch costs one round trip to each node it touches, at once, and keeps its
@@ -75,6 +90,7 @@ mod error;
 #[cfg(feature = "http")]
 mod http;
 mod lease;
+mod partitions;
 mod publisher;
 mod trim;
 
@@ -90,6 +106,9 @@ pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};
 #[cfg(feature = "http")]
 pub use http::health_router;
+pub use partitions::{
+    PartitionLease, StreamTopic, partition_lease, recorded_partitions, stream_topic,
+};
 pub use publisher::{
     DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig, RedisPublisher,
 };

@@ -230,6 +230,60 @@ async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes()
     );
 }
 
+/// A partitioned topic on a cluster: each partition its own hash tag
+/// (`outbox:{order.paid:<p>}`), so the partitions spread over the nodes, and each keeps
+/// its keys' order; the count is recorded in `outbox:partitions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_streams_are_hash_tagged_per_partition_and_keep_key_order() {
+    let cluster = Cluster::start();
+    let eight = outbox_core::Partitions::new(8).unwrap();
+    let publisher = RedisPublisher::cluster(cluster.urls())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_partitions("order.paid", eight))
+        .unwrap();
+    // 16 keys (order-0..15), each twice: paid(n) carries key order-(n % 16).
+    let batch = stored((0..32).map(|n| {
+        let mut e = paid(n % 16);
+        e.msg_id =
+            outbox_core::MsgId::from_parts(&format!("order-{}-{}", n % 16, n / 16), "OrderPaid")
+                .unwrap();
+        e
+    }));
+    let outcomes = publisher.publish(&batch).await.unwrap();
+    assert_eq!(outcomes, vec![Ok(()); 32]);
+
+    let mut conn = cluster.conn().await;
+    let mut slots = HashSet::new();
+    let mut seen = 0;
+    for p in 0..8 {
+        let stream = format!("outbox:{{order.paid:{p}}}");
+        slots.insert(keyslot(&mut conn, &stream).await);
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let ids: Vec<String> = reply.ids.iter().map(|e| field(e, "msg_id")).collect();
+        let expected: Vec<String> = (0..32)
+            .filter(|n| eight.of(&format!("order-{}", n % 16)) == p)
+            .map(|n| format!("order-{}-{}:OrderPaid", n % 16, n / 16))
+            .collect();
+        assert_eq!(ids, expected, "stream {stream}");
+        seen += ids.len();
+    }
+    assert_eq!(seen, 32);
+    assert_eq!(slots.len(), 8, "one slot per partition");
+    let recorded: Option<u32> = redis::cmd("HGET")
+        .arg("outbox:partitions")
+        .arg("order.paid")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(recorded, Some(8));
+}
+
 /// Pipelines capped by bytes and a durability wait on a cluster: the `WAIT` travels in
 /// each slot's pipeline to the node that took its entries. The cluster has no replicas:
 /// `WAIT 0` is met, `WAIT 1` is an outage that marks nothing published.

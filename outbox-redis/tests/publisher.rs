@@ -460,3 +460,129 @@ fn durability_timeouts_are_checked() {
         assert!(err.is_config(), "{timeout:?}: {err}");
     }
 }
+
+/// `order.paid` spread over 4 partitions by `#[outbox(partitions = 4)]`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, outbox_core::OutboxEvent)]
+#[outbox(topic = "order.paid", partitions = 4)]
+struct PartitionedPaid {
+    #[outbox(id)]
+    order_id: String,
+    seq: usize,
+}
+
+/// Event `seq` of order `key` (`order-<key>`), on the partitioned topic.
+fn nth(key: usize, seq: usize) -> Envelope {
+    let e = PartitionedPaid {
+        order_id: format!("order-{key}"),
+        seq,
+    };
+    Envelope::from_event(&e, 1 << 20).unwrap()
+}
+
+/// A partitioned topic: each message goes to the partition stream of its ordering key,
+/// where a key's messages keep their order; an unpartitioned topic of the same batch
+/// keeps its one stream; the count is recorded for consumers.
+#[tokio::test]
+async fn a_partitioned_topic_spreads_keys_over_partition_streams_in_order() {
+    let prefix = unique_prefix("test");
+    let config = PublisherConfig::default()
+        .with_stream_prefix(prefix.clone())
+        .with_partitions_of::<PartitionedPaid>();
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
+    let four = outbox_core::Partitions::new(4).unwrap();
+    assert_eq!(publisher.partitions_of("order.paid"), four);
+    // 20 keys, 3 events each, interleaved key by key, with a refund among them.
+    let mut envelopes: Vec<Envelope> = (0..3)
+        .flat_map(|seq| (0..20).map(move |key| nth(key, seq)))
+        .collect();
+    envelopes.insert(
+        7,
+        Envelope::from_event(
+            &OrderRefunded {
+                order_id: "order-1".into(),
+            },
+            1 << 20,
+        )
+        .unwrap(),
+    );
+    let outcomes = publisher.publish(&stored(envelopes)).await.unwrap();
+    assert_eq!(outcomes, vec![Ok(()); 61]);
+
+    let mut conn = conn().await;
+    let mut seen = 0;
+    for p in 0..4 {
+        let stream = format!("{prefix}order.paid:{p}");
+        let entries = xrange(&mut conn, &stream).await.ids;
+        assert!(!entries.is_empty(), "partition {p} got no key");
+        let mut last_seq: std::collections::HashMap<String, usize> = Default::default();
+        for entry in &entries {
+            let key = field(entry, "key");
+            assert_eq!(
+                outbox_core::partition_of(&key, four),
+                p,
+                "{key} in {stream}"
+            );
+            assert_eq!(publisher.stream_for_key("order.paid", &key), stream);
+            let payload: serde_json::Value =
+                serde_json::from_str(&field(entry, "payload")).unwrap();
+            let seq = payload["seq"].as_u64().unwrap() as usize;
+            let expected = last_seq.get(&key).map_or(0, |s| s + 1);
+            assert_eq!(seq, expected, "{key}'s events out of order in {stream}");
+            last_seq.insert(key, seq);
+        }
+        assert!(last_seq.values().all(|&s| s == 2), "{last_seq:?}");
+        seen += entries.len();
+    }
+    assert_eq!(seen, 60);
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(format!("{prefix}order.paid"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!exists, "a partitioned topic has no unpartitioned stream");
+    assert_eq!(
+        msg_ids(&format!("{prefix}order.refunded")).await,
+        ["order-1:OrderRefunded"]
+    );
+    let recorded: std::collections::HashMap<String, u32> = redis::cmd("HGETALL")
+        .arg(format!("{prefix}partitions"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(recorded, [("order.paid".to_owned(), 4)].into());
+    cleanup(&prefix).await;
+}
+
+/// The hash of partition counts holding another type: the relay stops with a
+/// configuration error before any entry is written (no retry spent, nothing lost).
+#[tokio::test]
+async fn a_partitions_key_of_another_type_is_a_config_error_before_any_write() {
+    let prefix = unique_prefix("test");
+    let mut conn = conn().await;
+    let _: () = redis::cmd("SET")
+        .arg(format!("{prefix}partitions"))
+        .arg("not a hash")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let config = PublisherConfig::default()
+        .with_stream_prefix(prefix.clone())
+        .with_partitions("order.paid", outbox_core::Partitions::new(2).unwrap());
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
+    let err = publisher.publish(&stored([nth(1, 0)])).await.unwrap_err();
+    assert!(matches!(err, outbox_core::Error::Config(_)), "{err:?}");
+    assert!(publisher.check().await.unwrap_err().is_config());
+    let streams: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}order.paid*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(streams.is_empty(), "{streams:?}");
+    cleanup(&prefix).await;
+}
