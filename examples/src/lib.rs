@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod chaos;
 pub mod memory;
+pub mod ordered;
 pub mod scenario;
 pub mod services;
 pub mod sql;
