@@ -266,8 +266,9 @@ mod tests {
             .query_async(&mut c)
             .await
             .unwrap();
-        // ...while Redis may still hold it a moment; then it expires and is free.
-        while ttl_left > 0 {
+        // ...while Redis may still hold it a moment; then it expires (-2: no such key)
+        // and is free.
+        while ttl_left != -2 {
             tokio::time::sleep(Duration::from_millis(20)).await;
             ttl_left = redis::cmd("PTTL")
                 .arg(&key)

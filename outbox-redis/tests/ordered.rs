@@ -456,3 +456,93 @@ async fn ordered_batches_keep_every_key_in_order() {
     nothing_pending(&mut c, &prefix, 4, &group).await;
     cleanup(&prefix).await;
 }
+
+/// An event type that declares its partitions.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(topic = "ordered.sharded", partitions = 4)]
+struct Sharded {
+    #[outbox(id)]
+    id: String,
+}
+
+struct Ignore;
+
+impl Handler<Sharded> for Ignore {
+    type Conn = MemoryTx<Applied>;
+
+    fn handle(&self, _: Sharded, _: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn the_partition_count_an_event_declares_is_read_unless_the_config_overrides_it() {
+    let build = |config: ConsumerConfig| {
+        Consumer::builder(redis_url(), "g")
+            .handle::<Sharded, _>(Ignore)
+            .handle::<Step, _>(Apply::new(|_| false))
+            .idempotency(MemoryDb::new(Applied::default()))
+            .with_config(config)
+            .build()
+            .unwrap()
+    };
+    let streams =
+        |c: &Consumer<MemoryDb<Applied>>| c.streams().map(str::to_owned).collect::<Vec<_>>();
+    let declared = build(ConsumerConfig::default().with_stream_prefix("p:"));
+    assert_eq!(
+        streams(&declared),
+        [
+            "p:ordered.sharded:0",
+            "p:ordered.sharded:1",
+            "p:ordered.sharded:2",
+            "p:ordered.sharded:3",
+            "p:ordered.step"
+        ]
+    );
+    let overridden = build(
+        ConsumerConfig::default()
+            .with_stream_prefix("p:")
+            .with_partitions("ordered.sharded", Partitions::ONE)
+            .with_partitions(TOPIC, partitions(2)),
+    );
+    assert_eq!(
+        streams(&overridden),
+        ["p:ordered.sharded", "p:ordered.step:0", "p:ordered.step:1"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ordered_consumer_reads_what_the_partitioned_publisher_writes_in_order() {
+    use outbox_core::Publisher as _;
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let publisher = outbox_redis::RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(
+            outbox_redis::PublisherConfig::default()
+                .with_stream_prefix(prefix.clone())
+                .with_partitions(TOPIC, partitions(4)),
+        )
+        .unwrap();
+    let batch = fixtures::stored(
+        steps(25, 8)
+            .iter()
+            .map(|s| Envelope::from_event(s, 1 << 20).unwrap()),
+    );
+    let outcomes = publisher.publish(&batch).await.unwrap();
+    assert!(outcomes.iter().all(Result::is_ok));
+    let db = MemoryDb::new(Applied::default());
+    let a = consumer(
+        ordered(&prefix, 4),
+        &group,
+        &db,
+        Apply::new(|s| s.seq % 3 == 1),
+    );
+    let ra = start(&a);
+    eventually("every step applied", || complete(&db, 25, 8)).await;
+    ra.stop().await;
+    assert_in_order_once(&db, 25, 8);
+    nothing_pending(&mut c, &prefix, 4, &group).await;
+    cleanup(&prefix).await;
+}

@@ -1,8 +1,9 @@
 //! Building a consumer: handlers, the idempotency store, the configuration.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use outbox_core::{Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent};
+use outbox_core::{Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent, Partitions};
 use redis::{IntoConnectionInfo, RedisResult};
 
 use super::health::HealthState;
@@ -28,6 +29,9 @@ pub struct ConsumerBuilder<C, I = NoInbox> {
     error: Option<outbox_core::Error>,
     inbox: I,
     config: ConsumerConfig,
+    /// Each handled topic's partition count, as its event type declares it
+    /// ([`OutboxEvent::PARTITIONS`]); [`ConsumerConfig::partitions`] overrides it.
+    declared: BTreeMap<&'static str, Partitions>,
 }
 
 impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
@@ -51,7 +55,15 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         if let Err(e) = self.dispatcher.register::<E, H>(handler) {
             self.error.get_or_insert(e);
         }
+        self.declare::<E>();
         self
+    }
+
+    /// Notes the partition count `E` declares for its topics.
+    fn declare<E: OutboxEvent>(&mut self) {
+        for topic in E::TOPICS {
+            self.declared.insert(topic, Partitions::of_event::<E>());
+        }
     }
 
     /// Routes the event types of `E` to an [`AsyncHandler`](outbox_core::AsyncHandler):
@@ -66,6 +78,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         if let Err(e) = self.dispatcher.register_async::<E, H>(handler) {
             self.error.get_or_insert(e);
         }
+        self.declare::<E>();
         self
     }
 
@@ -102,6 +115,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
             error: self.error,
             inbox: store,
             config: self.config,
+            declared: self.declared,
         }
     }
 
@@ -167,7 +181,7 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
                 InvalidConfig::new("ordered", "is not available on a Redis Cluster yet").into(),
             );
         }
-        let streams = streams(self.dispatcher.topics(), &config, cluster);
+        let streams = streams(self.dispatcher.topics(), &self.declared, &config, cluster);
         let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
         let readers = readers(&target, &config, &streams)?;
         let commands = target.connector(config.connect_timeout, config.response_timeout)?;
@@ -223,12 +237,21 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
 }
 
 /// The streams of `topics`: one per topic, or one per partition of a topic with a
-/// partition count above one (`<prefix><topic>:<p>`).
-fn streams(topics: &[&str], config: &ConsumerConfig, cluster: bool) -> Vec<Arc<str>> {
+/// partition count above one (`<prefix><topic>:<p>`): the config's count, else the one
+/// its event type declares.
+fn streams(
+    topics: &[&str],
+    declared: &BTreeMap<&'static str, Partitions>,
+    config: &ConsumerConfig,
+    cluster: bool,
+) -> Vec<Arc<str>> {
     let prefix = &config.stream_prefix;
     let mut streams = Vec::new();
     for topic in topics {
-        match config.partitions.get(*topic) {
+        let partitions = (config.partitions.get(*topic))
+            .or_else(|| declared.get(topic))
+            .filter(|p| p.is_partitioned());
+        match partitions {
             Some(partitions) => streams.extend(
                 (0..partitions.get())
                     .map(|p| Arc::from(partition_stream_name(prefix, topic, p, cluster))),
@@ -341,6 +364,7 @@ impl Consumer<NoInbox, ()> {
             error: None,
             inbox: NoInbox,
             config: ConsumerConfig::default(),
+            declared: BTreeMap::new(),
         }
     }
 }

@@ -118,12 +118,14 @@ pub struct ConsumerConfig {
     /// the same from outside. Dead-letter streams are bounded by
     /// [`dead_letter_max_len`](Self::dead_letter_max_len) instead.
     pub trim_interval: Option<Duration>,
-    /// The partition count of partitioned topics (default: none; a topic not listed has
-    /// one stream). A topic published to `P > 1` partition streams
-    /// (`<prefix><topic>:0` .. `<prefix><topic>:<P-1>`) must be read with the same
-    /// count: the consumer then reads, and creates its group on, all `P` streams. Set
-    /// it with [`with_partitions`](Self::with_partitions); every topic listed must be
-    /// one of the consumer's handled topics.
+    /// Partition counts that override what the handled event types declare
+    /// ([`OutboxEvent::PARTITIONS`](outbox_core::OutboxEvent::PARTITIONS), from
+    /// `#[outbox(partitions = N)]`; default: none, each topic as its type declares). A
+    /// topic published to `P > 1` partition streams (`<prefix><topic>:0` ..
+    /// `<prefix><topic>:<P-1>`) must be read with the same count: the consumer then
+    /// reads, and creates its group on, all `P` streams. Set it with
+    /// [`with_partitions`](Self::with_partitions); every topic listed must be one of the
+    /// consumer's handled topics.
     pub partitions: BTreeMap<String, Partitions>,
     /// Opt-in ordered mode (default `None`: any consumer of the group may take any
     /// entry, as Redis consumer groups do). With `Some(..)`, each stream of the
@@ -293,16 +295,11 @@ impl ConsumerConfig {
         self
     }
 
-    /// Sets the partition count of `topic` in [`partitions`](Self::partitions) (one
-    /// partition removes the topic from the map), keeping the other topics' counts.
+    /// Sets the partition count of `topic` in [`partitions`](Self::partitions), keeping
+    /// the other topics' counts.
     #[must_use]
     pub fn with_partitions(mut self, topic: impl Into<String>, partitions: Partitions) -> Self {
-        let topic = topic.into();
-        if partitions == Partitions::ONE {
-            self.partitions.remove(&topic);
-        } else {
-            self.partitions.insert(topic, partitions);
-        }
+        self.partitions.insert(topic.into(), partitions);
         self
     }
 

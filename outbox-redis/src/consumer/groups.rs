@@ -74,9 +74,13 @@ where
                 .arg(*topic)
                 .query_async(&mut *conn)
                 .await;
-            let read = inner.config.partitions.get(*topic).map_or(1, |p| p.get());
+            let read = (inner.streams.iter())
+                .filter(|s| {
+                    crate::conn::topic_of(s, &inner.config.stream_prefix, inner.cluster) == *topic
+                })
+                .count();
             if let Ok(Some(published)) = published
-                && published != read
+                && published as usize != read
             {
                 tracing::warn!(
                     topic,
