@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use outbox_core::{InvalidConfig, Partitions};
+use outbox_redis::PublisherConfig;
 
 use crate::backend::BackendKind;
 
@@ -19,8 +21,13 @@ SIGINT or SIGTERM stops the relay after the batch in hand; it then exits with 0.
 number of relays may run on PostgreSQL and MySQL; SQLite allows one per database file.
 Broker and database outages pause the relay without spending any message's attempts.
 
-Example:
-  outbox relay --redis-url redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464";
+A topic given --partitions TOPIC=N is published to N streams, <PREFIX><TOPIC>:<p>, each
+message to the partition of its ordering key; give every relay the same counts (the
+consumers read them from <PREFIX>partitions, and `outbox streams` shows them).
+
+Examples:
+  outbox relay --redis-url redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464
+  outbox relay --redis-url redis://127.0.0.1:6379 --partitions order.paid=8";
 
 const TRIM_HELP: &str = "\
 Only entries every consumer group has acknowledged are removed: an entry still pending
@@ -30,6 +37,16 @@ run at any time, e.g. from cron; does not need --database-url.
 
 Example:
   outbox trim --redis-url redis://127.0.0.1:6379 --stream-prefix outbox:";
+
+const STREAMS_HELP: &str = "\
+For each topic under the prefix: the partition count publishers recorded, then each of
+its streams (one, or one per partition) with its length and dead letters, and per
+consumer group the entries pending and not yet delivered (lag, Redis 7+) and, on
+partition streams, the consumer holding the partition's lease and for how long. Keys
+that are not streams (leases, the hash of partition counts) are never listed.
+
+Example:
+  outbox streams --redis-url redis://127.0.0.1:6379 --json";
 
 const DEAD_HELP: &str = "\
 Examples:
@@ -82,6 +99,9 @@ pub(crate) enum Command {
     /// Remove the Redis stream entries every consumer group has acknowledged.
     #[command(after_help = TRIM_HELP)]
     Trim(TrimArgs),
+    /// List the topics' streams and partitions: length, consumer groups, lease holders.
+    #[command(after_help = STREAMS_HELP)]
+    Streams(StreamsArgs),
     /// Serve the operator's web page and its JSON API: backlog, dead letters, consumer
     /// groups.
     #[cfg(feature = "serve")]
@@ -188,6 +208,10 @@ pub(crate) struct RelayArgs {
     /// Prefix of stream names: topic `order.paid` goes to `<PREFIX>order.paid`.
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
     pub(crate) stream_prefix: String,
+    /// Spread TOPIC over N partition streams `<PREFIX><TOPIC>:<p>` by ordering key, N from
+    /// 1 to 1024. Repeat for each partitioned topic; every relay needs the same counts.
+    #[arg(long = "partitions", value_parser = parse_partitions, value_name = "TOPIC=N")]
+    pub(crate) partitions: Vec<TopicPartitions>,
     /// Approximate cap on each stream's length (XADD MAXLEN ~ N); a safety bound only.
     /// From 1 (0 would trim every message away before consumers read it) to 2^63 - 1
     /// (Redis's limit: a larger one made every XADD fail).
@@ -234,6 +258,69 @@ pub(crate) struct TrimArgs {
     /// Print a JSON array: [{"stream": S, "removed": N, "min_id": ID or null}, …].
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `outbox streams`.
+#[derive(Debug, Args)]
+pub(crate) struct StreamsArgs {
+    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) redis_url: String,
+    /// List the streams whose name starts with PREFIX (as `outbox relay --stream-prefix`).
+    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
+    pub(crate) stream_prefix: String,
+    /// Streams whose name ends with SUFFIX are dead-letter streams, counted with the
+    /// stream they came from.
+    #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]
+    pub(crate) dead_letter_suffix: String,
+    /// Print a JSON array of topics: [{"topic": T, "recorded_partitions": N or null,
+    /// "streams": [{"stream": S, "partition": P or null, "length": N, "dead_letters": N,
+    /// "groups": [{"group": G, "pending": N, "lag": N or null, "consumers": N,
+    /// "lease": {"holder": C, "epoch": E or null, "ttl_ms": MS or null} or null}]}]}].
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// One `--partitions TOPIC=N` of `outbox relay`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TopicPartitions {
+    /// The topic.
+    pub(crate) topic: String,
+    /// Its partition count.
+    pub(crate) partitions: Partitions,
+}
+
+/// Why a `--partitions` value is refused (clap prints it after the value).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PartitionsArgError {
+    /// No `=` between the topic and the count.
+    #[error("expected TOPIC=N, e.g. order.paid=8")]
+    MissingEquals,
+    /// The count is not a whole number.
+    #[error("`{0}` is not a partition count: expected a whole number from 1 to 1024")]
+    NotANumber(String),
+    /// The count is out of range, or the topic is not a topic name.
+    #[error(transparent)]
+    Invalid(#[from] InvalidConfig),
+}
+
+/// Parses `TOPIC=N`: N from 1 to 1024, TOPIC a topic name as the publisher checks it.
+fn parse_partitions(value: &str) -> Result<TopicPartitions, PartitionsArgError> {
+    let (topic, count) = value
+        .split_once('=')
+        .ok_or(PartitionsArgError::MissingEquals)?;
+    let count: u32 = count
+        .trim()
+        .parse()
+        .map_err(|_| PartitionsArgError::NotANumber(count.to_owned()))?;
+    let partitions = Partitions::new(count)?;
+    PublisherConfig::default()
+        .with_partitions(topic, partitions)
+        .validate()?;
+    Ok(TopicPartitions {
+        topic: topic.to_owned(),
+        partitions,
+    })
 }
 
 /// The relay's claim order (`outbox relay --order`).
@@ -354,6 +441,37 @@ mod tests {
         assert_eq!(args.stream_prefix, "outbox:");
         assert_eq!(args.dead_letter_suffix, ":dead");
         assert!(!args.json);
+    }
+
+    #[test]
+    fn partitions_are_topic_equals_count() {
+        let parsed = parse_partitions("order.paid=8").unwrap();
+        assert_eq!(parsed.topic, "order.paid");
+        assert_eq!(parsed.partitions.get(), 8);
+        let refused = |value: &str| parse_partitions(value).unwrap_err().to_string();
+        assert_eq!(refused("order.paid"), "expected TOPIC=N, e.g. order.paid=8");
+        assert!(refused("order.paid=abc").starts_with("`abc` is not a partition count"));
+        assert!(refused("order.paid=-1").starts_with("`-1` is not a partition count"));
+        assert!(refused("order.paid=0").contains("partitions must be between 1 and 1024; got 0"));
+        assert!(refused("order.paid=1025").contains("got 1025"));
+        assert!(refused("=8").contains("topic \"\""));
+        assert!(refused("order:paid=8").contains("topic \"order:paid\""));
+        let cli = Cli::try_parse_from([
+            "outbox",
+            "relay",
+            "--redis-url",
+            "redis://h",
+            "--partitions",
+            "a=2",
+            "--partitions",
+            "b=4",
+        ])
+        .unwrap();
+        let Command::Relay(args) = cli.command else {
+            panic!("parsed as {:?}", cli.command);
+        };
+        let topics: Vec<_> = args.partitions.iter().map(|p| p.topic.as_str()).collect();
+        assert_eq!(topics, ["a", "b"]);
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub(crate) enum CliError {
     /// A SQLite file that should exist does not.
     #[error("SQLite database `{0}` does not exist (`outbox migrate` creates it)")]
     NoSqliteFile(String),
+    /// `outbox relay --partitions` gave one topic twice.
+    #[error("--partitions gives topic `{0}` twice: give each topic one count")]
+    PartitionsTwice(String),
     /// The database refused or could not be reached.
     #[error("cannot connect to the {backend} database `{url}`")]
     Connect {
@@ -125,7 +128,7 @@ impl CliError {
     /// The process exit code: 2 for usage errors (like clap's), 1 for everything else.
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
-            Self::MissingDatabaseUrl | Self::UnsupportedUrl(_) => 2,
+            Self::MissingDatabaseUrl | Self::UnsupportedUrl(_) | Self::PartitionsTwice(_) => 2,
             #[cfg(feature = "serve")]
             Self::ServeWithoutToken { .. } => 2,
             _ => 1,

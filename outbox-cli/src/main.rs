@@ -7,6 +7,7 @@ mod backend;
 mod commands;
 mod error;
 mod output;
+mod scan;
 #[cfg(feature = "serve")]
 mod serve;
 

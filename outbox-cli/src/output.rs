@@ -125,6 +125,111 @@ pub(crate) fn trim_reports(
     )
 }
 
+/// One topic: what publishers recorded of it and the streams found.
+#[derive(Debug, Serialize)]
+pub(crate) struct TopicStreams {
+    /// The topic.
+    pub(crate) topic: String,
+    /// The partition count publishers recorded in `<prefix>partitions`, if any did.
+    pub(crate) recorded_partitions: Option<u32>,
+    /// Its stream, or its partition streams in partition order.
+    pub(crate) streams: Vec<StreamReport>,
+}
+
+/// One stream of a topic.
+#[derive(Debug, Serialize)]
+pub(crate) struct StreamReport {
+    /// The stream's key.
+    pub(crate) stream: String,
+    /// Its partition, `None` for a topic's one stream.
+    pub(crate) partition: Option<u32>,
+    /// Entries in it (`XLEN`).
+    pub(crate) length: u64,
+    /// Entries in its dead-letter stream.
+    pub(crate) dead_letters: u64,
+    /// Its consumer groups.
+    pub(crate) groups: Vec<GroupReport>,
+}
+
+/// One consumer group of a stream.
+#[derive(Debug, Serialize)]
+pub(crate) struct GroupReport {
+    /// The group.
+    pub(crate) group: String,
+    /// Entries delivered and not acknowledged.
+    pub(crate) pending: usize,
+    /// Entries not delivered yet (Redis 7+; `None` when Redis cannot tell).
+    pub(crate) lag: Option<usize>,
+    /// Consumers the group knows.
+    pub(crate) consumers: usize,
+    /// On a partition stream, the group's consumer holding the partition (ordered
+    /// consumers); `None` when none does, and always on a topic's one stream.
+    pub(crate) lease: Option<LeaseReport>,
+}
+
+/// A partition's lease holder.
+#[derive(Debug, Serialize)]
+pub(crate) struct LeaseReport {
+    /// The consumer.
+    pub(crate) holder: String,
+    /// The lease's epoch (one more at each acquisition).
+    pub(crate) epoch: Option<u64>,
+    /// Milliseconds left unless renewed; `None` when no expiry is set.
+    pub(crate) ttl_ms: Option<u64>,
+}
+
+/// `outbox streams`, for people: each topic, then each of its streams with its groups.
+pub(crate) fn streams(w: &mut impl Write, topics: &[TopicStreams], prefix: &str) -> io::Result<()> {
+    if topics.is_empty() {
+        return writeln!(w, "no streams named {prefix}*");
+    }
+    for t in topics {
+        match t.recorded_partitions {
+            Some(n) => writeln!(w, "{}: {n} partition(s) recorded", t.topic)?,
+            None => writeln!(w, "{}", t.topic)?,
+        }
+        if t.streams.is_empty() {
+            writeln!(w, "  no stream yet")?;
+        }
+        for s in &t.streams {
+            stream_lines(w, s)?;
+        }
+    }
+    Ok(())
+}
+
+fn stream_lines(w: &mut impl Write, s: &StreamReport) -> io::Result<()> {
+    let dead = match s.dead_letters {
+        0 => String::new(),
+        n => format!(", {n} dead letter(s)"),
+    };
+    writeln!(w, "  {}  length {}{dead}", s.stream, s.length)?;
+    if s.groups.is_empty() {
+        return writeln!(w, "    no consumer group");
+    }
+    for g in &s.groups {
+        let lag = g.lag.map_or_else(|| "?".to_owned(), |n| n.to_string());
+        let lease = match (&g.lease, s.partition) {
+            (_, None) => String::new(),
+            (None, Some(_)) => ", no lease holder".to_owned(),
+            (Some(l), Some(_)) => {
+                let epoch = l.epoch.map(|e| format!("epoch {e}, ")).unwrap_or_default();
+                let ttl = l.ttl_ms.map_or_else(
+                    || "no expiry".to_owned(),
+                    |ms| format!("{:.1}s left", ms as f64 / 1000.0),
+                );
+                format!(", held by {} ({epoch}{ttl})", l.holder)
+            }
+        };
+        writeln!(
+            w,
+            "    group {}: pending {}, lag {lag}, {} consumer(s){lease}",
+            g.group, g.pending, g.consumers
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes `value` as pretty JSON and a newline.
 pub(crate) fn json(w: &mut impl Write, value: &impl Serialize) -> io::Result<()> {
     serde_json::to_writer_pretty(&mut *w, value)?;
@@ -302,6 +407,86 @@ mod tests {
         assert_eq!(
             j,
             serde_json::json!({"stream": "outbox:bb", "removed": 0, "min_id": null})
+        );
+    }
+
+    #[test]
+    fn streams_print_topics_partitions_groups_and_holders() {
+        let group = |lease| GroupReport {
+            group: "billing".into(),
+            pending: 2,
+            lag: Some(5),
+            consumers: 1,
+            lease,
+        };
+        let topics = [
+            TopicStreams {
+                topic: "order.paid".into(),
+                recorded_partitions: Some(2),
+                streams: vec![
+                    StreamReport {
+                        stream: "outbox:order.paid:0".into(),
+                        partition: Some(0),
+                        length: 7,
+                        dead_letters: 1,
+                        groups: vec![group(Some(LeaseReport {
+                            holder: "host-1".into(),
+                            epoch: Some(3),
+                            ttl_ms: Some(4_250),
+                        }))],
+                    },
+                    StreamReport {
+                        stream: "outbox:order.paid:1".into(),
+                        partition: Some(1),
+                        length: 0,
+                        dead_letters: 0,
+                        groups: vec![group(None)],
+                    },
+                ],
+            },
+            TopicStreams {
+                topic: "order.shipped".into(),
+                recorded_partitions: None,
+                streams: vec![StreamReport {
+                    stream: "outbox:order.shipped".into(),
+                    partition: None,
+                    length: 3,
+                    dead_letters: 0,
+                    groups: Vec::new(),
+                }],
+            },
+            TopicStreams {
+                topic: "order.packed".into(),
+                recorded_partitions: Some(4),
+                streams: Vec::new(),
+            },
+        ];
+        let mut out = Vec::new();
+        streams(&mut out, &topics, "outbox:").unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "order.paid: 2 partition(s) recorded\n\
+             \x20 outbox:order.paid:0  length 7, 1 dead letter(s)\n\
+             \x20   group billing: pending 2, lag 5, 1 consumer(s), held by host-1 (epoch 3, 4.2s left)\n\
+             \x20 outbox:order.paid:1  length 0\n\
+             \x20   group billing: pending 2, lag 5, 1 consumer(s), no lease holder\n\
+             order.shipped\n\
+             \x20 outbox:order.shipped  length 3\n\
+             \x20   no consumer group\n\
+             order.packed: 4 partition(s) recorded\n\
+             \x20 no stream yet\n"
+        );
+        let mut out = Vec::new();
+        streams(&mut out, &[], "x:").unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "no streams named x:*\n");
+        let j = serde_json::to_value(&topics[0].streams[0]).unwrap();
+        assert_eq!(
+            j,
+            serde_json::json!({
+                "stream": "outbox:order.paid:0", "partition": 0, "length": 7, "dead_letters": 1,
+                "groups": [{"group": "billing", "pending": 2, "lag": 5, "consumers": 1,
+                            "lease": {"holder": "host-1", "epoch": 3, "ttl_ms": 4250}}],
+            })
         );
     }
 

@@ -5,6 +5,7 @@ mod migrate;
 mod purge;
 mod relay;
 mod status;
+mod streams;
 mod trim;
 
 use std::io::Write;
@@ -23,6 +24,7 @@ pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
         Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
         Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
         Command::Trim(args) => trim::run(&args, out),
+        Command::Streams(args) => streams::run(&args, out),
         #[cfg(feature = "serve")]
         Command::Serve(args) => crate::serve::run(database(url)?, args),
     }

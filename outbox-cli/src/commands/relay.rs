@@ -24,6 +24,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs the relay until a signal; returns the error that stopped it otherwise.
 pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
+    // A usage error, reported before anything connects.
+    let publisher_config = publisher_config(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -44,7 +46,7 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     // relay would wait out forever.
     with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     drop(conn);
-    let publisher = publisher(args)?;
+    let publisher = publisher(args, publisher_config)?;
     let config = config(args);
     log_start(db, args);
     let stop = Stop { started, stop };
@@ -88,8 +90,19 @@ fn log_start(db: &Database, args: &RelayArgs) {
         poll_interval = ?args.poll_interval,
         max_attempts = args.max_attempts,
         order = ?args.order,
+        partitions = %partitions(args),
         "starting the relay"
     );
+}
+
+/// The `--partitions` given, as `a=2,b=4` (empty without any).
+fn partitions(args: &RelayArgs) -> String {
+    let given: Vec<String> = args
+        .partitions
+        .iter()
+        .map(|p| format!("{}={}", p.topic, p.partitions))
+        .collect();
+    given.join(",")
 }
 
 /// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
@@ -138,13 +151,25 @@ fn serve<S: RelayStore>(
     })
 }
 
-fn publisher(args: &RelayArgs) -> Result<RedisPublisher, CliError> {
-    let config = PublisherConfig::default()
+/// The publisher's config from the arguments; refuses a topic given two counts.
+fn publisher_config(args: &RelayArgs) -> Result<PublisherConfig, CliError> {
+    let mut config = PublisherConfig::default()
         .with_stream_prefix(args.stream_prefix.clone())
         .with_max_len(
             args.max_stream_len
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         );
+    for p in &args.partitions {
+        // Two counts for one topic would leave which one wins to the order of the flags.
+        if config.partitions.contains_key(&p.topic) {
+            return Err(CliError::PartitionsTwice(p.topic.clone()));
+        }
+        config = config.with_partitions(p.topic.clone(), p.partitions);
+    }
+    Ok(config)
+}
+
+fn publisher(args: &RelayArgs, config: PublisherConfig) -> Result<RedisPublisher, CliError> {
     RedisPublisher::new(args.redis_url.as_str())
         .and_then(|p| p.with_config(config))
         .map_err(|source| CliError::RedisUrl {

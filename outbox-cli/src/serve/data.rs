@@ -483,41 +483,10 @@ async fn streams(
     app: &App,
     conn: &mut MultiplexedConnection,
 ) -> Result<(Vec<String>, Vec<String>), Failure> {
-    let mut found = std::collections::BTreeSet::new();
-    let pattern = format!("{}*", glob_escape(&app.prefix));
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .arg("TYPE")
-            .arg("stream")
-            .query_async(conn)
-            .await?;
-        found.extend(keys);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    Ok(found
+    Ok(crate::scan::streams(conn, &app.prefix)
+        .await?
         .into_iter()
         .partition(|s| s.ends_with(&app.dead_suffix)))
-}
-
-/// `text` with the glob characters of `SCAN MATCH` escaped.
-fn glob_escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn consumer_dead(dead_stream: &str, d: &outbox_redis::DeadLetter) -> ConsumerDead {
