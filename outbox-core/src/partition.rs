@@ -150,6 +150,27 @@ mod tests {
         assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
     }
 
+    /// The table of `docs/partitions.md`, which producers in other languages check
+    /// their implementation against.
+    #[test]
+    fn the_documented_partitions_hold() {
+        let table: [(&str, u64, [u32; 3]); 6] = [
+            ("", 0xcbf2_9ce4_8422_2325, [5, 5, 805]),
+            ("a", 0xaf63_dc4c_8601_ec8c, [4, 12, 140]),
+            ("foobar", 0x8594_4171_f739_67e8, [0, 8, 1000]),
+            ("order-42", 0x7d1d_eb86_a056_62d4, [4, 4, 724]),
+            ("tenant/7:order-9", 0xd7f0_d423_4b10_5bf3, [3, 3, 1011]),
+            ("ключ", 0x2961_30de_6f5b_7a81, [1, 1, 641]),
+        ];
+        for (key, hash, partitions) in table {
+            assert_eq!(fnv1a64(key.as_bytes()), hash, "{key}");
+            for (p, expected) in [8, 16, 1024].into_iter().zip(partitions) {
+                let p = Partitions::new(p).unwrap();
+                assert_eq!(partition_of(key, p), expected, "{key} over {p}");
+            }
+        }
+    }
+
     #[test]
     fn keys_land_where_the_contract_says() {
         let eight = Partitions::new(8).unwrap();
