@@ -92,6 +92,20 @@ use stats::{Count, Counters};
 /// rows in the same order, and wait for each other instead of deadlocking. A few hot
 /// keys use as few lanes.
 ///
+/// # Partitioned topics and ordered mode
+///
+/// A topic whose event type declares `#[outbox(partitions = N)]` (or that
+/// [`ConsumerConfig::with_partitions`] names) is read as its `N` partition streams
+/// (`<prefix><topic>:<p>`); everything above holds per stream.
+///
+/// With [`ordered`](ConsumerConfig::ordered), each stream is read by one consumer of the
+/// group at a time, the holder of its lease in Redis, and the entries of one key are
+/// handled one after another in stream order: a failed entry runs again in this process
+/// (after the outage backoff's pause for its delivery count), holding its key back,
+/// until it is applied or dead-lettered; other keys go on, up to `max_in_flight` at
+/// once. A stream whose holder died is taken over after the lease TTL, its pending
+/// entries first and in order. See [`OrderedConfig`] and docs/partitions.md ("Ordered consumers").
+///
 /// # Acknowledgements
 ///
 /// An entry is acknowledged only after its transaction committed (or after it was

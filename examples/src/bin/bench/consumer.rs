@@ -11,7 +11,7 @@ use outbox_core::{
     Delivery, Envelope, Handler, HandlerError, OutboxEvent, Publisher as _, StoredMessage,
 };
 use outbox_diesel::PgInbox;
-use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
+use outbox_redis::{Consumer, ConsumerConfig, OrderedConfig, PublisherConfig, RedisPublisher};
 use serde::{Deserialize, Serialize};
 
 use crate::{BoxError, Service};
@@ -31,6 +31,18 @@ struct Credited {
     #[outbox(id)]
     n: String,
     account: String,
+}
+
+/// One message per score of a player, over 8 partitions: each player (a quarter as many
+/// as messages) scores 4 times, in order in ordered mode.
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+#[outbox(key = player, partitions = 8)]
+struct Scored {
+    #[outbox(id)]
+    n: String,
+    player: String,
+    /// The player's row in `points`.
+    row: i32,
 }
 
 /// The handler's write for [`PointsEarned`]: one UPDATE of the account's row.
@@ -72,6 +84,15 @@ impl Handler<Credited> for Award {
     }
 }
 
+impl Handler<Scored> for Award {
+    type Conn = PgConnection;
+
+    fn handle(&self, e: Scored, conn: &mut PgConnection, _: &Delivery) -> Result<(), HandlerError> {
+        credit(conn, e.row)?;
+        Ok(())
+    }
+}
+
 /// Which stream a consumer run drains.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Load {
@@ -79,6 +100,17 @@ pub(crate) enum Load {
     Distinct,
     /// [`Credited`] over 64 accounts.
     Shared,
+    /// [`Scored`]: 8 partitions, 4 messages per player.
+    Partitioned,
+}
+
+/// How a consumer run reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Any consumer takes any entry.
+    Unordered,
+    /// Leased partitions, one key's messages one after another.
+    Ordered,
 }
 
 /// Accounts of the [`Load::Shared`] stream.
@@ -130,11 +162,15 @@ impl ConsumerBench {
     }
 
     async fn publish(&self) -> Result<(), BoxError> {
-        let publisher = RedisPublisher::new(self.svc.redis_url.as_str())?
-            .with_config(PublisherConfig::default().with_stream_prefix(self.prefix.clone()))?;
+        let publisher = RedisPublisher::new(self.svc.redis_url.as_str())?.with_config(
+            PublisherConfig::default()
+                .with_stream_prefix(self.prefix.clone())
+                .with_partitions_of::<Scored>(),
+        )?;
+        let players = (self.messages / 4).max(1);
         let all: Vec<usize> = (0..self.messages).collect();
         for chunk in all.chunks(500) {
-            let mut batch = Vec::with_capacity(chunk.len() * 2);
+            let mut batch = Vec::with_capacity(chunk.len() * 3);
             for &i in chunk {
                 let points = PointsEarned {
                     award_id: format!("award-{i}"),
@@ -144,9 +180,16 @@ impl ConsumerBench {
                     n: format!("c-{i}"),
                     account: format!("acct-{}", i % SHARED_KEYS),
                 };
+                let row = i32::try_from(i % players)?;
+                let scored = Scored {
+                    n: format!("s-{i}"),
+                    player: format!("player-{row}"),
+                    row,
+                };
                 for envelope in [
                     Envelope::from_event(&points, 1 << 20)?,
                     Envelope::from_event(&credited, 1 << 20)?,
+                    Envelope::from_event(&scored, 1 << 20)?,
                 ] {
                     batch.push(StoredMessage {
                         id: batch.len() as i64 + 1,
@@ -224,6 +267,19 @@ impl ConsumerBench {
         in_flight: usize,
         batch: Option<usize>,
     ) -> Result<f64, BoxError> {
+        self.consumers_in(load, Mode::Unordered, consumers, in_flight, batch)
+            .await
+    }
+
+    /// [`consumers`](Self::consumers), read in `mode`.
+    pub(crate) async fn consumers_in(
+        &self,
+        load: Load,
+        mode: Mode,
+        consumers: usize,
+        in_flight: usize,
+        batch: Option<usize>,
+    ) -> Result<f64, BoxError> {
         let group = self.group("c");
         let mut running = Vec::new();
         for _ in 0..consumers {
@@ -243,11 +299,13 @@ impl ConsumerBench {
                 .with_stream_prefix(self.prefix.clone())
                 .with_max_in_flight(in_flight)
                 .with_batch_size(batch)
-                .with_block(Duration::from_millis(100));
+                .with_block(Duration::from_millis(100))
+                .with_ordered((mode == Mode::Ordered).then(OrderedConfig::default));
             let builder = Consumer::builder(self.svc.redis_url.as_str(), group.clone());
             let consumer = match load {
                 Load::Distinct => builder.handle::<PointsEarned, _>(Award),
                 Load::Shared => builder.handle::<Credited, _>(Award),
+                Load::Partitioned => builder.handle::<Scored, _>(Award),
             }
             .idempotency(PgInbox::new(pool))
             .with_config(config)
@@ -311,9 +369,11 @@ impl ConsumerBench {
         if let Ok(client) = redis::Client::open(self.svc.redis_url.as_str())
             && let Ok(mut conn) = client.get_multiplexed_async_connection().await
         {
-            let _: redis::RedisResult<i64> = redis::cmd("DEL")
-                .arg(format!("{}{}", self.prefix, PointsEarned::TOPIC))
-                .arg(format!("{}{}", self.prefix, Credited::TOPIC))
+            // The streams, partitions and their leases, members, the partition counts.
+            let _: redis::RedisResult<()> = redis::cmd("EVAL")
+                .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+                .arg(0)
+                .arg(format!("{}*", self.prefix))
                 .query_async(&mut conn)
                 .await;
         }

@@ -36,7 +36,7 @@ mod plot;
 mod relay;
 mod stats;
 
-use consumer::{ConsumerBench, Load};
+use consumer::{ConsumerBench, Load, Mode};
 use emit::{EmitBench, Way};
 use relay::{RelayBench, Sink};
 use stats::{Figure, Target};
@@ -492,10 +492,10 @@ async fn consumer_part(
 ) -> Result<(), BoxError> {
     println!(
         "consumer: {} messages per run; batch mode 100 per transaction; contention: 2 consumers, \
-         batches of 50, 64 keys",
+         batches of 50, 64 keys; partitioned: 8 partitions, 4 messages per key",
         bench.messages
     );
-    const NAMES: [&str; 8] = [
+    const NAMES: [&str; 12] = [
         "plain SQL loop, 1 connection",
         "consumer single mode, 1 in flight",
         "consumer batch mode, 1 in flight",
@@ -504,6 +504,10 @@ async fn consumer_part(
         "consumer batch mode, 8 in flight",
         "2 consumers, single mode, 64 keys",
         "2 consumers, batch mode (50), 64 keys",
+        "8 partitions, 1 consumer, 8 in flight, unordered",
+        "8 partitions, 1 consumer, 8 in flight, ordered",
+        "8 partitions, 3 consumers, 8 in flight, unordered",
+        "8 partitions, 3 consumers, 8 in flight, ordered",
     ];
     let mut rates = vec![Vec::new(); NAMES.len()];
     for round in 0..sizes.rounds {
@@ -516,7 +520,19 @@ async fn consumer_part(
                 4 => bench.consumers(Load::Distinct, 1, 8, None).await?,
                 5 => bench.consumers(Load::Distinct, 1, 8, Some(100)).await?,
                 6 => bench.consumers(Load::Shared, 2, 8, None).await?,
-                _ => bench.consumers(Load::Shared, 2, 8, Some(50)).await?,
+                7 => bench.consumers(Load::Shared, 2, 8, Some(50)).await?,
+                8..=11 => {
+                    let mode = if i % 2 == 0 {
+                        Mode::Unordered
+                    } else {
+                        Mode::Ordered
+                    };
+                    let consumers = if i < 10 { 1 } else { 3 };
+                    bench
+                        .consumers_in(Load::Partitioned, mode, consumers, 8, None)
+                        .await?
+                }
+                _ => unreachable!("one rate per name"),
             };
             progress(NAMES[i], rate, "msg/s");
             rates[i].push(rate);
@@ -560,6 +576,20 @@ async fn consumer_part(
             7,
             6,
             Target::AtLeast(1.0),
+        ),
+        (
+            "ordered over 8 partitions, 1 consumer, 8 in flight",
+            "ordered / unordered",
+            9,
+            8,
+            Target::AtLeast(0.7),
+        ),
+        (
+            "ordered over 8 partitions, 3 consumers, 8 in flight each",
+            "ordered / unordered",
+            11,
+            10,
+            Target::AtLeast(0.7),
         ),
     ] {
         let mut f = Figure::ratio("consumer", name, compared, target);

@@ -67,7 +67,15 @@ struct Ordered<I, C> {
     paused_until: Instant,
     /// Live consumers of the group, as the last round of lease keeping saw.
     live: usize,
+    /// Whether the first round (membership only) has started.
+    joined: bool,
 }
+
+/// The pause between a consumer's first round of lease keeping, which only makes it a
+/// member of the group, and its first acquisitions (at most a third of the TTL): consumers
+/// started together then see each other and take their fair shares at once, instead of
+/// the first taking everything and releasing most of it a renewal period later.
+const JOIN_DELAY: Duration = Duration::from_millis(250);
 
 impl<I, C> Consumer<I, C>
 where
@@ -182,6 +190,7 @@ where
             next_tick: now,
             paused_until: now,
             live: 1,
+            joined: false,
         }
     }
 
@@ -203,7 +212,7 @@ where
             self.start_read();
         }
         if self.tick.is_none() && now >= self.next_tick {
-            self.start_tick(true);
+            self.start_tick();
         }
         let mut until = self.next_tick.max(now + Duration::from_millis(1));
         for at in next_wake
@@ -320,17 +329,27 @@ where
             .filter(|(_, h)| !h.releasing && h.lease.is_held())
             .map(|(s, h)| (Arc::clone(s), Arc::clone(&h.lease)))
             .collect();
-        let room = self.read_ahead.saturating_sub(self.keys.queued());
-        if readable.is_empty() || room == 0 {
+        let queued = self.keys.queued();
+        let room = self.read_ahead.saturating_sub(queued);
+        // A read for every few entries finished would cost a round trip (and a script
+        // per stream) per few entries: read once half the read-ahead is free, or when
+        // the work is about to run dry.
+        if readable.is_empty()
+            || room == 0
+            || (room * 2 < self.read_ahead && queued >= self.task_limit)
+        {
             return;
         }
-        let count = (room / readable.len()).max(1);
+        let count = room.div_ceil(readable.len());
         let read = self.consumer.clone().read_fenced(readable, count);
         self.read = Some(tokio::spawn(read.instrument(self.span.clone())));
     }
 
-    /// Starts a round of lease keeping; `acquire`: take free streams too.
-    fn start_tick(&mut self, acquire: bool) {
+    /// Starts a round of lease keeping: the first one only joins the members, the next
+    /// ones also take free streams.
+    fn start_tick(&mut self) {
+        let acquire = self.joined;
+        self.joined = true;
         let holding = Holding {
             held: self
                 .held
@@ -345,7 +364,13 @@ where
                 .collect(),
             acquire,
         };
-        self.next_tick = Instant::now() + self.consumer.lease_ttl() / 3;
+        let every = self.consumer.lease_ttl() / 3;
+        self.next_tick = Instant::now()
+            + if acquire {
+                every
+            } else {
+                every.min(JOIN_DELAY)
+            };
         let keep = self.consumer.clone().keep_leases(holding);
         self.tick = Some(tokio::spawn(keep.instrument(self.span.clone())));
     }
