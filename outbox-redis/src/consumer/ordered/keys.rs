@@ -204,6 +204,16 @@ impl Keys {
             .sum()
     }
 
+    /// Entries queued for `stream` that will run without an operator: those of keys
+    /// not blocked, running included.
+    pub(super) fn runnable_in(&self, stream: &str) -> usize {
+        self.queues
+            .iter()
+            .filter(|(id, q)| &*id.0 == stream && q.state != State::Blocked)
+            .map(|(_, q)| q.jobs.len() + usize::from(q.state == State::Busy))
+            .sum()
+    }
+
     /// Entries queued, running included.
     pub(super) fn queued(&self) -> usize {
         self.queued
@@ -286,6 +296,14 @@ mod tests {
         keys.unblock("s", &[]);
         assert_eq!(ids(&keys.take(10, |_| true)), ["2-0"]);
         assert_eq!(keys.queued_in("s"), 1);
+        keys.block(&Arc::from("s"), b"b".to_vec());
+        keys.push(job("s", 5, "b"));
+        assert_eq!(keys.queued_in("s"), 2);
+        assert_eq!(
+            keys.runnable_in("s"),
+            1,
+            "a blocked key's entries wait for an operator"
+        );
         keys.drop_stream("s");
         assert_eq!(keys.queued_in("s"), 0);
         assert_eq!(keys.queued(), 1, "t's head, still running");

@@ -46,6 +46,9 @@ struct Held {
     releasing: bool,
 }
 
+/// How the heads of one task ended, each with the epoch of the lease it ran under.
+type Ended = Vec<(Job, Outcome, u64)>;
+
 /// What one ordered run keeps between its rounds.
 struct Ordered<I, C> {
     consumer: Consumer<I, C>,
@@ -55,7 +58,7 @@ struct Ordered<I, C> {
     span: tracing::Span,
     held: HashMap<Arc<str>, Held>,
     keys: Keys,
-    tasks: JoinSet<Vec<(Job, Outcome)>>,
+    tasks: JoinSet<Ended>,
     /// Most tasks (transactions) at once.
     task_limit: usize,
     /// Most entries queued (read and not yet settled).
@@ -124,12 +127,15 @@ where
     /// transaction (single mode: `jobs` is one entry) or one batch. An entry whose lease
     /// is no longer held is not run (it stays pending for the next holder). A head that
     /// failed has its delivery counted in Redis, as a redelivery would.
-    async fn run_heads(self, jobs: Vec<Job>, leases: Vec<Arc<Lease>>) -> Vec<(Job, Outcome)> {
+    async fn run_heads(self, jobs: Vec<Job>, leases: Vec<Arc<Lease>>) -> Ended {
         let (run, lost): (Vec<_>, Vec<_>) = jobs
             .into_iter()
             .zip(&leases)
             .partition(|(_, lease)| lease.is_held());
-        let run: Vec<Job> = run.into_iter().map(|(job, _)| job).collect();
+        let (run, epochs): (Vec<Job>, Vec<u64>) = run
+            .into_iter()
+            .map(|(job, lease)| (job, lease.epoch()))
+            .unzip();
         let outcomes = if self.inner.config.batch_size.is_some() {
             self.process_batch_outcomes(&run).await
         } else {
@@ -140,15 +146,15 @@ where
             outcomes
         };
         let mut ended = Vec::with_capacity(run.len() + lost.len());
-        for (job, outcome) in run.into_iter().zip(outcomes) {
+        for ((job, outcome), epoch) in run.into_iter().zip(outcomes).zip(epochs) {
             if outcome == (Outcome::Pending { outage: false }) {
                 self.set_delivery_count(&job, job.delivery_count + 1).await;
             }
-            ended.push((job, outcome));
+            ended.push((job, outcome, epoch));
         }
         ended.extend(
             lost.into_iter()
-                .map(|(job, _)| (job, Outcome::Pending { outage: false })),
+                .map(|(job, lease)| (job, Outcome::Pending { outage: false }, lease.epoch())),
         );
         ended
     }
@@ -274,7 +280,7 @@ where
         let drained: Vec<Arc<str>> = self
             .held
             .iter()
-            .filter(|(s, h)| h.releasing && self.keys.queued_in(s) == 0)
+            .filter(|(s, h)| h.releasing && self.keys.runnable_in(s) == 0)
             .map(|(s, _)| Arc::clone(s))
             .collect();
         for stream in drained {
@@ -282,6 +288,8 @@ where
                 continue;
             };
             tracing::info!(parent: &self.span, stream = &*stream, epoch = held.lease.epoch(), "lease released to rebalance");
+            // Only blocked keys may be left: their entries wait for the next holder.
+            self.keys.drop_stream(&stream);
             let consumer = self.consumer.clone();
             tokio::spawn(async move {
                 let released = async {
@@ -376,7 +384,7 @@ where
     }
 
     /// Work that ended: each head settled, or waits to run again.
-    fn finished(&mut self, done: Result<Vec<(Job, Outcome)>, JoinError>) {
+    fn finished(&mut self, done: Result<Ended, JoinError>) {
         let ended = match done {
             Ok(ended) => ended,
             // `process` catches handler panics: this is a bug in the runner itself.
@@ -391,13 +399,18 @@ where
             .as_ref()
             .is_some_and(|o| o.after_dead_letter == AfterDeadLetter::Block);
         let health = &self.consumer.inner.health;
-        let outage = ended.iter().any(|(_, o)| o.outage());
+        let outage = ended.iter().any(|(_, o, _)| o.outage());
         health.work_ended(outage);
         let now = Instant::now();
         if outage && let Some(pause) = health.pause(&config.outage_backoff) {
             self.paused_until = now + pause;
         }
-        for (mut job, outcome) in ended {
+        for (mut job, outcome, epoch) in ended {
+            // Of a lease since lost (and perhaps acquired again): its queues are gone, or
+            // are the new lease's, whose heads this result must not move.
+            if self.held.get(&job.stream).map(|h| h.lease.epoch()) != Some(epoch) {
+                continue;
+            }
             match outcome {
                 Outcome::Acked => self.keys.done(job, true, now, false),
                 Outcome::DeadLettered => self.keys.done(job, true, now, blocking),
@@ -550,7 +563,7 @@ where
 
 /// What a round waited for.
 enum Event {
-    Work(Result<Vec<(Job, Outcome)>, JoinError>),
+    Work(Result<Ended, JoinError>),
     Read(Result<RedisResult<Read>, JoinError>),
     Tick(Result<Tick, JoinError>),
     Timer,
