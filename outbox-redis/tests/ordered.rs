@@ -44,6 +44,8 @@ struct Apply {
     fail_first: fn(&Step) -> bool,
     fail_always: fn(&Step) -> bool,
     gaps: bool,
+    /// How long each application takes.
+    pause: Duration,
 }
 
 impl Apply {
@@ -53,6 +55,7 @@ impl Apply {
             fail_first,
             fail_always: |_| false,
             gaps: false,
+            pause: Duration::ZERO,
         }
     }
 }
@@ -69,6 +72,7 @@ impl Handler<Step> for Apply {
         if (first && (self.fail_first)(&e)) || (self.fail_always)(&e) {
             return Err(HandlerError::msg(format!("{}/{} refused", e.key, e.seq)));
         }
+        std::thread::sleep(self.pause);
         let data = tx.data();
         let applied = data.by_key.entry(e.key.clone()).or_default();
         let last = applied.last().copied().unwrap_or(0);
@@ -545,4 +549,51 @@ async fn an_ordered_consumer_reads_what_the_partitioned_publisher_writes_in_orde
     assert_in_order_once(&db, 25, 8);
     nothing_pending(&mut c, &prefix, 4, &group).await;
     cleanup(&prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_that_cannot_renew_its_lease_stops_at_its_deadline_and_resumes_in_order() {
+    let mut scratch = outbox_tests::ScratchRedis::start_persistent();
+    let prefix = unique_prefix("ordered");
+    let mut c = redis::Client::open(scratch.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    // One key: its 30 steps run one after another, 100 ms each, all read at once.
+    produce(&mut c, &prefix, 1, &steps(1, 30)).await;
+    let db = MemoryDb::new(Applied::default());
+    let mut apply = Apply::new(|_| false);
+    apply.pause = Duration::from_millis(100);
+    let config = ordered(&prefix, 1)
+        .with_ordered(OrderedConfig::default().with_lease_ttl(Duration::from_secs(1)));
+    let a = Consumer::builder(scratch.url(), "g")
+        .handle::<Step, _>(apply)
+        .idempotency(db.clone())
+        .with_config(config)
+        .build()
+        .unwrap();
+    let running = start(&a);
+    let applied = || db.read(|a| a.by_key.get("k0").map_or(0, Vec::len));
+    eventually("a few steps applied", || applied() >= 3).await;
+    // Redis goes away: no renewal. The lease's local deadline (0.8 s after the last
+    // renewal was sent) passes while steps are still queued in memory.
+    scratch.stop();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let at_deadline = applied();
+    assert!(
+        at_deadline < 30,
+        "the test needs steps left when the lease runs out"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        applied(),
+        at_deadline,
+        "steps handled after the lease was lost"
+    );
+    // Redis is back: the lease is acquired again, the pending steps taken over first.
+    scratch.restart();
+    eventually("every step applied", || complete(&db, 1, 30)).await;
+    running.stop().await;
+    assert_in_order_once(&db, 1, 30);
 }
