@@ -597,3 +597,48 @@ async fn a_holder_that_cannot_renew_its_lease_stops_at_its_deadline_and_resumes_
     running.stop().await;
     assert_in_order_once(&db, 1, 30);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_entry_left_pending_in_the_holders_name_is_taken_again_after_min_idle() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let config = ordered(&prefix, 1).with_min_idle(Duration::from_millis(300));
+    let a = consumer(config, &group, &db, Apply::new(|_| false));
+    let ra = start(&a);
+    produce(&mut c, &prefix, 1, &steps(3, 2)).await;
+    eventually("the first steps applied", || complete(&db, 3, 2)).await;
+    // An entry delivered in the holder's name that it never queued, as one whose XACK
+    // failed is (added and delivered in one script, so the holder's reads cannot take it).
+    let stream = format!("{prefix}{TOPIC}");
+    let envelope = Envelope::from_event(
+        &Step {
+            key: "late".into(),
+            seq: 1,
+        },
+        1 << 20,
+    )
+    .unwrap();
+    let mut script = redis::cmd("EVAL");
+    script
+        .arg(
+            "redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3)) \
+             return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')",
+        )
+        .arg(1)
+        .arg(&stream)
+        .arg(&group)
+        .arg(a.consumer_name());
+    for (field, value) in entry_fields(&envelope) {
+        script.arg(field).arg(&*value);
+    }
+    let _: redis::Value = script.query_async(&mut c).await.unwrap();
+    eventually("the orphan applied", || {
+        db.read(|a| a.by_key.get("late").is_some_and(|s| s == &[1]))
+    })
+    .await;
+    ra.stop().await;
+    nothing_pending(&mut c, &prefix, 1, &group).await;
+    cleanup(&prefix).await;
+}

@@ -1,7 +1,7 @@
 //! Ordered mode's queues: the entries read, one queue per key of each stream, of which
 //! only the head runs, and only one at a time.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,15 +37,23 @@ pub(super) struct Keys {
     queues: HashMap<KeyId, Queue>,
     /// Idle keys with a head, in the order they became ready.
     ready: VecDeque<KeyId>,
-    /// Entries queued, running included.
-    queued: usize,
+    /// The entries queued (running included), by stream and id: an entry is queued once.
+    entries: HashSet<EntryId>,
 }
 
+/// An entry of a stream.
+pub(super) type EntryId = (Arc<str>, String);
+
 impl Keys {
-    /// Queues `job` behind the earlier entries of its key.
+    /// Queues `job` behind the earlier entries of its key, unless it is queued already.
     pub(super) fn push(&mut self, job: Job) {
+        if !self
+            .entries
+            .insert((Arc::clone(&job.stream), job.entry.id.clone()))
+        {
+            return;
+        }
         let id: KeyId = (Arc::clone(&job.stream), entry_key(&job.entry));
-        self.queued += 1;
         let queue = self.queues.entry(id.clone()).or_insert_with(|| Queue {
             jobs: VecDeque::new(),
             state: State::Idle,
@@ -111,7 +119,8 @@ impl Keys {
             return;
         }
         if settled {
-            self.queued -= 1;
+            self.entries
+                .remove(&(Arc::clone(&job.stream), job.entry.id.clone()));
             queue.state = if blocked { State::Blocked } else { State::Idle };
         } else {
             queue.jobs.push_front(job);
@@ -183,16 +192,9 @@ impl Keys {
     /// Forgets every queue of `stream` (its lease was lost): its entries stay pending for
     /// the next holder. Heads running end into [`done`](Self::done), which ignores them.
     pub(super) fn drop_stream(&mut self, stream: &str) {
-        let mut dropped = 0;
-        self.queues.retain(|id, q| {
-            if &*id.0 != stream {
-                return true;
-            }
-            dropped += q.jobs.len() + usize::from(q.state == State::Busy);
-            false
-        });
+        self.queues.retain(|id, _| &*id.0 != stream);
         self.ready.retain(|id| &*id.0 != stream);
-        self.queued -= dropped;
+        self.entries.retain(|(s, _)| &**s != stream);
     }
 
     /// Entries queued for `stream`, running included.
@@ -216,7 +218,12 @@ impl Keys {
 
     /// Entries queued, running included.
     pub(super) fn queued(&self) -> usize {
-        self.queued
+        self.entries.len()
+    }
+
+    /// The entries queued (running included).
+    pub(super) fn entries(&self) -> &HashSet<EntryId> {
+        &self.entries
     }
 }
 
@@ -273,6 +280,12 @@ mod tests {
         keys.done(again.into_iter().next().unwrap(), true, now, false);
         assert_eq!(ids(&keys.take(10, |_| true)), ["2-0"]);
         assert_eq!(keys.queued(), 3);
+        keys.push(job("s", 3, "a"));
+        assert_eq!(
+            keys.queued(),
+            3,
+            "an entry queued already is not queued twice"
+        );
     }
 
     #[test]

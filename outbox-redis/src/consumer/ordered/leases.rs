@@ -2,6 +2,7 @@
 //! streams acquired up to a fair share, and a stream taken over with the entries its
 //! previous holder left pending.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use redis::{RedisError, RedisResult};
 
 use super::super::stats::Count;
 use super::super::{Consumer, Job};
+use super::keys::EntryId;
 use crate::conn::{Conn, blocked_key, lease_key, members_key};
 use crate::lease::{Lease, eval, millis};
 
@@ -39,6 +41,10 @@ pub(super) struct Tick {
     pub(super) acquired: Vec<Acquired>,
     /// The keys still blocked on each stream asked about.
     pub(super) blocked: Vec<(Arc<str>, Vec<Vec<u8>>)>,
+    /// Entries of the streams held, pending in this consumer's name for `min_idle` and
+    /// not queued: read and settled, but whose `XACK` failed. Claimed to queue them again
+    /// (they are found applied, and acknowledged).
+    pub(super) orphans: Vec<Job>,
     pub(super) error: Option<RedisError>,
 }
 
@@ -60,6 +66,8 @@ pub(super) struct Holding {
     pub(super) blocked: Vec<Arc<str>>,
     /// Whether to take free streams (not while shutting down).
     pub(super) acquire: bool,
+    /// The entries queued, not to be taken for orphans.
+    pub(super) queued: HashSet<EntryId>,
 }
 
 impl<I, C> Consumer<I, C>
@@ -97,6 +105,12 @@ where
             for stream in &holding.blocked {
                 let keys = self.blocked_keys(&mut conn, stream).await?;
                 tick.blocked.push((Arc::clone(stream), keys));
+            }
+            for (stream, lease) in &holding.held {
+                if lease.is_held() {
+                    let orphans = self.orphans(&mut conn, stream, &holding.queued).await?;
+                    tick.orphans.extend(orphans);
+                }
             }
             Ok(())
         }
@@ -251,6 +265,64 @@ where
         }
         jobs.sort_by_key(|job| id_order(&job.entry.id));
         Ok(jobs)
+    }
+
+    /// The entries of `stream` pending in this consumer's name for at least `min_idle`
+    /// that are not in `queued`, claimed again (`XCLAIM`, which counts a delivery).
+    async fn orphans(
+        &self,
+        conn: &mut Conn,
+        stream: &Arc<str>,
+        queued: &HashSet<EntryId>,
+    ) -> RedisResult<Vec<Job>> {
+        let inner = &self.inner;
+        let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&**stream)
+            .arg(&inner.group)
+            .arg("IDLE")
+            .arg(millis(inner.config.min_idle))
+            .arg("-")
+            .arg("+")
+            .arg(TAKEOVER_PAGE)
+            .arg(&inner.consumer_name)
+            .query_async(&mut *conn)
+            .await?;
+        let ids: Vec<&str> = pending
+            .ids
+            .iter()
+            .map(|p| p.id.as_str())
+            .filter(|id| !queued.contains(&(Arc::clone(stream), (*id).to_owned())))
+            .collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        tracing::info!(
+            stream = &**stream,
+            orphans = ids.len(),
+            "entries left pending without a queue (a failed XACK); claimed again"
+        );
+        let claimed: StreamClaimReply = redis::cmd("XCLAIM")
+            .arg(&**stream)
+            .arg(&inner.group)
+            .arg(&inner.consumer_name)
+            .arg(0)
+            .arg(&ids)
+            .query_async(&mut *conn)
+            .await?;
+        Ok(claimed
+            .ids
+            .into_iter()
+            .map(|entry| {
+                let times = (pending.ids.iter())
+                    .find(|p| p.id == entry.id)
+                    .map_or(1, |p| p.times_delivered as u64);
+                Job {
+                    stream: Arc::clone(stream),
+                    delivery_count: times + 1,
+                    entry,
+                }
+            })
+            .collect())
     }
 
     /// The keys blocked on `stream` (none unless blocking after dead letters).

@@ -371,6 +371,7 @@ where
                 .cloned()
                 .collect(),
             acquire,
+            queued: self.keys.entries().clone(),
         };
         let every = self.consumer.lease_ttl() / 3;
         self.next_tick = Instant::now()
@@ -496,6 +497,11 @@ where
         }
         for (stream, still) in &tick.blocked {
             self.keys.unblock(stream, still);
+        }
+        for job in tick.orphans {
+            if self.held.contains_key(&job.stream) {
+                self.keys.push(job);
+            }
         }
         if let Some(e) = tick.error {
             tracing::warn!(parent: &self.span, error = %e, "lease keeping failed");
