@@ -5,7 +5,7 @@
 //! killed (`SIGKILL`), one is stopped (`SIGSTOP`) for longer than the lease TTL and then
 //! resumed, and one is added; about one first delivery in ten fails or panics. Every
 //! key's events must be applied in sequence order, exactly once, with nothing left
-//! pending.
+//! pending. Run in single mode and in batch mode (16 per transaction).
 //!
 //! The consumer processes are this test binary run again with the consumer's arguments
 //! in `OUTBOX_ORDERED_CONSUMER_ARGS` (the test `ordered_consumer_process`, which does
@@ -186,6 +186,16 @@ fn wait_applied(db: &mut PgConnection, n: i64, consumers: &[&Process]) {
 
 #[test]
 fn three_ordered_consumers_keep_every_key_in_order_through_a_kill_a_stop_and_a_newcomer() {
+    scenario(None);
+}
+
+#[test]
+fn the_same_in_batch_mode() {
+    scenario(Some(16));
+}
+
+/// The run of the module's documentation, in single mode or batch mode.
+fn scenario(batch_size: Option<usize>) {
     let schema = Isolated::postgres("ordered");
     let mut db = PgConnection::establish(&schema.url).unwrap();
     outbox_diesel::migrate(&mut db).unwrap();
@@ -214,6 +224,11 @@ fn three_ordered_consumers_keep_every_key_in_order_through_a_kill_a_stop_and_a_n
     ]
     .iter()
     .map(|s| (*s).to_owned())
+    .chain(
+        batch_size
+            .into_iter()
+            .flat_map(|n| ["--batch-size".to_owned(), n.to_string()]),
+    )
     .collect();
     let consumers: Vec<Process> = (0..3).map(|_| Process::start(&args)).collect();
     let [killed, stopped, kept] = <[Process; 3]>::try_from(consumers).ok().unwrap();
