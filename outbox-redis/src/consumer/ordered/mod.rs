@@ -72,6 +72,8 @@ struct Ordered<I, C> {
     live: usize,
     /// Whether the first round (membership only) has started.
     joined: bool,
+    /// When the periodic trim is due, if on (`trim_interval`).
+    next_trim: Option<Instant>,
 }
 
 /// The pause between a consumer's first round of lease keeping, which only makes it a
@@ -197,6 +199,7 @@ where
             paused_until: now,
             live: 1,
             joined: false,
+            next_trim: config.trim_interval.map(|i| now + i),
         }
     }
 
@@ -220,7 +223,11 @@ where
         if self.tick.is_none() && now >= self.next_tick {
             self.start_tick();
         }
+        self.trim_when_due(now);
         let mut until = self.next_tick.max(now + Duration::from_millis(1));
+        if let Some(trim) = self.next_trim {
+            until = until.min(trim.max(now + Duration::from_millis(1)));
+        }
         for at in next_wake
             .into_iter()
             .chain((self.paused_until > now).then_some(self.paused_until))
@@ -252,6 +259,22 @@ where
             Event::Timer => {}
         }
         Some(())
+    }
+
+    /// The periodic trim, when due: in a task of its own, as it never fails and nothing
+    /// waits for it.
+    fn trim_when_due(&mut self, now: Instant) {
+        let (Some(at), Some(interval)) = (self.next_trim, self.consumer.inner.config.trim_interval)
+        else {
+            return;
+        };
+        if now >= at {
+            self.next_trim = Some(now + interval);
+            let consumer = self.consumer.clone();
+            tokio::spawn(
+                async move { consumer.periodic_trim().await }.instrument(self.span.clone()),
+            );
+        }
     }
 
     /// Drops the streams whose lease's local deadline passed, with all queued for them.
