@@ -571,3 +571,84 @@ async fn poison_and_exhausted_entries_go_to_the_dead_stream_in_the_same_slot() {
     let _: Value = redis::cmd("PING").query_async(&mut conn).await.unwrap();
     assert_eq!(cluster.keys_per_node().iter().sum::<usize>(), 3);
 }
+
+/// One step of a key's sequence, over 4 partitions.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, outbox_core::OutboxEvent)]
+#[outbox(topic = "cluster.step", key = key, id = "{key}/{seq}", partitions = 4)]
+struct Step {
+    key: String,
+    seq: u32,
+}
+
+/// Records each key's last step, and every step out of order under `violations`.
+struct InOrder;
+
+impl Handler<Step> for InOrder {
+    type Conn = MemoryTx<Applied>;
+
+    fn handle(
+        &self,
+        e: Step,
+        tx: &mut MemoryTx<Applied>,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        let data = tx.data();
+        let last = data.get(&e.key).copied().unwrap_or(0);
+        if e.seq != last + 1 {
+            *data.entry("violations".to_owned()).or_default() += 1;
+        }
+        data.insert(e.key, e.seq);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_consumers_share_partitions_in_their_own_slots_and_keep_key_order() {
+    let cluster = Cluster::start();
+    let publisher = RedisPublisher::cluster(cluster.urls())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_partitions_of::<Step>())
+        .unwrap();
+    let steps: Vec<Envelope> = (1..=5)
+        .flat_map(|seq| {
+            (0..20).map(move |k| Step {
+                key: format!("k{k}"),
+                seq,
+            })
+        })
+        .map(|s| Envelope::from_event(&s, 1 << 20).unwrap())
+        .collect();
+    let outcomes = publisher.publish(&stored(steps)).await.unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    let db = MemoryDb::new(Applied::new());
+    let config = fast_config("outbox:").with_ordered(
+        outbox_redis::OrderedConfig::default().with_lease_ttl(Duration::from_secs(2)),
+    );
+    let consumers: Vec<_> = (0..2)
+        .map(|_| {
+            Consumer::builder_cluster(cluster.urls(), "ordered")
+                .handle::<Step, _>(InOrder)
+                .idempotency(db.clone())
+                .with_config(config.clone())
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let streams: Vec<String> = consumers[0].streams().map(str::to_owned).collect();
+    assert_eq!(streams.len(), 4);
+    let running: Vec<_> = consumers.iter().map(Running::start).collect();
+    eventually("every step applied", || {
+        db.read(|a| (0..20).all(|k| a.get(&format!("k{k}")) == Some(&5)))
+    })
+    .await;
+    for r in running {
+        r.stop().await;
+    }
+    db.read(|a| assert_eq!(a.get("violations"), None, "{a:?}"));
+    let consumed: u64 = consumers.iter().map(|c| c.stats().consumed).sum();
+    assert_eq!(consumed, 100);
+    let mut conn = cluster.conn().await;
+    for stream in &streams {
+        assert_eq!(pending(&mut conn, stream, "ordered").await, 0, "{stream}");
+    }
+}

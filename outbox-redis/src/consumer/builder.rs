@@ -176,11 +176,6 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
         let config = self.config;
         let cluster = target.is_cluster();
         check_prefix(&config.stream_prefix, cluster)?;
-        if cluster && config.ordered.is_some() {
-            return Err(
-                InvalidConfig::new("ordered", "is not available on a Redis Cluster yet").into(),
-            );
-        }
         let streams = streams(self.dispatcher.topics(), &self.declared, &config, cluster);
         let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
         let readers = readers(&target, &config, &streams)?;

@@ -133,7 +133,8 @@ pub struct ConsumerConfig {
     /// of the group at a time, the holder of its lease, and the entries of one key are
     /// handled one after another in stream order; see [`OrderedConfig`] and
     /// docs/partitions.md ("Ordered consumers"). Applies to every topic of this
-    /// consumer; not available on a Redis Cluster yet.
+    /// consumer. On a Redis Cluster, a read that found nothing is followed by a 50 ms
+    /// pause instead of a blocking wait (one `XREAD BLOCK` cannot span slots).
     pub ordered: Option<OrderedConfig>,
     /// Pauses after Redis or the idempotency store fails as a whole.
     pub outage_backoff: OutageBackoff,

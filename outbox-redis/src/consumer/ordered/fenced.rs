@@ -8,12 +8,14 @@
 //! later, out of order. Checked in Redis, a read delivers entries only to the holder.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use outbox_core::Inbox;
 use redis::streams::StreamReadReply;
 use redis::{FromRedisValue, ParsingError, RedisResult, Value};
 
 use super::super::{Consumer, Job, duration_ms};
+use crate::conn::{by_slot, query_all};
 use crate::lease::{Lease, eval};
 
 /// `KEYS[1]` the stream, `KEYS[2]` its lease; `ARGV`: the lease's value, the group, the
@@ -27,6 +29,10 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if top[1] then return top[1][1] end
 return '0-0'
 ";
+
+/// How long an ordered consumer on a cluster waits before reading again after a read
+/// that brought nothing: one `XREAD BLOCK` cannot wait on streams of several slots.
+const CLUSTER_POLL: Duration = Duration::from_millis(50);
 
 /// One stream's answer to [`READ`].
 enum Fenced {
@@ -61,59 +67,80 @@ where
     C: 'static,
 {
     /// New entries of `held` (each stream with its lease), up to `count` per stream,
-    /// with one pipeline of [`READ`] scripts. When none came, waits up to `block` for
-    /// one to be added (`XREAD BLOCK`, which takes nothing), and returns nothing: the
-    /// next read takes it.
+    /// with one pipeline of [`READ`] scripts (on a cluster, one per hash slot, sent side
+    /// by side). When none came, waits up to `block` for one to be added (`XREAD BLOCK`,
+    /// which takes nothing; on a cluster, whose streams live in many slots, a short
+    /// pause instead), and returns nothing: the next read takes it.
     pub(super) async fn read_fenced(
         self,
         held: Vec<(Arc<str>, Arc<Lease>)>,
         count: usize,
     ) -> RedisResult<Read> {
         let inner = &self.inner;
-        // Ordered mode runs on one server: one reader.
-        let reader = &inner.readers[0];
-        let mut pipe = redis::pipe();
-        for (stream, lease) in &held {
-            pipe.add_command(
-                eval(READ, 2)
-                    .arg(&**stream)
-                    .arg(lease.key())
-                    .arg(lease.value())
-                    .arg(&inner.group)
-                    .arg(&inner.consumer_name)
-                    .arg(count.max(1))
-                    .clone(),
-            );
-        }
-        let mut conn = reader.conn.get().await?;
-        let replies: Vec<Fenced> = match pipe.query_async(&mut conn).await {
-            Ok(replies) => replies,
-            Err(e) => {
-                reader.conn.check(&e).await;
-                return Err(e);
-            }
+        // One server: the reader's connection, whose timeout allows for the block.
+        let connector = if inner.cluster {
+            &inner.commands
+        } else {
+            &inner.readers[0].conn
         };
+        let groups = by_slot(inner.cluster, held, |(stream, _)| stream);
+        let pipes = groups
+            .iter()
+            .map(|group| {
+                let mut pipe = redis::pipe();
+                for (stream, lease) in group {
+                    pipe.add_command(
+                        eval(READ, 2)
+                            .arg(&**stream)
+                            .arg(lease.key())
+                            .arg(lease.value())
+                            .arg(&inner.group)
+                            .arg(&inner.consumer_name)
+                            .arg(count.max(1))
+                            .clone(),
+                    );
+                }
+                pipe
+            })
+            .collect();
+        let mut conn = connector.get().await?;
         let mut read = Read::default();
         let mut tops = Vec::new();
-        for ((stream, lease), reply) in held.iter().zip(replies) {
-            match reply {
-                Fenced::Lost => {
-                    lease.give_up();
-                    read.lost.push(Arc::clone(stream));
+        for (group, replies) in groups
+            .iter()
+            .zip(query_all::<Vec<Fenced>>(&mut conn, pipes).await)
+        {
+            let replies = match replies {
+                Ok(replies) => replies,
+                Err(e) => {
+                    connector.check(&e).await;
+                    return Err(e);
                 }
-                Fenced::Entries(reply) => {
-                    for key in reply.keys {
-                        read.jobs.extend(key.ids.into_iter().map(|entry| Job {
-                            stream: Arc::clone(stream),
-                            entry,
-                            delivery_count: 1,
-                        }));
+            };
+            for ((stream, lease), reply) in group.iter().zip(replies) {
+                match reply {
+                    Fenced::Lost => {
+                        lease.give_up();
+                        read.lost.push(Arc::clone(stream));
                     }
+                    Fenced::Entries(reply) => {
+                        for key in reply.keys {
+                            read.jobs.extend(key.ids.into_iter().map(|entry| Job {
+                                stream: Arc::clone(stream),
+                                entry,
+                                delivery_count: 1,
+                            }));
+                        }
+                    }
+                    Fenced::Empty(top) => tops.push((stream, top)),
                 }
-                Fenced::Empty(top) => tops.push((stream, top)),
             }
         }
         if read.jobs.is_empty() && read.lost.is_empty() && !tops.is_empty() {
+            if inner.cluster {
+                tokio::time::sleep(inner.config.block.min(CLUSTER_POLL)).await;
+                return Ok(read);
+            }
             let mut wait = redis::cmd("XREAD");
             wait.arg("BLOCK")
                 .arg(duration_ms(inner.config.block))
@@ -126,7 +153,7 @@ where
             }
             let woken: RedisResult<Value> = wait.query_async(&mut conn).await;
             if let Err(e) = woken {
-                reader.conn.check(&e).await;
+                connector.check(&e).await;
                 return Err(e);
             }
         }
