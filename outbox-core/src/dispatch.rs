@@ -4,9 +4,11 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use futures_util::FutureExt as _;
+
 use crate::{
-    BoxError, Envelope, Error, HandlerError, Inbox, InboxBatchOutcomes, InvalidConfig, OutboxEvent,
-    Processed,
+    AsyncInbox, BoxError, Envelope, Error, HandlerError, Inbox, InboxBatchOutcomes, InvalidConfig,
+    OutboxEvent, Processed, TxFuture,
 };
 
 /// Where and how often a message was delivered, next to the message itself.
@@ -79,8 +81,9 @@ pub trait Handler<E: OutboxEvent>: Send + Sync + 'static {
 /// as an idempotency key where it accepts one. The transaction stays open while the
 /// handler runs, so keep the call short and give it a timeout.
 ///
-/// Runners call it on a blocking thread (as they call every handler, diesel being
-/// synchronous), where it is driven by the current tokio runtime.
+/// With a blocking [`Inbox`], runners call it on the blocking thread that holds the
+/// transaction, where it is driven by the current tokio runtime; with an [`AsyncInbox`]
+/// it is awaited like an [`AsyncTxHandler`].
 pub trait AsyncHandler<E: OutboxEvent>: Send + Sync + 'static {
     /// Performs the effect of `event`.
     fn handle(
@@ -90,7 +93,68 @@ pub trait AsyncHandler<E: OutboxEvent>: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
-type Run<C> = Box<dyn FnOnce(&mut C, &Delivery) -> Result<(), HandlerError> + Send>;
+/// Applies one event type on an async connection, inside the consumer's dedup
+/// transaction: the async twin of [`Handler`], for an [`AsyncInbox`] (`outbox-diesel`'s
+/// `AsyncPgInbox` gives `&mut AsyncPgConnection`). Its writes through `conn` commit
+/// together with the dedup row, or not at all; no blocking thread is held while it runs.
+///
+/// Write it as an `async fn`; the future must be `Send` (so must whatever it holds across
+/// an `.await`), since the consumer runs it on a multi-threaded runtime:
+///
+/// ```
+/// use outbox_core::{AsyncTxHandler, Delivery, HandlerError, OutboxEvent};
+///
+/// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+/// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+///
+/// struct AwardPoints;
+/// impl AsyncTxHandler<OrderPaid> for AwardPoints {
+///     type Conn = Vec<String>; // with diesel-async: `AsyncPgConnection`
+///     async fn handle(&self, e: OrderPaid, conn: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+///         tokio::task::yield_now().await; // e.g. `diesel::update(..).execute(conn).await?`
+///         conn.push(format!("{} +{}", e.order_id, e.amount_cents / 100));
+///         Ok(())
+///     }
+/// }
+///
+/// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
+/// let e = OrderPaid { order_id: "o-1".into(), amount_cents: 1999 };
+/// let envelope = outbox_core::Envelope::from_event(&e, 1024)?;
+/// let delivery = Delivery { envelope, delivery_count: 1, entry_id: None };
+/// let mut log = Vec::new();
+/// AwardPoints.handle(e, &mut log, &delivery).await?;
+/// assert_eq!(log, ["o-1 +19"]);
+/// # Ok::<_, Box<dyn std::error::Error>>(()) })?;
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
+///
+/// As with [`Handler`]: return database errors with `?` rather than going on after them,
+/// so that a deadlock or serialization failure is recognised as [`Error::Transient`]; an
+/// error or a panic rolls the transaction back and leaves the message to be retried.
+pub trait AsyncTxHandler<E: OutboxEvent>: Send + Sync + 'static {
+    /// The connection type of the async dedup store this handler runs with
+    /// ([`AsyncInbox::Conn`]).
+    type Conn;
+
+    /// Applies `event` through `conn`, the dedup transaction's connection.
+    fn handle(
+        &self,
+        event: E,
+        conn: &mut Self::Conn,
+        delivery: &Delivery,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// A handler that runs to the end when called.
+type BlockingRun<C> = Box<dyn FnOnce(&mut C, &Delivery) -> Result<(), HandlerError> + Send>;
+/// A handler whose future is awaited: on the async path directly, on the blocking path
+/// through the current runtime.
+type AwaitedRun<C> = Box<dyn for<'c> FnOnce(&'c mut C, &'c Delivery) -> TxFuture<'c> + Send>;
+
+enum Run<C> {
+    Blocking(BlockingRun<C>),
+    Awaited(AwaitedRun<C>),
+}
 type Decode<C> = Arc<dyn Fn(&Envelope, Payload) -> Result<Run<C>, Error> + Send + Sync>;
 type Step = Arc<dyn Fn(Value) -> Result<Value, BoxError> + Send + Sync>;
 
@@ -167,9 +231,30 @@ impl<C> std::fmt::Debug for Dispatcher<C> {
 pub struct Prepared<C>(Run<C>);
 
 impl<C> Prepared<C> {
-    /// Runs the handler.
+    /// Runs the handler, on a thread that may block: an async handler
+    /// ([`AsyncHandler`], [`AsyncTxHandler`]) is driven to the end by the current tokio
+    /// runtime (outside one it is a handler error).
     pub fn run(self, conn: &mut C, delivery: &Delivery) -> Result<(), HandlerError> {
-        (self.0)(conn, delivery)
+        match self.0 {
+            Run::Blocking(run) => run(conn, delivery),
+            Run::Awaited(run) => {
+                let runtime = tokio::runtime::Handle::try_current()
+                    .map_err(|_| HandlerError::msg("an async handler needs a tokio runtime"))?;
+                runtime.block_on(run(conn, delivery))
+            }
+        }
+    }
+
+    /// The handler as a future, for an [`AsyncInbox`]: an async handler is awaited, a
+    /// blocking [`Handler`] runs when the future is first polled.
+    pub fn run_async<'c>(self, conn: &'c mut C, delivery: &'c Delivery) -> TxFuture<'c>
+    where
+        C: Send,
+    {
+        match self.0 {
+            Run::Awaited(run) => run(conn, delivery),
+            Run::Blocking(run) => Box::pin(async move { run(conn, delivery) }),
+        }
     }
 }
 
@@ -189,17 +274,36 @@ impl<C: 'static> Dispatcher<C> {
         self.route::<E>(Arc::new(move |envelope: &Envelope, payload: Payload| {
             let event: E = decode(envelope, payload)?;
             let handler = Arc::clone(&handler);
-            Ok(
-                Box::new(move |conn: &mut C, d: &Delivery| handler.handle(event, conn, d))
-                    as Run<C>,
-            )
+            Ok(Run::Blocking(Box::new(
+                move |conn: &mut C, d: &Delivery| handler.handle(event, conn, d),
+            )))
+        }))
+    }
+
+    /// Routes every event type of `E` to an [`AsyncTxHandler`], for a consumer on an
+    /// [`AsyncInbox`]. Fails if one is already routed.
+    pub fn register_tx<E, H>(&mut self, handler: H) -> Result<(), Error>
+    where
+        E: OutboxEvent,
+        H: AsyncTxHandler<E, Conn = C>,
+        C: Send,
+    {
+        let handler = Arc::new(handler);
+        self.route::<E>(Arc::new(move |envelope: &Envelope, payload: Payload| {
+            let event: E = decode(envelope, payload)?;
+            let handler = Arc::clone(&handler);
+            Ok(Run::Awaited(Box::new(
+                move |conn: &mut C, d: &Delivery| -> TxFuture<'_> {
+                    Box::pin(async move { handler.handle(event, conn, d).await })
+                },
+            )))
         }))
     }
 
     /// Routes every event type of `E` to an [`AsyncHandler`]. Fails if one is already
-    /// routed. The handler runs inside the dedup transaction on the blocking thread that
-    /// holds it, driven by the current tokio runtime; see [`AsyncHandler`] for what that
-    /// guarantees.
+    /// routed. The handler runs inside the dedup transaction: with an [`Inbox`] on the
+    /// blocking thread that holds it, driven by the current tokio runtime, with an
+    /// [`AsyncInbox`] awaited; see [`AsyncHandler`] for what that guarantees.
     pub fn register_async<E, H>(&mut self, handler: H) -> Result<(), Error>
     where
         E: OutboxEvent,
@@ -209,11 +313,11 @@ impl<C: 'static> Dispatcher<C> {
         self.route::<E>(Arc::new(move |envelope: &Envelope, payload: Payload| {
             let event: E = decode(envelope, payload)?;
             let handler = Arc::clone(&handler);
-            Ok(Box::new(move |_: &mut C, d: &Delivery| {
-                let runtime = tokio::runtime::Handle::try_current()
-                    .map_err(|_| HandlerError::msg("an async handler needs a tokio runtime"))?;
-                runtime.block_on(handler.handle(event, d))
-            }) as Run<C>)
+            Ok(Run::Awaited(Box::new(
+                move |_: &mut C, d: &Delivery| -> TxFuture<'_> {
+                    Box::pin(async move { handler.handle(event, d).await })
+                },
+            )))
         }))
     }
 
@@ -406,6 +510,104 @@ impl<C: 'static> Dispatcher<C> {
         (route.decode)(envelope, payload).map(Prepared)
     }
 
+    /// [`consume`](Self::consume) on an [`AsyncInbox`]: decodes `delivery`, then awaits
+    /// the dedup transaction with the handler inside it. A panic of the handler is
+    /// caught inside the transaction, which then rolls back, and reported as
+    /// [`Error::Handler`] ("handler panicked: ..").
+    pub async fn consume_async<I>(
+        &self,
+        inbox: &I,
+        group: &str,
+        delivery: &Delivery,
+    ) -> Result<Processed, Error>
+    where
+        I: AsyncInbox<Conn = C>,
+        C: Send,
+    {
+        let prepared = self.prepare(&delivery.envelope)?;
+        Self::consume_prepared(inbox, group, prepared, delivery.clone()).await
+    }
+
+    /// The transaction of [`consume_async`](Self::consume_async) for a message prepared
+    /// already ([`prepare`](Self::prepare)).
+    pub async fn consume_prepared<I>(
+        inbox: &I,
+        group: &str,
+        prepared: Prepared<C>,
+        delivery: Delivery,
+    ) -> Result<Processed, Error>
+    where
+        I: AsyncInbox<Conn = C>,
+        C: Send,
+    {
+        let msg_id = delivery.envelope.msg_id.clone();
+        inbox
+            .process(group, &msg_id, move |conn| {
+                Box::pin(async move { run_async_catching_panic(prepared, conn, &delivery).await })
+            })
+            .await
+    }
+
+    /// [`consume_batch`](Self::consume_batch) on an [`AsyncInbox`]: the deliveries go
+    /// through one [`AsyncInbox::process_batch`], with the same outcomes; a handler's
+    /// panic costs only its own message.
+    pub async fn consume_batch_async<I>(
+        &self,
+        inbox: &I,
+        group: &str,
+        deliveries: &[Delivery],
+    ) -> Result<InboxBatchOutcomes, Error>
+    where
+        I: AsyncInbox<Conn = C>,
+        C: Send,
+    {
+        let (mut outcomes, mut runs, msg_ids) = self.prepare_all(deliveries);
+        if runs.is_empty() {
+            return Ok(outcomes.into_iter().flatten().collect());
+        }
+        let processed = inbox
+            .process_batch(group, &msg_ids, |i, conn| {
+                let (delivery, prepared) = &mut runs[i];
+                let (delivery, prepared) = ((*delivery).clone(), prepared.take());
+                Box::pin(async move {
+                    let prepared = prepared.ok_or_else(|| {
+                        HandlerError::msg("the inbox ran this message's handler twice")
+                    })?;
+                    run_async_catching_panic(prepared, conn, &delivery).await
+                })
+            })
+            .await?;
+        merge_outcomes(&mut outcomes, processed, msg_ids.len())
+    }
+
+    /// Prepares each delivery of a batch: `(outcomes, runs, msg_ids)`, where an outcome
+    /// is `None` for a prepared delivery (its outcome comes from the store) and the
+    /// delivery's error otherwise.
+    #[allow(clippy::type_complexity)] // three parallel lists, named at the call sites
+    fn prepare_all<'d>(
+        &self,
+        deliveries: &'d [Delivery],
+    ) -> (
+        Vec<Option<Result<Processed, Error>>>,
+        Vec<(&'d Delivery, Option<Prepared<C>>)>,
+        Vec<crate::MsgId>,
+    ) {
+        let mut outcomes = Vec::with_capacity(deliveries.len());
+        let mut runs = Vec::new();
+        let mut msg_ids = Vec::new();
+        for delivery in deliveries {
+            match self.prepare(&delivery.envelope) {
+                Ok(prepared) => {
+                    outcomes.push(None);
+                    runs.push((delivery, Some(prepared)));
+                    msg_ids.push(delivery.envelope.msg_id.clone());
+                }
+                Err(e) => outcomes.push(Some(Err(e))),
+            }
+        }
+        (outcomes, runs, msg_ids)
+    }
+
     /// Decodes and applies one delivery exactly once in effect for `group`: the dedup row
     /// and the handler's writes commit together in `inbox`.
     pub fn consume<I>(
@@ -483,21 +685,7 @@ impl<C: 'static> Dispatcher<C> {
     where
         I: Inbox<Conn = C>,
     {
-        // `None`: prepared, its outcome comes from the store.
-        let mut outcomes: Vec<Option<Result<Processed, Error>>> =
-            Vec::with_capacity(deliveries.len());
-        let mut runs: Vec<(&Delivery, Option<Prepared<C>>)> = Vec::new();
-        let mut msg_ids = Vec::new();
-        for delivery in deliveries {
-            match self.prepare(&delivery.envelope) {
-                Ok(prepared) => {
-                    outcomes.push(None);
-                    runs.push((delivery, Some(prepared)));
-                    msg_ids.push(delivery.envelope.msg_id.clone());
-                }
-                Err(e) => outcomes.push(Some(Err(e))),
-            }
-        }
+        let (mut outcomes, mut runs, msg_ids) = self.prepare_all(deliveries);
         if runs.is_empty() {
             return Ok(outcomes.into_iter().flatten().collect());
         }
@@ -508,20 +696,29 @@ impl<C: 'static> Dispatcher<C> {
                 .ok_or_else(|| HandlerError::msg("the inbox ran this message's handler twice"))?;
             run_catching_panic(prepared, conn, delivery)
         })?;
-        if processed.len() != msg_ids.len() {
-            // A broken `Inbox` implementation: nothing can be told about any message.
-            return Err(Error::store(format!(
-                "Inbox::process_batch returned {} outcomes for {} messages",
-                processed.len(),
-                msg_ids.len()
-            )));
-        }
-        let mut processed = processed.into_iter();
-        Ok(outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or_else(|| processed.next().expect("lengths checked above")))
-            .collect())
+        merge_outcomes(&mut outcomes, processed, msg_ids.len())
     }
+}
+
+/// The outcomes of a batch in delivery order: those decided before the store
+/// (`Some`), and the store's for the others, in turn.
+fn merge_outcomes(
+    outcomes: &mut Vec<Option<Result<Processed, Error>>>,
+    processed: InboxBatchOutcomes,
+    expected: usize,
+) -> Result<InboxBatchOutcomes, Error> {
+    if processed.len() != expected {
+        // A broken `Inbox` implementation: nothing can be told about any message.
+        return Err(Error::store(format!(
+            "Inbox::process_batch returned {} outcomes for {expected} messages",
+            processed.len(),
+        )));
+    }
+    let mut processed = processed.into_iter();
+    Ok(std::mem::take(outcomes)
+        .into_iter()
+        .map(|o| o.unwrap_or_else(|| processed.next().expect("lengths checked above")))
+        .collect())
 }
 
 /// Decodes a payload as `E`: from the text, or from the JSON the upgrade steps made.
@@ -548,6 +745,24 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("non-text panic payload")
+}
+
+/// [`run_catching_panic`] for the async path: a panic while the handler's future is
+/// polled becomes its error, inside the transaction, which the inbox then rolls back.
+async fn run_async_catching_panic<C: Send>(
+    prepared: Prepared<C>,
+    conn: &mut C,
+    delivery: &Delivery,
+) -> Result<(), HandlerError> {
+    std::panic::AssertUnwindSafe(prepared.run_async(conn, delivery))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            Err(HandlerError::msg(format_args!(
+                "handler panicked: {}",
+                panic_message(&*panic)
+            )))
+        })
 }
 
 /// Runs a handler, turning a panic into its error. Safe to continue after: the inbox

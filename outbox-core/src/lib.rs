@@ -13,6 +13,7 @@
 #[cfg(test)]
 extern crate self as outbox_core;
 
+mod async_inbox;
 mod dispatch;
 mod error;
 mod error_chain;
@@ -31,7 +32,10 @@ mod retry;
 mod store;
 pub mod trace;
 
-pub use dispatch::{AsyncHandler, Delivery, Dispatcher, Handler, Prepared, panic_message};
+pub use async_inbox::{AsyncInbox, TxFuture};
+pub use dispatch::{
+    AsyncHandler, AsyncTxHandler, Delivery, Dispatcher, Handler, Prepared, panic_message,
+};
 pub use error::{BoxError, Error, HandlerError, InvalidConfig, Result};
 pub use error_chain::{ErrorChain, error_chain};
 pub use event::OutboxEvent;

@@ -100,6 +100,11 @@ pub enum Error {
         /// The highest version this release knows ([`MIGRATION_VERSION`](crate::MIGRATION_VERSION)).
         supported: i32,
     },
+    /// No connection could be obtained from diesel-async's pool (or the pool could not
+    /// be built): [`AsyncDieselInbox`](crate::AsyncDieselInbox).
+    #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+    #[error("connection pool")]
+    AsyncPool(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A blocking database task panicked or was cancelled.
     #[error("database task failed: {0}")]
     Task(String),

@@ -129,7 +129,7 @@ impl<C: R2D2Connection + 'static> DieselInbox<C> {
     }
 }
 
-enum TxError {
+pub(crate) enum TxError {
     Store(Error),
     Handler(HandlerError),
     /// The database ended the transaction while the handler ran.
@@ -149,7 +149,7 @@ impl From<Error> for TxError {
 }
 
 impl TxError {
-    fn into_core(self) -> outbox_core::Error {
+    pub(crate) fn into_core(self) -> outbox_core::Error {
         match self {
             Self::Store(e) => store_error(e),
             Self::Handler(e) => handler_error(e),
@@ -159,13 +159,13 @@ impl TxError {
 }
 
 /// What a handler that went on after MySQL ended its transaction did.
-const ENDED: &str = "the database ended the transaction while the handler ran (MySQL and \
+pub(crate) const ENDED: &str = "the database ended the transaction while the handler ran (MySQL and \
     MariaDB roll it back on a deadlock), so the dedup row is gone; the handler went on, and \
     its statements after that point ran outside the transaction, each committed on its own";
 
 /// A handler's error: [`outbox_core::Error::Transient`] if it carries a transient database
 /// error, [`outbox_core::Error::Handler`] otherwise.
-fn handler_error(e: HandlerError) -> outbox_core::Error {
+pub(crate) fn handler_error(e: HandlerError) -> outbox_core::Error {
     let e = e.into_inner();
     if has_transient_cause(&*e) {
         outbox_core::Error::Transient(e)
@@ -176,7 +176,7 @@ fn handler_error(e: HandlerError) -> outbox_core::Error {
 
 /// An error of the inbox's own statements (dedup insert, savepoints, commit): a transient
 /// conflict is named as one, anything else is the store's failure.
-fn store_error(e: Error) -> outbox_core::Error {
+pub(crate) fn store_error(e: Error) -> outbox_core::Error {
     if e.is_transient() {
         outbox_core::Error::Transient(Box::new(e))
     } else {
@@ -335,7 +335,7 @@ fn unwind_to<C: diesel::Connection>(c: &mut C, target: u32) -> Result<(), Error>
 }
 
 /// Why a message of a batch did not end with its savepoint released.
-enum Failure {
+pub(crate) enum Failure {
     /// The handler failed, or returned with a nested transaction still open.
     Handler(BoxError),
     /// The dedup insert failed.
@@ -347,7 +347,7 @@ enum Failure {
 
 impl Failure {
     /// A transient conflict between transactions ([`is_transient`]).
-    fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             Self::Handler(e) => has_transient_cause(&**e),
             Self::Store(e) => e.is_transient(),
@@ -355,7 +355,7 @@ impl Failure {
         }
     }
 
-    fn into_source(self) -> BoxError {
+    pub(crate) fn into_source(self) -> BoxError {
         match self {
             Self::Handler(e) => e,
             Self::Store(e) => Box::new(e),

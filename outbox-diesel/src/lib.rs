@@ -69,6 +69,8 @@ compile_error!("outbox-diesel needs at least one of the features `postgres`, `my
 
 #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
 mod async_emit;
+#[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+mod async_inbox;
 mod backend;
 mod conn;
 mod emit;
@@ -81,6 +83,8 @@ mod store;
 
 #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
 pub use async_emit::AsyncEmit;
+#[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+pub use async_inbox::AsyncDieselInbox;
 pub use conn::OutboxConnection;
 pub use emit::{Emit, EmitOptions, Notify};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
@@ -146,6 +150,19 @@ pub type MysqlInbox = DieselInbox<diesel::MysqlConnection>;
 /// The consumer's idempotency store on SQLite; handlers get `&mut SqliteConnection`.
 #[cfg(feature = "sqlite")]
 pub type SqliteInbox = DieselInbox<diesel::SqliteConnection>;
+
+/// The consumer's idempotency store on diesel-async's PostgreSQL connections; handlers
+/// ([`AsyncTxHandler`](outbox_core::AsyncTxHandler)) get `&mut AsyncPgConnection`.
+#[cfg(feature = "async-postgres")]
+pub type AsyncPgInbox = AsyncDieselInbox<diesel_async::AsyncPgConnection>;
+/// The consumer's idempotency store on diesel-async's MySQL / MariaDB connections;
+/// handlers ([`AsyncTxHandler`](outbox_core::AsyncTxHandler)) get
+/// `&mut AsyncMysqlConnection`.
+#[cfg(feature = "async-mysql")]
+pub type AsyncMysqlInbox = AsyncDieselInbox<diesel_async::AsyncMysqlConnection>;
+/// diesel-async's deadpool pool of `C` connections, as [`AsyncDieselInbox::new`] takes it.
+#[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
+pub type AsyncPool<C> = diesel_async::pooled_connection::deadpool::Pool<C>;
 
 /// The batch type of [`PgRelayStore`].
 #[cfg(feature = "postgres")]

@@ -169,12 +169,55 @@ fn found_duplicate(chunk: &[Row<'_>], mut found: Vec<MsgIdRow>) -> String {
 mod nonblocking {
     use diesel::mysql::Mysql;
     use diesel::result::DatabaseErrorKind;
-    use diesel_async::{AsyncConnectionCore, RunQueryDsl as _};
+    use diesel_async::pooled_connection::deadpool::{Object, Pool, PoolError};
+    use diesel_async::{AsyncConnectionCore, RunQueryDsl as _, SimpleAsyncConnection as _};
     use outbox_core::{Envelope, MsgId};
 
     use super::{Insert, MsgIdRow, Row, TAKE_BACK, chunks, with_msg_ids};
     use super::{find_one, found_duplicate, known_duplicate};
     use crate::{EmitOptions, Result};
+
+    /// The blocking inbox's statements on `AsyncMysqlConnection`: the same dedup insert
+    /// and probe of the server's transaction.
+    impl crate::async_inbox::AsyncInboxConnection for diesel_async::AsyncMysqlConnection {
+        type Pool = Pool<Self>;
+        type Pooled = Object<Self>;
+
+        async fn checkout(pool: &Pool<Self>) -> std::result::Result<Object<Self>, PoolError> {
+            pool.get().await
+        }
+
+        fn max_size(pool: &Pool<Self>) -> usize {
+            pool.status().max_size
+        }
+
+        async fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+            Ok(super::ConsumedInsert { group, msg_id }
+                .execute(self)
+                .await?
+                == 1)
+        }
+
+        async fn check_committable(&mut self) -> Result<()> {
+            // MySQL rolls back only a failed statement: nothing to check.
+            Ok(())
+        }
+
+        async fn transaction_open(&mut self) -> Result<bool> {
+            // The probe of the blocking inbox: releasing a savepoint fails (1305)
+            // exactly when no transaction is open.
+            if self
+                .batch_execute("SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe")
+                .await
+                .is_ok()
+            {
+                return Ok(true);
+            }
+            // The probe also fails on a lost connection: that is a store error.
+            self.batch_execute("DO 0").await?;
+            Ok(false)
+        }
+    }
 
     impl crate::async_emit::AsyncInsert for Mysql {
         async fn insert<C>(

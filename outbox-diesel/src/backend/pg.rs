@@ -318,8 +318,11 @@ fn take_back(inserted: &[i64]) -> Option<SqlQuery> {
 mod nonblocking {
     use std::marker::PhantomData;
 
+    use diesel::IntoSql as _;
     use diesel::pg::Pg;
     use diesel::result::QueryResult;
+    use diesel::sql_types::Integer;
+    use diesel_async::pooled_connection::deadpool::{Object, Pool, PoolError};
     use diesel_async::{AsyncConnectionCore, RunQueryDsl as _};
     use outbox_core::Envelope;
 
@@ -352,6 +355,41 @@ mod nonblocking {
                 }
             }
             Ok(())
+        }
+    }
+
+    /// The blocking inbox's statements on `AsyncPgConnection`: the same prepared dedup
+    /// insert and committable check.
+    impl crate::async_inbox::AsyncInboxConnection for diesel_async::AsyncPgConnection {
+        type Pool = Pool<Self>;
+        type Pooled = Object<Self>;
+
+        async fn checkout(pool: &Pool<Self>) -> std::result::Result<Object<Self>, PoolError> {
+            pool.get().await
+        }
+
+        fn max_size(pool: &Pool<Self>) -> usize {
+            pool.status().max_size
+        }
+
+        async fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+            Ok(super::ConsumedInsert { group, msg_id }
+                .execute(self)
+                .await?
+                == 1)
+        }
+
+        async fn check_committable(&mut self) -> Result<()> {
+            // Any statement fails in an aborted transaction; this one is prepared once.
+            diesel::select(1i32.into_sql::<Integer>())
+                .execute(self)
+                .await?;
+            Ok(())
+        }
+
+        async fn transaction_open(&mut self) -> Result<bool> {
+            // PostgreSQL keeps an aborted transaction open: `check_committable` sees it.
+            Ok(true)
         }
     }
 
