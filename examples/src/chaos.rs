@@ -7,6 +7,9 @@
 //! the key's row of `chaos_sums` and increments its count, and appends a row to
 //! `chaos_log`, which has no unique key: each application leaves a trace, so applying a
 //! message twice shows as a count above `n`, a sum above `n(n+1)/2`, and two log rows.
+//! It also keeps the key's last applied `seq` and counts each application that does not
+//! follow it (`breaks`): the order at the handler, which ordered consumers promise. The
+//! key's row lock serializes its applications, so the count is in commit order.
 //!
 //! `bin/chaos.rs` runs the whole experiment; `bin/chaos_consumer.rs` is the consumer
 //! process it starts.
@@ -60,6 +63,10 @@ diesel::table! {
         total -> BigInt,
         /// Number of applications.
         applied -> BigInt,
+        /// The `seq` of the last application.
+        last_seq -> BigInt,
+        /// Applications whose `seq` did not follow `last_seq`.
+        breaks -> BigInt,
     }
 }
 
@@ -80,7 +87,8 @@ diesel::table! {
 /// The chaos tables on PostgreSQL.
 pub const POSTGRES_SETUP: &str = "
     CREATE TABLE chaos_keys (k VARCHAR(32) PRIMARY KEY, next_seq BIGINT NOT NULL);
-    CREATE TABLE chaos_sums (k VARCHAR(32) PRIMARY KEY, total BIGINT NOT NULL, applied BIGINT NOT NULL);
+    CREATE TABLE chaos_sums (k VARCHAR(32) PRIMARY KEY, total BIGINT NOT NULL, applied BIGINT NOT NULL,
+                             last_seq BIGINT NOT NULL DEFAULT 0, breaks BIGINT NOT NULL DEFAULT 0);
     CREATE TABLE chaos_log (id BIGSERIAL PRIMARY KEY, msg_id VARCHAR(64) NOT NULL,
                             k VARCHAR(32) NOT NULL, seq BIGINT NOT NULL);
 ";
@@ -88,7 +96,8 @@ pub const POSTGRES_SETUP: &str = "
 /// The chaos tables on MySQL / MariaDB.
 pub const MYSQL_SETUP: &str = "
     CREATE TABLE chaos_keys (k VARCHAR(32) PRIMARY KEY, next_seq BIGINT NOT NULL);
-    CREATE TABLE chaos_sums (k VARCHAR(32) PRIMARY KEY, total BIGINT NOT NULL, applied BIGINT NOT NULL);
+    CREATE TABLE chaos_sums (k VARCHAR(32) PRIMARY KEY, total BIGINT NOT NULL, applied BIGINT NOT NULL,
+                             last_seq BIGINT NOT NULL DEFAULT 0, breaks BIGINT NOT NULL DEFAULT 0);
     CREATE TABLE chaos_log (id BIGINT AUTO_INCREMENT PRIMARY KEY, msg_id VARCHAR(64) NOT NULL,
                             k VARCHAR(32) NOT NULL, seq BIGINT NOT NULL);
 ";
@@ -137,10 +146,17 @@ macro_rules! impl_chaos_db {
             }
 
             fn apply(&mut self, tick: &Tick, msg_id: &str) -> QueryResult<()> {
+                // `breaks` before `last_seq`: MySQL assigns left to right, so the
+                // comparison sees the old `last_seq` there as on PostgreSQL.
+                let broke = diesel::dsl::sql::<diesel::sql_types::BigInt>("CASE WHEN last_seq + 1 = ")
+                    .bind::<diesel::sql_types::BigInt, _>(tick.seq)
+                    .sql(" THEN 0 ELSE 1 END");
                 let rows = diesel::update(chaos_sums::table.find(&tick.key))
                     .set((
                         chaos_sums::total.eq(chaos_sums::total + tick.seq),
                         chaos_sums::applied.eq(chaos_sums::applied + 1),
+                        chaos_sums::breaks.eq(chaos_sums::breaks + broke),
+                        chaos_sums::last_seq.eq(tick.seq),
                     ))
                     .execute(self)?;
                 if rows != 1 {

@@ -2,7 +2,8 @@
 //!
 //! The consumer process of the chaos run (`bin/chaos.rs` starts several of them): a
 //! [`Consumer`] with the default [`ConsumerConfig`] (only
-//! the stream prefix is set), a diesel inbox, and the [`ApplyTick`] handler, which adds
+//! the stream prefix is set, and with `--partitions` / `--ordered` the partitions and
+//! ordered mode), a diesel inbox, and the [`ApplyTick`] handler, which adds
 //! each message's sequence number to a per-key sum in the dedup transaction. It stops on
 //! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0.
 
@@ -12,9 +13,10 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use diesel::{MysqlConnection, PgConnection};
+use outbox_core::{OutboxEvent as _, Partitions};
 use outbox_diesel::{DieselInbox, OutboxConnection};
 use outbox_examples::chaos::{ApplyTick, ChaosDb, Tick};
-use outbox_redis::{Consumer, ConsumerConfig};
+use outbox_redis::{Consumer, ConsumerConfig, OrderedConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -45,6 +47,12 @@ struct Args {
     /// Connections in the inbox's pool.
     #[arg(long, default_value_t = 4)]
     pool_size: u32,
+    /// The relays' partition count of `chaos.tick` (1: one stream).
+    #[arg(long, default_value_t = 1)]
+    partitions: u32,
+    /// An ordered consumer: one holder per partition, each key's messages in order.
+    #[arg(long)]
+    ordered: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -122,8 +130,14 @@ where
     let size = args.pool_size;
     let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
         .await??;
+    let mut config = ConsumerConfig::default()
+        .with_stream_prefix(args.stream_prefix.as_str())
+        .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
+    if args.ordered {
+        config = config.with_ordered(OrderedConfig::default());
+    }
     let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
-        .with_config(ConsumerConfig::default().with_stream_prefix(args.stream_prefix.as_str()))
+        .with_config(config)
         .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
         .idempotency(DieselInbox::new(pool))
         .build()?;

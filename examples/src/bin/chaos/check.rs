@@ -20,6 +20,9 @@ pub(crate) struct Findings {
     pub(crate) bad_sums: u64,
     /// Messages whose first appearance on the stream was not the next of their key.
     pub(crate) order_breaks: u64,
+    /// With ordered consumers: applications at the handler that did not follow their
+    /// key's last one (without, consumers promise no order at the handler: 0).
+    pub(crate) handler_order_breaks: u64,
     /// Distinct committed messages on the stream.
     pub(crate) on_stream: u64,
     /// Entries beyond the first of their message (a relay republished them: allowed).
@@ -65,6 +68,7 @@ impl Findings {
             + self.double_applied
             + self.bad_sums
             + self.order_breaks
+            + self.handler_order_breaks
             + self.not_on_stream
             + self.rolled_back_seen
             + self.outbox_missing
@@ -256,6 +260,7 @@ mod tests {
         Contents {
             committed: vec![("k0".into(), 2), ("k1".into(), 1)],
             sums: vec![("k0".into(), 3, 2), ("k1".into(), 1, 1)],
+            handler_order_breaks: 0,
             log: log.iter().map(|s| (*s).to_owned()).collect(),
             outbox: vec![
                 ("k0/1/5:Tick".into(), 1),

@@ -51,6 +51,8 @@ pub(crate) struct Contents {
     pub(crate) committed: Vec<(String, i64)>,
     /// `(key, sum of seq, applications)` per key.
     pub(crate) sums: Vec<(String, i64, i64)>,
+    /// Applications that did not follow their key's last one (summed over keys).
+    pub(crate) handler_order_breaks: i64,
     /// The msg_id of every application, in order.
     pub(crate) log: Vec<String>,
     /// `(msg_id, status)` of every outbox row.
@@ -225,6 +227,7 @@ impl Database {
                 .select((chaos_sums::k, chaos_sums::total, chaos_sums::applied))
                 .order(chaos_sums::k)
                 .load(c)?;
+            let breaks: Vec<i64> = chaos_sums::table.select(chaos_sums::breaks).load(c)?;
             let log = chaos_log::table
                 .select(chaos_log::msg_id)
                 .order(chaos_log::id)
@@ -238,6 +241,7 @@ impl Database {
             Ok(Contents {
                 committed,
                 sums,
+                handler_order_breaks: breaks.iter().sum(),
                 log,
                 outbox: outbox.into_iter().map(|r| (r.msg_id, r.status)).collect(),
                 consumed: consumed.into_iter().map(|r| r.msg_id).collect(),

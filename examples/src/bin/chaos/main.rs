@@ -31,6 +31,12 @@
 //! behind. It prints one
 //! summary line and exits with 1 if a check failed (2 if the run itself could not run).
 //!
+//! `--partitions N --ordered` runs the same with the topic spread over N partition
+//! streams and ordered consumers (docs/partitions.md), and also checks the order at the
+//! handler: every application of a key must follow its last one (`handler_order_breaks`).
+//! Its SIGSTOPs (1–40 s) outlast the 10 s lease, so partitions change hands under
+//! stopped holders that later resume.
+//!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
 //! kind, two Redis outages, the last 12–20 s), under two minutes in all.
 //!
@@ -111,6 +117,15 @@ struct Args {
     /// Ordering keys.
     #[arg(long, default_value_t = 32)]
     keys: usize,
+    /// Partitions of the topic: the relays publish to this many streams and the
+    /// consumers read them all.
+    #[arg(long, default_value_t = 1)]
+    partitions: u32,
+    /// Ordered consumers: each partition read by one consumer at a time, each key's
+    /// messages applied in order; the run then also fails on any application out of
+    /// sequence at the handler (`handler_order_breaks`).
+    #[arg(long)]
+    ordered: bool,
     /// Longest wait, after the last fault, for every committed message to be applied
     /// (default 300s; 100s with --ci).
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -169,6 +184,8 @@ struct Config {
     consumers: usize,
     producers: usize,
     keys: usize,
+    partitions: u32,
+    ordered: bool,
     drain_timeout: Duration,
     admin_url: String,
     outbox_bin: PathBuf,
@@ -210,6 +227,7 @@ impl Config {
                 .into());
             }
         }
+        outbox_core::Partitions::new(a.partitions)?;
         if a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
             return Err("--relays, --consumers, --keys and --events must be at least 1".into());
         }
@@ -225,6 +243,8 @@ impl Config {
             consumers: a.consumers,
             producers: a.producers,
             keys: a.keys,
+            partitions: a.partitions,
+            ordered: a.ordered,
             drain_timeout: a.drain_timeout.unwrap_or(Duration::from_secs(if a.ci {
                 100
             } else {
@@ -496,10 +516,19 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     let redis = RedisServer::start(&dir)?;
     let redis_url = redis.url();
     let prefix = format!("{tag}:");
-    let stream = format!("{prefix}{}", Tick::TOPICS[0]);
+    let topic = Tick::TOPICS[0];
+    // The streams `<prefix><topic>:<p>` when partitioned (docs/partitions.md).
+    let streams: Vec<String> = if c.partitions > 1 {
+        (0..c.partitions)
+            .map(|p| format!("{prefix}{topic}:{p}"))
+            .collect()
+    } else {
+        vec![format!("{prefix}{topic}")]
+    };
+    let partitions = format!("{topic}={}", c.partitions);
     for i in 1..=c.relays {
         let name = format!("relay-{i}");
-        let args: Vec<OsString> = vec![
+        let mut args: Vec<OsString> = vec![
             "relay".into(),
             "--database-url".into(),
             db.url_for(&name)?.into(),
@@ -508,6 +537,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
             "--stream-prefix".into(),
             prefix.clone().into(),
         ];
+        if c.partitions > 1 {
+            args.extend(["--partitions".into(), partitions.clone().into()]);
+        }
         let log = dir.join(format!("{name}.log"));
         world.procs.push(Proc::new(
             name,
@@ -519,7 +551,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     }
     for i in 1..=c.consumers {
         let name = format!("consumer-{i}");
-        let args: Vec<OsString> = vec![
+        let mut args: Vec<OsString> = vec![
             "--backend".into(),
             c.backend.name().into(),
             "--database-url".into(),
@@ -532,7 +564,12 @@ fn run(c: &Config) -> Result<bool, BoxError> {
             GROUP.into(),
             "--fault-one-in".into(),
             c.fault_one_in.to_string().into(),
+            "--partitions".into(),
+            c.partitions.to_string().into(),
         ];
+        if c.ordered {
+            args.push("--ordered".into());
+        }
         let log = dir.join(format!("{name}.log"));
         world.procs.push(Proc::new(
             name,
@@ -594,11 +631,19 @@ fn run(c: &Config) -> Result<bool, BoxError> {
 
     // The checks, on a quiet system.
     let redis = world.redis.as_ref().expect("started");
-    let entries = redis.read_stream(&stream)?;
-    let dead_letters = redis.len(&format!("{stream}:dead"))?;
+    // A key lives on one stream: its order of first appearance is checked there.
+    let mut entries = Vec::new();
+    let mut dead_letters = 0;
+    for stream in &streams {
+        entries.extend(redis.read_stream(stream)?);
+        dead_letters += redis.len(&format!("{stream}:dead"))?;
+    }
     let contents = world.db.as_mut().expect("created").contents(GROUP)?;
     let rolled_back: HashSet<u64> = produced.rolled_back.iter().copied().collect();
-    let findings = check::check(&contents, &entries, &rolled_back, c.fault_one_in);
+    let mut findings = check::check(&contents, &entries, &rolled_back, c.fault_one_in);
+    if c.ordered {
+        findings.handler_order_breaks = u64::try_from(contents.handler_order_breaks)?;
+    }
     let (seen_fail, seen_panic) = handler_faults_in_logs(&world.procs);
     tally.faults.insert("handler_fail", seen_fail as u64);
     tally.faults.insert("handler_panic", seen_panic as u64);
@@ -663,18 +708,23 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         final_terms,
     );
     println!(
-        "chaos seed={} backend={} events={} faults: {} | lost={} double_applied={} \
-         order={:.3}% order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
+        "chaos seed={} backend={} events={} partitions={}{} faults: {} | lost={} double_applied={} \
+         order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
          dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={} \
          drain={} | {}",
         c.seed,
         c.backend.name(),
         findings.committed,
+        c.partitions,
+        if c.ordered { " ordered" } else { "" },
         faults.join(" "),
         findings.lost,
         findings.double_applied,
         findings.order_percent(),
         findings.order_breaks,
+        // Printed in every mode (without ordered consumers it shows what they prevent),
+        // counted as a failure with them only.
+        contents.handler_order_breaks,
         findings.stream_duplicates,
         findings.rolled_back_seen,
         findings.outbox_dead,
