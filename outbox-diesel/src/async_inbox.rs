@@ -35,6 +35,9 @@ pub(crate) trait AsyncInboxConnection: AsyncConnection + Send + 'static {
     /// The most connections `pool` opens.
     fn max_size(pool: &Self::Pool) -> usize;
 
+    /// Takes `pooled` out of its pool and closes it.
+    fn discard(pooled: Self::Pooled);
+
     /// Inserts a dedup row; `false` if it was there.
     fn insert_consumed(
         &mut self,
@@ -139,10 +142,37 @@ impl<C: AsyncInboxConnection> std::fmt::Debug for AsyncDieselInbox<C> {
 
 #[allow(private_bounds)]
 impl<C: AsyncInboxConnection> AsyncDieselInbox<C> {
-    async fn checkout(&self) -> std::result::Result<C::Pooled, outbox_core::Error> {
-        C::checkout(&self.pool)
+    async fn checkout(&self) -> std::result::Result<Checkout<C>, outbox_core::Error> {
+        let pooled = C::checkout(&self.pool)
             .await
-            .map_err(|e| Error::AsyncPool(Box::new(e)).into())
+            .map_err(|e| Error::AsyncPool(Box::new(e)))?;
+        Ok(Checkout(Some(pooled)))
+    }
+}
+
+/// A checked-out connection that never goes back to the pool inside a transaction.
+///
+/// A message's future can be dropped mid-transaction (a cancelled task, the consumer's
+/// shutdown timeout), and a panic can unwind through it. deadpool would take the
+/// connection back as it is and test it only at its next checkout, so its transaction,
+/// with the dedup row's lock, would stay open on an idle connection, and another
+/// consumer's insert of that row would wait for it. Closing the connection instead makes
+/// the server roll the transaction back at once.
+struct Checkout<C: AsyncInboxConnection>(Option<C::Pooled>);
+
+impl<C: AsyncInboxConnection> Checkout<C> {
+    fn conn(&mut self) -> &mut C {
+        self.0.as_mut().expect("taken only on drop")
+    }
+}
+
+impl<C: AsyncInboxConnection> Drop for Checkout<C> {
+    fn drop(&mut self) {
+        if let Some(mut pooled) = self.0.take()
+            && depth(&mut *pooled).map_or(true, |d| d != 0)
+        {
+            C::discard(pooled);
+        }
     }
 }
 
@@ -205,7 +235,7 @@ impl<C: AsyncInboxConnection> AsyncInbox for AsyncDieselInbox<C> {
     {
         check_group(group, msg_id)?;
         let mut conn = self.checkout().await?;
-        let c: &mut C = &mut conn;
+        let c = conn.conn();
         Tm::<C>::begin_transaction(c)
             .await
             .map_err(|e| store_error(e.into()))?;
@@ -240,7 +270,7 @@ impl<C: AsyncInboxConnection> AsyncInbox for AsyncDieselInbox<C> {
         };
         check_group(group, first)?;
         let mut conn = self.checkout().await?;
-        let c: &mut C = &mut conn;
+        let c = conn.conn();
         Tm::<C>::begin_transaction(c)
             .await
             .map_err(|e| store_error(e.into()))?;

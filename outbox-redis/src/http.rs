@@ -1,10 +1,10 @@
 //! A consumer's probes over HTTP (feature `http`): [`health_router`].
 
+use crate::ConsumerStore;
 use axum::Router;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use outbox_core::Inbox;
 
 use crate::{Consumer, ConsumerHealth};
 
@@ -27,7 +27,7 @@ use crate::{Consumer, ConsumerHealth};
 /// ```
 pub fn health_router<I, C>(consumer: Consumer<I, C>) -> Router
 where
-    I: Inbox<Conn = C> + 'static,
+    I: ConsumerStore<Conn = C> + 'static,
     C: 'static,
     Consumer<I, C>: Send + Sync,
 {

@@ -95,8 +95,8 @@ mod publisher;
 mod trim;
 
 pub use consumer::{
-    AfterDeadLetter, Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth, ConsumerStats,
-    NoInbox, OrderedConfig, StartFrom,
+    AfterDeadLetter, AsyncStore, Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth,
+    ConsumerStats, ConsumerStore, NoInbox, OrderedConfig, StartFrom, StoreFuture, StoreRun,
 };
 pub use dead_letters::{
     DeadLetter, GroupConsumer, GroupInfo, blocked_keys, consumer_groups, dead_letter, dead_letters,

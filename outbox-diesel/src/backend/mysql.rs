@@ -191,6 +191,10 @@ mod nonblocking {
             pool.status().max_size
         }
 
+        fn discard(pooled: Object<Self>) {
+            drop(Object::take(pooled));
+        }
+
         async fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
             Ok(super::ConsumedInsert { group, msg_id }
                 .execute(self)

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 
 use super::{Consumer, Job, Outcome};
@@ -27,7 +27,7 @@ const ACK_BATCH: usize = 1024;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Acknowledges entries whose work committed: through this run's ack queue, or (outside

@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use outbox_core::{Delivery, Inbox, InboxBatchOutcomes, Processed};
+use super::ConsumerStore;
+use outbox_core::{Delivery, InboxBatchOutcomes, Processed};
 use tracing::Instrument as _;
 
 use super::stats::Count;
@@ -29,7 +30,7 @@ enum Screened {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Processes a batch of entries to the end: the checks of single mode per entry,
@@ -184,23 +185,19 @@ where
         })
     }
 
-    /// Runs the batch's store transaction on a blocking thread. `Err`: the whole batch
-    /// failed and nothing committed.
+    /// Runs the batch's store transaction (a blocking inbox on a blocking thread).
+    /// `Err`: the whole batch failed and nothing committed.
     async fn attempt_batch(
         &self,
         deliveries: Vec<Delivery>,
     ) -> Result<InboxBatchOutcomes, BatchFailed> {
-        let inner = Arc::clone(&self.inner);
-        // The handlers' own spans and events belong to the batch's span.
-        let span = tracing::Span::current();
-        let joined = tokio::task::spawn_blocking(move || {
-            let _entered = span.enter();
-            inner
-                .dispatcher
-                .consume_batch(&*inner.inbox, &inner.group, &deliveries)
-        })
-        .await;
-        match joined {
+        let inner = &self.inner;
+        let run = Arc::clone(&inner.inbox).run_batch(
+            Arc::clone(&inner.dispatcher),
+            inner.group.clone(),
+            deliveries,
+        );
+        match run.await {
             Ok(Ok(outcomes)) => Ok(outcomes),
             Ok(Err(e)) => Err(BatchFailed {
                 outage: e.is_outage(),
@@ -208,12 +205,9 @@ where
                 reason: outbox_core::error_chain(&e).to_string(),
             }),
             // Handler panics are caught per message; this is the store's own panic.
-            Err(e) => Err(BatchFailed {
+            Err(crash) => Err(BatchFailed {
                 conflict: false,
-                reason: match e.try_into_panic() {
-                    Ok(panic) => format!("batch panicked: {}", outbox_core::panic_message(&*panic)),
-                    Err(e) => format!("batch task failed: {e}"),
-                },
+                reason: format!("batch {crash}"),
                 outage: false,
             }),
         }

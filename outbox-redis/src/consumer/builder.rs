@@ -3,13 +3,15 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use outbox_core::{Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent, Partitions};
+use outbox_core::{
+    AsyncInbox, AsyncTxHandler, Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent, Partitions,
+};
 use redis::{IntoConnectionInfo, RedisResult};
 
 use super::health::HealthState;
 use super::read::Reader;
 use super::stats::Counters;
-use super::{Consumer, ConsumerConfig, Inner};
+use super::{AsyncStore, Consumer, ConsumerConfig, ConsumerStore, Inner};
 use crate::conn::{Target, by_slot, check_prefix, partition_stream_name, stream_name};
 use crate::{Error, Result};
 
@@ -21,7 +23,7 @@ pub struct NoInbox;
 /// Builds a [`Consumer`]: register handlers, give the idempotency store and, unless the
 /// defaults do, the configuration ([`with_config`](Self::with_config)), then
 /// [`build`](Self::build), which checks it all. `C` is the handlers' connection type,
-/// which must be the store's [`Inbox::Conn`].
+/// which must be the store's [`Inbox::Conn`] (or [`AsyncInbox::Conn`]).
 pub struct ConsumerBuilder<C, I = NoInbox> {
     target: RedisResult<Target>,
     group: String,
@@ -82,6 +84,22 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         self
     }
 
+    /// Routes the event types of `E` to an [`AsyncTxHandler`]: awaited inside the dedup
+    /// transaction with its connection, for a consumer on an [`AsyncInbox`]
+    /// ([`idempotency_async`](Self::idempotency_async)). A type handled twice is reported
+    /// by [`build`](ConsumerBuilder::build).
+    pub fn handle_tx<E, H>(mut self, handler: H) -> Self
+    where
+        E: OutboxEvent,
+        H: AsyncTxHandler<E, Conn = C>,
+        C: Send,
+    {
+        if let Err(e) = self.dispatcher.register_tx::<E, H>(handler) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
     /// Registers the step that upgrades a payload of `E`'s schema version `from` to
     /// `from + 1`, so that `E`'s handler receives messages from producers still at an
     /// older version; see [`Dispatcher::upgrade`]. A payload newer than `E` is
@@ -108,6 +126,24 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// Any [`Inbox`] whose connection is the handlers' (an `outbox-diesel` store over a
     /// pool, or [`outbox_core::MemoryDb`] in tests).
     pub fn idempotency<J: Inbox<Conn = C>>(self, store: J) -> ConsumerBuilder<C, J> {
+        self.with_store(store)
+    }
+
+    /// The idempotency store, async: an [`AsyncInbox`] (`outbox-diesel`'s
+    /// `AsyncPgInbox` over diesel-async), whose transactions the consumer awaits on the
+    /// runtime instead of running them on blocking threads. Its handlers are
+    /// [`AsyncTxHandler`]s ([`handle_tx`](Self::handle_tx)) and [`AsyncHandler`](outbox_core::AsyncHandler)s;
+    /// everything else (retries, dead letters, batch mode, acks) is as with
+    /// [`idempotency`](Self::idempotency). The consumer's type is then
+    /// `Consumer<AsyncStore<J>>`.
+    pub fn idempotency_async<J>(self, store: J) -> ConsumerBuilder<C, AsyncStore<J>>
+    where
+        J: AsyncInbox<Conn = C>,
+    {
+        self.with_store(AsyncStore(store))
+    }
+
+    fn with_store<J>(self, store: J) -> ConsumerBuilder<C, J> {
         ConsumerBuilder {
             target: self.target,
             group: self.group,
@@ -165,7 +201,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
     }
 }
 
-impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
+impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
     /// Checks the configuration ([`ConsumerConfig::validate`]) and the Redis address
     /// (without connecting) and builds the consumer. Fails on an invalid setting
     /// ([`Error::Config`]), a handler registered twice, or no handler at all
@@ -186,7 +222,7 @@ impl<C: 'static, I: Inbox<Conn = C>> ConsumerBuilder<C, I> {
                 consumer_name,
                 streams,
                 cluster,
-                dispatcher: self.dispatcher,
+                dispatcher: Arc::new(self.dispatcher),
                 inbox: Arc::new(self.inbox),
                 config,
                 readers,

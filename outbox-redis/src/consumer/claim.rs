@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply};
 
@@ -13,7 +13,7 @@ use crate::conn::Conn;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Entries idle longer than `min_idle` in the group, whoever held them:

@@ -1,6 +1,6 @@
 //! Dead letters: the entry copied to `<stream>:dead` and acknowledged, atomically.
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 
 use super::AfterDeadLetter;
@@ -12,7 +12,7 @@ use crate::entry::value_bytes;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Copies the entry to the dead-letter stream and acks it, in one transaction (on a

@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use outbox_core::{Inbox, Processed};
+use super::ConsumerStore;
+use outbox_core::Processed;
 use redis::RedisResult;
 
 use super::stats::Count;
@@ -12,7 +13,7 @@ use crate::entry::envelope_from_fields;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// An entry delivered past the limit without an outcome: its consumers crashed or
@@ -30,17 +31,9 @@ where
         let Ok(envelope) = envelope_from_fields(&job.entry.map, topic) else {
             return self.dead_letter(job, &reason).await;
         };
-        let (inbox, group, refusal) = (
-            Arc::clone(&inner.inbox),
-            inner.group.clone(),
-            reason.clone(),
-        );
-        let applied = tokio::task::spawn_blocking(move || {
-            inbox.process(&group, &envelope.msg_id, |_| {
-                Err(outbox_core::HandlerError::msg(refusal))
-            })
-        })
-        .await;
+        let applied = Arc::clone(&inner.inbox)
+            .applied_before(inner.group.clone(), envelope.msg_id, reason.clone())
+            .await;
         match applied {
             Ok(Ok(Processed::Duplicate)) => {
                 tracing::debug!("applied before; only its acknowledgement was lost");

@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 
 use super::stats::Count;
@@ -12,7 +12,7 @@ use crate::conn::partitions_key;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Creates the group on each stream (and the stream, `MKSTREAM`) if it does not

@@ -4,7 +4,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::{Inbox, OutageBackoff};
+use super::ConsumerStore;
+use outbox_core::OutageBackoff;
 
 use super::{Consumer, ConsumerConfig};
 
@@ -186,7 +187,7 @@ fn stall_limit(config: &ConsumerConfig) -> Duration {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Its state for the service's probes: cheap (a few atomic loads), so a probe can

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 
 use super::{Consumer, Job};
@@ -70,7 +70,7 @@ impl InFlight {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Keeps the entries this consumer works on from looking idle: every third of

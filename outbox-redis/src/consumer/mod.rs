@@ -7,6 +7,7 @@
 //!   [`run_until`](Consumer::run_until), whose state [`health`] reports to probes;
 //!   [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
+//! - [`store`]: the idempotency store, blocking or async ([`ConsumerStore`]);
 //! - [`single`]: one transaction per message; [`batch`] and [`lanes`]: batch mode;
 //! - [`failure`] and [`dead_letter`]: failed deliveries; [`ack`]: `XACK`;
 //!   [`trim`]: the periodic trim;
@@ -15,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Dispatcher, Inbox};
+use outbox_core::Dispatcher;
 use redis::RedisResult;
 use redis::streams::StreamId;
 
@@ -38,12 +39,14 @@ mod read;
 mod run;
 mod single;
 mod stats;
+mod store;
 mod trim;
 
 pub use builder::{ConsumerBuilder, NoInbox};
 pub use config::{AfterDeadLetter, ConsumerConfig, OrderedConfig, StartFrom};
 pub use health::ConsumerHealth;
 pub use stats::ConsumerStats;
+pub use store::{AsyncStore, ConsumerStore, StoreFuture, StoreRun};
 
 use ack::AckQueue;
 pub(crate) use dead_letter::DEAD_LETTER_FIELDS;
@@ -54,9 +57,11 @@ use stats::{Count, Counters};
 /// through typed [`Handler`](outbox_core::Handler)s.
 ///
 /// Per entry: the event type picks the handler and the payload is decoded into its type;
-/// then, on a blocking thread, the idempotency store opens a transaction, records
-/// `(group, msg_id)` and runs the handler with the transaction's connection; after the
-/// commit the entry is acknowledged (`XACK`). A message already recorded is acknowledged
+/// then the idempotency store opens a transaction, records `(group, msg_id)` and runs the
+/// handler with the transaction's connection — a blocking [`Inbox`](outbox_core::Inbox)
+/// on a blocking thread, an [`AsyncInbox`](outbox_core::AsyncInbox)
+/// ([`idempotency_async`](ConsumerBuilder::idempotency_async)) awaited, with no blocking
+/// thread per message; after the commit the entry is acknowledged (`XACK`). A message already recorded is acknowledged
 /// without running the handler, and counted as a duplicate.
 ///
 /// - A handler error or panic rolls the transaction back and leaves the entry pending.
@@ -80,7 +85,7 @@ use stats::{Count, Counters};
 /// back only its message, which stays pending, is retried and eventually dead-lettered;
 /// poison is dead-lettered at once; a store outage fails the batch as a whole and
 /// spends no delivery. Fewer commits make it faster where the commit dominates; with an
-/// inbox without savepoints (the default [`Inbox::process_batch`]) it behaves like
+/// inbox without savepoints (the default [`Inbox::process_batch`](outbox_core::Inbox::process_batch)) it behaves like
 /// single mode.
 ///
 /// Batches are formed per key: each key is hashed into one of `max_in_flight` lanes,
@@ -125,7 +130,7 @@ use stats::{Count, Counters};
 /// [`AsyncHandler`](outbox_core::AsyncHandler), registered with
 /// [`handle_async`](ConsumerBuilder::handle_async). Such an effect is only as idempotent
 /// as its own target: a crash after the call and before the commit repeats it.
-pub struct Consumer<I, C = <I as Inbox>::Conn> {
+pub struct Consumer<I, C = <I as ConsumerStore>::Conn> {
     inner: Arc<Inner<I, C>>,
     /// Inside [`run_until`](Consumer::run_until): where finished work queues its acks.
     acks: Option<AckQueue>,
@@ -156,7 +161,8 @@ struct Inner<I, C> {
     streams: Vec<Arc<str>>,
     /// On a Redis Cluster: hash-tagged streams, and commands grouped per slot.
     cluster: bool,
-    dispatcher: Dispatcher<C>,
+    /// Shared with the store's blocking tasks in batch mode.
+    dispatcher: Arc<Dispatcher<C>>,
     inbox: Arc<I>,
     config: ConsumerConfig,
     /// One reader for all streams; on a cluster one per hash slot.
@@ -203,7 +209,7 @@ struct Done {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// The consumer group.

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::RedisResult;
 use redis::streams::StreamReadReply;
 use tokio::task::JoinSet;
@@ -32,7 +32,7 @@ pub(super) struct Reads {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// New entries. With one reader (always on a single server), its read. With several

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 use redis::{RedisError, RedisResult};
 use tokio::sync::{Mutex, Semaphore};
 use tokio::task::{JoinError, JoinSet};
@@ -23,7 +23,7 @@ use crate::Result;
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Runs until `shutdown` completes: creates the groups, then reads, claims and
@@ -126,7 +126,7 @@ struct Run<I, C> {
 
 impl<I, C> Run<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     fn new(
@@ -140,7 +140,7 @@ where
         // pooled connection would time out and look like a store outage.
         let transactions = config
             .max_in_flight
-            .min(consumer.inner.inbox.capacity().unwrap_or(usize::MAX))
+            .min(ConsumerStore::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         Self {
             acks_failed: Arc::clone(&acks.failed),

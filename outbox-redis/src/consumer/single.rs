@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Delivery, Inbox, Prepared, Processed};
+use super::ConsumerStore;
+use outbox_core::{Delivery, Prepared, Processed};
 use tracing::Instrument as _;
 
 use super::stats::Count;
@@ -37,7 +38,7 @@ fn conflict_pause(n: u32) -> Duration {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Processes one entry to the end: dead-letter, ack, or leave pending.
@@ -150,34 +151,21 @@ where
         }
     }
 
-    /// Runs the dedup transaction on a blocking thread; a panic is a failure.
+    /// Runs the dedup transaction (a blocking inbox on a blocking thread); a panic is a
+    /// failure.
     async fn attempt(&self, prepared: Prepared<C>, delivery: Delivery) -> Attempt {
         let inbox = Arc::clone(&self.inner.inbox);
         let group = self.inner.group.clone();
-        // The handler's own spans and events belong to this message's span.
-        let span = tracing::Span::current();
-        let joined = tokio::task::spawn_blocking(move || {
-            let _entered = span.enter();
-            inbox.process(&group, &delivery.envelope.msg_id, |conn| {
-                prepared.run(conn, &delivery)
-            })
-        })
-        .await;
-        match joined {
+        match inbox.run_one(group, prepared, delivery).await {
             Ok(Ok(processed)) => Attempt::Processed(processed),
             Ok(Err(e)) => Attempt::Failed {
                 outage: e.is_outage(),
                 conflict: e.is_transient(),
                 reason: outbox_core::error_chain(&e).to_string(),
             },
-            Err(e) => Attempt::Failed {
+            Err(crash) => Attempt::Failed {
                 conflict: false,
-                reason: match e.try_into_panic() {
-                    Ok(panic) => {
-                        format!("handler panicked: {}", outbox_core::panic_message(&*panic))
-                    }
-                    Err(e) => format!("handler task failed: {e}"),
-                },
+                reason: format!("handler {crash}"),
                 outage: false,
             },
         }

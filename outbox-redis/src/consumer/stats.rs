@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 
 use super::Consumer;
 
@@ -63,7 +63,7 @@ pub(super) enum Count {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// What this consumer has done so far.

@@ -1,6 +1,6 @@
 //! The consumer's own trimming of its streams.
 
-use outbox_core::Inbox;
+use super::ConsumerStore;
 
 use super::Consumer;
 use super::stats::Count;
@@ -9,7 +9,7 @@ use crate::{Error, Result};
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// Trims each of this consumer's streams to what some group still needs; see

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::Inbox;
+use crate::ConsumerStore;
 use redis::streams::StreamReadReply;
 use redis::{FromRedisValue, ParsingError, RedisResult, Value};
 
@@ -63,7 +63,7 @@ pub(super) struct Read {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// New entries of `held` (each stream with its lease), up to `count` per stream,

@@ -6,7 +6,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Inbox, Partitions};
+use outbox_core::Partitions;
+
+use crate::ConsumerStore;
 use redis::streams::{StreamClaimReply, StreamPendingCountReply};
 use redis::{RedisError, RedisResult};
 
@@ -72,7 +74,7 @@ pub(super) struct Holding {
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// The lease TTL of ordered mode.

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::Inbox;
+use crate::ConsumerStore;
 use redis::RedisResult;
 use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tracing::Instrument as _;
@@ -84,7 +84,7 @@ const JOIN_DELAY: Duration = Duration::from_millis(250);
 
 impl<I, C> Consumer<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     /// [`run_until`](Self::run_until) in ordered mode, once the groups exist.
@@ -164,14 +164,14 @@ where
 
 impl<I, C> Ordered<I, C>
 where
-    I: Inbox<Conn = C>,
+    I: ConsumerStore<Conn = C>,
     C: 'static,
 {
     fn new(consumer: &Consumer<I, C>, acks: AckQueue, span: tracing::Span) -> Self {
         let config = &consumer.inner.config;
         let task_limit = config
             .max_in_flight
-            .min(consumer.inner.inbox.capacity().unwrap_or(usize::MAX))
+            .min(ConsumerStore::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         let per_task = config.batch_size.unwrap_or(1);
         let now = Instant::now();
