@@ -662,3 +662,88 @@ async fn an_entry_left_pending_in_the_holders_name_is_taken_again_after_min_idle
     nothing_pending(&mut c, &prefix, 1, &group).await;
     cleanup(&prefix).await;
 }
+
+/// How a Redis loses every lease, group and stream under running ordered consumers.
+enum DataLoss {
+    /// Killed, kept down this long, and started again empty (no persistence).
+    Restart(Duration),
+    /// `FLUSHALL`: the connections stay up.
+    Flushall,
+}
+
+/// Ordered consumers on a private Redis that loses its data: after it, they recreate
+/// their groups and apply what is produced next, in order. `consumers` above the
+/// partition count leaves some holding nothing, which must not matter.
+async fn ordered_consumers_survive(loss: DataLoss, consumers: usize) {
+    let mut scratch = outbox_tests::ScratchRedis::start();
+    let prefix = unique_prefix("ordered");
+    let connect = |url: String| async move {
+        redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    };
+    let db = MemoryDb::new(Applied::default());
+    // TTL 1 s; the outage backoff's longest pause is 100 ms.
+    let config = ordered(&prefix, 2)
+        .with_ordered(OrderedConfig::default().with_lease_ttl(Duration::from_secs(1)));
+    let running: Vec<Running> = (0..consumers)
+        .map(|_| {
+            let consumer = Consumer::builder(scratch.url(), "g")
+                .handle::<Step, _>(Apply::new(|_| false))
+                .idempotency(db.clone())
+                .with_config(config.clone())
+                .build()
+                .unwrap();
+            start(&consumer)
+        })
+        .collect();
+    produce(&mut connect(scratch.url()).await, &prefix, 2, &steps(10, 3)).await;
+    eventually("the steps before the data loss applied", || {
+        complete(&db, 10, 3)
+    })
+    .await;
+    match loss {
+        DataLoss::Restart(down) => {
+            scratch.stop();
+            tokio::time::sleep(down).await;
+            scratch.restart();
+        }
+        DataLoss::Flushall => {
+            let () = redis::cmd("FLUSHALL")
+                .query_async(&mut connect(scratch.url()).await)
+                .await
+                .unwrap();
+        }
+    }
+    // Written as a foreign producer would, whatever the consumers did meanwhile: to
+    // streams that may not exist yet, or exist without a group.
+    produce(
+        &mut connect(scratch.url()).await,
+        &prefix,
+        2,
+        &steps(10, 6)[30..],
+    )
+    .await;
+    eventually("the steps after the data loss applied", || {
+        complete(&db, 10, 6)
+    })
+    .await;
+    for run in running {
+        run.stop().await;
+    }
+    assert_in_order_once(&db, 10, 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_consumers_recover_when_redis_restarts_without_its_data() {
+    // Down longer than the lease TTL (1 s) and every backoff (100 ms): every lease is
+    // lost locally before Redis comes back.
+    ordered_consumers_survive(DataLoss::Restart(Duration::from_secs(3)), 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_consumers_recover_after_a_flushall() {
+    ordered_consumers_survive(DataLoss::Flushall, 1).await;
+}

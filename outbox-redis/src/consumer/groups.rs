@@ -19,12 +19,21 @@ where
     /// exist, and registers this consumer in it (`XGROUP CREATECONSUMER`). Idempotent;
     /// [`run_until`](Self::run_until) calls it first.
     pub async fn ensure_groups(&self) -> Result<()> {
+        let mut conn = self.inner.commands.get().await?;
+        self.create_groups(&mut conn).await?;
+        self.check_partitions(&mut conn).await;
+        Ok(())
+    }
+
+    /// [`ensure_groups`](Self::ensure_groups) on `conn`, without the partition check:
+    /// also what recreates the groups a Redis that lost its data (a restart without
+    /// persistence, a `FLUSHALL`, a failover to an empty replica) no longer has.
+    pub(super) async fn create_groups(&self, conn: &mut crate::conn::Conn) -> RedisResult<()> {
         let inner = &self.inner;
         let start = match inner.config.start_from {
             StartFrom::Beginning => "0",
             StartFrom::End => "$",
         };
-        let mut conn = inner.commands.get().await?;
         for stream in &inner.streams {
             let created: RedisResult<()> = redis::cmd("XGROUP")
                 .arg("CREATE")
@@ -32,7 +41,7 @@ where
                 .arg(&inner.group)
                 .arg(start)
                 .arg("MKSTREAM")
-                .query_async(&mut conn)
+                .query_async(&mut *conn)
                 .await;
             match created {
                 Ok(()) => {
@@ -41,7 +50,7 @@ where
                 Err(e) if e.code() == Some("BUSYGROUP") => {}
                 Err(e) => {
                     inner.commands.check(&e).await;
-                    return Err(e.into());
+                    return Err(e);
                 }
             }
             // Registers the consumer at once, so that `XINFO CONSUMERS` lists it before
@@ -51,14 +60,13 @@ where
                 .arg(&**stream)
                 .arg(&inner.group)
                 .arg(&inner.consumer_name)
-                .query_async(&mut conn)
+                .query_async(&mut *conn)
                 .await;
             if let Err(e) = registered {
                 inner.commands.check(&e).await;
-                return Err(e.into());
+                return Err(e);
             }
         }
-        self.check_partitions(&mut conn).await;
         Ok(())
     }
 

@@ -186,12 +186,19 @@ where
                 continue;
             };
             let lease = Arc::new(lease);
-            let taken = async {
-                let pending = self.take_over(conn, stream).await?;
-                let blocked = self.blocked_keys(conn, stream).await?;
-                RedisResult::Ok((pending, blocked))
-            }
-            .await;
+            let taken = match self.taken(conn, stream).await {
+                // Redis lost its data (a restart without persistence, a `FLUSHALL`, a
+                // failover to an empty replica): only the groups' creation brings the
+                // stream back, and no read does it for a consumer that holds nothing.
+                Err(e) if e.code() == Some("NOGROUP") => {
+                    tracing::warn!(stream = &**stream, error = %e, "consumer group missing; recreating it");
+                    match self.create_groups(conn).await {
+                        Ok(()) => self.taken(conn, stream).await,
+                        Err(e) => Err(e),
+                    }
+                }
+                taken => taken,
+            };
             match taken {
                 Ok((pending, blocked)) => {
                     tracing::info!(
@@ -217,6 +224,17 @@ where
             }
         }
         Ok(())
+    }
+
+    /// What taking `stream` over brings: its pending entries and its blocked keys.
+    async fn taken(
+        &self,
+        conn: &mut Conn,
+        stream: &Arc<str>,
+    ) -> RedisResult<(Vec<Job>, Vec<Vec<u8>>)> {
+        let pending = self.take_over(conn, stream).await?;
+        let blocked = self.blocked_keys(conn, stream).await?;
+        Ok((pending, blocked))
     }
 
     /// Claims every entry pending in the group on `stream`, whoever holds it
