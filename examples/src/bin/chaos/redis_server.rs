@@ -157,7 +157,8 @@ impl RedisServer {
         }
     }
 
-    /// The consumer names that issue `XREADGROUP` within `window`, seen with `MONITOR`.
+    /// The consumer names that issue `XREADGROUP`, or renew their membership (ordered
+    /// consumers), within `window`, seen with `MONITOR`.
     /// (`XINFO CONSUMERS` cannot tell: Redis 7.0 does not count a read that returns
     /// nothing as activity.)
     pub(crate) fn readers(&self, window: Duration) -> Result<HashSet<String>, BoxError> {
@@ -186,13 +187,28 @@ impl RedisServer {
                 Err(e) => return Err(e.into()),
             }
             // +1796058611.609978 [0 127.0.0.1:41332] "XREADGROUP" "GROUP" "chaos" "NAME" ...
+            // An ordered consumer holding no partition (more consumers than a fair share
+            // needs) reads nothing; it takes part by renewing its membership:
+            // +1796058611.6 [0 lua] "ZADD" "<prefix>members:chaos" "1796058621600" "NAME"
             let text = String::from_utf8_lossy(&line);
             let mut quoted = text.split('"').skip(1).step_by(2);
-            if quoted.next() == Some("XREADGROUP")
-                && let (Some(_), Some(_), Some(name)) =
-                    (quoted.next(), quoted.next(), quoted.next())
-            {
-                names.insert(name.to_owned());
+            match quoted.next() {
+                Some("XREADGROUP") => {
+                    if let (Some(_), Some(_), Some(name)) =
+                        (quoted.next(), quoted.next(), quoted.next())
+                    {
+                        names.insert(name.to_owned());
+                    }
+                }
+                Some("ZADD") => {
+                    if let (Some(key), Some(_), Some(name)) =
+                        (quoted.next(), quoted.next(), quoted.next())
+                        && key.ends_with(&format!("members:{}", crate::GROUP))
+                    {
+                        names.insert(name.to_owned());
+                    }
+                }
+                _ => {}
             }
             line.clear();
         }
