@@ -7,11 +7,14 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{Integer, Text};
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
+use outbox_core::AsyncTxHandler;
 use outbox_core::{
     Delivery, Envelope, Handler, HandlerError, OutboxEvent, Publisher as _, StoredMessage,
 };
-use outbox_diesel::PgInbox;
-use outbox_redis::{Consumer, ConsumerConfig, OrderedConfig, PublisherConfig, RedisPublisher};
+use outbox_diesel::{AsyncPgInbox, PgInbox};
+use outbox_redis::{
+    Consumer, ConsumerConfig, ConsumerStore, OrderedConfig, PublisherConfig, RedisPublisher,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{BoxError, Service};
@@ -89,6 +92,27 @@ impl Handler<Scored> for Award {
 
     fn handle(&self, e: Scored, conn: &mut PgConnection, _: &Delivery) -> Result<(), HandlerError> {
         credit(conn, e.row)?;
+        Ok(())
+    }
+}
+
+/// [`Award`] on the async inbox: the same UPDATE, on the transaction's
+/// `AsyncPgConnection`.
+struct AwardAsync;
+
+impl AsyncTxHandler<PointsEarned> for AwardAsync {
+    type Conn = diesel_async::AsyncPgConnection;
+
+    async fn handle(
+        &self,
+        e: PointsEarned,
+        conn: &mut diesel_async::AsyncPgConnection,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        // Named: the file's blocking statements use diesel's `RunQueryDsl`.
+        let update = diesel::sql_query("UPDATE points SET n = n + 1 WHERE id = $1")
+            .bind::<Integer, _>(e.account);
+        diesel_async::RunQueryDsl::execute(update, conn).await?;
         Ok(())
     }
 }
@@ -312,6 +336,32 @@ impl ConsumerBench {
             .build()?;
             running.push(consumer);
         }
+        self.drain(running).await
+    }
+
+    /// One consumer in single mode on the async inbox (`AsyncPgInbox`, diesel-async's
+    /// deadpool pool of `in_flight` connections, tested on checkout as little as the
+    /// blocking pool above) drains the [`Load::Distinct`] stream. Messages/s.
+    pub(crate) async fn async_consumer(&self, in_flight: usize) -> Result<f64, BoxError> {
+        let group = self.group("async");
+        let config = ConsumerConfig::default()
+            .with_stream_prefix(self.prefix.clone())
+            .with_max_in_flight(in_flight)
+            .with_block(Duration::from_millis(100));
+        let consumer = Consumer::builder(self.svc.redis_url.as_str(), group)
+            .handle_tx::<PointsEarned, _>(AwardAsync)
+            .idempotency_async(AsyncPgInbox::connect(&self.url, in_flight)?)
+            .with_config(config)
+            .build()?;
+        self.drain(vec![consumer]).await
+    }
+
+    /// Runs `running` until they consumed every message (or the deadline): messages/s.
+    async fn drain<I, C>(&self, running: Vec<Consumer<I, C>>) -> Result<f64, BoxError>
+    where
+        I: ConsumerStore<Conn = C>,
+        C: Send + 'static,
+    {
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let started = Instant::now();
         let tasks: Vec<_> = running
@@ -334,7 +384,7 @@ impl ConsumerBench {
                 break consumed;
             }
             if running.iter().any(|c| c.stats().dead_lettered > 0) {
-                let stats: Vec<_> = running.iter().map(Consumer::stats).collect();
+                let stats: Vec<_> = running.iter().map(|c| c.stats()).collect();
                 return Err(format!("the consumers dead-lettered messages: {stats:?}").into());
             }
             if Instant::now() > deadline {

@@ -495,7 +495,7 @@ async fn consumer_part(
          batches of 50, 64 keys; partitioned: 8 partitions, 4 messages per key",
         bench.messages
     );
-    const NAMES: [&str; 12] = [
+    const NAMES: [&str; 14] = [
         "plain SQL loop, 1 connection",
         "consumer single mode, 1 in flight",
         "consumer batch mode, 1 in flight",
@@ -508,6 +508,8 @@ async fn consumer_part(
         "8 partitions, 1 consumer, 8 in flight, ordered",
         "8 partitions, 3 consumers, 8 in flight, unordered",
         "8 partitions, 3 consumers, 8 in flight, ordered",
+        "consumer single mode, async inbox, 1 in flight",
+        "consumer single mode, async inbox, 8 in flight",
     ];
     let mut rates = vec![Vec::new(); NAMES.len()];
     for round in 0..sizes.rounds {
@@ -532,6 +534,8 @@ async fn consumer_part(
                         .consumers_in(Load::Partitioned, mode, consumers, 8, None)
                         .await?
                 }
+                12 => bench.async_consumer(1).await?,
+                13 => bench.async_consumer(8).await?,
                 _ => unreachable!("one rate per name"),
             };
             progress(NAMES[i], rate, "msg/s");
@@ -590,6 +594,21 @@ async fn consumer_part(
             11,
             10,
             Target::AtLeast(0.7),
+        ),
+        // Shown, not judged yet: the lead sets the target from a quiet run.
+        (
+            "async inbox (diesel-async), single mode, 1 in flight",
+            "consumer / plain SQL loop",
+            12,
+            0,
+            Target::None,
+        ),
+        (
+            "async inbox (diesel-async), single mode, 8 in flight",
+            "consumer / plain SQL loop",
+            13,
+            3,
+            Target::None,
         ),
     ] {
         let mut f = Figure::ratio("consumer", name, compared, target);
