@@ -15,6 +15,7 @@
 //! whatever Redis says.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::RedisResult;
@@ -58,6 +59,9 @@ pub(crate) struct Lease {
     ttl: Duration,
     /// Until when this process may act as the holder.
     valid_until: Mutex<Instant>,
+    /// Given up ([`give_up`](Lease::give_up)): no renewal counts any more, not even
+    /// one whose reply comes later. Written and read under `valid_until`'s lock.
+    given_up: AtomicBool,
 }
 
 impl Lease {
@@ -83,13 +87,14 @@ impl Lease {
             epoch,
             ttl,
             valid_until: Mutex::new(sent + valid_for(ttl)),
+            given_up: AtomicBool::new(false),
         }))
     }
 
     /// Renews the lease for another TTL. `Ok(false)`: it was lost (expired, and perhaps
-    /// taken by another holder): [`is_held`](Self::is_held) is false from now on. An
-    /// error leaves the local deadline as it was: the lease is lost when it passes,
-    /// unless a later renewal succeeds first.
+    /// taken by another holder), or given up meanwhile: [`is_held`](Self::is_held) is
+    /// false from now on. An error leaves the local deadline as it was: the lease is
+    /// lost when it passes, unless a later renewal succeeds first.
     pub(crate) async fn renew(&self, conn: &mut Conn) -> RedisResult<bool> {
         let sent = Instant::now();
         let renewed: i64 = eval(RENEW, 1)
@@ -98,15 +103,19 @@ impl Lease {
             .arg(millis(self.ttl))
             .query_async(conn)
             .await?;
-        if renewed == 1 {
-            let mut until = self.until();
-            // A slow reply must not move the deadline back past a later renewal's.
-            *until = (*until).max(sent + valid_for(self.ttl));
-            Ok(true)
-        } else {
+        if renewed != 1 {
             self.give_up();
-            Ok(false)
+            return Ok(false);
         }
+        let mut until = self.until();
+        // Given up meanwhile (its stream dropped): it stays lost, whatever Redis did (the
+        // key expires there by itself). The flag changes under the same lock.
+        if self.given_up.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        // A slow reply must not move the deadline back past a later renewal's.
+        *until = (*until).max(sent + valid_for(self.ttl));
+        Ok(true)
     }
 
     /// Gives the lease back, if still ours; from now on it is not held. Returns whether
@@ -129,7 +138,9 @@ impl Lease {
 
     /// Stops counting the lease as held, at once.
     pub(crate) fn give_up(&self) {
-        *self.until() = Instant::now();
+        let mut until = self.until();
+        self.given_up.store(true, Ordering::Relaxed);
+        *until = Instant::now();
     }
 
     /// The epoch under which it was acquired: one more at each acquisition of the key.
@@ -283,6 +294,27 @@ mod tests {
             "an expired lease cannot be renewed"
         );
         assert!(!a.is_held());
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .arg(format!("{key}:epoch"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_lease_given_up_is_never_renewed_again() {
+        let mut c = conn().await;
+        let key = outbox_tests::unique("lease");
+        let a = Lease::acquire(&mut c, &key, "a", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        // Given up (its stream dropped) while a renewal is on its way, whose reply
+        // comes after: Redis still had the lease as ours.
+        a.give_up();
+        assert!(!a.renew(&mut c).await.unwrap());
+        assert!(!a.is_held(), "a late renewal brought back a lease given up");
         let _: () = redis::cmd("DEL")
             .arg(&key)
             .arg(format!("{key}:epoch"))

@@ -56,9 +56,10 @@ impl FromRedisValue for Fenced {
 /// What a read of the streams held brought.
 #[derive(Default)]
 pub(super) struct Read {
-    pub(super) jobs: Vec<Job>,
+    /// Each with the lease it was read under.
+    pub(super) jobs: Vec<(Job, Arc<Lease>)>,
     /// Streams whose lease Redis no longer has as ours.
-    pub(super) lost: Vec<Arc<str>>,
+    pub(super) lost: Vec<(Arc<str>, Arc<Lease>)>,
 }
 
 impl<I, C> Consumer<I, C>
@@ -121,14 +122,17 @@ where
                 match reply {
                     Fenced::Lost => {
                         lease.give_up();
-                        read.lost.push(Arc::clone(stream));
+                        read.lost.push((Arc::clone(stream), Arc::clone(lease)));
                     }
                     Fenced::Entries(reply) => {
                         for key in reply.keys {
-                            read.jobs.extend(key.ids.into_iter().map(|entry| Job {
-                                stream: Arc::clone(stream),
-                                entry,
-                                delivery_count: 1,
+                            read.jobs.extend(key.ids.into_iter().map(|entry| {
+                                let job = Job {
+                                    stream: Arc::clone(stream),
+                                    entry,
+                                    delivery_count: 1,
+                                };
+                                (job, Arc::clone(lease))
                             }));
                         }
                     }

@@ -39,14 +39,14 @@ pub(super) struct Tick {
     /// Live consumers of the group, this one included; 0 if unknown (Redis failed).
     pub(super) live: usize,
     /// Held streams whose lease could not be renewed: lost.
-    pub(super) lost: Vec<Arc<str>>,
+    pub(super) lost: Vec<(Arc<str>, Arc<Lease>)>,
     pub(super) acquired: Vec<Acquired>,
     /// The keys still blocked on each stream asked about.
     pub(super) blocked: Vec<(Arc<str>, Vec<Vec<u8>>)>,
     /// Entries of the streams held, pending in this consumer's name for `min_idle` and
     /// not queued: read and settled, but whose `XACK` failed. Claimed to queue them again
-    /// (they are found applied, and acknowledged).
-    pub(super) orphans: Vec<Job>,
+    /// (they are found applied, and acknowledged). Each with the lease it was found under.
+    pub(super) orphans: Vec<(Job, Arc<Lease>)>,
     pub(super) error: Option<RedisError>,
 }
 
@@ -70,6 +70,8 @@ pub(super) struct Holding {
     pub(super) acquire: bool,
     /// The entries queued, not to be taken for orphans.
     pub(super) queued: HashSet<EntryId>,
+    /// Streams not to acquire: work of an earlier holding of theirs still runs.
+    pub(super) busy: Vec<Arc<str>>,
 }
 
 impl<I, C> Consumer<I, C>
@@ -97,7 +99,7 @@ where
             for (stream, lease) in &holding.held {
                 if !lease.renew(&mut conn).await? || !lease.is_held() {
                     tracing::warn!(stream = &**stream, epoch = lease.epoch(), "lease lost");
-                    tick.lost.push(Arc::clone(stream));
+                    tick.lost.push((Arc::clone(stream), Arc::clone(lease)));
                 }
             }
             let held = holding.held.len() - tick.lost.len();
@@ -111,7 +113,8 @@ where
             for (stream, lease) in &holding.held {
                 if lease.is_held() {
                     let orphans = self.orphans(&mut conn, stream, &holding.queued).await?;
-                    tick.orphans.extend(orphans);
+                    tick.orphans
+                        .extend(orphans.into_iter().map(|job| (job, Arc::clone(lease))));
                 }
             }
             Ok(())
@@ -176,7 +179,7 @@ where
                 break;
             }
             let stream = &inner.streams[(offset + i) % total];
-            if holding.held.iter().any(|(s, _)| s == stream) {
+            if holding.held.iter().any(|(s, _)| s == stream) || holding.busy.contains(stream) {
                 continue;
             }
             let key = lease_key(stream, &inner.group);

@@ -46,8 +46,13 @@ struct Held {
     releasing: bool,
 }
 
-/// How the heads of one task ended, each with the epoch of the lease it ran under.
-type Ended = Vec<(Job, Outcome, u64)>;
+/// How the heads of one task ended, each with the lease it ran under: a result counts
+/// only while that very lease is the stream's current one (an epoch would not do: the
+/// counters start again after Redis loses its data).
+type Ended = Vec<(Job, Outcome, Arc<Lease>)>;
+
+/// A stream, with the lease it is (or was) held under.
+type Under = (Arc<str>, Arc<Lease>);
 
 /// What one ordered run keeps between its rounds.
 struct Ordered<I, C> {
@@ -59,6 +64,9 @@ struct Ordered<I, C> {
     held: HashMap<Arc<str>, Held>,
     keys: Keys,
     tasks: JoinSet<Ended>,
+    /// The streams and leases of each running task: what to drop when one crashes, and
+    /// which streams not to take again while work of an earlier holding still runs.
+    running: HashMap<tokio::task::Id, Vec<Under>>,
     /// Most tasks (transactions) at once.
     task_limit: usize,
     /// Most entries queued (read and not yet settled).
@@ -134,9 +142,9 @@ where
             .into_iter()
             .zip(&leases)
             .partition(|(_, lease)| lease.is_held());
-        let (run, epochs): (Vec<Job>, Vec<u64>) = run
+        let (run, run_leases): (Vec<Job>, Vec<Arc<Lease>>) = run
             .into_iter()
-            .map(|(job, lease)| (job, lease.epoch()))
+            .map(|(job, lease)| (job, Arc::clone(lease)))
             .unzip();
         let outcomes = if self.inner.config.batch_size.is_some() {
             self.process_batch_outcomes(&run).await
@@ -148,15 +156,15 @@ where
             outcomes
         };
         let mut ended = Vec::with_capacity(run.len() + lost.len());
-        for ((job, outcome), epoch) in run.into_iter().zip(outcomes).zip(epochs) {
+        for ((job, outcome), lease) in run.into_iter().zip(outcomes).zip(run_leases) {
             if outcome == (Outcome::Pending { outage: false }) {
                 self.set_delivery_count(&job, job.delivery_count + 1).await;
             }
-            ended.push((job, outcome, epoch));
+            ended.push((job, outcome, lease));
         }
         ended.extend(
             lost.into_iter()
-                .map(|(job, lease)| (job, Outcome::Pending { outage: false }, lease.epoch())),
+                .map(|(job, lease)| (job, Outcome::Pending { outage: false }, Arc::clone(lease))),
         );
         ended
     }
@@ -186,6 +194,7 @@ where
             held: HashMap::new(),
             keys: Keys::default(),
             tasks: JoinSet::new(),
+            running: HashMap::new(),
             task_limit,
             // Room for twice the heads that run at once, so that a key whose head
             // finishes finds its next entry at hand.
@@ -241,7 +250,7 @@ where
         let event = tokio::select! {
             biased;
             () = shutdown.as_mut() => return None,
-            Some(done) = tasks.join_next(), if !tasks.is_empty() => Event::Work(done),
+            Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => Event::Work(done),
             r = joined(read) => Event::Read(r),
             t = joined(tick) => Event::Tick(t),
             () = tokio::time::sleep_until(until.into()) => Event::Timer,
@@ -279,18 +288,30 @@ where
 
     /// Drops the streams whose lease's local deadline passed, with all queued for them.
     fn drop_lost(&mut self) {
-        let lost: Vec<Arc<str>> = self
+        let lost: Vec<(Arc<str>, Arc<Lease>)> = self
             .held
             .iter()
             .filter(|(_, h)| !h.lease.is_held())
-            .map(|(s, _)| Arc::clone(s))
+            .map(|(s, h)| (Arc::clone(s), Arc::clone(&h.lease)))
             .collect();
-        for stream in lost {
-            self.drop_stream(&stream);
+        for (stream, lease) in lost {
+            self.drop_stream(&stream, &lease);
         }
     }
 
-    fn drop_stream(&mut self, stream: &str) {
+    /// Whether `lease` is the one `stream` is held under now.
+    fn is_current(&self, stream: &str, lease: &Arc<Lease>) -> bool {
+        self.held
+            .get(stream)
+            .is_some_and(|h| Arc::ptr_eq(&h.lease, lease))
+    }
+
+    /// Drops `stream` if it is still held under `lease`: news of a lease lost is about
+    /// that lease, not about a later one of the same stream.
+    fn drop_stream(&mut self, stream: &str, lease: &Arc<Lease>) {
+        if !self.is_current(stream, lease) {
+            return;
+        }
         if let Some(held) = self.held.remove(stream) {
             held.lease.give_up();
             tracing::warn!(parent: &self.span, stream, epoch = held.lease.epoch(), "lease lost: the stream's entries are left to the next holder");
@@ -338,13 +359,20 @@ where
             if jobs.is_empty() {
                 return;
             }
-            let leases = jobs
+            let leases: Vec<Arc<Lease>> = jobs
                 .iter()
                 .filter_map(|job| self.held.get(&job.stream).map(|h| Arc::clone(&h.lease)))
                 .collect();
+            let streams = jobs
+                .iter()
+                .map(|job| Arc::clone(&job.stream))
+                .zip(leases.iter().cloned())
+                .collect();
             let worker = self.worker.clone();
-            self.tasks
+            let task = self
+                .tasks
                 .spawn(worker.run_heads(jobs, leases).instrument(self.span.clone()));
+            self.running.insert(task.id(), streams);
         }
     }
 
@@ -395,6 +423,7 @@ where
                 .collect(),
             acquire,
             queued: self.keys.entries().clone(),
+            busy: self.busy_streams(),
         };
         let every = self.consumer.lease_ttl() / 3;
         self.next_tick = Instant::now()
@@ -407,13 +436,35 @@ where
         self.tick = Some(tokio::spawn(keep.instrument(self.span.clone())));
     }
 
+    /// The streams with work still running under a lease they are no longer held
+    /// under: not to be taken again until it ends, or two holdings' heads of one key
+    /// would run at once.
+    fn busy_streams(&self) -> Vec<Arc<str>> {
+        let mut busy: Vec<Arc<str>> = Vec::new();
+        for (stream, lease) in self.running.values().flatten() {
+            if !self.is_current(stream, lease) && !busy.contains(stream) {
+                busy.push(Arc::clone(stream));
+            }
+        }
+        busy
+    }
+
     /// Work that ended: each head settled, or waits to run again.
-    fn finished(&mut self, done: Result<Ended, JoinError>) {
+    fn finished(&mut self, done: Result<(tokio::task::Id, Ended), JoinError>) {
         let ended = match done {
-            Ok(ended) => ended,
-            // `process` catches handler panics: this is a bug in the runner itself.
+            Ok((id, ended)) => {
+                self.running.remove(&id);
+                ended
+            }
+            // `process` catches handler panics: this is a bug in the runner itself (or a
+            // task aborted at the shutdown timeout). Its heads would stay busy for good,
+            // holding their keys back: their streams are dropped instead, and the next
+            // holder takes their entries over.
             Err(e) => {
-                tracing::error!(parent: &self.span, error = %e, "consumer task failed");
+                tracing::error!(parent: &self.span, error = %e, "consumer task failed; dropping its streams");
+                for (stream, lease) in self.running.remove(&e.id()).unwrap_or_default() {
+                    self.drop_stream(&stream, &lease);
+                }
                 return;
             }
         };
@@ -429,10 +480,10 @@ where
         if outage && let Some(pause) = health.pause(&config.outage_backoff) {
             self.paused_until = now + pause;
         }
-        for (mut job, outcome, epoch) in ended {
+        for (mut job, outcome, lease) in ended {
             // Of a lease since lost (and perhaps acquired again): its queues are gone, or
             // are the new lease's, whose heads this result must not move.
-            if self.held.get(&job.stream).map(|h| h.lease.epoch()) != Some(epoch) {
+            if !self.is_current(&job.stream, &lease) {
                 continue;
             }
             match outcome {
@@ -456,13 +507,13 @@ where
         match read {
             Ok(Ok(read)) => {
                 health.redis_answered();
-                for stream in &read.lost {
-                    self.drop_stream(stream);
+                for (stream, lease) in &read.lost {
+                    self.drop_stream(stream, lease);
                 }
-                for job in read.jobs {
+                for (job, lease) in read.jobs {
                     // A stream dropped meanwhile: its entries stay pending for the next
                     // holder, which takes them over before it reads anything newer.
-                    if self.held.contains_key(&job.stream) {
+                    if self.is_current(&job.stream, &lease) {
                         self.keys.push(job);
                     }
                 }
@@ -500,8 +551,8 @@ where
         if tick.live > 0 {
             self.live = tick.live;
         }
-        for stream in &tick.lost {
-            self.drop_stream(stream);
+        for (stream, lease) in &tick.lost {
+            self.drop_stream(stream, lease);
         }
         for acquired in tick.acquired {
             for key in acquired.blocked {
@@ -521,8 +572,8 @@ where
         for (stream, still) in &tick.blocked {
             self.keys.unblock(stream, still);
         }
-        for job in tick.orphans {
-            if self.held.contains_key(&job.stream) {
+        for (job, lease) in tick.orphans {
+            if self.is_current(&job.stream, &lease) {
                 self.keys.push(job);
             }
         }
@@ -573,7 +624,7 @@ where
         tokio::pin!(grace);
         loop {
             tokio::select! {
-                done = self.tasks.join_next() => match done {
+                done = self.tasks.join_next_with_id() => match done {
                     Some(done) => self.finished(done),
                     None => break,
                 },
@@ -592,7 +643,7 @@ where
 
 /// What a round waited for.
 enum Event {
-    Work(Result<Ended, JoinError>),
+    Work(Result<(tokio::task::Id, Ended), JoinError>),
     Read(Result<RedisResult<Read>, JoinError>),
     Tick(Result<Tick, JoinError>),
     Timer,
