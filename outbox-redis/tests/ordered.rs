@@ -747,3 +747,58 @@ async fn ordered_consumers_recover_when_redis_restarts_without_its_data() {
 async fn ordered_consumers_recover_after_a_flushall() {
     ordered_consumers_survive(DataLoss::Flushall, 1).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_key_does_not_stall_the_other_partitions() {
+    let prefix = unique_prefix("ordered");
+    let group = unique("g");
+    let mut c = conn().await;
+    let db = MemoryDb::new(Applied::default());
+    let mut apply = Apply::new(|_| false);
+    apply.fail_always = |s| s.key == "k0" && s.seq == 1;
+    let config = ordered(&prefix, 2).with_max_deliveries(1).with_ordered(
+        OrderedConfig::default()
+            .with_lease_ttl(Duration::from_secs(2))
+            .with_after_dead_letter(AfterDeadLetter::Block),
+    );
+    let a = consumer(config, &group, &db, apply);
+    let ra = start(&a);
+    let blocked = partition_of("k0", partitions(2));
+    let blocked_stream = stream_of(&prefix, 2, blocked);
+    produce(&mut c, &prefix, 2, &steps(1, 1)).await;
+    eventually("k0 blocked after its dead letter", || {
+        a.stats().dead_lettered == 1
+    })
+    .await;
+    // More of k0 than the read-ahead (64 here) holds: all wait for an operator.
+    produce(&mut c, &prefix, 2, &steps(1, 200)[1..]).await;
+    let mut delivered = 0;
+    for _ in 0..300 {
+        delivered = pending_count(&mut c, &blocked_stream, &group).await;
+        if delivered >= 64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(delivered >= 64, "only {delivered} of k0's entries read");
+    // The keys of the other partition go on.
+    let others: Vec<Step> = steps(20, 3)
+        .into_iter()
+        .filter(|s| partition_of(&s.key, partitions(2)) != blocked)
+        .collect();
+    let keys: HashSet<String> = others.iter().map(|s| s.key.clone()).collect();
+    produce(&mut c, &prefix, 2, &others).await;
+    eventually("the other partition's steps applied", || {
+        db.read(|a| {
+            keys.iter()
+                .all(|k| a.by_key.get(k).is_some_and(|s| s.len() == 3))
+        })
+    })
+    .await;
+    ra.stop().await;
+    let applied = db.read(Clone::clone);
+    assert!(applied.violations.is_empty(), "{:?}", applied.violations);
+    assert!(!applied.by_key.contains_key("k0"), "k0 stays blocked");
+    cleanup(&prefix).await;
+}
+

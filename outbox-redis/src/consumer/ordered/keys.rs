@@ -216,8 +216,19 @@ impl Keys {
             .sum()
     }
 
+    /// Entries queued that will run without an operator (those of keys not blocked),
+    /// running included.
+    pub(super) fn runnable(&self) -> usize {
+        self.queues
+            .values()
+            .filter(|q| q.state != State::Blocked)
+            .map(|q| q.jobs.len() + usize::from(q.state == State::Busy))
+            .sum()
+    }
+
     /// Entries queued, running included.
-    pub(super) fn queued(&self) -> usize {
+    #[cfg(test)]
+    fn queued(&self) -> usize {
         self.entries.len()
     }
 

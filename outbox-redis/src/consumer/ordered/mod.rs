@@ -377,7 +377,9 @@ where
     }
 
     /// Starts a read of the streams held (not being released), if none runs and there
-    /// is room for what it brings.
+    /// is room for what it brings. Entries of blocked keys (which wait for an operator)
+    /// take no room from the others: a stream is only left unread once it holds a whole
+    /// read-ahead itself, so that one blocked key cannot stall every stream held.
     fn start_read(&mut self) {
         if self.read.is_some() {
             return;
@@ -385,10 +387,12 @@ where
         let readable: Vec<(Arc<str>, Arc<Lease>)> = self
             .held
             .iter()
-            .filter(|(_, h)| !h.releasing && h.lease.is_held())
+            .filter(|(s, h)| {
+                !h.releasing && h.lease.is_held() && self.keys.queued_in(s) < self.read_ahead
+            })
             .map(|(s, h)| (Arc::clone(s), Arc::clone(&h.lease)))
             .collect();
-        let queued = self.keys.queued();
+        let queued = self.keys.runnable();
         let room = self.read_ahead.saturating_sub(queued);
         // A read for every few entries finished would cost a round trip (and a script
         // per stream) per few entries: read once half the read-ahead is free, or when
