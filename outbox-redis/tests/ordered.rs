@@ -802,3 +802,35 @@ async fn a_blocked_key_does_not_stall_the_other_partitions() {
     cleanup(&prefix).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_holding_no_partition_is_ready_again_after_an_outage() {
+    let mut scratch = outbox_tests::ScratchRedis::start_persistent();
+    let prefix = unique_prefix("ordered");
+    let db = MemoryDb::new(Applied::default());
+    let config = ordered(&prefix, 1)
+        .with_ordered(OrderedConfig::default().with_lease_ttl(Duration::from_secs(1)));
+    // Two consumers, one partition: one of them holds nothing and reads nothing.
+    let consumers: Vec<Consumer<MemoryDb<Applied>>> = (0..2)
+        .map(|_| {
+            Consumer::builder(scratch.url(), "g")
+                .handle::<Step, _>(Apply::new(|_| false))
+                .idempotency(db.clone())
+                .with_config(config.clone())
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let running: Vec<Running> = consumers.iter().map(start).collect();
+    let ready = |want: bool| {
+        let consumers = &consumers;
+        move || consumers.iter().all(|c| c.health().is_ready() == want)
+    };
+    eventually("both ready", ready(true)).await;
+    scratch.stop();
+    eventually("both unready during the outage", ready(false)).await;
+    scratch.restart();
+    eventually("both ready once Redis answers again", ready(true)).await;
+    for run in running {
+        run.stop().await;
+    }
+}

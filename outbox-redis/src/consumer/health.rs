@@ -19,9 +19,11 @@ pub struct ConsumerHealth {
     pub running: bool,
     /// How long ago the run loop last began a round (`None`: it never did).
     pub last_round: Option<Duration>,
-    /// How long ago Redis last answered a read or claim (`None`: it never did).
+    /// How long ago Redis last answered a read or claim, or in ordered mode a round of
+    /// lease keeping (`None`: it never did).
     pub last_redis_answer: Option<Duration>,
-    /// Reads and claims failed in a row since Redis last answered.
+    /// Reads and claims (in ordered mode, also rounds of lease keeping) failed in a row
+    /// since Redis last answered.
     pub redis_failures: u32,
     /// Messages or batches in a row that ended in an outage of the idempotency store (or
     /// a failed `XACK`).
@@ -42,9 +44,9 @@ impl ConsumerHealth {
         self.running && self.last_round.is_some_and(|age| age <= self.stall_limit)
     }
 
-    /// Readiness: live, the last read or claim succeeded, and no message is failing on
-    /// a store outage. False during an outage of Redis or the store, true again once
-    /// they answer.
+    /// Readiness: live, the last read or claim (in ordered mode, or round of lease
+    /// keeping) succeeded, and no message is failing on a store outage. False during an
+    /// outage of Redis or the store, true again once they answer.
     pub fn is_ready(&self) -> bool {
         self.is_live() && self.redis_failures == 0 && self.store_failures == 0
     }

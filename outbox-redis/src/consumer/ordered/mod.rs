@@ -587,6 +587,9 @@ where
             self.consumer.inner.health.redis_failed(&e);
             return;
         }
+        // Redis answered: a consumer that holds no stream reads nothing, and would
+        // otherwise stay unready for good after an outage.
+        self.consumer.inner.health.redis_answered();
         self.rebalance();
     }
 
