@@ -535,6 +535,37 @@ async fn the_partition_count_an_event_declares_is_read_unless_the_config_overrid
     );
 }
 
+/// Another event type of `ordered.sharded`, declaring another count.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, OutboxEvent)]
+#[outbox(topic = "ordered.sharded", partitions = 8)]
+struct ShardedToo {
+    #[outbox(id)]
+    id: String,
+}
+
+impl Handler<ShardedToo> for Ignore {
+    type Conn = MemoryTx<Applied>;
+
+    fn handle(&self, _: ShardedToo, _: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn event_types_of_one_topic_declaring_different_counts_are_a_config_error() {
+    let err = Consumer::builder(redis_url(), "g")
+        .handle::<Sharded, _>(Ignore)
+        .handle::<ShardedToo, _>(Ignore)
+        .idempotency(MemoryDb::new(Applied::default()))
+        .build()
+        .unwrap_err();
+    let outbox_redis::Error::Config(invalid) = &err else {
+        panic!("not a config error: {err:?}");
+    };
+    assert_eq!(invalid.field(), "partitions");
+    assert!(err.to_string().contains("4 and 8"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_ordered_consumer_reads_what_the_partitioned_publisher_writes_in_order() {
     use outbox_core::Publisher as _;

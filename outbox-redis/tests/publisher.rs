@@ -586,3 +586,53 @@ async fn a_partitions_key_of_another_type_is_a_config_error_before_any_write() {
     assert!(streams.is_empty(), "{streams:?}");
     cleanup(&prefix).await;
 }
+
+/// A Redis that comes back from an outage without its data (no persistence): the
+/// publisher records the partition counts again, for the consumers that compare theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_partition_counts_are_recorded_again_after_redis_lost_its_data() {
+    let mut scratch = outbox_tests::ScratchRedis::start();
+    let prefix = unique_prefix("test");
+    let config = PublisherConfig::default()
+        .with_stream_prefix(prefix.clone())
+        .with_partitions_of::<PartitionedPaid>();
+    let publisher = RedisPublisher::new(scratch.url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
+    let (url, key) = (scratch.url(), format!("{prefix}partitions"));
+    let recorded = || {
+        let (url, key) = (url.clone(), key.clone());
+        async move {
+            let mut conn = redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let count: Option<u32> = redis::cmd("HGET")
+                .arg(key)
+                .arg("order.paid")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            count
+        }
+    };
+    assert!(publisher.publish(&stored([nth(1, 0)])).await.is_ok());
+    assert_eq!(recorded().await, Some(4));
+    tokio::task::block_in_place(|| scratch.stop());
+    assert!(publisher.publish(&stored([nth(1, 1)])).await.is_err());
+    tokio::task::block_in_place(|| scratch.restart());
+    let mut taken = false;
+    for _ in 0..100 {
+        if let Ok(outcomes) = publisher.publish(&stored([nth(1, 1)])).await
+            && outcomes.iter().all(Result::is_ok)
+        {
+            taken = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(taken, "the restarted Redis took no entry");
+    assert_eq!(recorded().await, Some(4));
+}

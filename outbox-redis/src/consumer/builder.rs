@@ -34,6 +34,9 @@ pub struct ConsumerBuilder<C, I = NoInbox> {
     /// Each handled topic's partition count, as its event type declares it
     /// ([`OutboxEvent::PARTITIONS`]); [`ConsumerConfig::partitions`] overrides it.
     declared: BTreeMap<&'static str, Partitions>,
+    /// Two handled event types of one topic that declare different counts: which one
+    /// would be read is a guess, so [`build`](Self::build) refuses it.
+    conflict: Option<InvalidConfig>,
 }
 
 impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
@@ -61,10 +64,25 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         self
     }
 
-    /// Notes the partition count `E` declares for its topics.
+    /// Notes the partition count `E` declares for its topics, and a count that differs
+    /// from another handled type's for the same topic.
     fn declare<E: OutboxEvent>(&mut self) {
+        let partitions = Partitions::of_event::<E>();
         for topic in E::TOPICS {
-            self.declared.insert(topic, Partitions::of_event::<E>());
+            match self.declared.insert(topic, partitions) {
+                Some(earlier) if earlier != partitions && self.conflict.is_none() => {
+                    self.conflict = Some(InvalidConfig::new(
+                        "partitions",
+                        format!(
+                            "the event types handled on the topic {topic:?} declare different partition counts ({} and {} for {}); declare one count on all of them",
+                            earlier.get(),
+                            partitions.get(),
+                            std::any::type_name::<E>(),
+                        ),
+                    ));
+                }
+                _ => {}
+            }
         }
     }
 
@@ -152,6 +170,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
             inbox: store,
             config: self.config,
             declared: self.declared,
+            conflict: self.conflict,
         }
     }
 
@@ -206,6 +225,8 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
     /// (without connecting) and builds the consumer. Fails on an invalid setting
     /// ([`Error::Config`]), a handler registered twice, or no handler at all
     /// ([`Error::NoHandler`]); on a cluster also on a stream prefix with a `{` or `}`.
+    /// Handled event types of one topic that declare different partition counts
+    /// (`#[outbox(partitions = N)]`) are an [`Error::Config`] too.
     pub fn build(mut self) -> Result<Consumer<I, C>> {
         self.check()?;
         let target = self.target?;
@@ -237,6 +258,9 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
     /// The checks that need no Redis address: the handlers, the config, the group name.
     fn check(&mut self) -> Result<()> {
         if let Some(e) = self.error.take() {
+            return Err(e.into());
+        }
+        if let Some(e) = self.conflict.take() {
             return Err(e.into());
         }
         self.config.validate()?;
@@ -396,6 +420,7 @@ impl Consumer<NoInbox, ()> {
             inbox: NoInbox,
             config: ConsumerConfig::default(),
             declared: BTreeMap::new(),
+            conflict: None,
         }
     }
 }

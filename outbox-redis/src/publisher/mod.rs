@@ -51,9 +51,10 @@ pub use config::{DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, 
 /// A topic given a partition count in [`PublisherConfig::partitions`] is spread over
 /// that many streams: a message goes to the partition of its ordering key
 /// ([`stream_for_key`](Self::stream_for_key)), so a key's messages share one stream and
-/// keep there the order the relay publishes them in. On the first publish the
-/// publisher records the counts it was given in the hash `<prefix>partitions` (one
-/// `HSET`), where consumers and `outbox streams` read them; a key of another type there
+/// keep there the order the relay publishes them in. On the first publish (and the
+/// first after each outage, in case Redis lost its data) the publisher records the
+/// counts it was given in the hash `<prefix>partitions` (one `HSET`), where consumers
+/// and `outbox streams` read them; a key of another type there
 /// stops the relay with [`outbox_core::Error::Config`].
 ///
 /// The connection is opened on the first publish and replaced after a connection
@@ -183,9 +184,17 @@ impl RedisPublisher {
         })
     }
 
+    /// After an outage: the server may have come back without its data (a restart
+    /// without persistence, a failover to an empty replica), so the partition counts are
+    /// recorded again at the next publish (one `HSET`).
+    fn outage_seen(&self) {
+        self.partitions_recorded.store(false, Ordering::Relaxed);
+    }
+
     /// Records the configured partition counts in `<prefix>partitions` (`HSET`), once in
-    /// the publisher's life: consumers compare theirs with it. A key of another type
-    /// there is a configuration error, found before any entry is written.
+    /// the publisher's life and again after each outage: consumers compare theirs with
+    /// it. A key of another type there is a configuration error, found before any entry
+    /// is written.
     async fn record_partitions(&self, conn: &mut Conn) -> Result<(), outbox_core::Error> {
         if self.config.partitions.is_empty() || self.partitions_recorded.load(Ordering::Relaxed) {
             return Ok(());
@@ -384,7 +393,10 @@ impl Publisher for RedisPublisher {
 
         let mut conn = match self.conn.get().await {
             Ok(conn) => conn,
-            Err(e) => return Err(outbox_core::Error::broker_unavailable(e)),
+            Err(e) => {
+                self.outage_seen();
+                return Err(outbox_core::Error::broker_unavailable(e));
+            }
         };
         self.check_durability(&mut conn).await?;
         self.record_partitions(&mut conn).await?;
@@ -427,6 +439,7 @@ impl Publisher for RedisPublisher {
                             timed_out = true;
                             self.shrink(*bytes);
                         }
+                        self.outage_seen();
                         self.conn.check(&e).await;
                         let reason = e.to_string();
                         for &i in part {
@@ -499,6 +512,9 @@ impl RedisPublisher {
                 Err(e) => {
                     self.conn.check(&e).await;
                     let rejected = classify(&e);
+                    if rejected.kind == RejectKind::Unavailable {
+                        self.outage_seen();
+                    }
                     let m = &batch[i];
                     match rejected.kind {
                         RejectKind::Message => {
