@@ -210,9 +210,10 @@ fn stream_lines(w: &mut impl Write, s: &StreamReport) -> io::Result<()> {
     for g in &s.groups {
         let lag = g.lag.map_or_else(|| "?".to_owned(), |n| n.to_string());
         let lease = match (&g.lease, s.partition) {
-            (_, None) => String::new(),
+            // An unpartitioned stream without a lease: an unordered group, as usual.
+            (None, None) => String::new(),
             (None, Some(_)) => ", no lease holder".to_owned(),
-            (Some(l), Some(_)) => {
+            (Some(l), _) => {
                 let epoch = l.epoch.map(|e| format!("epoch {e}, ")).unwrap_or_default();
                 let ttl = l.ttl_ms.map_or_else(
                     || "no expiry".to_owned(),

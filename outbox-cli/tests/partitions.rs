@@ -185,6 +185,11 @@ fn streams_show_partitions_groups_and_lease_holders() {
     let lease = k.key("order.paid:0:lease:billing");
     let _: () = k.con.pset_ex(&lease, "3:consumer-a", 60_000).unwrap();
     let _: () = k.con.set(format!("{lease}:epoch"), 3).unwrap();
+    // An ordered consumer holds the one stream of an unpartitioned topic too.
+    let _: () = k
+        .con
+        .pset_ex(k.key("order.shipped:lease:billing"), "1:consumer-b", 60_000)
+        .unwrap();
 
     let out = k
         .run("streams", &["--json"])
@@ -193,11 +198,13 @@ fn streams_show_partitions_groups_and_lease_holders() {
         .stdout
         .clone();
     let mut topics: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    let ttl = topics[1]["streams"][0]["groups"][0]["lease"]["ttl_ms"].take();
-    assert!(
-        ttl.as_u64().is_some_and(|ms| ms > 0 && ms <= 60_000),
-        "{ttl}"
-    );
+    for (topic, stream) in [(1, 0), (2, 0)] {
+        let ttl = topics[topic]["streams"][stream]["groups"][0]["lease"]["ttl_ms"].take();
+        assert!(
+            ttl.as_u64().is_some_and(|ms| ms > 0 && ms <= 60_000),
+            "{ttl}"
+        );
+    }
     // Only `order.paid:1` was read from, by its one consumer, which acked everything.
     let group = |lag: u64, consumers: u64, lease: serde_json::Value| json!([{"group": "billing", "pending": 0, "lag": lag, "consumers": consumers, "lease": lease}]);
     let stream = |name: &str, partition: Option<u32>, length, dead_letters, groups| {
@@ -215,7 +222,8 @@ fn streams_show_partitions_groups_and_lease_holders() {
                 stream("order.paid:10", Some(10), 3, 0, group(3, 0, json!(null))),
             ]},
             {"topic": "order.shipped", "recorded_partitions": null, "streams": [
-                stream("order.shipped", None, 5, 0, group(5, 0, json!(null))),
+                stream("order.shipped", None, 5, 0,
+                    group(5, 0, json!({"holder": "consumer-b", "epoch": 1, "ttl_ms": null}))),
             ]},
         ])
     );
@@ -232,6 +240,9 @@ fn streams_show_partitions_groups_and_lease_holders() {
         ))
         .stdout(contains(
             "    group billing: pending 0, lag 1, 1 consumer(s), no lease holder\n",
+        ))
+        .stdout(contains(
+            "    group billing: pending 0, lag 5, 0 consumer(s), held by consumer-b (epoch 1, ",
         ))
         .stdout(contains(
             "order.packed: 2 partition(s) recorded\n  no stream yet\n",

@@ -70,8 +70,8 @@ fn topic_streams(topic: String, recorded_partitions: Option<u32>) -> TopicStream
     }
 }
 
-/// One stream's length, dead letters and groups (with the lease of each group on a
-/// partition stream).
+/// One stream's length, dead letters and groups (with the lease of each group that an
+/// ordered consumer holds).
 async fn stream_report(
     conn: &mut MultiplexedConnection,
     stream: &str,
@@ -91,19 +91,17 @@ async fn stream_report(
         .await
         .map_err(CliError::Redis)?
     {
-        let lease = match partition {
-            Some(_) => outbox_redis::partition_lease(conn, stream, &g.name)
-                .await
-                .map_err(CliError::Redis)?
-                .map(|l| LeaseReport {
-                    holder: l.holder,
-                    epoch: l.epoch,
-                    ttl_ms: l
-                        .ttl
-                        .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
-                }),
-            None => None,
-        };
+        // Ordered consumers hold leases on unpartitioned streams too.
+        let lease = outbox_redis::partition_lease(conn, stream, &g.name)
+            .await
+            .map_err(CliError::Redis)?
+            .map(|l| LeaseReport {
+                holder: l.holder,
+                epoch: l.epoch,
+                ttl_ms: l
+                    .ttl
+                    .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            });
         groups.push(GroupReport {
             group: g.name,
             pending: g.pending,
