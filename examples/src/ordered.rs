@@ -169,7 +169,7 @@ pub async fn serve(
         .with_max_in_flight(args.pool_size as usize)
         .with_block(Duration::from_millis(500))
         .with_ordered(OrderedConfig::default().with_lease_ttl(args.lease_ttl));
-    let name = format!("ordered-{}", std::process::id());
+    let name = consumer_name();
     let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
         .with_config(config.with_consumer_name(name.as_str()))
         .handle::<Tick, _>(ApplyInOrder {
@@ -180,4 +180,36 @@ pub async fn serve(
         .build()?;
     consumer.run_until(stop).await?;
     Ok(consumer.stats())
+}
+
+/// A consumer name of its own: `ordered-<host>-<pid>-<random>`. The PID alone is 1 in
+/// every container, where all consumers would then share one name and count as one
+/// member of the group; the host and a random suffix tell them apart.
+pub fn consumer_name() -> String {
+    format!(
+        "ordered-{}-{}-{:08x}",
+        host_name(),
+        std::process::id(),
+        fastrand::u32(..)
+    )
+}
+
+/// This machine's (or container's) host name, or `host`.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn consumers_of_one_pid_get_names_of_their_own() {
+        let (a, b) = (super::consumer_name(), super::consumer_name());
+        assert_ne!(a, b);
+        assert!(a.starts_with("ordered-") && a.len() <= 128, "{a}");
+    }
 }

@@ -8,9 +8,9 @@
 //! pending. Run in single mode and in batch mode (16 per transaction).
 //!
 //! The consumer processes are this test binary run again with the consumer's arguments
-//! in `OUTBOX_ORDERED_CONSUMER_ARGS` (the test `ordered_consumer_process`, which does
-//! nothing without it): the same code as `bin/ordered_consumer.rs`, which another
-//! package's test cannot start.
+//! in `OUTBOX_ORDERED_CONSUMER_ARGS` (the test `ordered_consumer_process`, ignored in a
+//! normal run, which fails without them): the same code as `bin/ordered_consumer.rs`,
+//! which another package's test cannot start.
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -32,12 +32,15 @@ const KEYS: usize = 200;
 /// Steps per key, produced in three waves.
 const STEPS: i64 = 15;
 
-/// Not a test on its own: the consumer process the test below starts.
+/// Not a test on its own: the consumer process the tests below start (with `--ignored`
+/// and its arguments in `OUTBOX_ORDERED_CONSUMER_ARGS`). Ignored, so that it is not
+/// counted as a test that passed; run without its arguments, it fails.
 #[test]
+#[ignore = "the consumer process of the tests below, started by them"]
 fn ordered_consumer_process() {
-    let Ok(args) = std::env::var(ARGS) else {
-        return;
-    };
+    let args = std::env::var(ARGS).unwrap_or_else(|_| {
+        panic!("{ARGS} is not set: this is the consumer process the other tests start")
+    });
     let args = Args::from_args(args.split('\n').map(str::to_owned)).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -61,6 +64,7 @@ impl Process {
             .args([
                 "--exact",
                 "ordered_consumer_process",
+                "--ignored",
                 "--nocapture",
                 "--test-threads",
                 "1",
