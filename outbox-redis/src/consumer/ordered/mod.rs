@@ -663,3 +663,81 @@ async fn joined<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, JoinError> {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent};
+
+    use super::{Held, Ordered};
+    use crate::consumer::ack::AckQueue;
+    use crate::lease::Lease;
+    use crate::{Consumer, ConsumerConfig, OrderedConfig};
+
+    #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    #[outbox(topic = "ordered.unit")]
+    struct Event {
+        #[outbox(id)]
+        id: String,
+    }
+
+    struct Nothing;
+
+    impl Handler<Event> for Nothing {
+        type Conn = MemoryTx<()>;
+
+        fn handle(&self, _: Event, _: &mut MemoryTx<()>, _: &Delivery) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    /// A work task that crashed (a bug of the runner: handler and store panics are
+    /// caught) must not leave its heads busy for good, freezing their keys while the
+    /// lease is renewed forever: its streams are dropped, for the next holder.
+    #[tokio::test]
+    async fn a_crashed_task_drops_its_streams() {
+        let consumer = Consumer::builder(outbox_tests::redis_url(), "g")
+            .handle::<Event, _>(Nothing)
+            .idempotency(MemoryDb::new(()))
+            .with_config(ConsumerConfig::default().with_ordered(OrderedConfig::default()))
+            .build()
+            .unwrap();
+        let (queue, _queued) = tokio::sync::mpsc::unbounded_channel();
+        let acks = AckQueue {
+            queue,
+            failed: Arc::default(),
+        };
+        let mut run = Ordered::new(&consumer, acks, tracing::Span::none());
+        let mut conn = consumer.inner.commands.get().await.unwrap();
+        let key = outbox_tests::unique("lease");
+        let lease = Lease::acquire(&mut conn, &key, "c", Duration::from_secs(10))
+            .await
+            .unwrap()
+            .map(Arc::new)
+            .unwrap();
+        let stream: Arc<str> = Arc::from("s");
+        run.held.insert(
+            Arc::clone(&stream),
+            Held {
+                lease: Arc::clone(&lease),
+                releasing: false,
+            },
+        );
+        let task = run.tasks.spawn(async { panic!("a bug of the runner") });
+        run.running
+            .insert(task.id(), vec![(Arc::clone(&stream), Arc::clone(&lease))]);
+        let done = run.tasks.join_next_with_id().await.unwrap();
+        run.finished(done);
+        assert!(!run.held.contains_key(&stream), "the stream is still held");
+        assert!(!lease.is_held());
+        assert!(run.running.is_empty());
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .arg(format!("{key}:epoch"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
