@@ -8,7 +8,7 @@ use redis::RedisResult;
 use super::stats::Count;
 use super::{Consumer, StartFrom};
 use crate::Result;
-use crate::conn::partitions_key;
+use crate::conn::{partitions_key, stream_name};
 
 impl<I, C> Consumer<I, C>
 where
@@ -72,30 +72,46 @@ where
 
     /// Warns about each topic whose partition count, as its publishers recorded it
     /// (`<prefix>partitions`), differs from this consumer's: entries of partitions it
-    /// does not read would never be handled. Best effort: a topic without a record (no
-    /// partitioned publisher yet) is not checked.
+    /// does not read would never be handled. A topic without a record that this consumer
+    /// reads as partitions is checked another way: entries in its unpartitioned stream
+    /// mean a relay publishes it without partitions (no `--partitions`), where this
+    /// consumer never looks. Best effort: a failed check is skipped.
     async fn check_partitions(&self, conn: &mut crate::conn::Conn) {
         let inner = &self.inner;
+        let prefix = &inner.config.stream_prefix;
         for topic in inner.dispatcher.topics() {
             let published: RedisResult<Option<u32>> = redis::cmd("HGET")
-                .arg(partitions_key(&inner.config.stream_prefix))
+                .arg(partitions_key(prefix))
                 .arg(*topic)
                 .query_async(&mut *conn)
                 .await;
             let read = (inner.streams.iter())
-                .filter(|s| {
-                    crate::conn::topic_of(s, &inner.config.stream_prefix, inner.cluster) == *topic
-                })
+                .filter(|s| crate::conn::topic_of(s, prefix, inner.cluster) == *topic)
                 .count();
-            if let Ok(Some(published)) = published
-                && published as usize != read
-            {
-                tracing::warn!(
+            match published {
+                Ok(Some(published)) if published as usize != read => tracing::warn!(
                     topic,
                     published,
                     read,
                     "the topic is published to another number of partitions than this consumer reads"
-                );
+                ),
+                Ok(None) if read > 1 => {
+                    let unpartitioned = stream_name(prefix, topic, inner.cluster);
+                    let entries: RedisResult<u64> = redis::cmd("XLEN")
+                        .arg(&unpartitioned)
+                        .query_async(&mut *conn)
+                        .await;
+                    if let Ok(entries @ 1..) = entries {
+                        tracing::warn!(
+                            topic,
+                            read,
+                            stream = unpartitioned,
+                            entries,
+                            "no publisher recorded partitions for the topic, and its unpartitioned stream, which this consumer does not read, has entries: give the relays the same partition count (--partitions TOPIC=N)"
+                        );
+                    }
+                }
+                _ => {}
             }
         }
     }
