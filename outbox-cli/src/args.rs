@@ -22,8 +22,9 @@ number of relays may run on PostgreSQL and MySQL; SQLite allows one per database
 Broker and database outages pause the relay without spending any message's attempts.
 
 A topic given --partitions TOPIC=N is published to N streams, <PREFIX><TOPIC>:<p>, each
-message to the partition of its ordering key; give every relay the same counts (the
-consumers read them from <PREFIX>partitions, and `outbox streams` shows them).
+message to the partition of its ordering key; give every relay the same counts. The
+relay records them in <PREFIX>partitions: consumers compare their own counts with them
+and warn when they differ, and `outbox streams` shows them.
 
 Examples:
   outbox relay --redis-url redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464
