@@ -10,7 +10,7 @@ use outbox_core::Partitions;
 
 use crate::ConsumerStore;
 use redis::streams::{StreamClaimReply, StreamPendingCountReply};
-use redis::{RedisError, RedisResult};
+use redis::{FromRedisValue, ParsingError, RedisError, RedisResult, Value};
 
 use super::super::stats::Count;
 use super::super::{Consumer, Job};
@@ -29,6 +29,28 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
 return redis.call('ZCARD', KEYS[1])
 ";
+
+/// `XCLAIM` (no minimum idle time) only while the lease is the caller's: `KEYS[1]` the
+/// stream, `KEYS[2]` its lease; `ARGV`: the lease's value, the group, the consumer, then
+/// the ids. Returns -1 if the lease is not the caller's, else the `XCLAIM` reply. A
+/// process stopped between acquiring a stream and claiming its entries must not take
+/// them from the holder that acquired it meanwhile.
+const CLAIM: &str = r"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+return redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, unpack(ARGV, 4))
+";
+
+/// One answer to [`CLAIM`]: `None` if the lease is not the caller's (any more).
+struct Claimed(Option<StreamClaimReply>);
+
+impl FromRedisValue for Claimed {
+    fn from_redis_value(v: Value) -> Result<Self, ParsingError> {
+        match v {
+            Value::Int(-1) => Ok(Self(None)),
+            v => Ok(Self(Some(StreamClaimReply::from_redis_value(v)?))),
+        }
+    }
+}
 
 /// Pending entries claimed per round trip at a takeover.
 const TAKEOVER_PAGE: usize = 100;
@@ -112,7 +134,7 @@ where
             }
             for (stream, lease) in &holding.held {
                 if lease.is_held() {
-                    let orphans = self.orphans(&mut conn, stream, &holding.queued).await?;
+                    let orphans = (self.orphans(&mut conn, stream, lease, &holding.queued)).await?;
                     tick.orphans
                         .extend(orphans.into_iter().map(|job| (job, Arc::clone(lease))));
                 }
@@ -189,21 +211,31 @@ where
                 continue;
             };
             let lease = Arc::new(lease);
-            let taken = match self.taken(conn, stream).await {
+            let taken = match self.taken(conn, stream, &lease).await {
                 // Redis lost its data (a restart without persistence, a `FLUSHALL`, a
                 // failover to an empty replica): only the groups' creation brings the
                 // stream back, and no read does it for a consumer that holds nothing.
                 Err(e) if e.code() == Some("NOGROUP") => {
                     tracing::warn!(stream = &**stream, error = %e, "consumer group missing; recreating it");
                     match self.create_groups(conn).await {
-                        Ok(()) => self.taken(conn, stream).await,
+                        Ok(()) => self.taken(conn, stream, &lease).await,
                         Err(e) => Err(e),
                     }
                 }
                 taken => taken,
             };
             match taken {
-                Ok((pending, blocked)) => {
+                Ok(None) => {
+                    // Lost between its acquisition and its takeover (this process was
+                    // stopped meanwhile): another consumer holds it now.
+                    tracing::warn!(
+                        stream = &**stream,
+                        epoch = lease.epoch(),
+                        "lease lost during its takeover"
+                    );
+                    lease.give_up();
+                }
+                Ok(Some((pending, blocked))) => {
                     tracing::info!(
                         stream = &**stream,
                         epoch = lease.epoch(),
@@ -229,21 +261,51 @@ where
         Ok(())
     }
 
-    /// What taking `stream` over brings: its pending entries and its blocked keys.
+    /// What taking `stream` over under `lease` brings: its pending entries and its
+    /// blocked keys. `None`: the lease was lost meanwhile.
     async fn taken(
         &self,
         conn: &mut Conn,
         stream: &Arc<str>,
-    ) -> RedisResult<(Vec<Job>, Vec<Vec<u8>>)> {
-        let pending = self.take_over(conn, stream).await?;
+        lease: &Lease,
+    ) -> RedisResult<Option<(Vec<Job>, Vec<Vec<u8>>)>> {
+        let Some(pending) = self.take_over(conn, stream, lease).await? else {
+            return Ok(None);
+        };
         let blocked = self.blocked_keys(conn, stream).await?;
-        Ok((pending, blocked))
+        Ok(Some((pending, blocked)))
+    }
+
+    /// [`CLAIM`]s `ids` of `stream` for this consumer if `lease` is still its lease.
+    async fn claim_fenced(
+        &self,
+        conn: &mut Conn,
+        stream: &str,
+        lease: &Lease,
+        ids: &[&str],
+    ) -> RedisResult<Option<StreamClaimReply>> {
+        let inner = &self.inner;
+        let claimed: Claimed = eval(CLAIM, 2)
+            .arg(stream)
+            .arg(lease.key())
+            .arg(lease.value())
+            .arg(&inner.group)
+            .arg(&inner.consumer_name)
+            .arg(ids)
+            .query_async(conn)
+            .await?;
+        Ok(claimed.0)
     }
 
     /// Claims every entry pending in the group on `stream`, whoever holds it
-    /// (`XPENDING`, then `XCLAIM` with no minimum idle time: safe, the lease is ours),
-    /// in stream order.
-    async fn take_over(&self, conn: &mut Conn, stream: &Arc<str>) -> RedisResult<Vec<Job>> {
+    /// (`XPENDING`, then `XCLAIM` with no minimum idle time: safe, the lease is ours,
+    /// which [`CLAIM`] checks), in stream order. `None`: the lease was lost meanwhile.
+    async fn take_over(
+        &self,
+        conn: &mut Conn,
+        stream: &Arc<str>,
+        lease: &Lease,
+    ) -> RedisResult<Option<Vec<Job>>> {
         let inner = &self.inner;
         let mut jobs = Vec::new();
         let mut start = "-".to_owned();
@@ -261,14 +323,9 @@ where
             };
             start = format!("({}", last.id);
             let ids: Vec<&str> = pending.ids.iter().map(|p| p.id.as_str()).collect();
-            let claimed: StreamClaimReply = redis::cmd("XCLAIM")
-                .arg(&**stream)
-                .arg(&inner.group)
-                .arg(&inner.consumer_name)
-                .arg(0)
-                .arg(&ids)
-                .query_async(&mut *conn)
-                .await?;
+            let Some(claimed) = self.claim_fenced(conn, stream, lease, &ids).await? else {
+                return Ok(None);
+            };
             for entry in claimed.ids {
                 let Some(p) = pending.ids.iter().find(|p| p.id == entry.id) else {
                     continue;
@@ -287,7 +344,7 @@ where
             }
         }
         jobs.sort_by_key(|job| id_order(&job.entry.id));
-        Ok(jobs)
+        Ok(Some(jobs))
     }
 
     /// The entries of `stream` pending in this consumer's name for at least `min_idle`
@@ -296,6 +353,7 @@ where
         &self,
         conn: &mut Conn,
         stream: &Arc<str>,
+        lease: &Lease,
         queued: &HashSet<EntryId>,
     ) -> RedisResult<Vec<Job>> {
         let inner = &self.inner;
@@ -324,14 +382,11 @@ where
             orphans = ids.len(),
             "entries left pending without a queue (a failed XACK); claimed again"
         );
-        let claimed: StreamClaimReply = redis::cmd("XCLAIM")
-            .arg(&**stream)
-            .arg(&inner.group)
-            .arg(&inner.consumer_name)
-            .arg(0)
-            .arg(&ids)
-            .query_async(&mut *conn)
-            .await?;
+        let Some(claimed) = self.claim_fenced(conn, stream, lease, &ids).await? else {
+            // Lost: the next read or renewal drops the stream.
+            lease.give_up();
+            return Ok(Vec::new());
+        };
         Ok(claimed
             .ids
             .into_iter()
@@ -374,6 +429,88 @@ fn id_order(id: &str) -> (u64, u64) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use redis::streams::StreamPendingCountReply;
+
+    use crate::conn::lease_key;
+    use crate::lease::Lease;
+
+    /// A process stopped between acquiring a stream and taking it over resumes after
+    /// another consumer acquired it: it must claim nothing from the new holder.
+    #[tokio::test]
+    async fn a_takeover_claims_nothing_once_the_lease_is_someone_elses() {
+        let consumer = super::super::tests::consumer();
+        let mut conn = consumer.inner.commands.get().await.unwrap();
+        let stream: Arc<str> = Arc::from(outbox_tests::unique("takeover"));
+        let key = lease_key(&stream, "g");
+        let () = redis::pipe()
+            .cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&*stream)
+            .arg("g")
+            .arg("0")
+            .arg("MKSTREAM")
+            .ignore()
+            .cmd("XADD")
+            .arg(&*stream)
+            .arg("*")
+            .arg("f")
+            .arg("v")
+            .ignore()
+            .cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("new-holder")
+            .arg("STREAMS")
+            .arg(&*stream)
+            .arg(">")
+            .ignore()
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let lease = Lease::acquire(
+            &mut conn,
+            &key,
+            consumer.consumer_name(),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        // It expired while this process stood still, and went to another consumer.
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg("99:new-holder")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let taken = consumer
+            .take_over(&mut conn, &stream, &lease)
+            .await
+            .unwrap();
+        assert!(taken.is_none(), "claimed under a lease no longer ours");
+        let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&*stream)
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(10)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(pending.ids.len(), 1);
+        assert_eq!(pending.ids[0].consumer, "new-holder");
+        let () = redis::cmd("DEL")
+            .arg(&*stream)
+            .arg(&key)
+            .arg(format!("{key}:epoch"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
     #[test]
     fn ids_sort_as_numbers() {
         let mut ids = ["10-0", "9-1", "9-0", "100-0"];

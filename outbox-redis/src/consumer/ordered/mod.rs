@@ -693,17 +693,22 @@ mod tests {
         }
     }
 
+    /// An ordered consumer of group `g` on the shared Redis, never run.
+    pub(super) fn consumer() -> Consumer<MemoryDb<()>, MemoryTx<()>> {
+        Consumer::builder(outbox_tests::redis_url(), "g")
+            .handle::<Event, _>(Nothing)
+            .idempotency(MemoryDb::new(()))
+            .with_config(ConsumerConfig::default().with_ordered(OrderedConfig::default()))
+            .build()
+            .unwrap()
+    }
+
     /// A work task that crashed (a bug of the runner: handler and store panics are
     /// caught) must not leave its heads busy for good, freezing their keys while the
     /// lease is renewed forever: its streams are dropped, for the next holder.
     #[tokio::test]
     async fn a_crashed_task_drops_its_streams() {
-        let consumer = Consumer::builder(outbox_tests::redis_url(), "g")
-            .handle::<Event, _>(Nothing)
-            .idempotency(MemoryDb::new(()))
-            .with_config(ConsumerConfig::default().with_ordered(OrderedConfig::default()))
-            .build()
-            .unwrap();
+        let consumer = consumer();
         let (queue, _queued) = tokio::sync::mpsc::unbounded_channel();
         let acks = AckQueue {
             queue,
