@@ -113,6 +113,12 @@ struct Run<I, C> {
     /// task, so that the next message is at hand when one finishes instead of a read
     /// away.
     task_limit: usize,
+    /// The least room worth a read: half the transactions at once (at least one). A busy
+    /// consumer that read as soon as one task ended took one or two entries per
+    /// `XREADGROUP` (5,748 reads for 10,000 messages at 8 in flight); waiting until a few
+    /// are free reads them together, while the entries still waiting keep every
+    /// transaction slot busy.
+    read_at: usize,
     tasks: JoinSet<Done>,
     in_flight: InFlight,
     /// Batch mode: one task at a time per lane of keys (see [`lanes`]).
@@ -152,6 +158,7 @@ where
             span,
             permits: Arc::new(Semaphore::new(transactions)),
             task_limit: config.max_in_flight.saturating_mul(2),
+            read_at: (transactions / 2).max(1),
             tasks: JoinSet::new(),
             in_flight,
             // (Twice as many lanes as transactions measured slower: 1.6 instead of 1.9
@@ -183,7 +190,7 @@ where
             unless(shutdown, tokio::time::sleep(pause)).await?;
         }
         let free = self.task_limit.saturating_sub(self.tasks.len());
-        if free == 0 {
+        if free < self.read_at {
             if let Some(done) = unless(shutdown, self.tasks.join_next()).await? {
                 self.finished(done);
             }
