@@ -637,6 +637,7 @@ async fn emit_part(
     let mut rates = vec![vec![vec![Vec::new(); ways.len()]; 2]; 2];
     for (parked, relay_state) in ["no relay", "a relay parked on LISTEN"].iter().enumerate() {
         let relay = if parked == 1 {
+            tokio::task::block_in_place(|| bench.clear())?;
             Some(bench.park_relay().await?)
         } else {
             None
