@@ -15,7 +15,7 @@
 //! process it starts.
 
 use diesel::prelude::*;
-use outbox_core::{Delivery, Handler, HandlerError, OutboxEvent};
+use outbox_core::{AsyncTxHandler, Delivery, Handler, HandlerError, OutboxEvent};
 use outbox_diesel::Emit as _;
 use serde::{Deserialize, Serialize};
 
@@ -118,6 +118,37 @@ pub trait ChaosDb: Connection {
     fn apply(&mut self, tick: &Tick, msg_id: &str) -> QueryResult<()>;
 }
 
+/// The handler's writes for `tick`, run by `$run` on each statement (`q`): the blocking
+/// and the async handler share the statements, each runs them its own way.
+macro_rules! apply_tick {
+    ($tick:expr, $msg_id:expr, |$q:ident| $run:expr) => {{
+        let tick: &Tick = $tick;
+        // `breaks` before `last_seq`: MySQL assigns left to right, so the comparison
+        // sees the old `last_seq` there as on PostgreSQL.
+        let broke = diesel::dsl::sql::<diesel::sql_types::BigInt>("CASE WHEN last_seq + 1 = ")
+            .bind::<diesel::sql_types::BigInt, _>(tick.seq)
+            .sql(" THEN 0 ELSE 1 END");
+        let rows = {
+            let $q = diesel::update(chaos_sums::table.find(&tick.key)).set((
+                chaos_sums::total.eq(chaos_sums::total + tick.seq),
+                chaos_sums::applied.eq(chaos_sums::applied + 1),
+                chaos_sums::breaks.eq(chaos_sums::breaks + broke),
+                chaos_sums::last_seq.eq(tick.seq),
+            ));
+            $run?
+        };
+        if rows != 1 {
+            return Err(diesel::result::Error::NotFound);
+        }
+        let $q = diesel::insert_into(chaos_log::table).values((
+            chaos_log::msg_id.eq($msg_id),
+            chaos_log::k.eq(&tick.key),
+            chaos_log::seq.eq(tick.seq),
+        ));
+        $run.map(drop)
+    }};
+}
+
 macro_rules! impl_chaos_db {
     ($($conn:ty),*) => {$(
         impl ChaosDb for $conn {
@@ -146,26 +177,7 @@ macro_rules! impl_chaos_db {
             }
 
             fn apply(&mut self, tick: &Tick, msg_id: &str) -> QueryResult<()> {
-                // `breaks` before `last_seq`: MySQL assigns left to right, so the
-                // comparison sees the old `last_seq` there as on PostgreSQL.
-                let broke = diesel::dsl::sql::<diesel::sql_types::BigInt>("CASE WHEN last_seq + 1 = ")
-                    .bind::<diesel::sql_types::BigInt, _>(tick.seq)
-                    .sql(" THEN 0 ELSE 1 END");
-                let rows = diesel::update(chaos_sums::table.find(&tick.key))
-                    .set((
-                        chaos_sums::total.eq(chaos_sums::total + tick.seq),
-                        chaos_sums::applied.eq(chaos_sums::applied + 1),
-                        chaos_sums::breaks.eq(chaos_sums::breaks + broke),
-                        chaos_sums::last_seq.eq(tick.seq),
-                    ))
-                    .execute(self)?;
-                if rows != 1 {
-                    return Err(diesel::result::Error::NotFound);
-                }
-                diesel::insert_into(chaos_log::table)
-                    .values((chaos_log::msg_id.eq(msg_id), chaos_log::k.eq(&tick.key), chaos_log::seq.eq(tick.seq)))
-                    .execute(self)
-                    .map(drop)
+                apply_tick!(tick, msg_id, |q| q.execute(self))
             }
         }
     )*};
@@ -227,20 +239,69 @@ impl<C: ChaosDb + 'static> Handler<Tick> for ApplyTick<C> {
     fn handle(&self, tick: Tick, conn: &mut C, d: &Delivery) -> Result<(), HandlerError> {
         let msg_id = d.envelope.msg_id.as_str();
         conn.apply(&tick, msg_id)?;
-        if d.delivery_count == 1 {
-            match handler_fault(msg_id, self.fault_one_in) {
-                Some(HandlerFault::Fail) => {
-                    return Err(HandlerError::msg(format!(
-                        "chaos: {msg_id} fails on its first delivery"
-                    )));
-                }
-                Some(HandlerFault::Panic) => {
-                    panic!("chaos: {msg_id} panics on its first delivery")
-                }
-                None => {}
-            }
-        }
-        Ok(())
+        play_fault(d, self.fault_one_in)
+    }
+}
+
+/// After the handler's writes: fails or panics on the first delivery of the messages
+/// [`handler_fault`] picks.
+fn play_fault(d: &Delivery, fault_one_in: u64) -> Result<(), HandlerError> {
+    let msg_id = d.envelope.msg_id.as_str();
+    if d.delivery_count > 1 {
+        return Ok(());
+    }
+    match handler_fault(msg_id, fault_one_in) {
+        Some(HandlerFault::Fail) => Err(HandlerError::msg(format!(
+            "chaos: {msg_id} fails on its first delivery"
+        ))),
+        Some(HandlerFault::Panic) => panic!("chaos: {msg_id} panics on its first delivery"),
+        None => Ok(()),
+    }
+}
+
+/// [`ApplyTick`] on diesel-async's PostgreSQL connection, for consumers on the async inbox
+/// (`chaos_consumer --async-inbox`): the same writes and faults, awaited in the dedup
+/// transaction.
+pub struct ApplyTickAsync {
+    fault_one_in: u64,
+}
+
+impl ApplyTickAsync {
+    /// The handler; see [`handler_fault`] for `fault_one_in`.
+    pub fn new(fault_one_in: u64) -> Self {
+        Self { fault_one_in }
+    }
+}
+
+impl AsyncTxHandler<Tick> for ApplyTickAsync {
+    type Conn = diesel_async::AsyncPgConnection;
+
+    async fn handle(
+        &self,
+        tick: Tick,
+        conn: &mut diesel_async::AsyncPgConnection,
+        d: &Delivery,
+    ) -> Result<(), HandlerError> {
+        nonblocking::apply(conn, &tick, d.envelope.msg_id.as_str()).await?;
+        play_fault(d, self.fault_one_in)
+    }
+}
+
+mod nonblocking {
+    // Not diesel's prelude: its `RunQueryDsl` would make `execute` ambiguous.
+    use diesel::result::QueryResult;
+    use diesel::{ExpressionMethods as _, QueryDsl as _};
+    use diesel_async::{AsyncPgConnection, RunQueryDsl as _};
+
+    use super::{Tick, chaos_log, chaos_sums};
+
+    /// [`ChaosDb::apply`](super::ChaosDb::apply), awaited.
+    pub(super) async fn apply(
+        conn: &mut AsyncPgConnection,
+        tick: &Tick,
+        msg_id: &str,
+    ) -> QueryResult<()> {
+        apply_tick!(tick, msg_id, |q| q.execute(conn).await)
     }
 }
 

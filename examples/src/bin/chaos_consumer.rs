@@ -3,7 +3,8 @@
 //! The consumer process of the chaos run (`bin/chaos.rs` starts several of them): a
 //! [`Consumer`] with the default [`ConsumerConfig`] (only
 //! the stream prefix is set, and with `--partitions` / `--ordered` the partitions and
-//! ordered mode), a diesel inbox, and the [`ApplyTick`] handler, which adds
+//! ordered mode), a diesel inbox (with `--async-inbox` the async inbox on diesel-async),
+//! and the [`ApplyTick`] handler, which adds
 //! each message's sequence number to a per-key sum in the dedup transaction. It stops on
 //! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0.
 
@@ -14,9 +15,9 @@ use clap::{Parser, ValueEnum};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use diesel::{MysqlConnection, PgConnection};
 use outbox_core::{OutboxEvent as _, Partitions};
-use outbox_diesel::{DieselInbox, OutboxConnection};
-use outbox_examples::chaos::{ApplyTick, ChaosDb, Tick};
-use outbox_redis::{Consumer, ConsumerConfig, OrderedConfig};
+use outbox_diesel::{AsyncPgInbox, DieselInbox, OutboxConnection};
+use outbox_examples::chaos::{ApplyTick, ApplyTickAsync, ChaosDb, Tick};
+use outbox_redis::{Consumer, ConsumerConfig, ConsumerStore, OrderedConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -53,6 +54,10 @@ struct Args {
     /// An ordered consumer: one holder per partition, each key's messages in order.
     #[arg(long)]
     ordered: bool,
+    /// The async inbox (`AsyncPgInbox` on diesel-async's pool) and an async handler
+    /// instead of the blocking inbox: no blocking thread per message (PostgreSQL only).
+    #[arg(long)]
+    async_inbox: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -82,9 +87,11 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let stopped = stop_signal()?;
-        match args.backend {
-            Backend::Postgres => serve::<PgConnection>(&args, stopped).await,
-            Backend::Mysql => serve::<MysqlConnection>(&args, stopped).await,
+        match (args.backend, args.async_inbox) {
+            (Backend::Postgres, false) => serve::<PgConnection>(&args, stopped).await,
+            (Backend::Mysql, false) => serve::<MysqlConnection>(&args, stopped).await,
+            (Backend::Postgres, true) => serve_async(&args, stopped).await,
+            (Backend::Mysql, true) => Err("--async-inbox runs on PostgreSQL only".into()),
         }
     });
     // Blocking database work still running (a handler stuck on a dead session) must not
@@ -130,17 +137,42 @@ where
     let size = args.pool_size;
     let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
         .await??;
+    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
+        .with_config(config(args)?)
+        .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
+        .idempotency(DieselInbox::new(pool))
+        .build()?;
+    run(&consumer, stopped).await
+}
+
+/// [`serve`] on the async inbox: handlers await their statements on the dedup
+/// transaction's `AsyncPgConnection`.
+async fn serve_async(args: &Args, stopped: watch::Receiver<bool>) -> Result<(), BoxError> {
+    let inbox = AsyncPgInbox::connect(&args.database_url, args.pool_size as usize)?;
+    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
+        .with_config(config(args)?)
+        .handle_tx::<Tick, _>(ApplyTickAsync::new(args.fault_one_in))
+        .idempotency_async(inbox)
+        .build()?;
+    run(&consumer, stopped).await
+}
+
+/// The default config but for the stream prefix, the partitions and ordered mode.
+fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
     let mut config = ConsumerConfig::default()
         .with_stream_prefix(args.stream_prefix.as_str())
         .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
     if args.ordered {
         config = config.with_ordered(OrderedConfig::default());
     }
-    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
-        .with_config(config)
-        .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
-        .idempotency(DieselInbox::new(pool))
-        .build()?;
+    Ok(config)
+}
+
+/// Runs `consumer` until `stopped`.
+async fn run<S>(consumer: &Consumer<S>, stopped: watch::Receiver<bool>) -> Result<(), BoxError>
+where
+    S: ConsumerStore,
+{
     // `run_until` fails when Redis is unreachable at start (it creates the groups
     // first); a deployment restarts the process, here it waits for Redis itself.
     loop {

@@ -52,7 +52,8 @@ struct Args {
     /// Rounds per ratio (each round measures the figure and its baseline).
     #[arg(long)]
     rounds: Option<usize>,
-    /// Only these parts (comma-separated): relay, latency, memory, consumer, emit, plots.
+    /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
+    /// async-emit, plots.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Where the table and the plots go.
@@ -216,9 +217,15 @@ async fn main() -> Result<(), BoxError> {
         bench.cleanup().await;
         result?;
     }
-    if args.runs("emit") {
+    if args.runs("emit") || args.runs("async-emit") {
         let bench = EmitBench::new(&svc)?;
-        let result = emit_part(&sizes, &bench, &mut figures).await;
+        let mut result = Ok(());
+        if args.runs("emit") {
+            result = emit_part(&sizes, &bench, &mut figures).await;
+        }
+        if result.is_ok() && args.runs("async-emit") {
+            result = emit_async_part(&sizes, &bench, &mut figures).await;
+        }
         bench.cleanup();
         result?;
     }
@@ -687,7 +694,7 @@ async fn emit_part(
             }
         }
     }
-    emit_async_part(sizes, bench, figures).await
+    Ok(())
 }
 
 /// `AsyncEmit` against the same hand-written insert on diesel-async, no relay parked.

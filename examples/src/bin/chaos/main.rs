@@ -37,6 +37,10 @@
 //! Its SIGSTOPs (1–40 s) outlast the 10 s lease, so partitions change hands under
 //! stopped holders that later resume.
 //!
+//! `--async-inbox` runs the consumers on the async inbox (`AsyncPgInbox` on diesel-async,
+//! an async handler awaiting its writes in the dedup transaction), PostgreSQL only: the
+//! same checks under the same process faults.
+//!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
 //! kind, two Redis outages, the last 12–20 s), under two minutes in all.
 //!
@@ -126,6 +130,10 @@ struct Args {
     /// sequence at the handler (`handler_order_breaks`).
     #[arg(long)]
     ordered: bool,
+    /// Consumers on the async inbox (`AsyncPgInbox`, diesel-async) with an async handler,
+    /// instead of the blocking inbox (PostgreSQL only).
+    #[arg(long)]
+    async_inbox: bool,
     /// Longest wait, after the last fault, for every committed message to be applied
     /// (default 300s; 100s with --ci).
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -186,6 +194,7 @@ struct Config {
     keys: usize,
     partitions: u32,
     ordered: bool,
+    async_inbox: bool,
     drain_timeout: Duration,
     admin_url: String,
     outbox_bin: PathBuf,
@@ -228,6 +237,9 @@ impl Config {
             }
         }
         outbox_core::Partitions::new(a.partitions)?;
+        if a.async_inbox && a.backend != Backend::Postgres {
+            return Err("--async-inbox runs on PostgreSQL only (--backend postgres)".into());
+        }
         if a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
             return Err("--relays, --consumers, --keys and --events must be at least 1".into());
         }
@@ -245,6 +257,7 @@ impl Config {
             keys: a.keys,
             partitions: a.partitions,
             ordered: a.ordered,
+            async_inbox: a.async_inbox,
             drain_timeout: a.drain_timeout.unwrap_or(Duration::from_secs(if a.ci {
                 100
             } else {
@@ -570,6 +583,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         if c.ordered {
             args.push("--ordered".into());
         }
+        if c.async_inbox {
+            args.push("--async-inbox".into());
+        }
         let log = dir.join(format!("{name}.log"));
         world.procs.push(Proc::new(
             name,
@@ -708,7 +724,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         final_terms,
     );
     println!(
-        "chaos seed={} backend={} events={} partitions={}{} faults: {} | lost={} double_applied={} \
+        "chaos seed={} backend={} events={} partitions={}{}{} faults: {} | lost={} double_applied={} \
          order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
          dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={} \
          drain={} | {}",
@@ -717,6 +733,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         findings.committed,
         c.partitions,
         if c.ordered { " ordered" } else { "" },
+        if c.async_inbox { " async_inbox" } else { "" },
         faults.join(" "),
         findings.lost,
         findings.double_applied,
