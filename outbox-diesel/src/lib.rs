@@ -122,6 +122,15 @@ pub mod __private {
         C::__claim_per_key_sql(limit, &[])
     }
 
+    /// Opens a claim's transaction on `conn` as a relay store does (isolation, planner
+    /// settings, stall bounds), for EXPLAIN tests of the claim as the relay runs it.
+    pub fn begin_claim<C: OutboxConnection>(
+        conn: &mut C,
+        stall: std::time::Duration,
+    ) -> crate::Result<()> {
+        conn.__begin_bounded_claim(stall)
+    }
+
     /// MySQL's second per-key statement for the locked ids `ids` (empty elsewhere).
     pub fn key_probe_sql<C: OutboxConnection>(ids: &[i64]) -> String {
         C::__key_probe_sql(ids)

@@ -48,6 +48,11 @@ fn from_micros(us: i64) -> DateTime<Utc> {
 }
 
 impl RecordRow {
+    /// The row's id.
+    pub(crate) fn id(&self) -> i64 {
+        self.id
+    }
+
     pub(crate) fn into_record(self) -> Result<OutboxRecord> {
         let corrupt = |reason: String| Error::CorruptRow {
             id: self.id,
