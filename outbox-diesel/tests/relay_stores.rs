@@ -149,6 +149,46 @@ fn mysql_claim_does_not_scan_sent_rows() {
     );
 }
 
+/// The unordered claim walks `outbox_claim` in id order whatever the table's statistics
+/// say: here they were taken while every row was SENT, and a burst of NEW rows came after
+/// (InnoDB's automatic recalculation, which would catch up within seconds, is off for the
+/// table). Unforced, MariaDB 10.11 then walked the primary key through every SENT row, or
+/// read and sorted the whole backlog on a never-analyzed table (670 ms at 150,000 NEW
+/// rows): a claim must read about its LIMIT of rows.
+#[test]
+fn mysql_claim_walks_its_index_on_stale_statistics() {
+    let db = My::create();
+    let mut c = My::connect(&db);
+    exec(
+        &mut c,
+        "ALTER TABLE outbox STATS_AUTO_RECALC = 0;
+         SET SESSION max_recursive_iterations = 100000;
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, headers, status,
+                             next_retry_at, created_at, sent_at)
+         WITH RECURSIVE seq (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < 20000)
+         SELECT CONCAT('s-', n, ':E'), 't', 'E', CONCAT('s-', n), '{}', '{}', 1,
+                UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq;
+         ANALYZE TABLE outbox;
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, headers, status,
+                             next_retry_at, created_at)
+         WITH RECURSIVE seq (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < 20000)
+         SELECT CONCAT('n-', n, ':E'), 't', 'E', CONCAT('k-', n % 100), '{}', '{}', 0,
+                UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) FROM seq;",
+    );
+    let sql = outbox_diesel::__private::claim_sql::<diesel::MysqlConnection>(100);
+    let plan = mariadb_plan(&mut c, &sql);
+    println!("{plan}");
+    let accesses = mariadb_table_accesses(&plan);
+    let TableAccess { key, rows } = accesses.first().expect("a table access in the plan");
+    assert_eq!(key, "outbox_claim", "{plan}");
+    let examined = rows.expect("the rows the claim examined");
+    assert!(
+        examined <= 110.0,
+        "examined {examined} rows for a LIMIT of 100\n{plan}"
+    );
+    assert!(!plan.contains("filesort"), "{plan}");
+}
+
 #[test]
 fn sqlite_second_relay_gets_a_clear_error() {
     let db = Lite::create();
