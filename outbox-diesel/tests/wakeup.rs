@@ -111,6 +111,38 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     });
 }
 
+/// A wait that times out leaves the relay's mark in place (it expires a second later),
+/// so that an idle relay re-parks without churn. Once the relay claims rows it is busy:
+/// the mark goes at once, or every emit would send a NOTIFY (serialising their commits)
+/// for up to a second while the relay needs none.
+#[test]
+fn a_relay_back_to_work_after_a_timed_out_wait_removes_its_mark() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        store.wait_for_work(Duration::from_millis(200)).await;
+        assert_eq!(idle_marks(&db), 1, "the timed-out wait left its mark");
+        // A row that wakes nobody: the relay finds it by polling.
+        let never = EmitOptions::new().with_notify(outbox_diesel::Notify::Never);
+        c.transaction(|c| {
+            c.emit_with(
+                &never,
+                Moved {
+                    n: 1,
+                    account: "a".into(),
+                },
+            )
+            .map(drop)
+        })
+        .unwrap();
+        let batch = store.claim(10).await.unwrap();
+        assert_eq!(batch.messages().len(), 1);
+        assert_eq!(idle_marks(&db), 0, "a busy relay is not marked idle");
+    });
+}
+
 /// A relay whose claim came back empty, but that finds rows committed since when it is
 /// about to park, goes back to work without marking itself idle: emitters meanwhile
 /// would otherwise each send a NOTIFY, which serialises their commits.

@@ -26,7 +26,10 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// makes emits in [`Notify::WhenRelayIdle`](crate::Notify::WhenRelayIdle) mode send
 /// `NOTIFY` while any relay is parked, and wakes as soon as such a transaction commits
 /// (the notification is read by a task on the tokio runtime, not polled for); a woken
-/// relay removes only its own row, so other parked relays stay reachable. Without a
+/// relay removes only its own row, so other parked relays stay reachable. A wait that
+/// times out leaves the row in place (it expires a second after the poll interval, so
+/// that an idle relay re-parks without churn) until the relay's next claim returns
+/// rows, which removes it before the batch is published. Without a
 /// listener, or while its connection is down (it reconnects on the next wait), waiting
 /// sleeps for the poll interval.
 ///
@@ -239,6 +242,10 @@ impl RelayStore for PgRelayStore {
         let (pool, held) = (self.pool.clone(), held.to_vec());
         let batch = LockedBatch::claim(pool, limit, self.claim, held).await?;
         let empty = batch.messages().is_empty();
+        if !empty && let Some(listener) = &self.listener {
+            // Back to work after a wait that timed out: emits stop notifying.
+            listener.busy().await;
+        }
         self.seen.empty.store(empty, Ordering::Relaxed);
         self.seen
             .up_to

@@ -40,6 +40,9 @@ pub(super) struct Listener {
     relay_id: String,
     /// Held by the one wait in progress.
     state: tokio::sync::Mutex<State>,
+    /// A wait that timed out left this relay's mark in place (it expires
+    /// `NOTIFY_IDLE_SLACK` after the timeout): cleared when the relay finds work.
+    standing: AtomicBool,
 }
 
 #[derive(Default)]
@@ -72,6 +75,36 @@ impl Listener {
             url,
             relay_id: format!("pid{}-{:016x}", std::process::id(), fastrand::u64(..)),
             state: tokio::sync::Mutex::default(),
+            standing: AtomicBool::new(false),
+        }
+    }
+
+    /// The relay has claimed rows: if a wait that timed out left its mark in place,
+    /// removes it now. Otherwise every emit in `WhenRelayIdle` mode would go on sending
+    /// a NOTIFY (which serializes their commits) until the mark expires, up to
+    /// `NOTIFY_IDLE_SLACK` past the poll interval, while the relay is busy and needs none.
+    /// Waits for the DELETE (one round trip on the LISTEN connection, paid only after a
+    /// timed-out wait).
+    pub(super) async fn busy(&self) {
+        if !self.standing.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        // No wait runs while the relay claims; if one did, its own mark handling applies.
+        let Ok(state) = self.state.try_lock() else {
+            return;
+        };
+        let Some(live) = state.live.clone() else {
+            return;
+        };
+        drop(state);
+        live.clear(&self.relay_id);
+        let clearing = live
+            .clearing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(clearing) = clearing {
+            let _ = clearing.await;
         }
     }
 
@@ -100,7 +133,11 @@ impl Listener {
         // Bounded also when the server stops answering mid-statement.
         let parked =
             tokio::time::timeout_at(deadline, live.park(&self.relay_id, timeout, deadline, seen));
-        if let Ok(Err(e)) = parked.await {
+        let parked = parked.await;
+        if let Ok(Ok(Some(standing))) = parked {
+            self.standing.store(standing, Ordering::SeqCst);
+        }
+        if let Ok(Err(e)) = parked {
             tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
             state.failing = true;
             state.live = None;
@@ -232,14 +269,15 @@ impl Live {
     }
 
     /// Marks the relay parked, looks for due work above `seen`, then waits for a
-    /// notification or `deadline`.
+    /// notification or `deadline`. Whether the relay's mark is left in place (it timed
+    /// out), or `None` if it went back to work without touching the mark.
     async fn park(
         self: &Arc<Self>,
         relay_id: &str,
         timeout: Duration,
         deadline: Instant,
         seen: i64,
-    ) -> Result<(), Lost> {
+    ) -> Result<Option<bool>, Lost> {
         // The last wait's DELETE goes first, or it would remove the mark below.
         let clearing = self
             .clearing
@@ -260,7 +298,7 @@ impl Live {
             .await?
             .try_get(0)?;
         if due {
-            return Ok(());
+            return Ok(None);
         }
         // Older notifications are stale: the relay has claimed since they were sent.
         let before = self.events.received.load(Ordering::SeqCst);
@@ -300,7 +338,7 @@ impl Live {
         // Woken: busy from here on (the DELETE goes on while the relay claims). Timed
         // out: the mark stays, and expires NOTIFY_IDLE_SLACK after the timeout.
         mark.armed = woke;
-        Ok(())
+        Ok(Some(!woke))
     }
 
     /// Sends the DELETE of this relay's mark in the background.
