@@ -710,6 +710,7 @@ async fn emit_async_part(
             "AsyncEmit, Notify::WhenRelayIdle (default)",
             Way::Emit(Notify::WhenRelayIdle),
         ),
+        ("AsyncEmit, Notify::Never", Way::Emit(Notify::Never)),
     ];
     for conns in [1usize, 8] {
         for (_, way) in ways {
@@ -725,14 +726,23 @@ async fn emit_async_part(
                 rates[w].push(rate);
             }
         }
-        let mut f = Figure::ratio(
-            "emit",
-            format!("AsyncEmit (default WhenRelayIdle), {conns} conn., no relay parked"),
-            "AsyncEmit / diesel-async hand-written insert",
-            Target::AtLeast(0.95),
-        );
-        f.values = rates[1].iter().zip(&rates[0]).map(|(x, y)| x / y).collect();
-        figures.push(f);
+        for (w, name, target) in [
+            (
+                1,
+                "AsyncEmit (default WhenRelayIdle)",
+                Target::AtLeast(0.95),
+            ),
+            (2, "AsyncEmit, Notify::Never", Target::None),
+        ] {
+            let mut f = Figure::ratio(
+                "emit",
+                format!("{name}, {conns} conn., no relay parked"),
+                "AsyncEmit / diesel-async hand-written insert",
+                target,
+            );
+            f.values = rates[w].iter().zip(&rates[0]).map(|(x, y)| x / y).collect();
+            figures.push(f);
+        }
     }
     Ok(())
 }
