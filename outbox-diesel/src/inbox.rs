@@ -1,3 +1,4 @@
+use std::collections::HashSet;
 use std::num::NonZeroU32;
 
 use diesel::connection::TransactionManager;
@@ -28,6 +29,17 @@ use crate::{Error, OutboxConnection, is_transient};
 /// SAVEPOINT` when the handler fails, which discards that message's writes and dedup row
 /// and nothing else. One `COMMIT` ends the batch. A store error (a failed dedup insert,
 /// savepoint or commit; a lost connection) fails the whole batch and commits nothing.
+///
+/// On PostgreSQL the dedup rows of the whole batch go in first, in one statement
+/// (`INSERT .. SELECT unnest(..) ON CONFLICT DO NOTHING RETURNING msg_id`, in msg_id
+/// order so that two consumers' batches lock them in the same order), and a message's
+/// `RELEASE` travels with the next one's `SAVEPOINT` (the last one's with the
+/// `COMMIT`): a message costs its handler's statements plus one round trip, where the
+/// steps above cost three more. A failed message's dedup row, inserted outside its
+/// savepoint, is deleted after the rollback to it, so that it is redelivered as before;
+/// a duplicate runs no statement at all. A transient conflict in that first statement
+/// is the batch's ([`TransientBatch`](outbox_core::Error::TransientBatch)): the consumer
+/// runs its messages again one by one.
 ///
 /// A handler that returns `Ok` with a transaction of its own still open, or whose writes
 /// cannot be released (PostgreSQL after a failed statement the handler ignored), fails
@@ -237,21 +249,23 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         let c: &mut C = &mut conn;
         Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
         let mut run = || {
+            let mut distinct = HashSet::with_capacity(msg_ids.len());
+            let firsts: Vec<&str> = msg_ids
+                .iter()
+                .map(MsgId::as_str)
+                .filter(|id| distinct.insert(*id))
+                .collect();
+            let ahead = c
+                .__insert_consumed_batch(group, &firsts)
+                .map_err(|e| batch_error(e, None))?;
+            if let Some(new) = ahead {
+                return crate::inbox_ahead::run(c, group, msg_ids, &new, &mut handle);
+            }
             let mut outcomes = Vec::with_capacity(msg_ids.len());
             for (i, msg_id) in msg_ids.iter().enumerate() {
                 outcomes.push(in_savepoint(c, group, msg_id, |c| handle(i, c))?);
             }
-            Tm::<C>::commit_transaction(c).map_err(|e| {
-                // PostgreSQL checks SERIALIZABLE transactions at COMMIT.
-                if is_transient(&e) {
-                    outbox_core::Error::TransientBatch {
-                        msg_id: None,
-                        source: Box::new(Error::from(e)),
-                    }
-                } else {
-                    store_error(e.into())
-                }
-            })?;
+            Tm::<C>::commit_transaction(c).map_err(commit_error)?;
             Ok::<_, outbox_core::Error>(outcomes)
         };
         let outcomes = run();
@@ -261,6 +275,26 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
             let _ = unwind_to(c, 0);
         }
         outcomes
+    }
+}
+
+/// A failed `COMMIT` of a batch: nothing of it committed. PostgreSQL checks
+/// SERIALIZABLE transactions at `COMMIT`: a conflict there is the batch's.
+pub(crate) fn commit_error(e: diesel::result::Error) -> outbox_core::Error {
+    batch_error(e.into(), None)
+}
+
+/// A statement of the inbox's own that failed the whole batch: a transient conflict is
+/// [`outbox_core::Error::TransientBatch`] (the consumer runs the messages again one by
+/// one), anything else the store's failure.
+fn batch_error(e: Error, msg_id: Option<MsgId>) -> outbox_core::Error {
+    if e.is_transient() {
+        outbox_core::Error::TransientBatch {
+            msg_id,
+            source: Box::new(e),
+        }
+    } else {
+        store_error(e)
     }
 }
 
@@ -301,7 +335,7 @@ fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), 
     Ok(())
 }
 
-type Tm<C> = <C as diesel::Connection>::TransactionManager;
+pub(crate) type Tm<C> = <C as diesel::Connection>::TransactionManager;
 
 /// The transaction nesting depth: 0 outside a transaction, 1 in it, 2 in a savepoint.
 ///
@@ -309,7 +343,7 @@ type Tm<C> = <C as diesel::Connection>::TransactionManager;
 /// connection implementations) but public; it is the only way to see whether a handler
 /// left a nested transaction of its own open, e.g. by panicking inside
 /// `conn.transaction(..)`.
-fn depth<C: diesel::Connection>(c: &mut C) -> Result<u32, Error> {
+pub(crate) fn depth<C: diesel::Connection>(c: &mut C) -> Result<u32, Error> {
     let depth = Tm::<C>::transaction_manager_status_mut(c).transaction_depth()?;
     Ok(depth.map_or(0, NonZeroU32::get))
 }
@@ -377,7 +411,7 @@ impl std::fmt::Display for Failure {
 /// One message of a batch in its own savepoint. The inner result is the message's
 /// outcome; the outer error ends the batch, with nothing committed: a store failure, or
 /// [`outbox_core::Error::TransientBatch`] when the database ended the batch's transaction.
-fn in_savepoint<C: OutboxConnection>(
+pub(crate) fn in_savepoint<C: OutboxConnection>(
     c: &mut C,
     group: &str,
     msg_id: &MsgId,
@@ -406,7 +440,20 @@ fn in_savepoint<C: OutboxConnection>(
             }
         }
     };
-    // Rolls back the handler's own open savepoints too, then this message's.
+    roll_back_message(c, outer, msg_id, failure, None)
+}
+
+/// Ends a failed message of a batch: rolls back to depth `outer` (the handler's own open
+/// savepoints too, then the message's), deletes its dedup row if `give_back` names the
+/// group (a row inserted ahead of the batch, outside the message's savepoint), and says
+/// how the message ended. The outer error ends the batch, with nothing committed.
+pub(crate) fn roll_back_message<C: OutboxConnection>(
+    c: &mut C,
+    outer: u32,
+    msg_id: &MsgId,
+    failure: Failure,
+    give_back: Option<&str>,
+) -> Result<Result<Processed, outbox_core::Error>, outbox_core::Error> {
     let unwound = unwind_to(c, outer);
     // A deadlock on MySQL has ended the whole transaction, and diesel may even report the
     // savepoint's rollback as done (after a `SerializationFailure` it tolerates failed
@@ -425,6 +472,11 @@ fn in_savepoint<C: OutboxConnection>(
     }
     // Otherwise a failed rollback leaves the connection unusable: the batch fails.
     unwound.map_err(store_error)?;
+    if let Some(group) = give_back {
+        // Its own row, locked by this transaction: no wait, no conflict.
+        c.__delete_consumed(group, msg_id.as_str())
+            .map_err(store_error)?;
+    }
     if failure.is_transient() {
         return Ok(Err(outbox_core::Error::Transient(failure.into_source())));
     }

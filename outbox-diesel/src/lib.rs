@@ -76,6 +76,7 @@ mod conn;
 mod emit;
 mod error;
 mod inbox;
+mod inbox_ahead;
 mod migrate;
 mod ops;
 pub mod schema;

@@ -399,6 +399,132 @@ fn an_invalid_group_is_an_error_before_any_transaction<B: Backend>() {
     assert!(shown.contains("consumer_group"), "{shown}");
 }
 
+/// A failing handler in the middle of new and already consumed messages: exactly the
+/// others commit, and nothing of it, not even its dedup row (PostgreSQL inserts the
+/// batch's dedup rows ahead of the handlers and must give the row back), so that its
+/// redelivery applies it, once.
+fn a_failed_message_among_duplicates_is_redelivered_and_applied_once<B: Backend>() {
+    let s = setup::<B>();
+    let (d, calls) = dispatcher::<B::Conn>();
+    let before = [credit("a", How::Ok), credit("c", How::Ok)];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &before).unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied", "Applied"]);
+    let batch = [
+        credit("a", How::Ok),
+        credit("b", How::Ok),
+        credit("c", How::Ok),
+        credit("d", How::Fail),
+        credit("e", How::Ok),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
+    assert_eq!(
+        kinds(&outcomes),
+        [
+            "Duplicate",
+            "Applied",
+            "Duplicate",
+            "Handler(refused)",
+            "Applied"
+        ]
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 5, "duplicates do not run");
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (
+            vec!["a".into(), "b".into(), "c".into(), "e".into()],
+            4,
+            4,
+            1000
+        )
+    );
+    // Redelivered (with one that is now a duplicate): d applies, once.
+    let again = [credit("d", How::Ok), credit("e", How::Ok)];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &again).unwrap();
+    assert_eq!(kinds(&outcomes), ["Applied", "Duplicate"]);
+    let again = [credit("d", How::Ok)];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &again).unwrap();
+    assert_eq!(kinds(&outcomes), ["Duplicate"]);
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (
+            vec!["a".into(), "b".into(), "c".into(), "d".into(), "e".into()],
+            5,
+            5,
+            1000
+        )
+    );
+}
+
+/// The first and the last message of a batch fail alone too: the first before any
+/// savepoint was released, the last where the fast path releases its savepoint in the
+/// same round trip as the `COMMIT` (an ignored failed statement makes that `RELEASE`
+/// fail on PostgreSQL, and the `COMMIT` must then not run).
+fn failures_at_either_end_of_a_batch_fail_only_their_message<B: Backend>() {
+    let s = setup::<B>();
+    let (d, _) = dispatcher::<B::Conn>();
+    let batch = [
+        credit("a", How::Fail),
+        credit("b", How::Ok),
+        credit("c", How::IgnoredBadSql),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
+    let k = kinds(&outcomes);
+    assert_eq!(k[..2], ["Handler(refused)", "Applied"]);
+    let redelivered = [credit("a", How::Ok), credit("c", How::Ok)];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &redelivered).unwrap();
+    if B::NAME == "PostgreSQL" {
+        assert!(k[2].contains("could not be kept"), "{k:?}");
+        assert_eq!(kinds(&outcomes), ["Applied", "Applied"]);
+    } else {
+        // MySQL and SQLite roll back only the failing statement.
+        assert_eq!(k[2], "Applied");
+        assert_eq!(kinds(&outcomes), ["Applied", "Duplicate"]);
+    }
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (vec!["a".into(), "b".into(), "c".into()], 3, 3, 1000)
+    );
+    // A batch whose only message fails commits nothing of it.
+    let outcomes = d
+        .consume_batch(&s.inbox, "g1", &[credit("d", How::Fail)])
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["Handler(refused)"]);
+    assert_eq!(state::<B>(&s.db, "g1").1, 3);
+}
+
+/// A message that comes twice in one batch (re-published, read together) after its
+/// first occurrence failed: the second applies it, and the next is a duplicate. A
+/// failure right after the repeat does not take the repeat's writes with it.
+fn a_repeat_in_the_batch_after_a_failure_applies_once<B: Backend>() {
+    let s = setup::<B>();
+    let (d, calls) = dispatcher::<B::Conn>();
+    let batch = [
+        credit("a", How::Fail),
+        credit("b", How::Ok),
+        credit("a", How::Ok),
+        credit("c", How::Fail),
+        credit("a", How::Ok),
+        credit("b", How::Ok),
+    ];
+    let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
+    assert_eq!(
+        kinds(&outcomes),
+        [
+            "Handler(refused)",
+            "Applied",
+            "Applied",
+            "Handler(refused)",
+            "Duplicate",
+            "Duplicate"
+        ]
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        state::<B>(&s.db, "g1"),
+        (vec!["a".into(), "b".into()], 2, 2, 1000)
+    );
+}
+
 outbox_tests::on_every_backend! {
     postgres => Pg, mariadb => My, sqlite => Lite;
     failing_handlers_roll_back_only_their_own_message,
@@ -408,4 +534,74 @@ outbox_tests::on_every_backend! {
     a_store_failure_commits_nothing,
     a_panic_through_process_batch_commits_nothing,
     an_invalid_group_is_an_error_before_any_transaction,
+    a_failed_message_among_duplicates_is_redelivered_and_applied_once,
+    failures_at_either_end_of_a_batch_fail_only_their_message,
+    a_repeat_in_the_batch_after_a_failure_applies_once,
+}
+
+/// PostgreSQL's batch mode costs one round trip per message beyond its handler's: the
+/// batch's dedup rows go in one statement ahead of the handlers, and a message's
+/// `RELEASE SAVEPOINT` travels with the next one's `SAVEPOINT` (or the `COMMIT`). The
+/// per-message path cost four with a one-statement handler (savepoint, dedup insert,
+/// the handler's statement, release): 82 for this batch of 20.
+#[test]
+fn postgres_batches_cost_one_round_trip_per_message_beyond_the_handler() {
+    use diesel::connection::InstrumentationEvent;
+    use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
+
+    #[derive(Debug)]
+    struct Count(Arc<AtomicUsize>);
+    impl CustomizeConnection<diesel::PgConnection, diesel::r2d2::Error> for Count {
+        fn on_acquire(&self, c: &mut diesel::PgConnection) -> Result<(), diesel::r2d2::Error> {
+            let n = Arc::clone(&self.0);
+            c.set_instrumentation(move |e: InstrumentationEvent<'_>| {
+                if matches!(e, InstrumentationEvent::StartQuery { .. }) {
+                    n.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+            Ok(())
+        }
+    }
+
+    let db = Pg::create();
+    exec(
+        &mut Pg::connect(&db),
+        "CREATE TABLE applied (msg VARCHAR(64) PRIMARY KEY)",
+    );
+    let statements = Arc::new(AtomicUsize::new(0));
+    let pool = Pool::builder()
+        .max_size(1)
+        .test_on_check_out(false)
+        .connection_customizer(Box::new(Count(Arc::clone(&statements))))
+        .build(ConnectionManager::new(db.url.clone()))
+        .unwrap();
+    let inbox = DieselInbox::new(pool);
+    let names: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
+    let ids: Vec<MsgId> = names.iter().map(|n| id(n)).collect();
+    let update = |_: usize, c: &mut diesel::PgConnection| {
+        c.batch_execute("UPDATE accounts SET balance = balance + 1 WHERE id = 'bob'")?;
+        Ok(())
+    };
+    // A first batch in another group prepares the statements on the connection.
+    inbox.process_batch("warm", &ids, update).unwrap();
+    let ran = |group: &str| {
+        let before = statements.load(Ordering::SeqCst);
+        let outcomes = inbox.process_batch(group, &ids, update).unwrap();
+        (kinds(&outcomes), statements.load(Ordering::SeqCst) - before)
+    };
+    let (k, n) = ran("g1");
+    assert!(k.iter().all(|k| k == "Applied"), "{k:?}");
+    // BEGIN, the dedup insert, SAVEPOINT, 20 × (UPDATE, RELEASE + SAVEPOINT or COMMIT).
+    assert_eq!(n, 43, "statements for a batch of 20 new messages");
+    let (k, n) = ran("g1");
+    assert!(k.iter().all(|k| k == "Duplicate"), "{k:?}");
+    // BEGIN, the dedup insert, COMMIT.
+    assert_eq!(n, 3, "statements for a batch of 20 duplicates");
+    assert_eq!(
+        Pg::scalar(
+            &mut Pg::connect(&db),
+            "SELECT balance AS n FROM accounts WHERE id = 'bob'"
+        ),
+        40
+    );
 }

@@ -133,6 +133,32 @@ pub(crate) trait Backend: Connection + Sized {
     /// Inserts a dedup row; `false` if it was there.
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool>;
 
+    /// Inserts the dedup rows of a whole batch in one statement, ahead of its handlers:
+    /// the msg_ids that were new (`msg_ids` holds no repeats). `None`: the backend has no
+    /// such statement, and nothing ran; the batch takes the per-message path.
+    ///
+    /// A backend that answers `Some` runs the batch's fast path in
+    /// `DieselInbox::process_batch`, which needs two more things of it: multi-statement
+    /// strings in `batch_execute` that stop at the first failed statement
+    /// (`RELEASE SAVEPOINT ..; SAVEPOINT ..`), and [`__delete_consumed`](Self::__delete_consumed).
+    fn __insert_consumed_batch(
+        &mut self,
+        _group: &str,
+        _msg_ids: &[&str],
+    ) -> Result<Option<std::collections::HashSet<String>>> {
+        Ok(None)
+    }
+
+    /// Deletes a dedup row inserted by [`__insert_consumed_batch`](Self::__insert_consumed_batch)
+    /// in the open transaction (its message failed). Only called on a backend whose
+    /// `__insert_consumed_batch` answers `Some`.
+    fn __delete_consumed(&mut self, _group: &str, _msg_id: &str) -> Result<()> {
+        Err(diesel::result::Error::QueryBuilderError(
+            "this backend inserts no dedup rows ahead of a batch".into(),
+        )
+        .into())
+    }
+
     /// Fails if the open transaction can no longer commit. PostgreSQL aborts a
     /// transaction at its first failed statement and then turns `COMMIT` into a silent
     /// `ROLLBACK`; MySQL and SQLite roll back only the failed statement, so they have

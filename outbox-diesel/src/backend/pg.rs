@@ -6,7 +6,7 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection as _};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId, SqlQuery};
 use diesel::result::QueryResult;
-use diesel::sql_types::{BigInt, Integer, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
 use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
@@ -515,6 +515,61 @@ impl QueryFragment<Pg> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
+/// The dedup rows of a whole batch in one statement, prepared once per connection (the
+/// ids travel as one array, so the text is the same for every batch size):
+/// `INSERT .. SELECT $1, unnest($2) ON CONFLICT DO NOTHING RETURNING msg_id`, the new
+/// ones. The caller passes the ids sorted: two consumers inserting overlapping batches
+/// then take the rows' locks in the same order and cannot deadlock on them.
+struct ConsumedInsertBatch<'a> {
+    group: &'a str,
+    msg_ids: &'a [&'a str],
+}
+
+impl QueryId for ConsumedInsertBatch<'_> {
+    type QueryId = ConsumedInsertBatch<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for ConsumedInsertBatch<'_> {
+    type SqlType = Text;
+}
+
+impl QueryFragment<Pg> for ConsumedInsertBatch<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO consumed_msg (consumer_group, msg_id) SELECT ");
+        out.push_bind_param::<Text, str>(self.group)?;
+        out.push_sql(", m FROM unnest(");
+        out.push_bind_param::<Array<Text>, [&str]>(self.msg_ids)?;
+        out.push_sql(") AS m ON CONFLICT DO NOTHING RETURNING msg_id");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for ConsumedInsertBatch<'_> {}
+
+/// `DELETE FROM consumed_msg ..` of one dedup row, prepared once per connection.
+struct ConsumedDelete<'a> {
+    group: &'a str,
+    msg_id: &'a str,
+}
+
+impl QueryId for ConsumedDelete<'_> {
+    type QueryId = ConsumedDelete<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for ConsumedDelete<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("DELETE FROM consumed_msg WHERE consumer_group = ");
+        out.push_bind_param::<Text, str>(self.group)?;
+        out.push_sql(" AND msg_id = ");
+        out.push_bind_param::<Text, str>(self.msg_id)?;
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for ConsumedDelete<'_> {}
+
 impl Backend for PgConnection {
     const __MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
     const DIALECT: Dialect = DIALECT;
@@ -559,6 +614,26 @@ impl Backend for PgConnection {
 
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    fn __insert_consumed_batch(
+        &mut self,
+        group: &str,
+        msg_ids: &[&str],
+    ) -> Result<Option<HashSet<String>>> {
+        let mut sorted = msg_ids.to_vec();
+        sorted.sort_unstable();
+        let new: Vec<String> = ConsumedInsertBatch {
+            group,
+            msg_ids: &sorted,
+        }
+        .load(self)?;
+        Ok(Some(new.into_iter().collect()))
+    }
+
+    fn __delete_consumed(&mut self, group: &str, msg_id: &str) -> Result<()> {
+        ConsumedDelete { group, msg_id }.execute(self)?;
+        Ok(())
     }
 
     fn __check_committable(&mut self) -> Result<()> {

@@ -53,6 +53,16 @@ where
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         (**self).__insert_consumed(group, msg_id)
     }
+    fn __insert_consumed_batch(
+        &mut self,
+        group: &str,
+        msg_ids: &[&str],
+    ) -> Result<Option<std::collections::HashSet<String>>> {
+        (**self).__insert_consumed_batch(group, msg_ids)
+    }
+    fn __delete_consumed(&mut self, group: &str, msg_id: &str) -> Result<()> {
+        (**self).__delete_consumed(group, msg_id)
+    }
     fn __check_committable(&mut self) -> Result<()> {
         (**self).__check_committable()
     }
