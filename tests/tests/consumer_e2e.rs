@@ -157,23 +157,7 @@ impl Fixture {
     }
 
     async fn cleanup(&self) {
-        let mut conn = redis::Client::open(redis_url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.prefix))
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let () = redis::cmd("DEL")
-                .arg(keys)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-        }
+        outbox_tests::delete_redis_keys(&self.prefix);
     }
 }
 

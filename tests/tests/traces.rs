@@ -212,21 +212,5 @@ async fn request_emit_relay_and_handler_share_one_trace() {
         SpanId::from_hex("00f067aa0ba902b7").unwrap()
     );
 
-    let mut conn = redis::Client::open(redis_url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let () = redis::cmd("DEL")
-            .arg(keys)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-    }
+    outbox_tests::delete_redis_keys(&prefix);
 }
