@@ -139,8 +139,81 @@ fn a_relay_back_to_work_after_a_timed_out_wait_removes_its_mark() {
         .unwrap();
         let batch = store.claim(10).await.unwrap();
         assert_eq!(batch.messages().len(), 1);
-        assert_eq!(idle_marks(&db), 0, "a busy relay is not marked idle");
+        // Well before the mark would expire (a second after the 200 ms wait).
+        outbox_tests::eventually_within(
+            "the busy relay's mark removed",
+            Duration::from_millis(900),
+            || idle_marks(&db) == 0,
+        )
+        .await;
     });
+}
+
+/// The LISTEN connection can die without a word (a failover, a cut network path): the
+/// relay's claims must not wait on it. Its server process stopped (SIGSTOP) after a wait
+/// timed out and left the mark, the next claim still returns its rows at once.
+#[test]
+fn a_claim_does_not_wait_on_an_unresponsive_listen_connection() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    runtime().block_on(async {
+        // The LISTEN connection under a name of its own, to find its server process.
+        let sep = if db.url.contains('?') { '&' } else { '?' };
+        let listener_url = format!("{}{sep}application_name={}", db.url, db.name);
+        let store = Pg::store(&db).with_listener(listener_url);
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        store.wait_for_work(Duration::from_millis(200)).await;
+        assert_eq!(idle_marks(&db), 1, "the timed-out wait left its mark");
+        let pid: i64 = Pg::scalar(
+            &mut c,
+            &format!(
+                "SELECT pid::int8 AS n FROM pg_stat_activity WHERE application_name = '{}'",
+                db.name
+            ),
+        );
+        let _stopped = Stopped::new(pid);
+        let never = EmitOptions::new().with_notify(outbox_diesel::Notify::Never);
+        c.transaction(|c| {
+            c.emit_with(
+                &never,
+                Moved {
+                    n: 1,
+                    account: "a".into(),
+                },
+            )
+            .map(drop)
+        })
+        .unwrap();
+        let claimed = tokio::time::timeout(Duration::from_secs(10), store.claim(10))
+            .await
+            .expect("the claim waited on the stopped LISTEN connection")
+            .unwrap();
+        assert_eq!(claimed.messages().len(), 1);
+    });
+}
+
+/// A PostgreSQL server process stopped with SIGSTOP, resumed when dropped.
+struct Stopped(i64);
+
+impl Stopped {
+    fn new(pid: i64) -> Self {
+        signal(pid, "-STOP");
+        Self(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(self.0, "-CONT");
+    }
+}
+
+fn signal(pid: i64, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {sig} {pid}");
 }
 
 /// A relay whose claim came back empty, but that finds rows committed since when it is

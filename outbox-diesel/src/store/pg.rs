@@ -244,7 +244,7 @@ impl RelayStore for PgRelayStore {
         let empty = batch.messages().is_empty();
         if !empty && let Some(listener) = &self.listener {
             // Back to work after a wait that timed out: emits stop notifying.
-            listener.busy().await;
+            listener.busy();
         }
         self.seen.empty.store(empty, Ordering::Relaxed);
         self.seen

@@ -83,9 +83,12 @@ impl Listener {
     /// removes it now. Otherwise every emit in `WhenRelayIdle` mode would go on sending
     /// a NOTIFY (which serializes their commits) until the mark expires, up to
     /// `NOTIFY_IDLE_SLACK` past the poll interval, while the relay is busy and needs none.
-    /// Waits for the DELETE (one round trip on the LISTEN connection, paid only after a
-    /// timed-out wait).
-    pub(super) async fn busy(&self) {
+    ///
+    /// The DELETE goes in the background and the relay does not wait for it: the LISTEN
+    /// connection may be dead without a word (a failover, a cut network path: no
+    /// keepalives reach it), and the claimed batch must not wait on it. The next wait
+    /// awaits the DELETE before marking again, within its own deadline.
+    pub(super) fn busy(&self) {
         if !self.standing.swap(false, Ordering::SeqCst) {
             return;
         }
@@ -93,18 +96,8 @@ impl Listener {
         let Ok(state) = self.state.try_lock() else {
             return;
         };
-        let Some(live) = state.live.clone() else {
-            return;
-        };
-        drop(state);
-        live.clear(&self.relay_id);
-        let clearing = live
-            .clearing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(clearing) = clearing {
-            let _ = clearing.await;
+        if let Some(live) = &state.live {
+            live.clear(&self.relay_id);
         }
     }
 
