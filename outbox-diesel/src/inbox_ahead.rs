@@ -75,7 +75,11 @@ pub(crate) fn run<C: OutboxConnection>(
         }
         enter(c, group, msg_ids, &mut at, &mut outcomes)?;
         let handled = handle(i, c);
-        let balanced = depth(c).map_err(store_error)? == 2;
+        let now = depth(c).map_err(store_error)?;
+        if now < 2 {
+            return Err(ended_by_handler(c, group, msg_ids, new, &seen, i, now));
+        }
+        let balanced = now == 2;
         let failure = match handled {
             Ok(()) if balanced => {
                 // `Applied` once its savepoint is released (`enter` or `finish`).
@@ -93,6 +97,43 @@ pub(crate) fn run<C: OutboxConnection>(
     }
     finish(c, group, msg_ids, at, &mut outcomes)?;
     Ok(outcomes)
+}
+
+/// The handler of message `i` ended more than it began: it released its message's
+/// savepoint (`depth` 1) or committed the batch's transaction (`depth` 0, a `COMMIT` of
+/// its own). Its writes are then outside the savepoint, so rolling back to it and
+/// giving its dedup row back would apply it twice. The batch fails as a whole instead
+/// and the consumer runs its messages again one by one: at depth 1 the caller rolls it
+/// all back; at depth 0 the messages up to `i` are committed with their dedup rows (they
+/// come back as duplicates), and the dedup rows inserted ahead for the later new
+/// messages, committed without their handlers having run, are given back here, or
+/// those messages would come back as duplicates too and never be applied.
+fn ended_by_handler<C: OutboxConnection>(
+    c: &mut C,
+    group: &str,
+    msg_ids: &[MsgId],
+    new: &HashSet<String>,
+    seen: &HashSet<&str>,
+    i: usize,
+    depth: u32,
+) -> outbox_core::Error {
+    if depth == 0 {
+        let mut later = HashSet::new();
+        for msg_id in &msg_ids[i + 1..] {
+            let id = msg_id.as_str();
+            if new.contains(id) && !seen.contains(id) && later.insert(id) {
+                if let Err(e) = c.__delete_consumed(group, id) {
+                    return store_error(e);
+                }
+            }
+        }
+    }
+    outbox_core::Error::TransientBatch {
+        msg_id: Some(msg_ids[i].clone()),
+        source: "the handler ended the batch's transaction (a COMMIT or a released savepoint \
+                 of its own): the batch runs again one message at a time"
+            .into(),
+    }
 }
 
 /// Opens a fresh savepoint for the next message, releasing the previous message's.

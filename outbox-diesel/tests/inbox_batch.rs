@@ -33,6 +33,10 @@ enum How {
     PanicInNested,
     /// Opens a nested transaction of its own and returns `Ok` without closing it.
     LeaveNestedOpen,
+    /// Ends its message's savepoint itself (diesel's commit one level down).
+    ReleaseOwnSavepoint,
+    /// Sends a `COMMIT` of its own: the batch's whole transaction ends.
+    RawCommit,
 }
 
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
@@ -76,6 +80,14 @@ impl<C: Connection + 'static> Handler<Credit> for Apply<C> {
             How::Panic => panic!("handler bug"),
             How::LeaveNestedOpen => {
                 <C::TransactionManager as diesel::connection::TransactionManager<C>>::begin_transaction(c)?;
+                Ok(())
+            }
+            How::ReleaseOwnSavepoint => {
+                <C::TransactionManager as diesel::connection::TransactionManager<C>>::commit_transaction(c)?;
+                Ok(())
+            }
+            How::RawCommit => {
+                c.batch_execute("COMMIT")?;
                 Ok(())
             }
             How::PanicInNested => {
@@ -525,6 +537,31 @@ fn a_repeat_in_the_batch_after_a_failure_applies_once<B: Backend>() {
     );
 }
 
+/// A handler that ends more than it began (releases its message's savepoint, or commits
+/// the batch's transaction) must not make a message applied twice or lost: whatever the
+/// batch reports, every message delivered again one by one (as the consumer does after a
+/// failed batch, and as redelivery does) is applied exactly once in all.
+fn a_handler_ending_the_batch_transaction_loses_and_doubles_nothing<B: Backend>() {
+    for how in [How::ReleaseOwnSavepoint, How::RawCommit] {
+        let s = setup::<B>();
+        let (d, _) = dispatcher::<B::Conn>();
+        let batch = [credit("a", How::Ok), credit("b", how), credit("c", How::Ok)];
+        let _ = d.consume_batch(&s.inbox, "g1", &batch);
+        for m in ["a", "b", "c"] {
+            let again = d.consume(&s.inbox, "g1", &credit(m, How::Ok));
+            assert!(
+                matches!(again, Ok(Processed::Applied | Processed::Duplicate)),
+                "{how:?}: {m} delivered again: {again:?}"
+            );
+        }
+        assert_eq!(
+            state::<B>(&s.db, "g1"),
+            (vec!["a".into(), "b".into(), "c".into()], 3, 3, 1000),
+            "{how:?}"
+        );
+    }
+}
+
 outbox_tests::on_every_backend! {
     postgres => Pg, mariadb => My, sqlite => Lite;
     failing_handlers_roll_back_only_their_own_message,
@@ -537,6 +574,7 @@ outbox_tests::on_every_backend! {
     a_failed_message_among_duplicates_is_redelivered_and_applied_once,
     failures_at_either_end_of_a_batch_fail_only_their_message,
     a_repeat_in_the_batch_after_a_failure_applies_once,
+    a_handler_ending_the_batch_transaction_loses_and_doubles_nothing,
 }
 
 /// PostgreSQL's batch mode costs one round trip per message beyond its handler's: the
