@@ -121,10 +121,12 @@ fn ended_by_handler<C: OutboxConnection>(
         let mut later = HashSet::new();
         for msg_id in &msg_ids[i + 1..] {
             let id = msg_id.as_str();
-            if new.contains(id) && !seen.contains(id) && later.insert(id) {
-                if let Err(e) = c.__delete_consumed(group, id) {
-                    return store_error(e);
-                }
+            if new.contains(id)
+                && !seen.contains(id)
+                && later.insert(id)
+                && let Err(e) = c.__delete_consumed(group, id)
+            {
+                return store_error(e);
             }
         }
     }

@@ -8,7 +8,7 @@ mod fixtures;
 use diesel::PgConnection;
 use diesel::connection::{Connection, TransactionManager as _};
 use fixtures::{Backend, Pg, exec, pg_plan, runtime};
-use outbox_core::RelayStore;
+use outbox_core::{ClaimedBatch as _, RelayStore};
 use outbox_diesel::{ClaimOrder, DEFAULT_STALL_TIMEOUT};
 use outbox_tests::wait::wait_until;
 
@@ -176,4 +176,31 @@ fn the_store_leaves_fresh_statistics_alone() {
         20_000,
         "no ANALYZE: 5,000 changes of 20,000"
     );
+}
+
+/// A lock that `ANALYZE` would wait for (here held by another session as a long `VACUUM`
+/// would hold it) must not hold the relay's claim up: the analyze gives up at once and
+/// the claim returns its rows.
+#[test]
+fn a_locked_table_does_not_hold_the_claim_up_for_its_analyze() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    exec(&mut c, &rows(1, 20_000, 0));
+    assert_eq!(reltuples(&mut c), -1, "the table has no statistics");
+    let mut vacuum = Pg::connect(&db);
+    exec(
+        &mut vacuum,
+        "BEGIN; LOCK TABLE outbox IN SHARE UPDATE EXCLUSIVE MODE;",
+    );
+    let store = Pg::store(&db);
+    let claimed = runtime().block_on(async {
+        tokio::time::timeout(std::time::Duration::from_secs(10), store.claim(10))
+            .await
+            .expect("the claim waited for the lock with its ANALYZE")
+            .unwrap()
+    });
+    assert_eq!(claimed.messages().len(), 10);
+    drop(claimed);
+    assert_eq!(reltuples(&mut c), -1, "the analyze gave up");
+    exec(&mut vacuum, "ROLLBACK;");
 }

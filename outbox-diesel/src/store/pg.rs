@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use diesel::r2d2::{ConnectionManager, Pool};
-use diesel::sql_types::{BigInt, Double};
-use diesel::{PgConnection, QueryableByName, RunQueryDsl as _};
+use diesel::sql_types::{BigInt, Bool, Double};
+use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
 use self::listen::Listener;
@@ -318,6 +318,8 @@ const ANALYZE_INTERVAL: Duration = Duration::from_secs(600);
 /// A never-analyzed table smaller than this (in 8 kB pages: 2 MB, some 8,000 rows of a
 /// few hundred bytes) is left alone: any plan reads it fast.
 const ANALYZE_MIN_PAGES: i64 = 256;
+/// How long `ANALYZE` may wait for a lock on the table before giving up.
+const ANALYZE_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// Below this many changed rows, statistics are fresh enough.
 const ANALYZE_MIN_CHANGED: f64 = 10_000.0;
 
@@ -367,6 +369,9 @@ struct TableStats {
     /// statistics system's count, which autovacuum uses too).
     #[diesel(sql_type = BigInt)]
     changed: i64,
+    /// The relay's role owns the table (or is a member of its owner): it may analyze it.
+    #[diesel(sql_type = Bool)]
+    owned: bool,
 }
 
 /// Why the table needs `ANALYZE`, if it does.
@@ -379,18 +384,33 @@ fn stale_statistics(s: &TableStats) -> Option<&'static str> {
 }
 
 /// Runs `ANALYZE outbox` if the table's statistics are missing or stale; whether it
-/// did.
+/// tried (the next look then waits longer).
+///
+/// Under a short `lock_timeout`: a lock that `ANALYZE` would wait for (a long `VACUUM`,
+/// an anti-wraparound autovacuum, another relay's `ANALYZE`, `CREATE INDEX
+/// CONCURRENTLY`) fails it at once instead of holding the relay's claim up. A role that
+/// does not own the table cannot analyze it (the server would skip it with a warning of
+/// its own): the relay says so and leaves it.
 fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
     let stats: TableStats = diesel::sql_query(
         "SELECT c.reltuples::float8 AS reltuples, \
          (pg_relation_size(c.oid) / current_setting('block_size')::int)::bigint AS pages, \
-         COALESCE(pg_stat_get_mod_since_analyze(c.oid), 0) AS changed \
+         COALESCE(pg_stat_get_mod_since_analyze(c.oid), 0) AS changed, \
+         pg_has_role(c.relowner, 'USAGE') AS owned \
          FROM pg_class c WHERE c.oid = 'outbox'::regclass",
     )
     .get_result(conn)?;
     let Some(why) = stale_statistics(&stats) else {
         return Ok(false);
     };
+    if !stats.owned {
+        tracing::warn!(
+            "the outbox table's statistics are stale ({why}), and the relay's role does not \
+             own the table to analyze it: run ANALYZE outbox as its owner, or turn \
+             autovacuum on"
+        );
+        return Ok(true);
+    }
     tracing::warn!(
         reltuples = stats.reltuples,
         pages = stats.pages,
@@ -399,11 +419,26 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
          running ANALYZE outbox"
     );
     let started = Instant::now();
-    diesel::sql_query("ANALYZE outbox").execute(conn)?;
-    tracing::info!(
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "ANALYZE outbox done"
-    );
+    let analyzed = conn.transaction(|c| {
+        diesel::sql_query(format!(
+            "SET LOCAL lock_timeout = {}",
+            ANALYZE_LOCK_TIMEOUT.as_millis()
+        ))
+        .execute(c)?;
+        diesel::sql_query("ANALYZE outbox").execute(c)
+    });
+    match analyzed {
+        Ok(_) => tracing::info!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "ANALYZE outbox done"
+        ),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "ANALYZE outbox did not run (the table is locked: VACUUM, another ANALYZE?); \
+             the relay tries again in {} minutes",
+            ANALYZE_INTERVAL.as_secs() / 60
+        ),
+    }
     Ok(true)
 }
 
@@ -433,6 +468,7 @@ mod tests {
             reltuples,
             pages,
             changed,
+            owned: true,
         };
         // Never analyzed: only once it is large.
         assert!(stale_statistics(&stats(-1.0, ANALYZE_MIN_PAGES - 1, 0)).is_none());
