@@ -58,6 +58,9 @@ struct Args {
     /// instead of the blocking inbox: no blocking thread per message (PostgreSQL only).
     #[arg(long)]
     async_inbox: bool,
+    /// Batch mode: up to N messages per transaction (`ConsumerConfig::batch_size`).
+    #[arg(long)]
+    batch_size: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -157,11 +160,12 @@ async fn serve_async(args: &Args, stopped: watch::Receiver<bool>) -> Result<(), 
     run(&consumer, stopped).await
 }
 
-/// The default config but for the stream prefix, the partitions and ordered mode.
+/// The default config but for the stream prefix, the partitions, ordered and batch mode.
 fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
     let mut config = ConsumerConfig::default()
         .with_stream_prefix(args.stream_prefix.as_str())
-        .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
+        .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?)
+        .with_batch_size(args.batch_size);
     if args.ordered {
         config = config.with_ordered(OrderedConfig::default());
     }

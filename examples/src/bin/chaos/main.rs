@@ -39,7 +39,8 @@
 //!
 //! `--async-inbox` runs the consumers on the async inbox (`AsyncPgInbox` on diesel-async,
 //! an async handler awaiting its writes in the dedup transaction), PostgreSQL only: the
-//! same checks under the same process faults.
+//! same checks under the same process faults. `--batch N` runs the consumers in batch
+//! mode (up to N messages per transaction).
 //!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
 //! kind, two Redis outages, the last 12–20 s), under two minutes in all.
@@ -134,6 +135,9 @@ struct Args {
     /// instead of the blocking inbox (PostgreSQL only).
     #[arg(long)]
     async_inbox: bool,
+    /// Consumers in batch mode: up to N messages per transaction.
+    #[arg(long)]
+    batch: Option<usize>,
     /// Longest wait, after the last fault, for every committed message to be applied
     /// (default 300s; 100s with --ci).
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -195,6 +199,7 @@ struct Config {
     partitions: u32,
     ordered: bool,
     async_inbox: bool,
+    batch: Option<usize>,
     drain_timeout: Duration,
     admin_url: String,
     outbox_bin: PathBuf,
@@ -240,8 +245,10 @@ impl Config {
         if a.async_inbox && a.backend != Backend::Postgres {
             return Err("--async-inbox runs on PostgreSQL only (--backend postgres)".into());
         }
-        if a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
-            return Err("--relays, --consumers, --keys and --events must be at least 1".into());
+        if a.batch == Some(0) || a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
+            return Err(
+                "--batch, --relays, --consumers, --keys and --events must be at least 1".into(),
+            );
         }
         Ok(Self {
             seed: a.seed,
@@ -258,6 +265,7 @@ impl Config {
             partitions: a.partitions,
             ordered: a.ordered,
             async_inbox: a.async_inbox,
+            batch: a.batch,
             drain_timeout: a.drain_timeout.unwrap_or(Duration::from_secs(if a.ci {
                 100
             } else {
@@ -586,6 +594,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         if c.async_inbox {
             args.push("--async-inbox".into());
         }
+        if let Some(n) = c.batch {
+            args.extend(["--batch-size".into(), n.to_string().into()]);
+        }
         let log = dir.join(format!("{name}.log"));
         world.procs.push(Proc::new(
             name,
@@ -724,7 +735,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         final_terms,
     );
     println!(
-        "chaos seed={} backend={} events={} partitions={}{}{} faults: {} | lost={} double_applied={} \
+        "chaos seed={} backend={} events={} partitions={}{}{}{} faults: {} | lost={} double_applied={} \
          order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
          dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={} \
          drain={} | {}",
@@ -734,6 +745,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         c.partitions,
         if c.ordered { " ordered" } else { "" },
         if c.async_inbox { " async_inbox" } else { "" },
+        c.batch.map(|n| format!(" batch={n}")).unwrap_or_default(),
         faults.join(" "),
         findings.lost,
         findings.double_applied,
