@@ -48,7 +48,8 @@ fn from_micros(us: i64) -> DateTime<Utc> {
 }
 
 impl RecordRow {
-    /// The row's id.
+    /// The row's id (PostgreSQL's per-key claim sorts its rows by it).
+    #[cfg(feature = "postgres")]
     pub(crate) fn id(&self) -> i64 {
         self.id
     }
