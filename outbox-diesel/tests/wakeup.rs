@@ -27,6 +27,22 @@ fn idle_marks(db: &fixtures::TestDb) -> i64 {
     )
 }
 
+/// Commits one row with `Notify::Never`: a parked relay finds it only by polling.
+fn emit_waking_nobody(c: &mut diesel::PgConnection) {
+    let never = EmitOptions::new().with_notify(outbox_diesel::Notify::Never);
+    c.transaction(|c| {
+        c.emit_with(
+            &never,
+            Moved {
+                n: 1,
+                account: "a".into(),
+            },
+        )
+        .map(drop)
+    })
+    .unwrap();
+}
+
 /// Waits for `done`, failing after 20 s.
 async fn until(what: &str, done: impl Fn() -> bool) {
     outbox_tests::eventually_within(what, Duration::from_secs(20), done).await;
@@ -125,18 +141,7 @@ fn a_relay_back_to_work_after_a_timed_out_wait_removes_its_mark() {
         store.wait_for_work(Duration::from_millis(200)).await;
         assert_eq!(idle_marks(&db), 1, "the timed-out wait left its mark");
         // A row that wakes nobody: the relay finds it by polling.
-        let never = EmitOptions::new().with_notify(outbox_diesel::Notify::Never);
-        c.transaction(|c| {
-            c.emit_with(
-                &never,
-                Moved {
-                    n: 1,
-                    account: "a".into(),
-                },
-            )
-            .map(drop)
-        })
-        .unwrap();
+        emit_waking_nobody(&mut c);
         let batch = store.claim(10).await.unwrap();
         assert_eq!(batch.messages().len(), 1);
         // Well before the mark would expire (a second after the 200 ms wait).
@@ -172,18 +177,7 @@ fn a_claim_does_not_wait_on_an_unresponsive_listen_connection() {
             ),
         );
         let _stopped = Stopped::new(pid);
-        let never = EmitOptions::new().with_notify(outbox_diesel::Notify::Never);
-        c.transaction(|c| {
-            c.emit_with(
-                &never,
-                Moved {
-                    n: 1,
-                    account: "a".into(),
-                },
-            )
-            .map(drop)
-        })
-        .unwrap();
+        emit_waking_nobody(&mut c);
         let claimed = tokio::time::timeout(Duration::from_secs(10), store.claim(10))
             .await
             .expect("the claim waited on the stopped LISTEN connection")
