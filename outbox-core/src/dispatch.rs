@@ -890,7 +890,7 @@ mod tests {
             if msg_id.as_str() == "down:Credit" {
                 return Err(Error::store("connection refused"));
             }
-            self.db.process(group, msg_id, handle)
+            Inbox::process(&self.db, group, msg_id, handle)
         }
     }
 
@@ -954,9 +954,7 @@ mod tests {
             Balances::from([("a".into(), 1), ("b".into(), 2), ("c".into(), 3)])
         );
         // Another group has its own dedup rows.
-        let other = db
-            .process_batch("h", &[id("a:Credit")], |_, _| Ok(()))
-            .unwrap();
+        let other = Inbox::process_batch(&db, "h", &[id("a:Credit")], |_, _| Ok(())).unwrap();
         assert_eq!(kinds(&other), ["Applied"]);
     }
 
@@ -1054,7 +1052,7 @@ mod tests {
         let db = MemoryDb::new(Balances::new());
         let (d, _) = dispatcher();
         assert!(d.consume_batch(&db, "g", &[]).unwrap().is_empty());
-        let none = db.process_batch("g", &[], |_, _| Ok(())).unwrap();
+        let none = Inbox::process_batch(&db, "g", &[], |_, _| Ok(())).unwrap();
         assert!(none.is_empty());
     }
 
@@ -1063,7 +1061,7 @@ mod tests {
         let db = MemoryDb::new(Balances::new());
         let ids = [id("a:Credit"), id("b:Credit")];
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            db.process_batch("g", &ids, |i, tx: &mut MemoryTx<Balances>| {
+            Inbox::process_batch(&db, "g", &ids, |i, tx: &mut MemoryTx<Balances>| {
                 tx.data().insert("written".into(), 1);
                 assert!(i == 0, "boom");
                 Ok(())
@@ -1072,7 +1070,7 @@ mod tests {
         assert!(unwound.is_err());
         assert!(db.read(|b| b.is_empty()));
         // Nor the dedup row of the message before the panic.
-        let outcomes = db.process_batch("g", &ids[..1], |_, _| Ok(())).unwrap();
+        let outcomes = Inbox::process_batch(&db, "g", &ids[..1], |_, _| Ok(())).unwrap();
         assert_eq!(kinds(&outcomes), ["Applied"]);
     }
 }
@@ -1361,5 +1359,167 @@ mod async_tests {
             .unwrap_err();
         let shown = crate::error_chain(&err).to_string();
         assert!(shown.contains("tokio runtime"), "{shown}");
+    }
+}
+
+/// [`MemoryDb`](crate::MemoryDb) as an [`AsyncInbox`]: users' unit tests of
+/// [`AsyncTxHandler`]s.
+#[cfg(all(test, feature = "memory"))]
+mod async_memory_inbox_tests {
+    use super::*;
+    use crate::{MemoryDb, MemoryTx, Status};
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Deposit {
+        #[outbox(id)]
+        id: String,
+        amount: i64,
+    }
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
+    struct Deposited {
+        #[outbox(id)]
+        id: String,
+    }
+
+    /// Adds the amount to the balance across an await (a transaction that began in
+    /// between would lose one of the two deposits) and emits `Deposited`; a negative
+    /// amount fails after writing, zero panics after writing.
+    struct Bank;
+    impl AsyncTxHandler<Deposit> for Bank {
+        type Conn = MemoryTx<i64>;
+        async fn handle(
+            &self,
+            e: Deposit,
+            tx: &mut MemoryTx<i64>,
+            _: &Delivery,
+        ) -> Result<(), HandlerError> {
+            let before = *tx.data();
+            tokio::task::yield_now().await;
+            *tx.data() = before + e.amount;
+            tx.emit(Deposited { id: e.id })?;
+            match e.amount {
+                0 => panic!("zero deposit"),
+                a if a < 0 => Err(HandlerError::msg("negative deposit")),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    fn bank() -> Dispatcher<MemoryTx<i64>> {
+        let mut d = Dispatcher::new();
+        d.register_tx::<Deposit, _>(Bank).unwrap();
+        d
+    }
+
+    fn deposit(id: &str, amount: i64) -> Delivery {
+        let e = Deposit {
+            id: id.into(),
+            amount,
+        };
+        Delivery {
+            envelope: Envelope::from_event(&e, 1024).unwrap(),
+            delivery_count: 1,
+            entry_id: None,
+        }
+    }
+
+    /// The emitted `Deposited` rows, by msg_id.
+    fn deposited(db: &MemoryDb<i64>) -> Vec<String> {
+        db.rows()
+            .into_iter()
+            .filter(|r| r.status == Status::New)
+            .map(|r| r.envelope.msg_id.to_string())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn applied_once_failures_and_panics_leave_nothing() {
+        let (d, db) = (bank(), MemoryDb::new(0_i64));
+        let consume = |delivery: Delivery| {
+            let (d, db) = (&d, &db);
+            async move { d.consume_async(db, "bank", &delivery).await }
+        };
+        assert_eq!(consume(deposit("a", 5)).await.unwrap(), Processed::Applied);
+        assert_eq!(
+            consume(deposit("a", 5)).await.unwrap(),
+            Processed::Duplicate
+        );
+        let refused = consume(deposit("b", -1)).await.unwrap_err();
+        assert!(matches!(refused, Error::Handler(_)), "{refused}");
+        let panicked = consume(deposit("c", 0)).await.unwrap_err();
+        assert!(
+            crate::error_chain(&panicked)
+                .to_string()
+                .contains("zero deposit"),
+            "{panicked}"
+        );
+        assert_eq!(db.read(|n| *n), 5, "failed handlers' writes rolled back");
+        assert_eq!(deposited(&db), ["a:Deposited"]);
+        // Neither left the database held, nor the dedup row behind.
+        assert_eq!(consume(deposit("b", 2)).await.unwrap(), Processed::Applied);
+        assert_eq!(db.read(|n| *n), 7);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn async_and_blocking_transactions_are_serial() {
+        let (d, db) = (bank(), MemoryDb::new(0_i64));
+        let blocking = {
+            let db = db.clone();
+            tokio::task::spawn_blocking(move || {
+                for _ in 0..50 {
+                    db.transaction(|tx| {
+                        *tx.data() += 1;
+                        Ok::<_, Error>(())
+                    })
+                    .unwrap();
+                }
+            })
+        };
+        // Interleaved at every await of one task, beside the blocking thread.
+        let deposits: Vec<_> = (0..50).map(|i| deposit(&format!("d{i}"), 1)).collect();
+        let outcomes = futures_util::future::join_all(
+            deposits.iter().map(|x| d.consume_async(&db, "bank", x)),
+        )
+        .await;
+        for outcome in outcomes {
+            assert_eq!(outcome.unwrap(), Processed::Applied);
+        }
+        blocking.await.unwrap();
+        assert_eq!(db.read(|n| *n), 100, "no deposit lost");
+    }
+
+    #[tokio::test]
+    async fn a_batch_keeps_what_succeeded_and_nothing_of_what_failed() {
+        let (d, db) = (bank(), MemoryDb::new(0_i64));
+        d.consume_async(&db, "bank", &deposit("a", 1))
+            .await
+            .unwrap();
+        let batch = [
+            deposit("b", 10),
+            deposit("c", -1),
+            deposit("a", 1),
+            deposit("d", 0),
+            deposit("b", 10),
+            deposit("e", 100),
+        ];
+        let outcomes = d.consume_batch_async(&db, "bank", &batch).await.unwrap();
+        let kinds: Vec<_> = outcomes
+            .iter()
+            .map(|o| match o {
+                Ok(p) => format!("{p:?}"),
+                Err(e) => format!("Err({})", crate::error_chain(e)),
+            })
+            .collect();
+        assert_eq!(kinds[0], "Applied");
+        assert!(kinds[1].contains("negative deposit"), "{kinds:?}");
+        assert_eq!(kinds[2], "Duplicate");
+        assert!(kinds[3].contains("zero deposit"), "{kinds:?}");
+        assert_eq!(kinds[4..], ["Duplicate", "Applied"]);
+        assert_eq!(db.read(|n| *n), 111);
+        assert_eq!(
+            deposited(&db),
+            ["a:Deposited", "b:Deposited", "e:Deposited"]
+        );
     }
 }

@@ -3,15 +3,16 @@
 //! rejected, dedup in the handler's transaction) but are not durable and not fast.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::pin::pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
 use crate::{
-    Backlog, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, HandlerError, Inbox,
-    InboxBatchOutcomes, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
-    RelayBatchOutcome, RelayStore, Status, StoredMessage,
+    AsyncInbox, Backlog, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, HandlerError,
+    Inbox, InboxBatchOutcomes, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
+    RelayBatchOutcome, RelayStore, Status, StoredMessage, TxFuture,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -46,15 +47,69 @@ struct State<S> {
     next_id: i64,
 }
 
+/// Held for a whole transaction: transactions are serial, like SERIALIZABLE. Blocking
+/// transactions wait on a condition variable, async ones ([`AsyncInbox`]) on a `Notify`,
+/// so that an async transaction can hold it across its handler's awaits (a std
+/// `MutexGuard` cannot be held across an await in a `Send` future).
+#[derive(Default)]
+struct Gate {
+    held: Mutex<bool>,
+    freed: Condvar,
+    freed_async: tokio::sync::Notify,
+}
+
+/// The gate, held; released on drop (also when a handler panics).
+struct GateGuard<'a>(&'a Gate);
+
+impl Gate {
+    fn lock(&self) -> GateGuard<'_> {
+        let mut held = lock(&self.held);
+        while *held {
+            held = self
+                .freed
+                .wait(held)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        *held = true;
+        GateGuard(self)
+    }
+
+    async fn lock_async(&self) -> GateGuard<'_> {
+        loop {
+            // Registered before the check, so that a release in between is not missed.
+            let mut freed = pin!(self.freed_async.notified());
+            freed.as_mut().enable();
+            if !std::mem::replace(&mut *lock(&self.held), true) {
+                return GateGuard(self);
+            }
+            freed.await;
+        }
+    }
+}
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.held) = false;
+        // One waiter of each kind: whichever takes the gate first, the other waits again.
+        self.0.freed.notify_one();
+        self.0.freed_async.notify_one();
+    }
+}
+
 struct Shared<S> {
-    /// Held for a whole transaction: transactions are serial, like SERIALIZABLE.
-    gate: Mutex<()>,
+    gate: Gate,
     state: Mutex<State<S>>,
     wake: tokio::sync::Notify,
 }
 
 /// An in-memory database: user data `S`, an outbox and a consumer inbox, with
 /// all-or-nothing transactions. Cloning shares the database.
+///
+/// It is the consumer's store for blocking handlers ([`Inbox`]) and for async ones
+/// ([`AsyncInbox`], e.g. an [`AsyncTxHandler`](crate::AsyncTxHandler) with
+/// `Conn = MemoryTx<S>` through
+/// [`Dispatcher::consume_async`](crate::Dispatcher::consume_async)); where both traits
+/// are in scope, call its methods as `Inbox::process(&db, ..)`.
 ///
 /// ```
 /// use outbox_core::{MemoryDb, OutboxEvent, Status};
@@ -152,7 +207,7 @@ impl<S: Clone + Send + 'static> MemoryDb<S> {
         };
         Self {
             shared: Arc::new(Shared {
-                gate: Mutex::new(()),
+                gate: Gate::default(),
                 state: Mutex::new(state),
                 wake: tokio::sync::Notify::new(),
             }),
@@ -166,7 +221,7 @@ impl<S: Clone + Send + 'static> MemoryDb<S> {
         &self,
         f: impl FnOnce(&mut MemoryTx<S>) -> Result<T, E>,
     ) -> Result<T, E> {
-        let _gate = lock(&self.shared.gate);
+        let _gate = self.shared.gate.lock();
         let mut tx = self.begin();
         let value = f(&mut tx)?;
         self.commit(tx, Vec::new());
@@ -228,6 +283,75 @@ impl<S: Clone + Send + 'static> MemoryDb<S> {
     }
 }
 
+impl<S: Clone + Send + 'static> MemoryDb<S> {
+    /// The dedup key of `(group, msg_id)`, or `None` if it was consumed.
+    fn unconsumed(&self, group: &str, msg_id: &MsgId) -> Option<(String, MsgId)> {
+        let key = (group.to_owned(), msg_id.clone());
+        (!lock(&self.shared.state).consumed.contains(&key)).then_some(key)
+    }
+
+    fn begin_batch(&self, len: usize) -> BatchTx<S> {
+        BatchTx {
+            tx: self.begin(),
+            consumed: Vec::new(),
+            outcomes: Vec::with_capacity(len),
+        }
+    }
+}
+
+/// A batch's one transaction, in which each message works like a savepoint.
+struct BatchTx<S> {
+    tx: MemoryTx<S>,
+    consumed: Vec<(String, MsgId)>,
+    outcomes: InboxBatchOutcomes,
+}
+
+/// What a message's handler may undo: the data and how many events were emitted.
+struct Savepoint<S> {
+    key: (String, MsgId),
+    data: S,
+    emitted: usize,
+}
+
+impl<S: Clone + Send + 'static> BatchTx<S> {
+    /// A savepoint for a new message; `None` (its outcome `Duplicate`) for one consumed
+    /// before or earlier in the batch.
+    fn savepoint(&mut self, db: &MemoryDb<S>, group: &str, msg_id: &MsgId) -> Option<Savepoint<S>> {
+        let key = db
+            .unconsumed(group, msg_id)
+            .filter(|key| !self.consumed.contains(key));
+        let Some(key) = key else {
+            self.outcomes.push(Ok(Processed::Duplicate));
+            return None;
+        };
+        Some(Savepoint {
+            key,
+            data: self.tx.data.clone(),
+            emitted: self.tx.emitted.len(),
+        })
+    }
+
+    /// Keeps the handler's work, or rolls back to `savepoint` if it failed.
+    fn settle(&mut self, savepoint: Savepoint<S>, handled: Result<(), HandlerError>) {
+        match handled {
+            Ok(()) => {
+                self.consumed.push(savepoint.key);
+                self.outcomes.push(Ok(Processed::Applied));
+            }
+            Err(e) => {
+                self.tx.data = savepoint.data;
+                self.tx.emitted.truncate(savepoint.emitted);
+                self.outcomes.push(Err(e.into()));
+            }
+        }
+    }
+
+    fn commit(self, db: &MemoryDb<S>) -> InboxBatchOutcomes {
+        db.commit(self.tx, self.consumed);
+        self.outcomes
+    }
+}
+
 impl<S: Clone + Send + 'static> Inbox for MemoryDb<S> {
     type Conn = MemoryTx<S>;
 
@@ -235,11 +359,10 @@ impl<S: Clone + Send + 'static> Inbox for MemoryDb<S> {
     where
         F: FnOnce(&mut MemoryTx<S>) -> Result<(), HandlerError>,
     {
-        let _gate = lock(&self.shared.gate);
-        let key = (group.to_owned(), msg_id.clone());
-        if lock(&self.shared.state).consumed.contains(&key) {
+        let _gate = self.shared.gate.lock();
+        let Some(key) = self.unconsumed(group, msg_id) else {
             return Ok(Processed::Duplicate);
-        }
+        };
         let mut tx = self.begin();
         handle(&mut tx)?;
         self.commit(tx, vec![key]);
@@ -258,31 +381,62 @@ impl<S: Clone + Send + 'static> Inbox for MemoryDb<S> {
     where
         F: FnMut(usize, &mut MemoryTx<S>) -> Result<(), HandlerError>,
     {
-        let _gate = lock(&self.shared.gate);
-        let mut tx = self.begin();
-        let mut consumed: Vec<(String, MsgId)> = Vec::new();
-        let mut outcomes = Vec::with_capacity(msg_ids.len());
+        let _gate = self.shared.gate.lock();
+        let mut batch = self.begin_batch(msg_ids.len());
         for (i, msg_id) in msg_ids.iter().enumerate() {
-            let key = (group.to_owned(), msg_id.clone());
-            if consumed.contains(&key) || lock(&self.shared.state).consumed.contains(&key) {
-                outcomes.push(Ok(Processed::Duplicate));
-                continue;
-            }
-            let savepoint = (tx.data.clone(), tx.emitted.len());
-            match handle(i, &mut tx) {
-                Ok(()) => {
-                    consumed.push(key);
-                    outcomes.push(Ok(Processed::Applied));
-                }
-                Err(e) => {
-                    tx.data = savepoint.0;
-                    tx.emitted.truncate(savepoint.1);
-                    outcomes.push(Err(e.into()));
-                }
+            if let Some(savepoint) = batch.savepoint(self, group, msg_id) {
+                let handled = handle(i, &mut batch.tx);
+                batch.settle(savepoint, handled);
             }
         }
-        self.commit(tx, consumed);
-        Ok(outcomes)
+        Ok(batch.commit(self))
+    }
+}
+
+/// The same transactions as the blocking [`Inbox`], for async handlers
+/// ([`AsyncTxHandler`](crate::AsyncTxHandler) with `Conn = MemoryTx<S>`): a transaction
+/// holds the database across its handler's awaits, so transactions stay serial.
+impl<S: Clone + Send + 'static> AsyncInbox for MemoryDb<S> {
+    type Conn = MemoryTx<S>;
+
+    async fn process<'a, F>(
+        &'a self,
+        group: &'a str,
+        msg_id: &'a MsgId,
+        handle: F,
+    ) -> Result<Processed, Error>
+    where
+        F: for<'c> FnOnce(&'c mut MemoryTx<S>) -> TxFuture<'c> + Send + 'a,
+    {
+        let _gate = self.shared.gate.lock_async().await;
+        let Some(key) = self.unconsumed(group, msg_id) else {
+            return Ok(Processed::Duplicate);
+        };
+        let mut tx = self.begin();
+        handle(&mut tx).await?;
+        self.commit(tx, vec![key]);
+        Ok(Processed::Applied)
+    }
+
+    /// As [`Inbox::process_batch`]: one transaction, a savepoint per message.
+    async fn process_batch<'a, F>(
+        &'a self,
+        group: &'a str,
+        msg_ids: &'a [MsgId],
+        mut handle: F,
+    ) -> Result<InboxBatchOutcomes, Error>
+    where
+        F: for<'c> FnMut(usize, &'c mut MemoryTx<S>) -> TxFuture<'c> + Send + 'a,
+    {
+        let _gate = self.shared.gate.lock_async().await;
+        let mut batch = self.begin_batch(msg_ids.len());
+        for (i, msg_id) in msg_ids.iter().enumerate() {
+            if let Some(savepoint) = batch.savepoint(self, group, msg_id) {
+                let handled = handle(i, &mut batch.tx).await;
+                batch.settle(savepoint, handled);
+            }
+        }
+        Ok(batch.commit(self))
     }
 }
 
