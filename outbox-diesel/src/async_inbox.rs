@@ -45,9 +45,11 @@ pub(crate) trait AsyncInboxConnection: AsyncConnection + Send + 'static {
         msg_id: &str,
     ) -> impl Future<Output = Result<bool>> + Send;
 
-    /// Fails if the open transaction can no longer commit (PostgreSQL after a failed
-    /// statement); see the blocking `Backend::__check_committable`.
-    fn check_committable(&mut self) -> impl Future<Output = Result<()>> + Send;
+    /// Commits the open transaction if it can commit. `Ok(Err(e))`: it cannot (an
+    /// ignored failed statement, `e`) and is still open, to be rolled back; `Err`: the
+    /// store failed (the transaction is over, or the connection lost). See the blocking
+    /// `Backend::__commit_checked`.
+    fn commit_checked(&mut self) -> impl Future<Output = Result<Result<()>>> + Send;
 
     /// Whether the transaction this connection began is still open on the server (MySQL
     /// ends it on a deadlock); see the blocking `Backend::__transaction_open`.
@@ -65,9 +67,8 @@ pub(crate) trait AsyncInboxConnection: AsyncConnection + Send + 'static {
 /// handler does not run), the handler, then the checks of the blocking inbox before
 /// `COMMIT`. A handler that returned `Ok` is not reported `Applied` when its writes
 /// cannot be kept: a nested transaction of its own still open, a failed statement it
-/// ignored (PostgreSQL would turn the `COMMIT` into a silent rollback: a `SELECT 1` in the
-/// transaction finds out first, one round trip more than the blocking inbox, which
-/// sends it with the `COMMIT`), or a deadlock it swallowed on MySQL/MariaDB, which have
+/// ignored (PostgreSQL would turn the `COMMIT` into a silent rollback: a `SELECT 1` sent
+/// with the `COMMIT` finds out first), or a deadlock it swallowed on MySQL/MariaDB, which have
 /// then ended the transaction themselves ([`outbox_core::Error::Transient`]). A handler
 /// error that carries a deadlock, serialization failure or lock wait timeout
 /// ([`is_transient`]) is `Transient` too; any other handler error is
@@ -240,7 +241,7 @@ impl<C: AsyncInboxConnection> AsyncInbox for AsyncDieselInbox<C> {
             .await
             .map_err(|e| store_error(e.into()))?;
         let failed = match run_one(c, group, msg_id, handle).await {
-            Ok(processed) => match commit_checked(c).await {
+            Ok(processed) => match c.commit_checked().await {
                 Ok(Ok(())) => return Ok(processed),
                 Ok(Err(e)) => TxError::Handler(HandlerError::msg(format_args!(
                     "the handler's writes could not be kept (did it ignore a failed statement?): {}",
@@ -335,24 +336,6 @@ async fn check_handler_left_committable<C: AsyncInboxConnection>(
         return Err(TxError::Ended);
     }
     Ok(())
-}
-
-/// Commits the open transaction if it can commit. `Ok(Err(e))`: it cannot (an ignored
-/// failed statement, `e`) and is still open, to be rolled back; `Err`: the store failed.
-async fn commit_checked<C: AsyncInboxConnection>(c: &mut C) -> Result<Result<()>> {
-    if let Err(e) = c.check_committable().await {
-        return match e {
-            // The server answered: the transaction is aborted, not the connection lost.
-            Error::Database(diesel::result::Error::DatabaseError(kind, _))
-                if !matches!(kind, diesel::result::DatabaseErrorKind::ClosedConnection) =>
-            {
-                Ok(Err(e))
-            }
-            e => Err(e),
-        };
-    }
-    Tm::<C>::commit_transaction(c).await?;
-    Ok(Ok(()))
 }
 
 /// The transaction nesting depth: 0 outside a transaction, 1 in it, 2 in a savepoint.

@@ -31,6 +31,8 @@ trait AsyncBackend: Backend {
     /// victim (see tests/inbox_transient.rs).
     const RIVAL_SESSION: &'static str;
     const RIVAL_BALLAST: &'static str;
+    /// The session's id on the server.
+    const SESSION_ID: &'static str;
 
     fn inbox_at(url: &str, size: usize) -> Self::Inbox;
     /// The test database's URL with another port.
@@ -45,6 +47,7 @@ impl AsyncBackend for Pg {
     type Inbox = AsyncPgInbox;
     const RIVAL_SESSION: &'static str = "SET deadlock_timeout = '60s'";
     const RIVAL_BALLAST: &'static str = "SELECT 1";
+    const SESSION_ID: &'static str = "pg_backend_pid()";
 
     fn inbox_at(url: &str, size: usize) -> AsyncPgInbox {
         AsyncPgInbox::connect(url, size).unwrap()
@@ -60,6 +63,7 @@ impl AsyncBackend for My {
     const RIVAL_SESSION: &'static str = "SELECT 1";
     // InnoDB rolls back the transaction that changed fewer rows.
     const RIVAL_BALLAST: &'static str = "INSERT INTO ballast (n) SELECT seq FROM seq_1_to_500";
+    const SESSION_ID: &'static str = "CONNECTION_ID()";
 
     fn inbox_at(url: &str, size: usize) -> AsyncMysqlInbox {
         AsyncMysqlInbox::connect(url, size).unwrap()
@@ -158,6 +162,91 @@ async fn applied_once_then_duplicate<B: AsyncBackend>() {
     assert_eq!(run("b").await.unwrap(), Processed::Applied);
     assert_eq!(state::<B>(&db), (vec!["a".into(), "b".into()], 2, 2));
     assert_eq!(inbox.capacity(), Some(1));
+}
+
+/// Records the message and the server session it ran in (in `ballast`).
+async fn insert_in_session<B: AsyncBackend, C: SimpleAsyncConnection>(
+    c: &mut C,
+    msg: &str,
+) -> Result<(), HandlerError> {
+    insert(c, msg).await?;
+    c.batch_execute(&format!("INSERT INTO ballast (n) SELECT {}", B::SESSION_ID))
+        .await?;
+    Ok(())
+}
+
+/// The inbox commits without leaving diesel-async's transaction manager believing a
+/// transaction is still open (which would make the pool drop the connection and open a
+/// new one for every message): messages applied, refused and repeated in a row share
+/// the pool's one session.
+async fn commits_keep_the_pooled_connection<B: AsyncBackend>() {
+    let (db, inbox) = setup::<B>();
+    for (msg, expect) in [("a", true), ("b", true), ("a", false), ("c", true)] {
+        let outcome = inbox
+            .process("g", &id(msg), |c| {
+                Box::pin(insert_in_session::<B, _>(c, msg))
+            })
+            .await
+            .unwrap();
+        let applied = outcome == Processed::Applied;
+        assert_eq!(applied, expect, "{msg}: {outcome:?}");
+    }
+    let failed = inbox
+        .process("g", &id("d"), |_| {
+            Box::pin(async { Err(HandlerError::msg("refused")) })
+        })
+        .await;
+    assert!(matches!(failed, Err(Error::Handler(_))), "{failed:?}");
+    let outcome = inbox
+        .process("g", &id("d"), |c| {
+            Box::pin(insert_in_session::<B, _>(c, "d"))
+        })
+        .await;
+    assert_eq!(outcome.unwrap(), Processed::Applied);
+    let mut c = B::connect(&db);
+    let sessions = B::scalar(&mut c, "SELECT COUNT(DISTINCT n) AS n FROM ballast");
+    assert_eq!(sessions, 1, "every transaction ran in the same session");
+    assert_eq!(B::scalar(&mut c, "SELECT COUNT(*) AS n FROM ballast"), 4);
+}
+
+/// PostgreSQL: a `COMMIT` that fails by itself (a deferred constraint) ends the
+/// transaction; the message is not applied, nothing of it commits, and the connection
+/// goes on serving the next message.
+async fn a_failing_commit_is_not_applied() {
+    let (db, inbox) = setup::<Pg>();
+    exec(
+        &mut Pg::connect(&db),
+        "CREATE TABLE once (n INT, CONSTRAINT once_n UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)",
+    );
+    let outcome = inbox
+        .process("g", &id("a"), |c| {
+            Box::pin(async move {
+                insert_in_session::<Pg, _>(c, "a").await?;
+                c.batch_execute("INSERT INTO once VALUES (1); INSERT INTO once VALUES (1)")
+                    .await?;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(outcome.is_err(), "{outcome:?}");
+    assert_eq!(state::<Pg>(&db), (vec![], 0, 0), "nothing committed");
+    let outcome = inbox
+        .process("g", &id("a"), |c| {
+            Box::pin(insert_in_session::<Pg, _>(c, "a"))
+        })
+        .await;
+    assert_eq!(outcome.unwrap(), Processed::Applied);
+    let mut c = Pg::connect(&db);
+    assert_eq!(
+        Pg::scalar(&mut c, "SELECT COUNT(DISTINCT n) AS n FROM ballast"),
+        1,
+        "the connection was kept"
+    );
+}
+
+#[test]
+fn pg_a_failing_commit_is_not_applied() {
+    runtime().block_on(a_failing_commit_is_not_applied());
 }
 
 static ID_A: std::sync::LazyLock<MsgId> = std::sync::LazyLock::new(|| id("a"));
@@ -558,6 +647,7 @@ macro_rules! tests {
 
 tests!(
     applied_once_then_duplicate,
+    commits_keep_the_pooled_connection,
     handler_error_rolls_back_the_dedup_row,
     swallowed_failed_statement_is_not_applied,
     deadlock_is_transient,

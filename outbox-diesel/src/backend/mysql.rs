@@ -170,6 +170,7 @@ mod nonblocking {
     use diesel::mysql::Mysql;
     use diesel::result::DatabaseErrorKind;
     use diesel_async::pooled_connection::deadpool::{Object, Pool, PoolError};
+    use diesel_async::{AsyncConnection, TransactionManager as _};
     use diesel_async::{AsyncConnectionCore, RunQueryDsl as _, SimpleAsyncConnection as _};
     use outbox_core::{Envelope, MsgId};
 
@@ -202,9 +203,10 @@ mod nonblocking {
                 == 1)
         }
 
-        async fn check_committable(&mut self) -> Result<()> {
+        async fn commit_checked(&mut self) -> Result<Result<()>> {
             // MySQL rolls back only a failed statement: nothing to check.
-            Ok(())
+            <Self as AsyncConnection>::TransactionManager::commit_transaction(self).await?;
+            Ok(Ok(()))
         }
 
         async fn transaction_open(&mut self) -> Result<bool> {

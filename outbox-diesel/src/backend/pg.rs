@@ -359,11 +359,16 @@ mod nonblocking {
     use std::marker::PhantomData;
 
     use diesel::IntoSql as _;
+    use diesel::connection::{TransactionDepthChange, TransactionManagerStatus};
     use diesel::pg::Pg;
     use diesel::result::QueryResult;
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
     use diesel::sql_types::Integer;
     use diesel_async::pooled_connection::deadpool::{Object, Pool, PoolError};
-    use diesel_async::{AsyncConnectionCore, RunQueryDsl as _};
+    use diesel_async::{
+        AsyncConnection, AsyncConnectionCore, AsyncPgConnection, RunQueryDsl as _,
+        SimpleAsyncConnection as _, TransactionManager as _,
+    };
     use outbox_core::Envelope;
 
     use super::{Always, Insert, Inserted, Mode, NoNotify, PlainInsert, Row, WhenIdle};
@@ -423,12 +428,32 @@ mod nonblocking {
                 == 1)
         }
 
-        async fn check_committable(&mut self) -> Result<()> {
-            // Any statement fails in an aborted transaction; this one is prepared once.
-            diesel::select(1i32.into_sql::<Integer>())
+        async fn commit_checked(&mut self) -> Result<Result<()>> {
+            // The blocking inbox's single round trip: in a simple-query string the
+            // statements after a failed one do not run, so an aborted transaction fails
+            // the `SELECT 1` and stays open, while a healthy one commits.
+            let Err(e) = self.batch_execute("SELECT 1; COMMIT").await else {
+                left_transaction(self)?;
+                return Ok(Ok(()));
+            };
+            // diesel-async does not follow the server's transaction status, so ask it: any
+            // statement fails in an aborted transaction (the `COMMIT` did not run); one
+            // that succeeds means the `COMMIT` itself failed and ended the transaction.
+            match diesel::select(1i32.into_sql::<Integer>())
                 .execute(self)
-                .await?;
-            Ok(())
+                .await
+            {
+                Err(DieselError::DatabaseError(kind, _))
+                    if kind != DatabaseErrorKind::ClosedConnection =>
+                {
+                    Ok(Err(e.into()))
+                }
+                Ok(_) => {
+                    left_transaction(self)?;
+                    Err(e.into())
+                }
+                Err(_) => Err(e.into()),
+            }
         }
 
         async fn transaction_open(&mut self) -> Result<bool> {
@@ -436,6 +461,20 @@ mod nonblocking {
             Ok(true)
         }
     }
+
+    /// Tells diesel-async's transaction manager that the transaction it began is over
+    /// (committed or ended by the server), as its own `commit_transaction` does.
+    fn left_transaction(c: &mut AsyncPgConnection) -> Result<()> {
+        match Tm::transaction_manager_status_mut(c) {
+            TransactionManagerStatus::Valid(status) => {
+                status.change_transaction_depth(TransactionDepthChange::DecreaseDepth)?;
+                Ok(())
+            }
+            TransactionManagerStatus::InError => Err(DieselError::BrokenTransactionManager.into()),
+        }
+    }
+
+    type Tm = <AsyncPgConnection as AsyncConnection>::TransactionManager;
 
     /// [`super::insert_one`], awaited.
     async fn insert_one<C: AsyncConnectionCore<Backend = Pg>>(
