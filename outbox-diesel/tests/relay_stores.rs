@@ -305,7 +305,7 @@ fn pg_idle_relay_wakes_at_commit() {
         let woke = timed_wait(&db, Notify::WhenRelayIdle).await;
         assert!(woke < Duration::from_millis(1500), "woke after {woke:?}");
         let mut c = Pg::connect(&db);
-        // The DELETE of the mark goes on in the background while the relay claims.
+        // The end of the mark (an UPDATE) goes on in the background while the relay claims.
         let cleared = Instant::now() + Duration::from_secs(5);
         while Pg::scalar(
             &mut c,

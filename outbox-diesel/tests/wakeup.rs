@@ -79,7 +79,7 @@ fn a_woken_relay_leaves_the_other_relays_mark_in_place() {
             started.elapsed() < Duration::from_secs(10),
             "b was woken by NOTIFY, not by its 20 s timeout"
         );
-        // The DELETE of the mark goes on in the background while the relay claims.
+        // The end of the mark (an UPDATE) goes on in the background while the relay claims.
         until("a woken relay removes its own mark", || {
             idle_marks(&db) == 0
         })
@@ -330,4 +330,50 @@ fn a_lost_listen_connection_polls_then_reconnects() {
         let waited = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "{waited:?}");
     });
+}
+
+/// Every parked relay woken (or stopped) ends its mark, hundreds of times a second
+/// under load, and every `WhenRelayIdle` emit scans `outbox_relay_idle`. Where nothing
+/// vacuums the table (autovacuum off, as on this project's machines, or lagging), a
+/// DELETE per wake-up and an INSERT per park left a dead row version and line pointer
+/// per turn, which emits then walked: 11 pages after 3,000 turns, 0.04 ms per emit
+/// instead of 0.003. A mark that only ever updates its own row (a HOT update, pruned in
+/// place) keeps the table at one page.
+#[test]
+fn park_and_wake_churn_leaves_the_idle_table_one_page() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    exec(
+        &mut c,
+        "ALTER TABLE outbox_relay_idle SET (autovacuum_enabled = false)",
+    );
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        let mut marks = |parked: i64, turn: usize| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Pg::scalar(
+                &mut c,
+                "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
+            ) != parked
+            {
+                assert!(Instant::now() < deadline, "turn {turn}: {parked} marks");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        for turn in 0..600 {
+            let parked = store.clone();
+            let waiting =
+                tokio::spawn(async move { parked.wait_for_work(Duration::from_secs(60)).await });
+            marks(1, turn);
+            // Stopped while parked: the relay ends its mark, as when it is woken.
+            waiting.abort();
+            let _ = waiting.await;
+            marks(0, turn);
+        }
+    });
+    let pages = Pg::scalar(
+        &mut c,
+        "SELECT (pg_relation_size('outbox_relay_idle') / current_setting('block_size')::int8) AS n",
+    );
+    assert!(pages <= 1, "outbox_relay_idle grew to {pages} pages");
 }

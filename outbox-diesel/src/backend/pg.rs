@@ -222,10 +222,13 @@ impl Mode for Always {
     const HEAD: &'static str = "pg_notify(";
     const TAIL: Option<&'static str> = Some(", '')::text");
 }
+/// `EXISTS`, an init plan evaluated once per statement that is a bare scan: the
+/// `(SELECT pg_notify(..) FROM outbox_relay_idle .. LIMIT 1)` it replaced also set up a
+/// `Limit` node and a projection on every execution.
 impl Mode for WhenIdle {
-    const HEAD: &'static str = "(SELECT pg_notify(";
-    const TAIL: Option<&'static str> =
-        Some(", '')::text FROM outbox_relay_idle WHERE idle_until > now() LIMIT 1)");
+    const HEAD: &'static str = "CASE WHEN EXISTS \
+        (SELECT FROM outbox_relay_idle WHERE idle_until > now()) THEN pg_notify(";
+    const TAIL: Option<&'static str> = Some(", '')::text END");
 }
 
 /// `WITH ins AS (INSERT .. ON CONFLICT DO NOTHING RETURNING id, msg_id) SELECT id, msg_id,

@@ -26,10 +26,11 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// makes emits in [`Notify::WhenRelayIdle`](crate::Notify::WhenRelayIdle) mode send
 /// `NOTIFY` while any relay is parked, and wakes as soon as such a transaction commits
 /// (the notification is read by a task on the tokio runtime, not polled for); a woken
-/// relay removes only its own row, so other parked relays stay reachable. A wait that
-/// times out leaves the row in place (it expires a second after the poll interval, so
-/// that an idle relay re-parks without churn) until the relay's next claim returns
-/// rows, which removes it before the batch is published. Without a
+/// relay ends only its own mark (its row's `idle_until` moved into the past: the row
+/// stays, so that the table does not bloat without VACUUM), so other parked relays stay
+/// reachable. A wait that times out leaves the mark in place (it expires a second after
+/// the poll interval, so that an idle relay re-parks without churn) until the relay's
+/// next claim returns rows, which ends it before the batch is published. Without a
 /// listener, or while its connection is down (it reconnects on the next wait), waiting
 /// sleeps for the poll interval.
 ///

@@ -43,8 +43,9 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
 -- Retention: purge rows older than the redelivery horizon in bounded batches.
 CREATE INDEX IF NOT EXISTS consumed_msg_consumed_at ON consumed_msg (consumed_at);
 
--- One row per parked relay (its store's id). A relay about to wait for work sets its
--- idle_until and deletes its row when it wakes; emit sends NOTIFY only while some row is
+-- One row per relay (its store's id). A relay about to wait for work sets its idle_until
+-- and moves it into the past when it wakes (an update in place, never a delete, so that
+-- the table stays one page without VACUUM); emit sends NOTIFY only while some row is
 -- in the future (see `Notify::WhenRelayIdle`), so a busy system pays nothing and several
 -- relays do not clear each other's mark. Rows of crashed relays expire and are purged.
 CREATE TABLE IF NOT EXISTS outbox_relay_idle (
