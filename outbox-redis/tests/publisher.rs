@@ -636,3 +636,151 @@ async fn the_partition_counts_are_recorded_again_after_redis_lost_its_data() {
     assert!(taken, "the restarted Redis took no entry");
     assert_eq!(recorded().await, Some(4));
 }
+
+/// Every entry is, byte for byte and field by field in order, what `entry_fields` gives
+/// for its message, in the stream `stream_for_key` names, whatever the batch mixes:
+/// topics interleaved, a partitioned topic, MAXLEN, timestamps with 0, 3, 6 and 9
+/// fractional digits and headers. (The publisher builds each distinct stream name once
+/// per batch and each command in buffers of its exact size.)
+#[tokio::test]
+async fn every_entry_is_entry_fields_in_its_stream_whatever_the_batch_mixes() {
+    let prefix = unique_prefix("test");
+    let config = PublisherConfig::default()
+        .with_stream_prefix(prefix.clone())
+        .with_partitions_of::<PartitionedPaid>()
+        .with_max_len(Some(1_000));
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(config)
+        .unwrap();
+    let fractions = [0, 120_000_000, 123_456_000, 123_456_789];
+    let envelopes: Vec<Envelope> = (0..40)
+        .map(|n| {
+            let mut e = match n % 3 {
+                0 => paid(n),
+                1 => nth(n % 7, n),
+                _ => Envelope::from_event(
+                    &OrderRefunded {
+                        order_id: format!("order-{n}"),
+                    },
+                    1 << 20,
+                )
+                .unwrap()
+                .with_header("traceparent", format!("00-{n}")),
+            };
+            e.created_at = chrono::DateTime::from_timestamp(
+                1_700_000_000 + n as i64,
+                fractions[n % fractions.len()],
+            )
+            .unwrap();
+            e
+        })
+        .collect();
+    let outcomes = publisher.publish(&stored(envelopes.clone())).await.unwrap();
+    assert_eq!(outcomes, vec![Ok(()); envelopes.len()]);
+
+    let mut conn = conn().await;
+    let mut by_stream: std::collections::BTreeMap<String, Vec<&Envelope>> = Default::default();
+    for e in &envelopes {
+        by_stream
+            .entry(publisher.stream_for_key(&e.topic, &e.key))
+            .or_default()
+            .push(e);
+    }
+    assert!(by_stream.len() >= 4, "{:?}", by_stream.keys());
+    for (stream, expected) in by_stream {
+        let raw: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(raw.len(), expected.len(), "{stream}");
+        for ((_, got), e) in raw.iter().zip(expected) {
+            let want: Vec<Vec<u8>> = outbox_redis::entry_fields(e)
+                .iter()
+                .flat_map(|(f, v)| [f.as_bytes().to_vec(), v.as_bytes().to_vec()])
+                .collect();
+            assert_eq!(got, &want, "{} in {stream}", e.msg_id);
+        }
+    }
+    cleanup(&prefix).await;
+}
+
+/// A batch larger than one slice of the pipeline (the publisher queues its commands a
+/// slice at a time): every message's outcome is its own entry's reply, whichever slice
+/// it went in; the entries land in batch order; and the durability wait after the last
+/// slice covers them all (`WAIT 0`: all taken; `WAIT 1` without replicas: none counted).
+#[tokio::test]
+async fn a_batch_of_several_slices_keeps_order_and_each_message_its_own_outcome() {
+    let prefix = unique_prefix("test");
+    let mut conn = conn().await;
+    // The refunds stream's key holds a string: each refund's XADD is WRONGTYPE.
+    let _: () = redis::cmd("SET")
+        .arg(format!("{prefix}order.refunded"))
+        .arg("not a stream")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let refund = |n: usize| {
+        Envelope::from_event(
+            &OrderRefunded {
+                order_id: format!("order-{n}"),
+            },
+            1 << 20,
+        )
+        .unwrap()
+    };
+    // 700 messages, a refund every 97th: refunds in every slice, at their edges too.
+    let envelopes: Vec<Envelope> = (0..700)
+        .map(|n| if n % 97 == 0 { refund(n) } else { paid(n) })
+        .collect();
+    let zero = config_with(&prefix, |c| {
+        c.durability = Durability::Replicas {
+            replicas: 0,
+            timeout: Duration::from_millis(100),
+        }
+    });
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(zero)
+        .unwrap();
+    let outcomes = publisher.publish(&stored(envelopes.clone())).await.unwrap();
+    assert_eq!(outcomes.len(), 700);
+    for (n, outcome) in outcomes.iter().enumerate() {
+        if n % 97 == 0 {
+            let rejected = outcome.as_ref().unwrap_err();
+            assert_eq!(rejected.kind, RejectKind::Topic, "{n}: {rejected:?}");
+        } else {
+            assert_eq!(outcome, &Ok(()), "{n}");
+        }
+    }
+    let want: Vec<String> = (0..700)
+        .filter(|n| n % 97 != 0)
+        .map(|n| format!("order-{n}:OrderPaid"))
+        .collect();
+    assert_eq!(msg_ids(&format!("{prefix}order.paid")).await, want);
+
+    let one = config_with(&prefix, |c| {
+        c.durability = Durability::Replicas {
+            replicas: 1,
+            timeout: Duration::from_millis(100),
+        }
+    });
+    let publisher = RedisPublisher::new(redis_url())
+        .unwrap()
+        .with_config(one)
+        .unwrap();
+    let paid_only: Vec<Envelope> = (1000..1300).map(paid).collect();
+    match publisher.publish(&stored(paid_only)).await {
+        Err(e) => assert!(e.is_outage(), "{e}"),
+        Ok(outcomes) => assert!(
+            outcomes
+                .iter()
+                .all(|o| matches!(o, Err(r) if r.kind == RejectKind::Unavailable)),
+            "{outcomes:?}"
+        ),
+    }
+    cleanup(&prefix).await;
+}

@@ -1,5 +1,6 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::Poll;
 
 use outbox_core::{
     InvalidConfig, Partitions, PublishOutcomes, Publisher, RejectKind, Rejected, StoredMessage,
@@ -24,7 +25,9 @@ pub use config::{DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, 
 /// Each message becomes one entry (`XADD <prefix><topic> * ...`) with the fields listed
 /// at [`ENTRY_FIELDS`](crate::ENTRY_FIELDS). A batch goes in one pipeline, or in several
 /// in order when it holds more than
-/// [`max_pipeline_bytes`](PublisherConfig::max_pipeline_bytes). A pipeline is not a
+/// [`max_pipeline_bytes`](PublisherConfig::max_pipeline_bytes); to a single server a
+/// pipeline is queued in slices of 128 messages, in order on one connection, so that
+/// Redis works on the first while the rest are encoded. A pipeline is not a
 /// transaction: every command succeeds or fails on its own, and the relay gets one
 /// result per message:
 ///
@@ -248,29 +251,99 @@ impl RedisPublisher {
         }
     }
 
-    /// The commands of `batch[range]` (one hash slot), then the durability wait.
+    /// The commands of `batch[range]` (one hash slot), then the durability wait. Each
+    /// `XADD` is built in buffers of its exact size: grown an argument at a time, they
+    /// cost the relay more than the rest of the publish.
     fn pipeline(
         &self,
-        streams: &[String],
+        streams: &Streams,
         fields: &[Fields<'_>],
         part: &[usize],
     ) -> redis::Pipeline {
+        self.commands(streams, fields, part, true)
+    }
+
+    /// The `XADD`s of `part`, and the durability wait after them if `wait`.
+    fn commands(
+        &self,
+        streams: &Streams,
+        fields: &[Fields<'_>],
+        part: &[usize],
+        wait: bool,
+    ) -> redis::Pipeline {
         let mut pipe = redis::Pipeline::with_capacity(part.len() + 1);
         pipe.ignore_errors();
+        let max_len = self.config.max_len.map(|n| n.to_string());
         for &i in part {
-            let cmd = pipe.cmd("XADD").arg(&streams[i]);
-            if let Some(n) = self.config.max_len {
-                cmd.arg("MAXLEN").arg("~").arg(n);
+            let stream = streams.of(i);
+            let args = 3 + 2 * fields[i].len() + if max_len.is_some() { 3 } else { 0 };
+            let bytes = "XADD*".len()
+                + stream.len()
+                + max_len.as_ref().map_or(0, |n| "MAXLEN~".len() + n.len())
+                + fields[i]
+                    .iter()
+                    .map(|(f, v)| f.len() + v.len())
+                    .sum::<usize>();
+            let mut cmd = redis::Cmd::with_capacity(args, bytes);
+            cmd.arg("XADD").arg(stream);
+            if let Some(n) = &max_len {
+                cmd.arg("MAXLEN").arg("~").arg(n.as_str());
             }
             cmd.arg("*");
             for (field, value) in &fields[i] {
                 cmd.arg(*field).arg(value.as_ref());
             }
+            pipe.add_command(cmd);
         }
-        if let Some((wait, _)) = self.config.durability.command() {
-            pipe.add_command(wait);
+        if let Some((command, _)) = self.config.durability.command().filter(|_| wait) {
+            pipe.add_command(command);
         }
         pipe
+    }
+
+    /// One pipeline's commands ([`pipeline`](Self::pipeline)) on a single server, sent
+    /// in slices of [`SLICE`] messages, each queued on the connection before the next
+    /// one is built: the server works on the first entries while the relay encodes the
+    /// rest. One pipeline to the server all the same: the slices go in order on one
+    /// connection, the durability wait after the last, and the replies come back as one
+    /// pipeline's (if any slice fails as a whole, so does the pipeline, as when it went
+    /// in one piece).
+    async fn query_sliced(
+        &self,
+        conn: &Conn,
+        streams: &Streams,
+        fields: &[Fields<'_>],
+        part: &[usize],
+    ) -> RedisResult<Vec<RedisResult<Value>>> {
+        let slices: Vec<&[usize]> = part.chunks(SLICE).collect();
+        let mut sent = Vec::with_capacity(slices.len());
+        for (n, slice) in slices.iter().enumerate() {
+            let pipe = self.commands(streams, fields, slice, n + 1 == slices.len());
+            let mut conn = conn.clone();
+            let mut reply =
+                Box::pin(
+                    async move { pipe.query_async::<Vec<RedisResult<Value>>>(&mut conn).await },
+                );
+            // The first poll encodes the slice and queues it on the connection, behind
+            // the slices before it (the connection's queue is first come, first served,
+            // and a slice that has to wait for room is polled again before any later
+            // one); yielding lets the connection's task write it out.
+            let first = std::future::poll_fn(|cx| Poll::Ready(reply.as_mut().poll(cx))).await;
+            sent.push(match first {
+                Poll::Ready(done) => Sent::Done(done),
+                Poll::Pending => Sent::Waiting(reply),
+            });
+            tokio::task::yield_now().await;
+        }
+        let mut replies = Vec::with_capacity(part.len() + 1);
+        for slice in sent {
+            let got = match slice {
+                Sent::Done(done) => done,
+                Sent::Waiting(reply) => reply.await,
+            };
+            replies.extend(got?);
+        }
+        Ok(replies)
     }
 
     /// Halves the pipeline cap after a pipeline of `bytes` timed out.
@@ -297,8 +370,31 @@ impl RedisPublisher {
     }
 }
 
+/// Messages per slice of a pipeline sent by [`RedisPublisher::query_sliced`].
+const SLICE: usize = 128;
+
+/// A slice of a pipeline: its replies, or the future that waits for them.
+enum Sent<F> {
+    Done(RedisResult<Vec<RedisResult<Value>>>),
+    Waiting(F),
+}
+
 /// The field/value pairs of one entry.
 type Fields<'a> = [(&'static str, Cow<'a, str>); 8];
+
+/// The stream of each message of a batch: one name per distinct stream (usually one per
+/// topic), not one `String` per message.
+struct Streams {
+    names: Vec<String>,
+    /// Per message, its stream's index in `names`.
+    of: Vec<usize>,
+}
+
+impl Streams {
+    fn of(&self, i: usize) -> &str {
+        &self.names[self.of[i]]
+    }
+}
 
 /// What one entry weighs in a pipeline: its arguments and their framing, roughly.
 fn entry_bytes(stream: &str, fields: &Fields<'_>) -> usize {
@@ -368,28 +464,24 @@ impl Publisher for RedisPublisher {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let streams: Vec<String> = batch
-            .iter()
-            .map(|m| self.stream_for_key(&m.envelope.topic, &m.envelope.key))
-            .collect();
+        let streams = self.streams(batch);
         let fields: Vec<Fields<'_>> = batch.iter().map(|m| entry_fields(&m.envelope)).collect();
-        let sizes: Vec<usize> = streams
-            .iter()
-            .zip(&fields)
-            .map(|(s, f)| entry_bytes(s, f))
+        let sizes: Vec<usize> = (0..batch.len())
+            .map(|i| entry_bytes(streams.of(i), &fields[i]))
             .collect();
         let cap = self.pipeline_bytes.load(Ordering::Relaxed);
         // Per hash slot (a single group unless on a cluster), its pipelines in order.
-        let parts: Vec<Vec<(Vec<usize>, usize)>> =
-            by_slot(self.cluster, streams.iter().enumerate(), |(_, s)| {
-                s.as_str()
-            })
-            .into_iter()
-            .map(|group| {
-                let group: Vec<usize> = group.into_iter().map(|(i, _)| i).collect();
-                chunks(&group, &sizes, cap)
-            })
-            .collect();
+        let parts: Vec<Vec<(Vec<usize>, usize)>> = by_slot(
+            self.cluster,
+            (0..batch.len()).map(|i| (i, streams.of(i))),
+            |(_, s)| s,
+        )
+        .into_iter()
+        .map(|group| {
+            let group: Vec<usize> = group.into_iter().map(|(i, _)| i).collect();
+            chunks(&group, &sizes, cap)
+        })
+        .collect();
 
         let mut conn = match self.conn.get().await {
             Ok(conn) => conn,
@@ -413,12 +505,21 @@ impl Publisher for RedisPublisher {
             if live.is_empty() {
                 break;
             }
-            let pipes = live
-                .iter()
-                .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
-                .collect();
-            let results: Vec<RedisResult<Vec<RedisResult<Value>>>> =
-                query_all(&mut conn, pipes).await;
+            let results: Vec<RedisResult<Vec<RedisResult<Value>>>> = match live.as_slice() {
+                &[p] if !self.cluster => {
+                    vec![
+                        self.query_sliced(&conn, &streams, &fields, &parts[p][round].0)
+                            .await,
+                    ]
+                }
+                _ => {
+                    let pipes = live
+                        .iter()
+                        .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
+                        .collect();
+                    query_all(&mut conn, pipes).await
+                }
+            };
             for (&p, result) in live.iter().zip(results) {
                 let (part, bytes) = &parts[p][round];
                 match self.replies(batch, part, result).await {
@@ -484,6 +585,42 @@ impl Publisher for RedisPublisher {
 }
 
 impl RedisPublisher {
+    /// The stream of each message of `batch` ([`stream_for_key`](Self::stream_for_key)),
+    /// each distinct name built once.
+    fn streams(&self, batch: &[StoredMessage]) -> Streams {
+        let mut names: Vec<String> = Vec::new();
+        // (topic, partition or u32::MAX) of each name, the last one looked up first.
+        let mut known: Vec<(&str, u32)> = Vec::new();
+        let mut of = Vec::with_capacity(batch.len());
+        let mut last: Option<usize> = None;
+        for m in batch {
+            let topic = m.envelope.topic.as_str();
+            let p = self.partitions_of(topic);
+            let id = (
+                topic,
+                if p.is_partitioned() {
+                    p.of(&m.envelope.key)
+                } else {
+                    u32::MAX
+                },
+            );
+            let index = match last.filter(|&l| known[l] == id) {
+                Some(l) => l,
+                None => match known.iter().position(|k| *k == id) {
+                    Some(k) => k,
+                    None => {
+                        names.push(self.stream_for_key(topic, &m.envelope.key));
+                        known.push(id);
+                        names.len() - 1
+                    }
+                },
+            };
+            last = Some(index);
+            of.push(index);
+        }
+        Streams { names, of }
+    }
+
     /// The outcomes of one pipeline's replies, for the messages of `part`; `Err` when
     /// the pipeline failed as a whole (connection, timeout).
     async fn replies(
