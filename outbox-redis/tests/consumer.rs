@@ -776,3 +776,121 @@ async fn async_handlers_are_retried_and_applied_once() {
     });
     cleanup(&prefix).await;
 }
+
+/// A handler still running at the shutdown timeout neither holds up `run_until` (its
+/// acks' sender lives on in the worker) nor loses its ack: the transaction that
+/// commits after the run returned is acknowledged by its worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_running_past_the_shutdown_timeout_is_acked_when_it_commits() {
+    let prefix = unique_prefix("test");
+    let stream = format!("{prefix}order.paid");
+    publish(&prefix, [paid(1)]).await;
+    let db = MemoryDb::new(Applied::new());
+    let (started_tx, started) = mpsc::channel::<()>();
+    let (release, released) = mpsc::channel::<()>();
+    let started_tx = Mutex::new(started_tx);
+    let released = Mutex::new(released);
+    let handler = Recorder::with(move |_, _| {
+        let _ = started_tx.lock().unwrap().send(());
+        released.lock().unwrap().recv().ok();
+        Ok(())
+    });
+    let config = fast_config(&prefix)
+        .with_max_in_flight(1)
+        .with_shutdown_timeout(Duration::from_millis(100));
+    let c = consumer(config, &unique("late"), &db, handler.clone());
+    let mut running = Running::start(&c);
+    tokio::task::spawn_blocking(move || started.recv().unwrap())
+        .await
+        .unwrap();
+    running.stop_signal().send(()).unwrap();
+    // The run returns while the handler still waits.
+    (&mut running.task).await.unwrap().unwrap();
+    assert_eq!(c.stats().consumed, 0);
+    release.send(()).unwrap();
+    eventually("committed after the run returned", || {
+        c.stats().consumed == 1
+    })
+    .await;
+    let mut conn = conn().await;
+    for _ in 0..200 {
+        if pending_count(&mut conn, &stream, c.group()).await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        pending_count(&mut conn, &stream, c.group()).await,
+        0,
+        "the late commit was acknowledged"
+    );
+    assert!(all_applied_once(&db, 1));
+    cleanup(&prefix).await;
+}
+
+/// A dropped `run_until` leaves no worker thread behind: the runtime that ran it shuts
+/// down (it waits for its blocking threads).
+#[test]
+fn a_dropped_run_leaves_no_worker_behind() {
+    let prefix = unique_prefix("test");
+    let db = MemoryDb::new(Applied::new());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        publish(&prefix, (1..=3).map(paid)).await;
+        let c = consumer(fast_config(&prefix), &unique("drop"), &db, Recorder::ok());
+        let run = tokio::spawn({
+            let c = c.clone();
+            async move { c.run_until(std::future::pending()).await }
+        });
+        eventually("applied", || c.stats().consumed == 3).await;
+        run.abort();
+        let _ = run.await;
+    });
+    // Hangs here if a worker still waits for work.
+    drop(runtime);
+    assert!(all_applied_once(&db, 3));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(cleanup(&prefix));
+}
+
+/// On a current-thread runtime the workers' Redis commands (a dead letter, a delivery
+/// count) and pauses are driven by the runtime's one thread, which runs the loop too.
+#[tokio::test]
+async fn a_current_thread_runtime_runs_retries_and_dead_letters() {
+    let prefix = unique_prefix("test");
+    let stream = format!("{prefix}order.paid");
+    publish(&prefix, (1..=4).map(paid)).await;
+    let db = MemoryDb::new(Applied::new());
+    let handler = Recorder::with(|_, e| {
+        if e.order_id == "order-1" {
+            Err(HandlerError::msg("never"))
+        } else {
+            Ok(())
+        }
+    });
+    let config = fast_config(&prefix)
+        .with_max_deliveries(2)
+        .with_max_in_flight(2);
+    let c = consumer(config, &unique("current"), &db, handler);
+    let running = Running::start(&c);
+    eventually("applied and dead-lettered", || {
+        c.stats().consumed == 3 && c.stats().dead_lettered == 1
+    })
+    .await;
+    running.stop().await;
+    let mut conn = conn().await;
+    assert_eq!(pending_count(&mut conn, &stream, c.group()).await, 0);
+    assert_eq!(
+        xrange(&mut conn, &c.dead_letter_stream(&stream))
+            .await
+            .ids
+            .len(),
+        1
+    );
+    assert!(db.read(|a| a.len() == 3 && a.values().all(|&n| n == 1)));
+    cleanup(&prefix).await;
+}

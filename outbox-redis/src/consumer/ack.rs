@@ -58,15 +58,42 @@ where
     /// has queued (up to [`ACK_BATCH`]) and sends it as one `XACK` per stream.
     pub(super) async fn flush_acks(
         self,
-        mut queued: tokio::sync::mpsc::UnboundedReceiver<(Arc<str>, String)>,
+        queued: tokio::sync::mpsc::UnboundedReceiver<(Arc<str>, String)>,
         failed: Arc<AtomicBool>,
     ) {
+        self.flush_acks_until(queued, failed, std::future::pending())
+            .await;
+    }
+
+    /// [`flush_acks`](Self::flush_acks), which also ends, after sending what has queued,
+    /// once `closing` completes: a sender still alive then (a worker whose handler ran
+    /// past the shutdown timeout) sends its ack itself ([`ack_all`](Self::ack_all)).
+    pub(super) async fn flush_acks_until(
+        self,
+        mut queued: tokio::sync::mpsc::UnboundedReceiver<(Arc<str>, String)>,
+        failed: Arc<AtomicBool>,
+        closing: impl std::future::Future<Output = ()>,
+    ) {
+        let mut closing = std::pin::pin!(closing);
+        let mut open = true;
         let mut entries = Vec::new();
-        while queued.recv_many(&mut entries, ACK_BATCH).await > 0 {
-            if self.xack(&entries).await {
-                failed.store(true, Ordering::Relaxed);
+        loop {
+            tokio::select! {
+                n = queued.recv_many(&mut entries, ACK_BATCH) => {
+                    if n == 0 {
+                        return;
+                    }
+                    if self.xack(&entries).await {
+                        failed.store(true, Ordering::Relaxed);
+                    }
+                    entries.clear();
+                }
+                () = &mut closing, if open => {
+                    // What is queued still comes out; nothing more goes in.
+                    queued.close();
+                    open = false;
+                }
             }
-            entries.clear();
         }
     }
 

@@ -252,6 +252,7 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 health: HealthState::default(),
             }),
             acks: None,
+            on_worker: false,
         })
     }
 

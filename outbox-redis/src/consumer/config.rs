@@ -62,7 +62,9 @@ pub struct ConsumerConfig {
     /// Most messages processed at once (default 16); with a database inbox, at most the
     /// pool's size is useful. In batch mode: most batches (transactions) at once. Up to
     /// as many entries again (batches in batch mode) are read ahead and wait for a free
-    /// slot, so that the next message is at hand when one finishes.
+    /// slot, so that the next message is at hand when one finishes. In single mode on a
+    /// blocking inbox, each of these transactions runs on a worker of its own (a tokio
+    /// blocking thread for the run's lifetime, as many as the pool's size allows).
     pub max_in_flight: usize,
     /// Opt-in batch mode (default `None`: one transaction per message). With `Some(n)`,
     /// the entries of one read are split into batches of at most `n` messages, and each

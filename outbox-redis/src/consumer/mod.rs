@@ -8,7 +8,8 @@
 //!   [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
 //! - [`store`]: the idempotency store, blocking or async ([`ConsumerStore`]);
-//! - [`single`]: one transaction per message; [`batch`] and [`lanes`]: batch mode;
+//! - [`single`]: one transaction per message, on a blocking inbox run by the long-lived
+//!   workers of [`work`]; [`batch`] and [`lanes`]: batch mode;
 //! - [`failure`] and [`dead_letter`]: failed deliveries; [`ack`]: `XACK`;
 //!   [`trim`]: the periodic trim;
 //! - [`ordered`]: ordered mode, its own loop over leased streams and per-key queues.
@@ -41,6 +42,7 @@ mod single;
 mod stats;
 mod store;
 mod trim;
+mod work;
 
 pub use builder::{ConsumerBuilder, NoInbox};
 pub use config::{AfterDeadLetter, ConsumerConfig, OrderedConfig, StartFrom};
@@ -59,7 +61,9 @@ use stats::{Count, Counters};
 /// Per entry: the event type picks the handler and the payload is decoded into its type;
 /// then the idempotency store opens a transaction, records `(group, msg_id)` and runs the
 /// handler with the transaction's connection — a blocking [`Inbox`](outbox_core::Inbox)
-/// on a blocking thread, an [`AsyncInbox`](outbox_core::AsyncInbox)
+/// on a blocking thread (in single mode one long-lived worker thread per transaction
+/// in flight, which takes the next entry from a queue), an
+/// [`AsyncInbox`](outbox_core::AsyncInbox)
 /// ([`idempotency_async`](ConsumerBuilder::idempotency_async)) awaited, with no blocking
 /// thread per message; after the commit the entry is acknowledged (`XACK`). A message already recorded is acknowledged
 /// without running the handler, and counted as a duplicate.
@@ -134,6 +138,9 @@ pub struct Consumer<I, C = <I as ConsumerStore>::Conn> {
     inner: Arc<Inner<I, C>>,
     /// Inside [`run_until`](Consumer::run_until): where finished work queues its acks.
     acks: Option<AckQueue>,
+    /// On a worker of single mode ([`work`]): a blocking store's transactions run on the
+    /// calling thread.
+    on_worker: bool,
 }
 
 impl<I, C> Clone for Consumer<I, C> {
@@ -141,6 +148,7 @@ impl<I, C> Clone for Consumer<I, C> {
         Self {
             inner: Arc::clone(&self.inner),
             acks: self.acks.clone(),
+            on_worker: self.on_worker,
         }
     }
 }

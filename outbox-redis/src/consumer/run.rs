@@ -18,6 +18,7 @@ use super::in_flight::InFlight;
 use super::lanes::lanes;
 use super::read::Reads;
 use super::stats::Count;
+use super::work::Workers;
 use super::{Consumer, ConsumerConfig, Done, Job};
 use crate::Result;
 
@@ -43,7 +44,9 @@ where
     /// for them, see [`max_in_flight`](ConsumerConfig::max_in_flight)) finish, sends
     /// their acknowledgements, then returns, within
     /// [`shutdown_timeout`](ConsumerConfig::shutdown_timeout): messages still in flight
-    /// then stay pending. Entries handed to a read that the shutdown cut short stay
+    /// then stay pending (in single mode on a blocking inbox, a transaction that still
+    /// commits after the run returned is acknowledged by its worker, if the process and
+    /// Redis are still there). Entries handed to a read that the shutdown cut short stay
     /// pending and are claimed again after `min_idle`. Dropping the future instead
     /// abandons the messages in flight the same way: nothing is lost, and their
     /// transactions decide whether a redelivery is a duplicate.
@@ -71,14 +74,19 @@ where
         // Work spawned by this run acks through `acks`; the flusher ends once every
         // copy of its sender is gone (the run's worker and its tasks), after sending
         // what they queued.
+        // After the run, what is queued goes out and the flusher ends, even if a worker's
+        // handler still runs past the shutdown timeout (it then acks by itself).
         let (queue, queued) = tokio::sync::mpsc::unbounded_channel();
         let acks = AckQueue {
             queue,
             failed: Arc::default(),
         };
+        let (close_acks, closing) = tokio::sync::oneshot::channel::<()>();
         let flusher = tokio::spawn(
             self.clone()
-                .flush_acks(queued, Arc::clone(&acks.failed))
+                .flush_acks_until(queued, Arc::clone(&acks.failed), async {
+                    let _ = closing.await;
+                })
                 .instrument(span.clone()),
         );
         let mut run = Run::new(self, acks, in_flight, span.clone());
@@ -87,6 +95,7 @@ where
         while run.round(&mut shutdown).await.is_some() {}
         drop(running);
         run.stop().await;
+        let _ = close_acks.send(());
         keep_alive.abort();
         // The run, and with it the worker's ack sender, is gone: the acks of what
         // finished go out before the run returns.
@@ -120,6 +129,8 @@ struct Run<I, C> {
     /// transaction slot busy.
     read_at: usize,
     tasks: JoinSet<Done>,
+    /// Single mode on a blocking inbox: the workers, instead of a task per entry.
+    workers: Option<Workers>,
     in_flight: InFlight,
     /// Batch mode: one task at a time per lane of keys (see [`lanes`]).
     lane_locks: Arc<[Mutex<()>]>,
@@ -148,18 +159,29 @@ where
             .max_in_flight
             .min(ConsumerStore::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
+        let task_limit = config.max_in_flight.saturating_mul(2);
+        let read_at = (transactions / 2).max(1);
+        let acks_failed = Arc::clone(&acks.failed);
+        let worker = Consumer {
+            inner: Arc::clone(&consumer.inner),
+            acks: Some(acks),
+            on_worker: false,
+        };
+        let workers =
+            (config.batch_size.is_none() && consumer.inner.inbox.runs_here()).then(|| {
+                let wake_at = task_limit.saturating_sub(read_at);
+                Workers::start(&worker, transactions, wake_at, &in_flight, &span)
+            });
         Self {
-            acks_failed: Arc::clone(&acks.failed),
-            worker: Consumer {
-                inner: Arc::clone(&consumer.inner),
-                acks: Some(acks),
-            },
+            acks_failed,
+            worker,
             consumer: consumer.clone(),
             span,
             permits: Arc::new(Semaphore::new(transactions)),
-            task_limit: config.max_in_flight.saturating_mul(2),
-            read_at: (transactions / 2).max(1),
+            task_limit,
+            read_at,
             tasks: JoinSet::new(),
+            workers,
             in_flight,
             // (Twice as many lanes as transactions measured slower: 1.6 instead of 1.9
             // times single mode at 8 in flight, 1.3 instead of 1.5 under contention.)
@@ -189,10 +211,22 @@ where
         if let Some(pause) = health.pause(&self.config().outage_backoff) {
             unless(shutdown, tokio::time::sleep(pause)).await?;
         }
-        let free = self.task_limit.saturating_sub(self.tasks.len());
+        let busy = match &self.workers {
+            Some(workers) => workers.queue.busy(),
+            None => self.tasks.len(),
+        };
+        let free = self.task_limit.saturating_sub(busy);
         if free < self.read_at {
-            if let Some(done) = unless(shutdown, self.tasks.join_next()).await? {
-                self.finished(done);
+            match &self.workers {
+                Some(workers) => {
+                    let room = self.task_limit - self.read_at;
+                    unless(shutdown, workers.queue.room_for(room)).await?;
+                }
+                None => {
+                    if let Some(done) = unless(shutdown, self.tasks.join_next()).await? {
+                        self.finished(done);
+                    }
+                }
             }
             return Some(());
         }
@@ -295,10 +329,14 @@ where
         }
     }
 
-    /// Starts processing `jobs`: one task per entry; in batch mode one task per lane (see
-    /// [`lanes`]), which waits for the lane's previous task, then runs its batches one
-    /// after another.
+    /// Starts processing `jobs`: to the workers, or one task per entry (an async inbox);
+    /// in batch mode one task per lane (see [`lanes`]), which waits for the lane's
+    /// previous task, then runs its batches one after another.
     fn spawn_work(&mut self, jobs: Vec<Job>) {
+        if let Some(workers) = &self.workers {
+            workers.push(jobs);
+            return;
+        }
         let Some(size) = self.config().batch_size else {
             for job in jobs {
                 let this = self.worker.clone();
@@ -359,6 +397,15 @@ where
         // Reads still blocking (on a cluster) stop here; what they may have read stays
         // pending, as with a read the shutdown cut short.
         drop(std::mem::take(&mut self.reads));
+        if let Some(workers) = self.workers.take() {
+            let in_flight = workers.queue.busy();
+            tracing::info!(parent: &self.span, in_flight, "consumer stopping");
+            let abandoned = workers.stop(self.config().shutdown_timeout).await;
+            if abandoned > 0 {
+                tracing::warn!(parent: &self.span, abandoned, "shutdown timeout reached; the messages still in flight stay pending for other consumers");
+            }
+            return;
+        }
         tracing::info!(parent: &self.span, in_flight = self.tasks.len(), "consumer stopping");
         let grace = tokio::time::sleep(self.config().shutdown_timeout);
         tokio::pin!(grace);

@@ -114,7 +114,7 @@ where
         };
         let mut conflicts = 0;
         let attempt = loop {
-            match self.attempt(prepared, delivery.clone()).await {
+            match self.attempt(prepared, &delivery).await {
                 Attempt::Failed {
                     reason,
                     conflict: true,
@@ -151,12 +151,20 @@ where
         }
     }
 
-    /// Runs the dedup transaction (a blocking inbox on a blocking thread); a panic is a
+    /// Runs the dedup transaction: on a worker's thread ([`work`](super::work)), else a
+    /// blocking inbox on a blocking thread or an async inbox awaited; a panic is a
     /// failure.
-    async fn attempt(&self, prepared: Prepared<C>, delivery: Delivery) -> Attempt {
-        let inbox = Arc::clone(&self.inner.inbox);
-        let group = self.inner.group.clone();
-        match inbox.run_one(group, prepared, delivery).await {
+    async fn attempt(&self, prepared: Prepared<C>, delivery: &Delivery) -> Attempt {
+        let inner = &self.inner;
+        let run = if self.on_worker {
+            inner.inbox.run_one_here(&inner.group, prepared, delivery)
+        } else {
+            let inbox = Arc::clone(&inner.inbox);
+            inbox
+                .run_one(inner.group.clone(), prepared, delivery.clone())
+                .await
+        };
+        match run {
             Ok(Ok(processed)) => Attempt::Processed(processed),
             Ok(Err(e)) => Attempt::Failed {
                 outage: e.is_outage(),

@@ -43,6 +43,21 @@ pub trait ConsumerStore: Sealed + Send + Sync + 'static {
         delivery: Delivery,
     ) -> StoreFuture<Processed>;
 
+    /// Whether [`run_one_here`](Self::run_one_here) runs the transaction (a blocking
+    /// inbox).
+    #[doc(hidden)]
+    fn runs_here(&self) -> bool;
+
+    /// One prepared message in its dedup transaction, on the calling thread, which may
+    /// block: only where [`runs_here`](Self::runs_here) says so.
+    #[doc(hidden)]
+    fn run_one_here(
+        &self,
+        group: &str,
+        prepared: Prepared<Self::Conn>,
+        delivery: &Delivery,
+    ) -> StoreRun<Processed>;
+
     /// A batch of deliveries through the dispatcher, in one store transaction.
     #[doc(hidden)]
     fn run_batch(
@@ -98,6 +113,27 @@ impl<I: Inbox> ConsumerStore for I {
             })
         });
         Box::pin(async move { joined.await.map_err(join_failure) })
+    }
+
+    fn runs_here(&self) -> bool {
+        true
+    }
+
+    fn run_one_here(
+        &self,
+        group: &str,
+        prepared: Prepared<I::Conn>,
+        delivery: &Delivery,
+    ) -> StoreRun<Processed> {
+        // As `spawn_blocking` reported it in `run_one`: a panic unwinding out of the
+        // inbox is a crashed run (the connection, still in its transaction, is
+        // discarded by the pool).
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.process(group, &delivery.envelope.msg_id, |conn| {
+                prepared.run(conn, delivery)
+            })
+        }))
+        .map_err(|panic| format!("panicked: {}", outbox_core::panic_message(&*panic)))
     }
 
     fn run_batch(
@@ -159,6 +195,14 @@ where
         caught(
             async move { Dispatcher::consume_prepared(&self.0, &group, prepared, delivery).await },
         )
+    }
+
+    fn runs_here(&self) -> bool {
+        false
+    }
+
+    fn run_one_here(&self, _: &str, _: Prepared<I::Conn>, _: &Delivery) -> StoreRun<Processed> {
+        Err("an async inbox's transactions are awaited, not run on a worker".to_owned())
     }
 
     fn run_batch(

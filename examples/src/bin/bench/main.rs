@@ -56,6 +56,11 @@ struct Args {
     /// async-emit, plots.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Only these figures of the consumer part, by their place in its list (from 0; e.g.
+    /// `3,4`: the plain SQL loop and single mode at 8 in flight); the ratios of the
+    /// others are left out.
+    #[arg(long, value_delimiter = ',')]
+    consumer_figures: Vec<usize>,
     /// Where the table and the plots go.
     #[arg(long, default_value = "docs/bench")]
     out: PathBuf,
@@ -213,7 +218,7 @@ async fn main() -> Result<(), BoxError> {
     if args.runs("consumer") {
         let deadline = Duration::from_secs(if args.tiny { 20 } else { 60 });
         let bench = ConsumerBench::new(&svc, sizes.consumer_messages, deadline).await?;
-        let result = consumer_part(&sizes, &bench, &mut figures).await;
+        let result = consumer_part(&sizes, &args.consumer_figures, &bench, &mut figures).await;
         bench.cleanup().await;
         result?;
     }
@@ -494,6 +499,7 @@ async fn relay_part(
 
 async fn consumer_part(
     sizes: &Sizes,
+    only: &[usize],
     bench: &ConsumerBench,
     figures: &mut Vec<Figure>,
 ) -> Result<(), BoxError> {
@@ -521,6 +527,9 @@ async fn consumer_part(
     let mut rates = vec![Vec::new(); NAMES.len()];
     for round in 0..sizes.rounds {
         for i in order(round, NAMES.len()) {
+            if !only.is_empty() && !only.contains(&i) {
+                continue;
+            }
             let rate = match i {
                 0 => tokio::task::block_in_place(|| bench.plain_loop(1))?,
                 1 => bench.consumers(Load::Distinct, 1, 1, None).await?,
@@ -618,6 +627,9 @@ async fn consumer_part(
             Target::None,
         ),
     ] {
+        if rates[a].is_empty() || rates[b].is_empty() {
+            continue;
+        }
         let mut f = Figure::ratio("consumer", name, compared, target);
         f.values = ratio(a, b);
         figures.push(f);

@@ -188,6 +188,7 @@ where
             worker: Consumer {
                 inner: Arc::clone(&consumer.inner),
                 acks: Some(acks),
+                on_worker: false,
             },
             consumer: consumer.clone(),
             span,
