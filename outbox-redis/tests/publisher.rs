@@ -708,12 +708,12 @@ async fn every_entry_is_entry_fields_in_its_stream_whatever_the_batch_mixes() {
     cleanup(&prefix).await;
 }
 
-/// A batch larger than one slice of the pipeline (the publisher queues its commands a
-/// slice at a time): every message's outcome is its own entry's reply, whichever slice
-/// it went in; the entries land in batch order; and the durability wait after the last
-/// slice covers them all (`WAIT 0`: all taken; `WAIT 1` without replicas: none counted).
+/// A large batch with rejected messages spread through it: every message's outcome is
+/// its own entry's reply; the entries land in batch order; and the durability wait
+/// after the last covers them all (`WAIT 0`: all taken; `WAIT 1` without replicas: none
+/// counted).
 #[tokio::test]
-async fn a_batch_of_several_slices_keeps_order_and_each_message_its_own_outcome() {
+async fn a_large_batch_keeps_order_and_each_message_its_own_outcome() {
     let prefix = unique_prefix("test");
     let mut conn = conn().await;
     // The refunds stream's key holds a string: each refund's XADD is WRONGTYPE.
@@ -732,7 +732,7 @@ async fn a_batch_of_several_slices_keeps_order_and_each_message_its_own_outcome(
         )
         .unwrap()
     };
-    // 700 messages, a refund every 97th: refunds in every slice, at their edges too.
+    // 700 messages, a refund every 97th.
     let envelopes: Vec<Envelope> = (0..700)
         .map(|n| if n % 97 == 0 { refund(n) } else { paid(n) })
         .collect();

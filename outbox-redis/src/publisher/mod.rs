@@ -1,6 +1,5 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::Poll;
 
 use outbox_core::{
     InvalidConfig, Partitions, PublishOutcomes, Publisher, RejectKind, Rejected, StoredMessage,
@@ -25,9 +24,11 @@ pub use config::{DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, 
 /// Each message becomes one entry (`XADD <prefix><topic> * ...`) with the fields listed
 /// at [`ENTRY_FIELDS`](crate::ENTRY_FIELDS). A batch goes in one pipeline, or in several
 /// in order when it holds more than
-/// [`max_pipeline_bytes`](PublisherConfig::max_pipeline_bytes); to a single server a
-/// pipeline is queued in slices of 128 messages, in order on one connection, so that
-/// Redis works on the first while the rest are encoded. A pipeline is not a
+/// [`max_pipeline_bytes`](PublisherConfig::max_pipeline_bytes). (Sending a pipeline in
+/// slices, so that Redis works on the first while the rest are encoded, was tried and
+/// taken back: a slice waiting for room in the connection's queue can be overtaken by
+/// the next one, which would break key order and let the durability wait go before
+/// writes it must cover.) A pipeline is not a
 /// transaction: every command succeeds or fails on its own, and the relay gets one
 /// result per message:
 ///
@@ -260,17 +261,6 @@ impl RedisPublisher {
         fields: &[Fields<'_>],
         part: &[usize],
     ) -> redis::Pipeline {
-        self.commands(streams, fields, part, true)
-    }
-
-    /// The `XADD`s of `part`, and the durability wait after them if `wait`.
-    fn commands(
-        &self,
-        streams: &Streams,
-        fields: &[Fields<'_>],
-        part: &[usize],
-        wait: bool,
-    ) -> redis::Pipeline {
         let mut pipe = redis::Pipeline::with_capacity(part.len() + 1);
         pipe.ignore_errors();
         let max_len = self.config.max_len.map(|n| n.to_string());
@@ -295,55 +285,10 @@ impl RedisPublisher {
             }
             pipe.add_command(cmd);
         }
-        if let Some((command, _)) = self.config.durability.command().filter(|_| wait) {
+        if let Some((command, _)) = self.config.durability.command() {
             pipe.add_command(command);
         }
         pipe
-    }
-
-    /// One pipeline's commands ([`pipeline`](Self::pipeline)) on a single server, sent
-    /// in slices of [`SLICE`] messages, each queued on the connection before the next
-    /// one is built: the server works on the first entries while the relay encodes the
-    /// rest. One pipeline to the server all the same: the slices go in order on one
-    /// connection, the durability wait after the last, and the replies come back as one
-    /// pipeline's (if any slice fails as a whole, so does the pipeline, as when it went
-    /// in one piece).
-    async fn query_sliced(
-        &self,
-        conn: &Conn,
-        streams: &Streams,
-        fields: &[Fields<'_>],
-        part: &[usize],
-    ) -> RedisResult<Vec<RedisResult<Value>>> {
-        let slices: Vec<&[usize]> = part.chunks(SLICE).collect();
-        let mut sent = Vec::with_capacity(slices.len());
-        for (n, slice) in slices.iter().enumerate() {
-            let pipe = self.commands(streams, fields, slice, n + 1 == slices.len());
-            let mut conn = conn.clone();
-            let mut reply =
-                Box::pin(
-                    async move { pipe.query_async::<Vec<RedisResult<Value>>>(&mut conn).await },
-                );
-            // The first poll encodes the slice and queues it on the connection, behind
-            // the slices before it (the connection's queue is first come, first served,
-            // and a slice that has to wait for room is polled again before any later
-            // one); yielding lets the connection's task write it out.
-            let first = std::future::poll_fn(|cx| Poll::Ready(reply.as_mut().poll(cx))).await;
-            sent.push(match first {
-                Poll::Ready(done) => Sent::Done(done),
-                Poll::Pending => Sent::Waiting(reply),
-            });
-            tokio::task::yield_now().await;
-        }
-        let mut replies = Vec::with_capacity(part.len() + 1);
-        for slice in sent {
-            let got = match slice {
-                Sent::Done(done) => done,
-                Sent::Waiting(reply) => reply.await,
-            };
-            replies.extend(got?);
-        }
-        Ok(replies)
     }
 
     /// Halves the pipeline cap after a pipeline of `bytes` timed out.
@@ -368,15 +313,6 @@ impl RedisPublisher {
             self.pipeline_bytes.store(next, Ordering::Relaxed);
         }
     }
-}
-
-/// Messages per slice of a pipeline sent by [`RedisPublisher::query_sliced`].
-const SLICE: usize = 128;
-
-/// A slice of a pipeline: its replies, or the future that waits for them.
-enum Sent<F> {
-    Done(RedisResult<Vec<RedisResult<Value>>>),
-    Waiting(F),
 }
 
 /// The field/value pairs of one entry.
@@ -505,21 +441,11 @@ impl Publisher for RedisPublisher {
             if live.is_empty() {
                 break;
             }
-            let results: Vec<RedisResult<Vec<RedisResult<Value>>>> = match live.as_slice() {
-                &[p] if !self.cluster => {
-                    vec![
-                        self.query_sliced(&conn, &streams, &fields, &parts[p][round].0)
-                            .await,
-                    ]
-                }
-                _ => {
-                    let pipes = live
-                        .iter()
-                        .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
-                        .collect();
-                    query_all(&mut conn, pipes).await
-                }
-            };
+            let pipes = live
+                .iter()
+                .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
+                .collect();
+            let results = query_all(&mut conn, pipes).await;
             for (&p, result) in live.iter().zip(results) {
                 let (part, bytes) = &parts[p][round];
                 match self.replies(batch, part, result).await {
