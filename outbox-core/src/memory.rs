@@ -109,7 +109,11 @@ struct Shared<S> {
 /// ([`AsyncInbox`], e.g. an [`AsyncTxHandler`](crate::AsyncTxHandler) with
 /// `Conn = MemoryTx<S>` through
 /// [`Dispatcher::consume_async`](crate::Dispatcher::consume_async)); where both traits
-/// are in scope, call its methods as `Inbox::process(&db, ..)`.
+/// are in scope, call its methods as `Inbox::process(&db, ..)`. An async transaction
+/// holds the database across its handler's awaits: on a current-thread runtime, do not
+/// call the blocking API ([`transaction`](Self::transaction), [`Inbox`]) from a task
+/// while another task's async transaction is in progress; it would block the thread
+/// that transaction needs to finish.
 ///
 /// ```
 /// use outbox_core::{MemoryDb, OutboxEvent, Status};

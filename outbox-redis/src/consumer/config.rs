@@ -64,7 +64,10 @@ pub struct ConsumerConfig {
     /// as many entries again (batches in batch mode) are read ahead and wait for a free
     /// slot, so that the next message is at hand when one finishes. In single mode on a
     /// blocking inbox, each of these transactions runs on a worker of its own (a tokio
-    /// blocking thread for the run's lifetime, as many as the pool's size allows).
+    /// blocking thread for the run's lifetime, as many as the pool's size allows): a
+    /// runtime built with `max_blocking_threads` must leave room beyond them for the
+    /// rest of the process's `spawn_blocking` work (DNS lookups when reconnecting to
+    /// Redis go through it).
     pub max_in_flight: usize,
     /// Opt-in batch mode (default `None`: one transaction per message). With `Some(n)`,
     /// the entries of one read are split into batches of at most `n` messages, and each

@@ -1,4 +1,5 @@
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use outbox_core::{
@@ -515,10 +516,10 @@ impl RedisPublisher {
     /// each distinct name built once.
     fn streams(&self, batch: &[StoredMessage]) -> Streams {
         let mut names: Vec<String> = Vec::new();
-        // (topic, partition or u32::MAX) of each name, the last one looked up first.
-        let mut known: Vec<(&str, u32)> = Vec::new();
+        // The index of each (topic, partition or u32::MAX) in `names`; a partitioned
+        // topic can have up to 1024 streams, so a map rather than a search.
+        let mut known: HashMap<(&str, u32), usize> = HashMap::new();
         let mut of = Vec::with_capacity(batch.len());
-        let mut last: Option<usize> = None;
         for m in batch {
             let topic = m.envelope.topic.as_str();
             let p = self.partitions_of(topic);
@@ -530,18 +531,10 @@ impl RedisPublisher {
                     u32::MAX
                 },
             );
-            let index = match last.filter(|&l| known[l] == id) {
-                Some(l) => l,
-                None => match known.iter().position(|k| *k == id) {
-                    Some(k) => k,
-                    None => {
-                        names.push(self.stream_for_key(topic, &m.envelope.key));
-                        known.push(id);
-                        names.len() - 1
-                    }
-                },
-            };
-            last = Some(index);
+            let index = *known.entry(id).or_insert_with(|| {
+                names.push(self.stream_for_key(topic, &m.envelope.key));
+                names.len() - 1
+            });
             of.push(index);
         }
         Streams { names, of }
