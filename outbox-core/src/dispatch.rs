@@ -848,16 +848,21 @@ mod tests {
         (d, apply)
     }
 
+    /// `envelope` delivered for the first time.
+    pub(super) fn first_delivery(envelope: Envelope) -> Delivery {
+        Delivery {
+            envelope,
+            delivery_count: 1,
+            entry_id: None,
+        }
+    }
+
     fn credit(id: &str, amount: i64) -> Delivery {
         let e = Credit {
             id: id.into(),
             amount,
         };
-        Delivery {
-            envelope: Envelope::from_event(&e, 1024).unwrap(),
-            delivery_count: 1,
-            entry_id: None,
-        }
+        first_delivery(Envelope::from_event(&e, 1024).unwrap())
     }
 
     fn id(s: &str) -> MsgId {
@@ -1118,11 +1123,7 @@ mod upgrade_tests {
         let mut envelope = Envelope::from_event(&e, 1024).unwrap();
         envelope.schema_version = version;
         envelope.payload = payload.to_string();
-        Delivery {
-            envelope,
-            delivery_count: 1,
-            entry_id: None,
-        }
+        super::tests::first_delivery(envelope)
     }
 
     /// A dispatcher at v3 with both steps; counts the steps' calls.
@@ -1313,11 +1314,7 @@ mod async_tests {
             .unwrap();
         let db = MemoryDb::new(());
         let envelope = Envelope::from_event(&Email { to: "bob".into() }, 1024).unwrap();
-        let delivery = Delivery {
-            envelope,
-            delivery_count: 1,
-            entry_id: None,
-        };
+        let delivery = super::tests::first_delivery(envelope);
         let consume = |d: Delivery| {
             let (dispatcher, db) = (dispatcher.clone(), db.clone());
             tokio::task::spawn_blocking(move || dispatcher.consume(&db, "mail", &d))
@@ -1349,11 +1346,7 @@ mod async_tests {
             .register_async::<Email, _>(Arc::new(Mailer::default()))
             .unwrap();
         let envelope = Envelope::from_event(&Email { to: "bob".into() }, 1024).unwrap();
-        let delivery = Delivery {
-            envelope,
-            delivery_count: 1,
-            entry_id: None,
-        };
+        let delivery = super::tests::first_delivery(envelope);
         let err = dispatcher
             .consume(&MemoryDb::new(()), "mail", &delivery)
             .unwrap_err();
@@ -1417,11 +1410,7 @@ mod async_memory_inbox_tests {
             id: id.into(),
             amount,
         };
-        Delivery {
-            envelope: Envelope::from_event(&e, 1024).unwrap(),
-            delivery_count: 1,
-            entry_id: None,
-        }
+        super::tests::first_delivery(Envelope::from_event(&e, 1024).unwrap())
     }
 
     /// The emitted `Deposited` rows, by msg_id.

@@ -203,10 +203,21 @@ async fn commits_keep_the_pooled_connection<B: AsyncBackend>() {
         })
         .await;
     assert_eq!(outcome.unwrap(), Processed::Applied);
-    let mut c = B::connect(&db);
-    let sessions = B::scalar(&mut c, "SELECT COUNT(DISTINCT n) AS n FROM ballast");
-    assert_eq!(sessions, 1, "every transaction ran in the same session");
-    assert_eq!(B::scalar(&mut c, "SELECT COUNT(*) AS n FROM ballast"), 4);
+    assert_eq!(
+        sessions::<B>(&db),
+        (1, 4),
+        "every transaction ran in one session"
+    );
+}
+
+/// How many server sessions the recorded transactions ran in, and how many there were.
+fn sessions<B: Backend>(db: &TestDb) -> (i64, i64) {
+    let mut c = B::connect(db);
+    let distinct = B::scalar(&mut c, "SELECT COUNT(DISTINCT n) AS n FROM ballast");
+    (
+        distinct,
+        B::scalar(&mut c, "SELECT COUNT(*) AS n FROM ballast"),
+    )
 }
 
 /// PostgreSQL: a `COMMIT` that fails by itself (a deferred constraint) ends the
@@ -236,12 +247,7 @@ async fn a_failing_commit_is_not_applied() {
         })
         .await;
     assert_eq!(outcome.unwrap(), Processed::Applied);
-    let mut c = Pg::connect(&db);
-    assert_eq!(
-        Pg::scalar(&mut c, "SELECT COUNT(DISTINCT n) AS n FROM ballast"),
-        1,
-        "the connection was kept"
-    );
+    assert_eq!(sessions::<Pg>(&db).0, 1, "the connection was kept");
 }
 
 #[test]

@@ -120,6 +120,39 @@ async fn the_same_message_twice_is_applied_once_and_acked_twice() {
     cleanup(&prefix).await;
 }
 
+/// A handler's stop inside its transaction: it tells the test it started, then waits
+/// until the test releases it (or drops the release).
+struct Hold {
+    started: Mutex<mpsc::Sender<()>>,
+    released: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Hold {
+    /// The hold, the test's end of "started" and its release.
+    fn new() -> (Self, mpsc::Receiver<()>, mpsc::Sender<()>) {
+        let (started_tx, started) = mpsc::channel();
+        let (release, released) = mpsc::channel();
+        let hold = Self {
+            started: Mutex::new(started_tx),
+            released: Mutex::new(released),
+        };
+        (hold, started, release)
+    }
+
+    fn stop(&self) {
+        // A message read ahead may stop here after the test stopped listening.
+        let _ = self.started.lock().unwrap().send(());
+        self.released.lock().unwrap().recv().ok();
+    }
+}
+
+/// Waits, off the runtime's threads, until a handler reached its [`Hold`].
+async fn wait_started(started: mpsc::Receiver<()>) {
+    tokio::task::spawn_blocking(move || started.recv().unwrap())
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_of_a_killed_consumer_is_reclaimed_and_applied_once() {
     let prefix = unique_prefix("test");
@@ -130,22 +163,16 @@ async fn an_entry_of_a_killed_consumer_is_reclaimed_and_applied_once() {
 
     // The first consumer's handler stalls inside its transaction until released, then
     // fails: the process "dies" mid-transaction, which rolls back.
-    let (started_tx, started) = mpsc::channel::<()>();
-    let (release, released) = mpsc::channel::<()>();
-    let started_tx = Mutex::new(started_tx);
-    let released = Mutex::new(released);
+    let (hold, started, release) = Hold::new();
     let doomed = Recorder::with(move |_, _| {
-        started_tx.lock().unwrap().send(()).unwrap();
-        released.lock().unwrap().recv().ok();
+        hold.stop();
         Err(HandlerError::msg("process killed"))
     });
     // Long enough that the first consumer never retries the entry itself.
     let config = fast_config(&prefix).with_min_idle(Duration::from_secs(3600));
     let first = consumer(config, &group, &db, doomed.clone());
     let running = Running::start(&first);
-    tokio::task::spawn_blocking(move || started.recv().unwrap())
-        .await
-        .unwrap();
+    wait_started(started).await;
     // Kill it before XACK: the run is dropped with the message in flight.
     running.task.abort();
     assert!(running.task.await.unwrap_err().is_cancelled());
@@ -527,22 +554,16 @@ async fn graceful_shutdown_finishes_and_acks_in_flight_messages() {
     let stream = format!("{prefix}order.paid");
     publish(&prefix, (1..=3).map(paid)).await;
     let db = MemoryDb::new(Applied::new());
-    let (started_tx, started) = mpsc::channel::<()>();
-    let (release, released) = mpsc::channel::<()>();
-    let started_tx = Mutex::new(started_tx);
-    let released = Mutex::new(released);
+    let (hold, started, release) = Hold::new();
     let handler = Recorder::with(move |_, _| {
         // The message read ahead also runs, after the test stopped listening.
-        let _ = started_tx.lock().unwrap().send(());
-        released.lock().unwrap().recv().ok();
+        hold.stop();
         Ok(())
     });
     let config = fast_config(&prefix).with_max_in_flight(1);
     let c = consumer(config, &unique("graceful"), &db, handler.clone());
     let mut running = Running::start(&c);
-    tokio::task::spawn_blocking(move || started.recv().unwrap())
-        .await
-        .unwrap();
+    wait_started(started).await;
     // Shut down while the first message is in its handler, then let it finish.
     let stop = running.stop_signal();
     stop.send(()).unwrap();
@@ -786,13 +807,9 @@ async fn a_handler_running_past_the_shutdown_timeout_is_acked_when_it_commits() 
     let stream = format!("{prefix}order.paid");
     publish(&prefix, [paid(1)]).await;
     let db = MemoryDb::new(Applied::new());
-    let (started_tx, started) = mpsc::channel::<()>();
-    let (release, released) = mpsc::channel::<()>();
-    let started_tx = Mutex::new(started_tx);
-    let released = Mutex::new(released);
+    let (hold, started, release) = Hold::new();
     let handler = Recorder::with(move |_, _| {
-        let _ = started_tx.lock().unwrap().send(());
-        released.lock().unwrap().recv().ok();
+        hold.stop();
         Ok(())
     });
     let config = fast_config(&prefix)
@@ -800,9 +817,7 @@ async fn a_handler_running_past_the_shutdown_timeout_is_acked_when_it_commits() 
         .with_shutdown_timeout(Duration::from_millis(100));
     let c = consumer(config, &unique("late"), &db, handler.clone());
     let mut running = Running::start(&c);
-    tokio::task::spawn_blocking(move || started.recv().unwrap())
-        .await
-        .unwrap();
+    wait_started(started).await;
     running.stop_signal().send(()).unwrap();
     // The run returns while the handler still waits.
     (&mut running.task).await.unwrap().unwrap();

@@ -117,12 +117,12 @@ async fn a_stream_key_of_another_type_refuses_its_topic_only() {
     let prefix = unique_prefix("test");
     let mut conn = conn().await;
     // The refunds stream's key holds a string: XADD there is WRONGTYPE.
-    let _: () = redis::cmd("SET")
-        .arg(format!("{prefix}order.refunded"))
-        .arg("not a stream")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    set_string(
+        &mut conn,
+        &format!("{prefix}order.refunded"),
+        "not a stream",
+    )
+    .await;
     let refund = Envelope::from_event(
         &OrderRefunded {
             order_id: "order-9".into(),
@@ -284,6 +284,16 @@ async fn trimming_never_removes_pending_or_unread_entries() {
         .unwrap();
     assert_eq!((missing.removed, missing.min_id), (0, None));
     cleanup(&prefix).await;
+}
+
+/// Sets `key` to a string: a key of the wrong type for a stream or a hash.
+async fn set_string(conn: &mut redis::aio::MultiplexedConnection, key: &str, value: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query_async(conn)
+        .await
+        .unwrap();
 }
 
 fn config_with(prefix: &str, change: impl FnOnce(&mut PublisherConfig)) -> PublisherConfig {
@@ -562,12 +572,7 @@ async fn a_partitioned_topic_spreads_keys_over_partition_streams_in_order() {
 async fn a_partitions_key_of_another_type_is_a_config_error_before_any_write() {
     let prefix = unique_prefix("test");
     let mut conn = conn().await;
-    let _: () = redis::cmd("SET")
-        .arg(format!("{prefix}partitions"))
-        .arg("not a hash")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    set_string(&mut conn, &format!("{prefix}partitions"), "not a hash").await;
     let config = PublisherConfig::default()
         .with_stream_prefix(prefix.clone())
         .with_partitions("order.paid", outbox_core::Partitions::new(2).unwrap());
@@ -717,12 +722,12 @@ async fn a_large_batch_keeps_order_and_each_message_its_own_outcome() {
     let prefix = unique_prefix("test");
     let mut conn = conn().await;
     // The refunds stream's key holds a string: each refund's XADD is WRONGTYPE.
-    let _: () = redis::cmd("SET")
-        .arg(format!("{prefix}order.refunded"))
-        .arg("not a stream")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    set_string(
+        &mut conn,
+        &format!("{prefix}order.refunded"),
+        "not a stream",
+    )
+    .await;
     let refund = |n: usize| {
         Envelope::from_event(
             &OrderRefunded {
