@@ -42,6 +42,16 @@ fn outbox_tests_redis() -> &'static str {
 fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
     let (db, streams) = scenario();
     let server = serve(&db, &streams, &["--token", TOKEN]);
+    // A relay parked on the default channel: its session holds the wake-up lock.
+    let fixtures::AnyConn::Pg(mut relay) = db.conn() else {
+        unreachable!("a PostgreSQL scenario")
+    };
+    let (class, key) = outbox_diesel::wake_lock_key("outbox");
+    diesel::connection::SimpleConnection::batch_execute(
+        &mut relay,
+        &format!("SET application_name = 'relay-1'; SELECT pg_advisory_lock({class}, {key})"),
+    )
+    .unwrap();
 
     let overview = server.json("/api/overview");
     assert_eq!(overview["due"], 1, "{overview}");
@@ -52,6 +62,14 @@ fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
     );
     assert_eq!(overview["published"].as_array().map(Vec::len), Some(15));
     assert_eq!(overview["relays"]["tracked"], true);
+    let seen = overview["relays"]["seen"].as_array().expect("relays seen");
+    assert_eq!(seen.len(), 1, "{overview}");
+    assert!(
+        seen[0]
+            .as_str()
+            .is_some_and(|r| r.contains("relay-1 (parked since")),
+        "{overview}"
+    );
     let (status, page) = server.get("/");
     assert_eq!(status, 200);
     for text in ["cli.ping", "<svg", "due messages", "Relays"] {

@@ -20,11 +20,38 @@ pub enum Notify {
     Never,
     /// Notify on every emit that inserted a row.
     Always,
-    /// Notify only while a relay has announced that it is parked idle (a row of
-    /// `outbox_relay_idle` with `idle_until` in the future), checked inside the INSERT
-    /// statement itself: no extra round trip, and nothing is paid while relays are busy.
+    /// Notify only while a relay is parked waiting for work (it holds the channel's
+    /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no
+    /// extra round trip, and nothing is paid while relays are busy.
     #[default]
     WhenRelayIdle,
+}
+
+/// The advisory lock (PostgreSQL's two-key form, `pg_advisory_lock(int4, int4)`) by
+/// which relays announce that they are parked on `channel`: a parked relay holds it
+/// exclusively on its LISTEN connection, and a [`Notify::WhenRelayIdle`] emit tries it
+/// shared (to the end of its transaction) and notifies when that fails. The first key is
+/// `0x6f757462` (`"outb"`), the second the channel's FNV-1a hash (31 bits, so that
+/// both read the same as `oid`s in `pg_locks`), so that relays
+/// of different channels do not make each other's emitters notify. Keep both out of your
+/// own advisory locks; `pg_locks` shows the parked relay:
+///
+/// ```
+/// let (class, key) = outbox_diesel::wake_lock_key("outbox");
+/// let sql = format!(
+///     "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = {class} \
+///      AND objid = {key} AND objsubid = 2 AND mode = 'ExclusiveLock' AND granted"
+/// );
+/// # let _ = sql;
+/// assert_eq!(class, 0x6f75_7462);
+/// assert!(key >= 0);
+/// ```
+pub fn wake_lock_key(channel: &str) -> (i32, i32) {
+    let hash = channel.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    let key = i32::try_from(hash & 0x7fff_ffff).expect("31 bits");
+    (0x6f75_7462, key)
 }
 
 /// Settings of [`Emit::emit_with`]. `Default` (and [`EmitOptions::DEFAULT`]): payloads up

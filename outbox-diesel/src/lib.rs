@@ -87,7 +87,7 @@ pub use async_emit::AsyncEmit;
 #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
 pub use async_inbox::AsyncDieselInbox;
 pub use conn::OutboxConnection;
-pub use emit::{Emit, EmitOptions, Notify};
+pub use emit::{Emit, EmitOptions, Notify, wake_lock_key};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
 pub use inbox::DieselInbox;
 pub use migrate::{

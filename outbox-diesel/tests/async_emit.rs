@@ -195,12 +195,7 @@ mod postgres {
             let store = Pg::store(&db);
             let parked =
                 tokio::spawn(async move { store.wait_for_work(Duration::from_secs(20)).await });
-            let idle = || {
-                Pg::scalar(
-                    &mut Pg::connect(&db),
-                    "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
-                ) == 1
-            };
+            let idle = || fixtures::parked_relays(&db) == 1;
             outbox_tests::eventually_within("the relay parks", Duration::from_secs(20), idle).await;
             let started = Instant::now();
             let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();

@@ -230,10 +230,10 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(notifications(&mut l), 0, "no relay parked: no NOTIFY");
 
-    exec(
-        &mut c,
-        "INSERT INTO outbox_relay_idle VALUES ('test', now() + interval '1 minute')",
-    );
+    // Another session parked as a relay (the emits' connection must not hold the lock
+    // itself: a session's own exclusive lock does not stop its shared try).
+    let mut relay = Pg::connect(&db);
+    fixtures::park_as_a_relay(&mut relay, &db);
     // Nothing before commit, nothing after a rollback.
     c.transaction(|c| {
         c.emit_with(&idle, Pinged { n: 3 })?;
@@ -262,7 +262,7 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     let never = idle.clone().with_notify(Notify::Never);
     c.emit_with(&never, Pinged { n: 4 }).unwrap();
     let always = idle.clone().with_notify(Notify::Always);
-    exec(&mut c, "DELETE FROM outbox_relay_idle");
+    fixtures::unpark(&mut relay);
     c.emit_all_with(&always, (5..8).map(|n| Pinged { n }))
         .unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -305,13 +305,9 @@ fn pg_idle_relay_wakes_at_commit() {
         let woke = timed_wait(&db, Notify::WhenRelayIdle).await;
         assert!(woke < Duration::from_millis(1500), "woke after {woke:?}");
         let mut c = Pg::connect(&db);
-        // The end of the mark (an UPDATE) goes on in the background while the relay claims.
+        // The release of the lock goes on in the background while the relay claims.
         let cleared = Instant::now() + Duration::from_secs(5);
-        while Pg::scalar(
-            &mut c,
-            "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
-        ) != 0
-        {
+        while fixtures::parked_relays(&db) != 0 {
             assert!(
                 Instant::now() < cleared,
                 "a woken relay is busy: emitters stop notifying"

@@ -1,6 +1,7 @@
-//! PostgreSQL wake-up with several relays: each parked relay has its own idle mark, a
-//! relay does not spin on rows the per-key claim holds back, and a parked wait ends
-//! promptly when the relay stops.
+//! PostgreSQL wake-up: a parked relay holds its channel's wake-up lock (and several
+//! relays take turns with it), a relay about to park waits for the emitting
+//! transactions in flight, a relay does not spin on rows the per-key claim holds back,
+//! and a parked wait ends promptly when the relay stops.
 
 mod fixtures;
 
@@ -20,11 +21,8 @@ struct Moved {
     account: String,
 }
 
-fn idle_marks(db: &fixtures::TestDb) -> i64 {
-    Pg::scalar(
-        &mut Pg::connect(db),
-        "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
-    )
+fn holders(db: &fixtures::TestDb) -> i64 {
+    fixtures::parked_relays(db)
 }
 
 /// Commits one row with `Notify::Never`: a parked relay finds it only by polling.
@@ -48,42 +46,85 @@ async fn until(what: &str, done: impl Fn() -> bool) {
     outbox_tests::eventually_within(what, Duration::from_secs(20), done).await;
 }
 
+/// Emits one row on the test's channel with the default `Notify::WhenRelayIdle`.
+fn emit_waking(db: &fixtures::TestDb, c: &mut diesel::PgConnection, n: u32) {
+    let opts = EmitOptions::new().with_channel(db.name.clone());
+    c.transaction(|c| {
+        c.emit_with(
+            &opts,
+            Moved {
+                n,
+                account: "x".into(),
+            },
+        )
+        .map(drop)
+    })
+    .unwrap();
+}
+
+/// Two relays park: one holds the wake-up lock, the other waits in its queue. One emit
+/// wakes both, well before their 20 s poll, and the lock is released.
 #[test]
-fn a_woken_relay_leaves_the_other_relays_mark_in_place() {
+fn two_parked_relays_are_both_woken_by_one_emit() {
     let db = Pg::create();
     runtime().block_on(async {
-        let (a, b) = (Pg::store(&db), Pg::store(&db));
-        let wait_a = tokio::spawn(async move { a.wait_for_work(Duration::from_secs(2)).await });
-        let wait_b = tokio::spawn(async move { b.wait_for_work(Duration::from_secs(20)).await });
-        until("both relays park", || idle_marks(&db) == 2).await;
-        // a times out and is busy again; b is still parked and still reachable.
-        wait_a.await.unwrap();
-        // a's mark expires a second after its wait (NOTIFY_IDLE_SLACK).
-        until("a's mark expires", || idle_marks(&db) == 1).await;
-        let started = Instant::now();
-        let mut c = Pg::connect(&db);
+        let park = |store: outbox_diesel::PgRelayStore| {
+            tokio::spawn(async move {
+                let started = Instant::now();
+                store.wait_for_work(Duration::from_secs(20)).await;
+                started.elapsed()
+            })
+        };
+        let (a, b) = (park(Pg::store(&db)), park(Pg::store(&db)));
+        until("a relay holds the lock", || holders(&db) == 1).await;
+        // Both listeners connected and waiting (the second one in the lock's queue).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        emit_waking(&db, &mut Pg::connect(&db), 1);
+        for waited in [a.await.unwrap(), b.await.unwrap()] {
+            assert!(waited < Duration::from_secs(10), "woke after {waited:?}");
+        }
+        until("the woken relays release the lock", || holders(&db) == 0).await;
+    });
+}
+
+/// A relay about to park waits for the emitting transactions in flight: a row emitted
+/// while no relay was parked (so without a NOTIFY) and committed after the relay's first
+/// look is found by its look after it takes the lock, not left to its poll.
+#[test]
+fn a_relay_about_to_park_waits_for_an_unannounced_emit_in_flight() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
         let opts = EmitOptions::new().with_channel(db.name.clone());
-        c.transaction(|c| {
-            c.emit_with(
-                &opts,
-                Moved {
-                    n: 1,
-                    account: "x".into(),
-                },
-            )
-            .map(drop)
-        })
+        // Emitted with no relay parked (no NOTIFY to come), not yet committed.
+        exec(&mut c, "BEGIN");
+        c.emit_with(
+            &opts,
+            Moved {
+                n: 1,
+                account: "a".into(),
+            },
+        )
         .unwrap();
-        wait_b.await.unwrap();
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "b was woken by NOTIFY, not by its 20 s timeout"
-        );
-        // The end of the mark (an UPDATE) goes on in the background while the relay claims.
-        until("a woken relay removes its own mark", || {
-            idle_marks(&db) == 0
+        let waiting = tokio::spawn(async move {
+            let started = Instant::now();
+            store.wait_for_work(Duration::from_secs(20)).await;
+            started.elapsed()
+        });
+        // The relay has looked (nothing committed) and queues for the lock behind the
+        // emitting transaction's shared hold.
+        until("the relay waits for the lock", || {
+            Pg::scalar(
+                &mut Pg::connect(&db),
+                "SELECT COUNT(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            ) == 1
         })
         .await;
+        exec(&mut c, "COMMIT");
+        let waited = waiting.await.unwrap();
+        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
     });
 }
 
@@ -127,30 +168,23 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     });
 }
 
-/// A wait that times out leaves the relay's mark in place (it expires a second later),
-/// so that an idle relay re-parks without churn. Once the relay claims rows it is busy:
-/// the mark goes at once, or every emit would send a NOTIFY (serialising their commits)
-/// for up to a second while the relay needs none.
+/// A wait that times out keeps the wake-up lock, so that an idle relay re-parks without
+/// churn. Once the relay claims rows it is busy: the lock goes at once, or every emit
+/// would send a NOTIFY (serialising their commits) while the relay needs none.
 #[test]
-fn a_relay_back_to_work_after_a_timed_out_wait_removes_its_mark() {
+fn a_relay_back_to_work_after_a_timed_out_wait_releases_the_lock() {
     let db = Pg::create();
     let mut c = Pg::connect(&db);
     runtime().block_on(async {
         let store = Pg::store(&db);
         assert!(store.claim(10).await.unwrap().messages().is_empty());
         store.wait_for_work(Duration::from_millis(200)).await;
-        assert_eq!(idle_marks(&db), 1, "the timed-out wait left its mark");
+        assert_eq!(holders(&db), 1, "the timed-out wait kept the lock");
         // A row that wakes nobody: the relay finds it by polling.
         emit_waking_nobody(&mut c);
         let batch = store.claim(10).await.unwrap();
         assert_eq!(batch.messages().len(), 1);
-        // Well before the mark would expire (a second after the 200 ms wait).
-        outbox_tests::eventually_within(
-            "the busy relay's mark removed",
-            Duration::from_millis(900),
-            || idle_marks(&db) == 0,
-        )
-        .await;
+        until("the busy relay releases the lock", || holders(&db) == 0).await;
     });
 }
 
@@ -168,7 +202,7 @@ fn a_claim_does_not_wait_on_an_unresponsive_listen_connection() {
         let store = Pg::store(&db).with_listener(listener_url);
         assert!(store.claim(10).await.unwrap().messages().is_empty());
         store.wait_for_work(Duration::from_millis(200)).await;
-        assert_eq!(idle_marks(&db), 1, "the timed-out wait left its mark");
+        assert_eq!(holders(&db), 1, "the timed-out wait kept the lock");
         let pid: i64 = Pg::scalar(
             &mut c,
             &format!(
@@ -211,38 +245,29 @@ fn signal(pid: i64, sig: &str) {
 }
 
 /// A relay whose claim came back empty, but that finds rows committed since when it is
-/// about to park, goes back to work without marking itself idle: emitters meanwhile
+/// about to park, goes back to work without taking the wake-up lock: emitters meanwhile
 /// would otherwise each send a NOTIFY, which serialises their commits.
 #[test]
-fn a_relay_with_new_rows_goes_back_to_work_without_marking_itself_idle() {
+fn a_relay_with_new_rows_goes_back_to_work_without_the_lock() {
     let db = Pg::create();
     let mut c = Pg::connect(&db);
+    // An emitting transaction holds the lock shared: a relay that tried to take it
+    // would wait for it until its deadline.
+    let mut emitter = Pg::connect(&db);
+    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
     exec(
-        &mut c,
-        "CREATE TABLE marks (n INT);
-         CREATE FUNCTION note_mark() RETURNS trigger LANGUAGE plpgsql AS
-           $$ BEGIN INSERT INTO marks VALUES (1); RETURN NEW; END $$;
-         CREATE TRIGGER note_mark AFTER INSERT OR UPDATE ON outbox_relay_idle
-           FOR EACH ROW EXECUTE FUNCTION note_mark();",
+        &mut emitter,
+        &format!("BEGIN; SELECT pg_advisory_xact_lock_shared({class}, {key})"),
     );
     runtime().block_on(async {
         let store = Pg::store(&db);
         assert!(store.claim(10).await.unwrap().messages().is_empty());
-        c.emit(Moved {
-            n: 1,
-            account: "a".into(),
-        })
-        .unwrap();
+        emit_waking_nobody(&mut c);
         let started = Instant::now();
         store.wait_for_work(Duration::from_secs(10)).await;
         assert!(
             started.elapsed() < Duration::from_secs(5),
-            "back to work at once"
-        );
-        assert_eq!(
-            Pg::scalar(&mut c, "SELECT count(*) AS n FROM marks"),
-            0,
-            "no idle mark was written"
+            "back to work at once, without queueing for the lock"
         );
         let batch = store.claim(10).await.unwrap();
         let ids: Vec<i64> = batch.messages().iter().map(|m| m.id).collect();
@@ -255,10 +280,11 @@ fn a_relay_with_new_rows_goes_back_to_work_without_marking_itself_idle() {
             .await
             .unwrap();
         assert!(store.claim(10).await.unwrap().messages().is_empty());
-        // With nothing to do, it parks with its mark as before.
+        // With nothing to do, it takes the lock once the emitter is done.
+        exec(&mut emitter, "COMMIT");
         let waiting =
             tokio::spawn(async move { store.wait_for_work(Duration::from_secs(1)).await });
-        until("the idle relay marks itself", || idle_marks(&db) == 1).await;
+        until("the idle relay takes the lock", || holders(&db) == 1).await;
         waiting.await.unwrap();
     });
 }
@@ -272,7 +298,7 @@ fn a_parked_wait_ends_soon_after_it_is_dropped() {
         // Dropped by the timeout, as the relay's shutdown drops it.
         let _ = tokio::time::timeout(Duration::from_millis(500), waiting).await;
         until("the parked relay clears its mark when it stops", || {
-            idle_marks(&db) == 0
+            holders(&db) == 0
         })
         .await;
     });
@@ -299,13 +325,12 @@ fn a_lost_listen_connection_polls_then_reconnects() {
             parked.wait_for_work(Duration::from_millis(1500)).await;
             started.elapsed()
         });
-        until("the relay parks", || idle_marks(&db) == 1).await;
+        until("the relay parks", || holders(&db) == 1).await;
         let mut c = Pg::connect(&db);
         assert_eq!(Pg::scalar(&mut c, &listeners), 1, "its LISTEN connection");
         // Without its connection the wait sleeps out its timeout.
         let waited = waiting.await.unwrap();
         assert!(waited >= Duration::from_millis(1400), "{waited:?}");
-        exec(&mut c, "DELETE FROM outbox_relay_idle");
 
         // The next wait reconnects, parks, and is woken by NOTIFY again.
         let parked = store.clone();
@@ -314,7 +339,7 @@ fn a_lost_listen_connection_polls_then_reconnects() {
             parked.wait_for_work(Duration::from_secs(20)).await;
             started.elapsed()
         });
-        until("the relay parks again", || idle_marks(&db) == 1).await;
+        until("the relay parks again", || holders(&db) == 1).await;
         let opts = EmitOptions::new().with_channel(db.name.clone());
         c.transaction(|c| {
             c.emit_with(
@@ -332,48 +357,18 @@ fn a_lost_listen_connection_polls_then_reconnects() {
     });
 }
 
-/// Every parked relay woken (or stopped) ends its mark, hundreds of times a second
-/// under load, and every `WhenRelayIdle` emit scans `outbox_relay_idle`. Where nothing
-/// vacuums the table (autovacuum off, as on this project's machines, or lagging), a
-/// DELETE per wake-up and an INSERT per park left a dead row version and line pointer
-/// per turn, which emits then walked: 11 pages after 3,000 turns, 0.04 ms per emit
-/// instead of 0.003. A mark that only ever updates its own row (a HOT update, pruned in
-/// place) keeps the table at one page.
+/// A relay that stops while it holds the lock (its process stopped, its runtime
+/// starved) must not have every emit notify for good: the server ends its idle LISTEN
+/// session a few seconds after the wait's timeout, and the lock with it.
 #[test]
-fn park_and_wake_churn_leaves_the_idle_table_one_page() {
+fn a_relay_that_stops_coming_back_loses_the_lock() {
     let db = Pg::create();
-    let mut c = Pg::connect(&db);
-    exec(
-        &mut c,
-        "ALTER TABLE outbox_relay_idle SET (autovacuum_enabled = false)",
-    );
     runtime().block_on(async {
         let store = Pg::store(&db);
-        let mut marks = |parked: i64, turn: usize| {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Pg::scalar(
-                &mut c,
-                "SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()",
-            ) != parked
-            {
-                assert!(Instant::now() < deadline, "turn {turn}: {parked} marks");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        };
-        for turn in 0..600 {
-            let parked = store.clone();
-            let waiting =
-                tokio::spawn(async move { parked.wait_for_work(Duration::from_secs(60)).await });
-            marks(1, turn);
-            // Stopped while parked: the relay ends its mark, as when it is woken.
-            waiting.abort();
-            let _ = waiting.await;
-            marks(0, turn);
-        }
+        store.wait_for_work(Duration::from_millis(500)).await;
+        assert_eq!(holders(&db), 1, "the timed-out wait kept the lock");
+        // The relay never comes back to wait or claim.
+        until("the stalled relay's session ends", || holders(&db) == 0).await;
+        drop(store);
     });
-    let pages = Pg::scalar(
-        &mut c,
-        "SELECT (pg_relation_size('outbox_relay_idle') / current_setting('block_size')::int8) AS n",
-    );
-    assert!(pages <= 1, "outbox_relay_idle grew to {pages} pages");
 }

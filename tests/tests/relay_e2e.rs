@@ -555,11 +555,13 @@ async fn notify_delivers_before_the_first_poll() {
             .with_config(config(100).with_poll_interval(poll))
             .unwrap(),
     );
-    // Parked: the relay has marked itself idle.
-    eventually_within("the relay parks", PATIENCE, || {
-        env.scalar("SELECT COUNT(*) AS n FROM outbox_relay_idle WHERE idle_until > now()") > 0
-    })
-    .await;
+    // Parked: the relay holds its channel's wake-up lock.
+    let (class, key) = outbox_diesel::wake_lock_key(&env.schema.name);
+    let holders = format!(
+        "SELECT COUNT(*) AS n FROM pg_locks WHERE locktype = 'advisory' \
+         AND classid = {class} AND objid = {key} AND objsubid = 2 AND granted"
+    );
+    eventually_within("the relay parks", PATIENCE, || env.scalar(&holders) > 0).await;
     let parked = Instant::now();
     let mut c = env.conn();
     c.transaction(|c| c.emit_with(&env.emit_options(), step("k", 0)).map(drop))

@@ -151,7 +151,7 @@ struct RelayRow {
     #[diesel(sql_type = Text)]
     relay: String,
     #[diesel(sql_type = Text)]
-    until: String,
+    since: String,
 }
 
 /// SENT rows of the last minutes per minute, with their mean latency, per backend.
@@ -217,23 +217,31 @@ fn minutes(rows: &[MinuteRow]) -> Vec<Minute> {
         .collect()
 }
 
-/// PostgreSQL: the relays parked now (their idle marks; a relay at work has none);
-/// SQLite: the lock file's last holder; MySQL: nothing to read.
+/// PostgreSQL: the relays parked now (the sessions holding a wake-up lock,
+/// [`outbox_diesel::wake_lock_key`]; a relay at work holds none); SQLite: the lock
+/// file's last holder; MySQL: nothing to read.
 fn relays(app: &App, conn: &mut Conn) -> Result<Relays, Failure> {
     match conn {
         Conn::Pg(c) => {
-            let rows: Vec<RelayRow> = diesel::sql_query(
-                "SELECT relay_id AS relay, idle_until::text AS until FROM outbox_relay_idle \
-                 WHERE idle_until > now() ORDER BY relay_id",
-            )
+            let (class, _) = outbox_diesel::wake_lock_key("");
+            let rows: Vec<RelayRow> = diesel::sql_query(format!(
+                "SELECT concat_ws(' ', 'pid', a.pid, 'from', coalesce(host(a.client_addr), 'local'), \
+                   nullif(a.application_name, '')) AS relay, a.state_change::text AS since \
+                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND l.classid = {class} AND l.objsubid = 2 \
+                   AND l.mode = 'ExclusiveLock' AND l.granted \
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 ORDER BY a.pid"
+            ))
             .load(c)?;
             Ok(Relays {
                 tracked: true,
-                note: "relays parked now, waiting for work (idle marks; a relay at work has none)"
+                note: "relays parked now, waiting for work (their LISTEN sessions, holding the \
+                       wake-up lock; a relay at work holds none)"
                     .into(),
                 seen: rows
                     .into_iter()
-                    .map(|r| format!("{} (parked until {})", r.relay, r.until))
+                    .map(|r| format!("{} (parked since {})", r.relay, r.since))
                     .collect(),
             })
         }

@@ -27,8 +27,6 @@ mod sql;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 
-#[cfg(feature = "postgres")]
-pub(crate) use pg::NOTIFY_IDLE_SLACK;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
 pub(crate) use record::{BacklogRow, RecordRow, TopicRow, VersionRow, claimed};

@@ -14,10 +14,6 @@ use super::{Backend, BacklogRow, RecordRow, VersionRow};
 use super::{Dialect, Row, chunks, in_list};
 use crate::{EmitOptions, Notify, Result};
 
-/// How far past its wait timeout a parked relay still counts as idle, so that a NOTIFY
-/// sent just before it re-parks is not lost.
-pub(crate) const NOTIFY_IDLE_SLACK: Duration = Duration::from_secs(1);
-
 pub(super) const DIALECT: Dialect = Dialect {
     columns: "id, msg_id, topic, event_type, msg_key, schema_version, \
               payload::text AS payload, headers::text AS headers, status, retries, \
@@ -156,7 +152,7 @@ const INSERT_HEAD: &str = "INSERT INTO outbox \
 /// about 10% of its throughput).
 struct PlainInsert<'a, M> {
     row: &'a Row<'a>,
-    channel: &'a str,
+    wake: Wake<'a>,
     mode: PhantomData<M>,
 }
 
@@ -170,11 +166,9 @@ impl<M: Mode> QueryFragment<Pg> for PlainInsert<'_, M> {
         out.push_sql(INSERT_HEAD);
         super::push_values(std::slice::from_ref(self.row), &mut out, "::jsonb", "")?;
         out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
-        if let Some(tail) = M::TAIL {
+        if M::NOTIFIES {
             out.push_sql(" RETURNING ");
-            out.push_sql(M::HEAD);
-            out.push_bind_param::<Text, str>(self.channel)?;
-            out.push_sql(tail);
+            M::push_notified(&mut out, &self.wake)?;
         }
         Ok(())
     }
@@ -192,7 +186,7 @@ fn insert_one(
     fn q<M: Mode>(conn: &mut PgConnection, row: &Row<'_>, channel: &str) -> QueryResult<bool> {
         let insert = PlainInsert::<M> {
             row,
-            channel,
+            wake: Wake::new(channel),
             mode: PhantomData,
         };
         Ok(insert.execute(conn)? == 1)
@@ -206,29 +200,65 @@ fn insert_one(
 
 /// NOTIFY variants, as types so that each SQL text has its own static query id.
 trait Mode: Send + Sync + 'static {
-    /// The `notified` column: before the channel bind (if any).
-    const HEAD: &'static str;
-    /// After the channel bind; `None`: no bind.
-    const TAIL: Option<&'static str>;
+    /// Whether the statement has a `notified` expression (`Never` has none).
+    const NOTIFIES: bool;
+    /// The `notified` expression, which sends the NOTIFY (or not) for an inserted row.
+    fn push_notified<'b>(out: &mut AstPass<'_, 'b, Pg>, wake: &'b Wake<'b>) -> QueryResult<()>;
 }
 struct NoNotify;
 struct Always;
 struct WhenIdle;
 impl Mode for NoNotify {
-    const HEAD: &'static str = "NULL::text";
-    const TAIL: Option<&'static str> = None;
+    const NOTIFIES: bool = false;
+    fn push_notified<'b>(out: &mut AstPass<'_, 'b, Pg>, _: &'b Wake<'b>) -> QueryResult<()> {
+        out.push_sql("NULL::text");
+        Ok(())
+    }
 }
 impl Mode for Always {
-    const HEAD: &'static str = "pg_notify(";
-    const TAIL: Option<&'static str> = Some(", '')::text");
+    const NOTIFIES: bool = true;
+    fn push_notified<'b>(out: &mut AstPass<'_, 'b, Pg>, wake: &'b Wake<'b>) -> QueryResult<()> {
+        out.push_sql("pg_notify(");
+        out.push_bind_param::<Text, str>(wake.channel)?;
+        out.push_sql(", '')::text");
+        Ok(())
+    }
 }
-/// `EXISTS`, an init plan evaluated once per statement that is a bare scan: the
-/// `(SELECT pg_notify(..) FROM outbox_relay_idle .. LIMIT 1)` it replaced also set up a
-/// `Limit` node and a projection on every execution.
+/// A shared try of the channel's [wake-up lock](crate::wake_lock_key): it fails only while a relay
+/// holds the lock exclusively (it is parked) or waits for it (it is about to park), and
+/// then the row notifies. A lock-manager call, no table: the `EXISTS` on
+/// `outbox_relay_idle` it replaced set up a scan per statement (relation lock,
+/// `heap_beginscan`, an `lseek` for the size), about 3 % of the server at 8 emitting
+/// connections. Held to the end of the emitting transaction, so that a relay about to
+/// park waits for the transactions that emitted without a NOTIFY before it looks for
+/// due rows (see `store::pg::listen`).
 impl Mode for WhenIdle {
-    const HEAD: &'static str = "CASE WHEN EXISTS \
-        (SELECT FROM outbox_relay_idle WHERE idle_until > now()) THEN pg_notify(";
-    const TAIL: Option<&'static str> = Some(", '')::text END");
+    const NOTIFIES: bool = true;
+    fn push_notified<'b>(out: &mut AstPass<'_, 'b, Pg>, wake: &'b Wake<'b>) -> QueryResult<()> {
+        out.push_sql("CASE WHEN pg_try_advisory_xact_lock_shared(");
+        out.push_bind_param::<Integer, i32>(&wake.lock.0)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Integer, i32>(&wake.lock.1)?;
+        out.push_sql(") THEN NULL ELSE pg_notify(");
+        out.push_bind_param::<Text, str>(wake.channel)?;
+        out.push_sql(", '')::text END");
+        Ok(())
+    }
+}
+
+/// The NOTIFY channel of an emit, and its wake-up lock.
+struct Wake<'a> {
+    channel: &'a str,
+    lock: (i32, i32),
+}
+
+impl<'a> Wake<'a> {
+    fn new(channel: &'a str) -> Self {
+        Self {
+            channel,
+            lock: crate::wake_lock_key(channel),
+        }
+    }
 }
 
 /// `WITH ins AS (INSERT .. ON CONFLICT DO NOTHING RETURNING id, msg_id) SELECT id, msg_id,
@@ -238,7 +268,7 @@ impl Mode for WhenIdle {
 /// For `emit_all` (one row goes through [`PlainInsert`]).
 struct Insert<'a, M> {
     rows: &'a [Row<'a>],
-    channel: &'a str,
+    wake: Wake<'a>,
     mode: PhantomData<M>,
 }
 
@@ -261,11 +291,7 @@ impl<M: Mode> QueryFragment<Pg> for Insert<'_, M> {
         out.push_sql(INSERT_HEAD);
         super::push_values(self.rows, &mut out, "::jsonb", "")?;
         out.push_sql(" ON CONFLICT (msg_id) DO NOTHING RETURNING id, msg_id) SELECT id, msg_id, ");
-        out.push_sql(M::HEAD);
-        if let Some(tail) = M::TAIL {
-            out.push_bind_param::<Text, str>(self.channel)?;
-            out.push_sql(tail);
-        }
+        M::push_notified(&mut out, &self.wake)?;
         out.push_sql(" AS notified FROM ins");
         Ok(())
     }
@@ -288,7 +314,7 @@ fn load_chunk(
     ) -> QueryResult<Vec<Inserted>> {
         Insert::<M> {
             rows,
-            channel,
+            wake: Wake::new(channel),
             mode: PhantomData,
         }
         .load(conn)
@@ -374,7 +400,7 @@ mod nonblocking {
     };
     use outbox_core::Envelope;
 
-    use super::{Always, Insert, Inserted, Mode, NoNotify, PlainInsert, Row, WhenIdle};
+    use super::{Always, Insert, Inserted, Mode, NoNotify, PlainInsert, Row, Wake, WhenIdle};
     use super::{chunks, duplicate, note_chunk, one_inserted, take_back};
     use crate::{EmitOptions, Notify, Result};
 
@@ -493,7 +519,7 @@ mod nonblocking {
         ) -> QueryResult<bool> {
             let insert = PlainInsert::<M> {
                 row,
-                channel,
+                wake: Wake::new(channel),
                 mode: PhantomData,
             };
             Ok(insert.execute(conn).await? == 1)
@@ -519,7 +545,7 @@ mod nonblocking {
         ) -> QueryResult<Vec<Inserted>> {
             Insert::<M> {
                 rows,
-                channel,
+                wake: Wake::new(channel),
                 mode: PhantomData,
             }
             .load(conn)

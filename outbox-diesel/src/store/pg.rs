@@ -22,22 +22,26 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 ///
 /// With a listener ([`connect`](Self::connect) or [`with_listener`](Self::with_listener))
 /// an idle relay waits on `LISTEN` over its own dedicated connection: it announces that
-/// it is parked (its own row in `outbox_relay_idle`, keyed by a per-store id), which
-/// makes emits in [`Notify::WhenRelayIdle`](crate::Notify::WhenRelayIdle) mode send
-/// `NOTIFY` while any relay is parked, and wakes as soon as such a transaction commits
-/// (the notification is read by a task on the tokio runtime, not polled for); a woken
-/// relay ends only its own mark (its row's `idle_until` moved into the past: the row
-/// stays, so that the table does not bloat without VACUUM), so other parked relays stay
-/// reachable. A wait that times out leaves the mark in place (it expires a second after
-/// the poll interval, so that an idle relay re-parks without churn) until the relay's
-/// next claim returns rows, which ends it before the batch is published. Without a
-/// listener, or while its connection is down (it reconnects on the next wait), waiting
-/// sleeps for the poll interval.
+/// it is parked by holding the channel's [wake-up lock](crate::wake_lock_key) (an
+/// advisory lock of that session), which makes emits in
+/// [`Notify::WhenRelayIdle`](crate::Notify::WhenRelayIdle) mode send `NOTIFY`, and wakes
+/// as soon as such a transaction commits (the notification is read by a task on the
+/// tokio runtime, not polled for). Taking the lock waits for the emitting transactions
+/// in flight, so that none commits unannounced after the relay's last look. One relay
+/// holds it at a time; another relay parks in the lock's queue (emits notify while it
+/// waits there) and takes it when the holder is woken and releases it. A woken relay
+/// releases the lock. A wait that times out keeps it (so that an idle
+/// relay re-parks without churn) until the relay's next claim returns rows, which
+/// releases it before the batch is published; a relay that stops while parked loses it
+/// with its session (crashed), or when the server ends its idle session a few seconds
+/// after its poll interval (stopped, on PostgreSQL 14 and later). Without a listener,
+/// or while its connection is down (it reconnects on the next wait), waiting sleeps for
+/// the poll interval.
 ///
-/// Before it marks itself parked, and once more after, the relay looks for due rows
+/// Before it takes the lock, and once more after, the relay looks for due rows
 /// newer than what its last claims saw: a relay that keeps up with its emitters goes
-/// back to work without a mark (so that they send no NOTIFY), and a row committed just
-/// before the mark is not left to the poll. Rows the
+/// back to work without the lock (so that they send no NOTIFY), and a row committed just
+/// before the lock is not left to the poll. Rows the
 /// per-key claim held back (behind another relay's batch or a retry) do not count: that
 /// relay, or the poll interval, picks them up.
 ///
@@ -52,7 +56,7 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// - it does not read libpq's environment variables (`PGHOST`, `PGPASSWORD`, ..) or
 ///   `~/.pgpass`: put what it needs in the URL.
 ///
-/// Everything else (claims, marks of the pool, emits) goes through libpq as before.
+/// Everything else (claims, emits) goes through libpq as before.
 ///
 /// # The claim's transaction
 ///

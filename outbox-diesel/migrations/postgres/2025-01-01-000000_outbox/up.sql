@@ -43,11 +43,8 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
 -- Retention: purge rows older than the redelivery horizon in bounded batches.
 CREATE INDEX IF NOT EXISTS consumed_msg_consumed_at ON consumed_msg (consumed_at);
 
--- One row per relay (its store's id). A relay about to wait for work sets its idle_until
--- and moves it into the past when it wakes (an update in place, never a delete, so that
--- the table stays one page without VACUUM); emit sends NOTIFY only while some row is
--- in the future (see `Notify::WhenRelayIdle`), so a busy system pays nothing and several
--- relays do not clear each other's mark. Rows of crashed relays expire and are purged.
+-- Not used since relays announce that they are parked with an advisory lock
+-- (`outbox_diesel::wake_lock_key`); kept for emitters of earlier releases, which read it.
 CREATE TABLE IF NOT EXISTS outbox_relay_idle (
     relay_id   VARCHAR(64)  PRIMARY KEY,
     idle_until TIMESTAMPTZ  NOT NULL

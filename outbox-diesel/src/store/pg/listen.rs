@@ -1,5 +1,27 @@
-//! The LISTEN side of the PostgreSQL relay store: the parked relay's mark in
-//! `outbox_relay_idle` and its dedicated `tokio-postgres` connection.
+//! The LISTEN side of the PostgreSQL relay store: the parked relay's hold on the
+//! channel's wake-up lock, and its dedicated `tokio-postgres` connection.
+//!
+//! # Why an advisory lock
+//!
+//! A `WhenRelayIdle` emit must know, inside its INSERT, whether some relay is parked.
+//! Relays used to announce it with a row each in `outbox_relay_idle`, which every emit
+//! scanned: a scan's set-up per statement (relation lock, `heap_beginscan`, an `lseek`)
+//! was about 3 % of the server at 8 emitting connections. Now a parked relay holds the
+//! channel's [wake-up lock](crate::wake_lock_key) exclusively on its LISTEN session, and
+//! the emit tries it shared (a lock-manager call, no table): the try fails while a relay
+//! holds it or queues for it, and then the row notifies. The emit's shared lock lasts to
+//! its commit, so a relay taking the lock first waits for the transactions that emitted
+//! without a NOTIFY, and its due check after that sees their rows: the window of the
+//! table's marks (an emit before the mark committing after the relay's due check went
+//! unannounced until the next poll) is closed. A session that ends (a crashed relay, a
+//! cut connection) releases the lock with it; a stopped relay's idle session is ended by
+//! the server ([`PARKED_IDLE_SLACK`]).
+//!
+//! One relay holds the lock at a time. Another one parks in the lock's queue: while it
+//! waits there, emits notify (their try fails against a queued request too), and when
+//! the holder is woken by one and releases the lock, it takes the lock and finds the
+//! row in its due check (or is woken by the row's NOTIFY, delivered once its statement
+//! ends).
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -10,53 +32,39 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
+use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
-
-use crate::backend::NOTIFY_IDLE_SLACK;
 
 /// How long opening the LISTEN connection may take at least, even when the wait that
 /// opens it is shorter (it goes on in the background after that wait ends).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Marks this relay parked for `$2` milliseconds; also clears the rows that relays gone
-/// for an hour left behind (crashed, or stopped: see [`CLEAR_SQL`]).
-///
-/// A relay's row is inserted once and updated from then on: see [`CLEAR_SQL`].
-const MARK_SQL: &str = "WITH stale AS (DELETE FROM outbox_relay_idle \
-     WHERE idle_until < now() - interval '1 hour' AND relay_id <> $1) \
-     INSERT INTO outbox_relay_idle (relay_id, idle_until) \
-     VALUES ($1, now() + $2::int8 * interval '1 millisecond') \
-     ON CONFLICT (relay_id) DO UPDATE SET idle_until = EXCLUDED.idle_until";
+/// How long past its wait timeout a relay's LISTEN session may sit idle while it holds
+/// the wake-up lock (`idle_session_timeout`, PostgreSQL 14 and later): a relay that
+/// stopped (SIGSTOP, a paused VM) while parked would otherwise have every emit send a
+/// NOTIFY until its session ends. A relay back from its poll runs its due check well
+/// within it (a timed-out wait keeps the lock, see [`Listener::busy`]).
+const PARKED_IDLE_SLACK: Duration = Duration::from_secs(5);
 
 /// Due NEW rows above id `$1`.
 const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
      AND next_retry_at <= now() AND id > $1::int8)";
 
-/// This relay is busy (or stopping): emitters stop paying for NOTIFY.
-///
-/// An UPDATE that moves the mark into the past, not a DELETE. Every `WhenRelayIdle` emit
-/// scans this table, and a relay parks and wakes hundreds of times a second under load:
-/// a DELETE per wake-up and an INSERT per park leave a dead row version and a dead line
-/// pointer per turn, which only VACUUM reclaims, and where nothing vacuums the table
-/// (autovacuum off or lagging) emits walked them all (11 pages after 3,000 turns: 0.04 ms
-/// per emit instead of 0.003). Updating the one row, whose indexed column never changes,
-/// is a HOT update: PostgreSQL prunes the old versions in place as it reads the page, and
-/// the table stays at one page. A minute in the past, so that an
-/// emitting transaction that began before this statement does not take the mark for a
-/// live one (`idle_until > now()` compares with its start); rows left by stopped relays
-/// go an hour later ([`MARK_SQL`]).
-const CLEAR_SQL: &str = "UPDATE outbox_relay_idle SET idle_until = now() - interval '1 minute' \
-     WHERE relay_id = $1";
+/// Ends this session's hold (the connection is the listener's alone, so all of its
+/// advisory locks) and the limits the hold came with.
+const RELEASE_SQL: &str =
+    "SELECT pg_advisory_unlock_all(); SET lock_timeout = 0; SET idle_session_timeout = 0";
+/// [`RELEASE_SQL`] where the server has no `idle_session_timeout`.
+const RELEASE_SQL_BEFORE_14: &str = "SELECT pg_advisory_unlock_all(); SET lock_timeout = 0";
 
-/// A store's LISTEN side: its id in `outbox_relay_idle` and its dedicated connection.
+/// A store's LISTEN side: its dedicated connection, and whether a wait left the
+/// wake-up lock held.
 pub(super) struct Listener {
     url: String,
-    /// This store's row in `outbox_relay_idle`.
-    relay_id: String,
     /// Held by the one wait in progress.
     state: tokio::sync::Mutex<State>,
-    /// A wait that timed out left this relay's mark in place (it expires
-    /// `NOTIFY_IDLE_SLACK` after the timeout): cleared when the relay finds work.
+    /// A wait that timed out left the wake-up lock held: released when the relay finds
+    /// work.
     standing: AtomicBool,
 }
 
@@ -73,8 +81,8 @@ impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let connected = self.state.try_lock().ok().map(|s| s.live.is_some());
         f.debug_struct("Listener")
-            .field("relay_id", &self.relay_id)
             .field("connected", &connected)
+            .field("standing", &self.standing)
             .finish_non_exhaustive()
     }
 }
@@ -84,35 +92,33 @@ fn quote_ident(s: &str) -> String {
 }
 
 impl Listener {
-    /// A listener on `url` with a fresh relay id; it connects on the first wait.
+    /// A listener on `url`; it connects on the first wait.
     pub(super) fn new(url: String) -> Self {
         Self {
             url,
-            relay_id: format!("pid{}-{:016x}", std::process::id(), fastrand::u64(..)),
             state: tokio::sync::Mutex::default(),
             standing: AtomicBool::new(false),
         }
     }
 
-    /// The relay has claimed rows: if a wait that timed out left its mark in place,
-    /// removes it now. Otherwise every emit in `WhenRelayIdle` mode would go on sending
-    /// a NOTIFY (which serializes their commits) until the mark expires, up to
-    /// `NOTIFY_IDLE_SLACK` past the poll interval, while the relay is busy and needs none.
+    /// The relay has claimed rows: if a wait that timed out left the wake-up lock held,
+    /// releases it now. Otherwise every emit in `WhenRelayIdle` mode would go on sending
+    /// a NOTIFY (which serializes their commits) while the relay is busy and needs none.
     ///
-    /// The UPDATE goes in the background and the relay does not wait for it: the LISTEN
-    /// connection may be dead without a word (a failover, a cut network path: no
+    /// The release goes in the background and the relay does not wait for it: the
+    /// LISTEN connection may be dead without a word (a failover, a cut network path: no
     /// keepalives reach it), and the claimed batch must not wait on it. The next wait
-    /// awaits it before marking again, within its own deadline.
+    /// awaits it before taking the lock again, within its own deadline.
     pub(super) fn busy(&self) {
         if !self.standing.swap(false, Ordering::SeqCst) {
             return;
         }
-        // No wait runs while the relay claims; if one did, its own mark handling applies.
+        // No wait runs while the relay claims; if one did, its own lock handling applies.
         let Ok(state) = self.state.try_lock() else {
             return;
         };
         if let Some(live) = &state.live {
-            live.clear(&self.relay_id);
+            live.release();
         }
     }
 
@@ -138,18 +144,25 @@ impl Listener {
                 }
             }
         };
-        // Bounded also when the server stops answering mid-statement.
-        let parked =
-            tokio::time::timeout_at(deadline, live.park(&self.relay_id, timeout, deadline, seen));
-        let parked = parked.await;
-        if let Ok(Ok(Some(standing))) = parked {
-            self.standing.store(standing, Ordering::SeqCst);
-        }
-        if let Ok(Err(e)) = parked {
-            tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
-            state.failing = true;
-            state.live = None;
-            sleep_until(deadline).await;
+        // Bounded also when the server stops answering mid-statement (the wait for the
+        // lock ends on the server at the deadline).
+        let parked = tokio::time::timeout_at(
+            deadline + PARKED_IDLE_SLACK,
+            live.park(timeout, deadline, seen),
+        )
+        .await;
+        match parked {
+            Ok(Ok(Some(standing))) => self.standing.store(standing, Ordering::SeqCst),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
+                state.failing = true;
+                state.live = None;
+                sleep_until(deadline).await;
+            }
+            // Whether it holds the lock is unknown: the next wait opens a new session
+            // (the server releases the old one's lock when it ends).
+            Err(_) => state.live = None,
         }
     }
 
@@ -199,12 +212,16 @@ struct Live {
     channel: String,
     events: Arc<Events>,
     reader: JoinHandle<()>,
-    mark: Statement,
     due: Statement,
-    clear: Statement,
-    /// The last clearing of this relay's mark, sent in the background: the next mark
-    /// waits for it.
-    clearing: Mutex<Option<JoinHandle<()>>>,
+    /// The channel's wake-up lock.
+    lock: (i32, i32),
+    /// The server ends idle sessions on request (`idle_session_timeout`, PostgreSQL 14).
+    idle_limit: bool,
+    /// This session holds the wake-up lock (from the last wait that took it until the
+    /// release that follows).
+    held: AtomicBool,
+    /// The last release of the lock, sent in the background: the next wait awaits it.
+    releasing: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// What the reading task tells the waits.
@@ -244,27 +261,23 @@ impl Live {
                 tracing::debug!(error = %e, "outbox LISTEN connection ended");
             }
         });
-        // The marks are worth nothing after a crash: no need to wait for their WAL flush.
         client
-            .batch_execute(&format!(
-                "SET synchronous_commit = off; LISTEN {}",
-                quote_ident(channel)
-            ))
+            .batch_execute(&format!("LISTEN {}", quote_ident(channel)))
             .await?;
-        let (mark, due, clear) = tokio::try_join!(
-            client.prepare(MARK_SQL),
+        let (due, version) = tokio::try_join!(
             client.prepare(DUE_SQL),
-            client.prepare(CLEAR_SQL),
+            client.query_one("SELECT current_setting('server_version_num')::int4", &[]),
         )?;
         Ok(Self {
             client,
             channel: channel.to_owned(),
             events,
             reader,
-            mark,
             due,
-            clear,
-            clearing: Mutex::default(),
+            lock: crate::wake_lock_key(channel),
+            idle_limit: version.try_get::<_, i32>(0)? >= 140_000,
+            held: AtomicBool::new(false),
+            releasing: Mutex::default(),
         })
     }
 
@@ -276,57 +289,52 @@ impl Live {
             && !self.reader.is_finished()
     }
 
-    /// Marks the relay parked, looks for due work above `seen`, then waits for a
-    /// notification or `deadline`. Whether the relay's mark is left in place (it timed
-    /// out), or `None` if it went back to work without touching the mark.
+    /// Looks for due work above `seen`, takes the wake-up lock (unless a timed-out wait
+    /// left it held), looks again, then waits for a notification or `deadline`. Whether
+    /// the lock is left held (it timed out), or `None` if it went back to work without
+    /// taking it.
     async fn park(
         self: &Arc<Self>,
-        relay_id: &str,
         timeout: Duration,
         deadline: Instant,
         seen: i64,
     ) -> Result<Option<bool>, Lost> {
-        // The last wait's clearing goes first, or it would end the mark below.
-        let clearing = self
-            .clearing
+        // The last wait's release goes first, or it would end the hold below.
+        let releasing = self
+            .releasing
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(clearing) = clearing {
-            let _ = clearing.await;
+        if let Some(releasing) = releasing {
+            let _ = releasing.await;
         }
-        // Rows committed since the claim: back to work without a mark. Marking first and
-        // looking after (as below) would announce an idle relay on every turn of a relay
-        // that keeps up with its emitters, and every emit meanwhile would pay for a
+        // Rows committed since the claim: back to work without the lock. Taking it first
+        // and looking after (as below) would announce an idle relay on every turn of a
+        // relay that keeps up with its emitters, and every emit meanwhile would pay for a
         // NOTIFY (which serialises commits); measured at 8 emitting connections, 0.74 of
         // a hand-written insert's rate with that churn.
-        let due: bool = self
-            .client
-            .query_one(&self.due, &[&seen])
-            .await?
-            .try_get(0)?;
-        if due {
+        if self.due(seen).await? {
             return Ok(None);
         }
         // Older notifications are stale: the relay has claimed since they were sent.
         let before = self.events.received.load(Ordering::SeqCst);
-        let idle_ms = i64::try_from((timeout + NOTIFY_IDLE_SLACK).as_millis()).unwrap_or(i64::MAX);
-        // From here on, a dropped wait (the relay stopping) clears the mark.
-        let mut mark = Marked {
+        // From here on, a dropped wait (the relay stopping) releases the lock.
+        let mut hold = Hold {
             live: self,
-            relay_id,
             armed: true,
         };
-        self.client
-            .execute(&self.mark, &[&relay_id, &idle_ms])
-            .await?;
-        // A row committed between the relay's last claim and the mark above sent no
-        // NOTIFY: look once before parking.
-        let due: bool = self
-            .client
-            .query_one(&self.due, &[&seen])
-            .await?
-            .try_get(0)?;
+        if !self.held.load(Ordering::SeqCst) {
+            match self.lock(timeout, deadline).await {
+                Ok(()) => self.held.store(true, Ordering::SeqCst),
+                // Parked in the lock's queue until the deadline (behind another parked
+                // relay, or an emitting transaction that long).
+                Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // The emits that committed before the lock was taken sent no NOTIFY: look once
+        // more before parking.
+        let due = self.due(seen).await?;
         // Registered before the count is read again: a notification in between is not lost.
         let mut changed = pin!(self.events.changed.notified());
         changed.as_mut().enable();
@@ -339,28 +347,69 @@ impl Live {
             woke = self.events.received.load(Ordering::SeqCst) != before;
         }
         if self.events.closed.load(Ordering::SeqCst) && !woke {
-            // Lost while parked: the mark expires by itself; the caller polls.
-            mark.armed = false;
+            // Lost while parked (and the lock with the session); the caller polls.
+            hold.armed = false;
             return Err(Lost::Closed);
         }
-        // Woken: busy from here on (the clearing goes on while the relay claims). Timed
-        // out: the mark stays, and expires NOTIFY_IDLE_SLACK after the timeout.
-        mark.armed = woke;
-        Ok(Some(!woke))
+        // Woken: busy from here on (the release goes on while the relay claims). Timed
+        // out holding the lock: it stays, so that an idle relay re-parks without churn,
+        // until a claim returns rows ([`Listener::busy`]).
+        let standing = !woke && self.held.load(Ordering::SeqCst);
+        hold.armed = !standing;
+        Ok(Some(standing))
     }
 
-    /// Clears this relay's mark ([`CLEAR_SQL`]) in the background.
-    fn clear(self: &Arc<Self>, relay_id: &str) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime (dropped outside of it): the mark expires
+    /// Whether due NEW rows above id `seen` are committed.
+    async fn due(&self, seen: i64) -> Result<bool, tokio_postgres::Error> {
+        self.client.query_one(&self.due, &[&seen]).await?.try_get(0)
+    }
+
+    /// Takes the wake-up lock, waiting until `deadline` at most, and has the server end
+    /// the session if it then sits idle past the wait's timeout ([`PARKED_IDLE_SLACK`]).
+    async fn lock(
+        &self,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<(), tokio_postgres::Error> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis()
+            .max(1);
+        let idle = if self.idle_limit {
+            let ms = (timeout + PARKED_IDLE_SLACK).as_millis();
+            format!("SET idle_session_timeout = {ms}; ")
+        } else {
+            String::new()
         };
-        let (live, relay_id) = (self.clone(), relay_id.to_owned());
-        let clearing = runtime.spawn(async move {
-            if let Err(e) = live.client.execute(&live.clear, &[&relay_id]).await {
-                tracing::debug!(error = %e, "outbox: clearing the relay's idle mark failed");
+        let (class, key) = self.lock;
+        self.client
+            .batch_execute(&format!(
+                "SET lock_timeout = {wait}; {idle}SELECT pg_advisory_lock({class}, {key})"
+            ))
+            .await
+    }
+
+    /// Releases the wake-up lock ([`RELEASE_SQL`]) in the background.
+    fn release(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime (dropped outside of it): the session ends with the runtime
+        };
+        self.held.store(false, Ordering::SeqCst);
+        let sql = if self.idle_limit {
+            RELEASE_SQL
+        } else {
+            RELEASE_SQL_BEFORE_14
+        };
+        let live = self.clone();
+        let releasing = runtime.spawn(async move {
+            if let Err(e) = live.client.batch_execute(sql).await {
+                tracing::debug!(error = %e, "outbox: releasing the relay's wake-up lock failed");
             }
         });
-        *self.clearing.lock().unwrap_or_else(PoisonError::into_inner) = Some(clearing);
+        *self
+            .releasing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(releasing);
     }
 }
 
@@ -386,18 +435,17 @@ impl std::fmt::Display for Lost {
     }
 }
 
-/// While armed, clears the relay's mark when dropped: when the wait ends woken, or is
+/// While armed, releases the wake-up lock when dropped: when the wait ends woken, or is
 /// dropped while parked (the relay stopping).
-struct Marked<'a> {
+struct Hold<'a> {
     live: &'a Arc<Live>,
-    relay_id: &'a str,
     armed: bool,
 }
 
-impl Drop for Marked<'_> {
+impl Drop for Hold<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.live.clear(self.relay_id);
+            self.live.release();
         }
     }
 }
