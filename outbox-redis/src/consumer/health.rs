@@ -10,7 +10,9 @@ use outbox_core::OutageBackoff;
 use super::{Consumer, ConsumerConfig};
 
 /// A snapshot of a consumer's state for liveness and readiness probes
-/// ([`Consumer::health`]; with the `http` feature, [`health_router`](crate::health_router)
+/// ([`Consumer::health`]; with the `http` feature,
+#[cfg_attr(feature = "http", doc = "[`health_router`](crate::health_router)")]
+#[cfg_attr(not(feature = "http"), doc = "`health_router`")]
 /// serves it as `/healthz` and `/readyz`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
