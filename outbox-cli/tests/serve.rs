@@ -67,7 +67,7 @@ fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
     assert!(
         seen[0]
             .as_str()
-            .is_some_and(|r| r.contains("relay-1 (parked since")),
+            .is_some_and(|r| r.contains("relay-1 (parked, last statement at")),
         "{overview}"
     );
     let (status, page) = server.get("/");

@@ -115,16 +115,90 @@ fn a_relay_about_to_park_waits_for_an_unannounced_emit_in_flight() {
         });
         // The relay has looked (nothing committed) and queues for the lock behind the
         // emitting transaction's shared hold.
-        until("the relay waits for the lock", || {
-            Pg::scalar(
-                &mut Pg::connect(&db),
-                "SELECT COUNT(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-            ) == 1
-        })
-        .await;
+        until("the relay waits for the lock", || queued(&db) == 1).await;
         exec(&mut c, "COMMIT");
         let waited = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "found after {waited:?}");
+    });
+}
+
+/// Requests for `db`'s wake-up lock not granted yet.
+fn queued(db: &fixtures::TestDb) -> i64 {
+    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
+    Pg::scalar(
+        &mut Pg::connect(db),
+        &format!(
+            "SELECT COUNT(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND classid = {class} AND objid = {key} AND objsubid = 2 \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+    )
+}
+
+/// A relay waiting for the lock behind a long emitting transaction still hears
+/// notifications: a session gets them only between statements, so the relay must not
+/// sit in one long lock wait.
+#[test]
+fn a_relay_queued_for_the_lock_is_woken_by_a_notify() {
+    let db = Pg::create();
+    let mut long = Pg::connect(&db);
+    let opts = EmitOptions::new().with_channel(db.name.clone());
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        // An emit in a transaction that stays open (its shared hold with it).
+        exec(&mut long, "BEGIN");
+        long.emit_with(
+            &opts,
+            Moved {
+                n: 1,
+                account: "a".into(),
+            },
+        )
+        .unwrap();
+        let waiting = tokio::spawn(async move {
+            let started = Instant::now();
+            store.wait_for_work(Duration::from_secs(30)).await;
+            started.elapsed()
+        });
+        until("the relay waits for the lock", || queued(&db) == 1).await;
+        let always = opts.clone().with_notify(outbox_diesel::Notify::Always);
+        let mut c = Pg::connect(&db);
+        c.transaction(|c| {
+            c.emit_with(
+                &always,
+                Moved {
+                    n: 2,
+                    account: "b".into(),
+                },
+            )
+            .map(drop)
+        })
+        .unwrap();
+        let waited = waiting.await.unwrap();
+        assert!(waited < Duration::from_secs(10), "woken after {waited:?}");
+        exec(&mut long, "ROLLBACK");
+    });
+}
+
+/// A poll interval longer than PostgreSQL's settings take (`i32::MAX` ms for
+/// `lock_timeout` and `idle_session_timeout`) still parks on LISTEN and is woken.
+#[test]
+fn a_relay_parked_for_years_is_woken_by_an_emit() {
+    let db = Pg::create();
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        let waiting = tokio::spawn(async move {
+            store
+                .wait_for_work(Duration::from_secs(10 * 365 * 86_400))
+                .await;
+        });
+        until("the relay holds the lock", || holders(&db) == 1).await;
+        emit_waking(&db, &mut Pg::connect(&db), 1);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("woken by the emit")
+            .unwrap();
     });
 }
 

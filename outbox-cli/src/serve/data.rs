@@ -241,7 +241,7 @@ fn relays(app: &App, conn: &mut Conn) -> Result<Relays, Failure> {
                     .into(),
                 seen: rows
                     .into_iter()
-                    .map(|r| format!("{} (parked since {})", r.relay, r.since))
+                    .map(|r| format!("{} (parked, last statement at {})", r.relay, r.since))
                     .collect(),
             })
         }

@@ -28,13 +28,14 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// as soon as such a transaction commits (the notification is read by a task on the
 /// tokio runtime, not polled for). Taking the lock waits for the emitting transactions
 /// in flight, so that none commits unannounced after the relay's last look. One relay
-/// holds it at a time; another relay parks in the lock's queue (emits notify while it
-/// waits there) and takes it when the holder is woken and releases it. A woken relay
-/// releases the lock. A wait that times out keeps it (so that an idle
+/// holds it at a time; another relay waits for it in slices of 50 ms (emits notify while
+/// it waits; it hears notifications between two slices) and takes it when the holder is
+/// woken and releases it. A woken relay releases the lock. A wait that times out keeps it (so that an idle
 /// relay re-parks without churn) until the relay's next claim returns rows, which
 /// releases it before the batch is published; a relay that stops while parked loses it
 /// with its session (crashed), or when the server ends its idle session a few seconds
-/// after its poll interval (stopped, on PostgreSQL 14 and later). Without a listener,
+/// after its poll interval (stopped; on PostgreSQL before 14, which cannot, a wait that
+/// times out releases the lock). Without a listener,
 /// or while its connection is down (it reconnects on the next wait), waiting sleeps for
 /// the poll interval.
 ///
