@@ -168,6 +168,49 @@ fn order(round: usize, n: usize) -> Vec<usize> {
     }
 }
 
+/// A round of the emit figures, its ways alternating in [`Slices::COUNT`] slices of
+/// `txns / COUNT` transactions per connection: at one connection each transaction waits
+/// for its WAL flush, whose time on this kind of VM moves by 3× within seconds (pgbench,
+/// one client: 540 to 3,700 tx/s in consecutive 8 s runs), and one way's whole round
+/// after another's measured the disk's drift as much as the library.
+struct Slices {
+    conns: usize,
+    slice: usize,
+    /// Seconds spent per way.
+    secs: Vec<f64>,
+}
+
+impl Slices {
+    const COUNT: usize = 10;
+
+    fn new(ways: usize, conns: usize, txns: usize) -> Self {
+        Self {
+            conns,
+            slice: (txns / Self::COUNT).max(1),
+            secs: vec![0.0; ways],
+        }
+    }
+
+    /// (transactions per connection, way) in the order to run them: every way once per
+    /// slice, the order reversed from one slice to the next.
+    fn schedule(&self, round: usize) -> Vec<(usize, usize)> {
+        (0..Self::COUNT)
+            .flat_map(|s| order(round + s, self.secs.len()))
+            .map(|w| (self.slice, w))
+            .collect()
+    }
+
+    /// One slice of way `w` ran at `rate` transactions per second.
+    fn add(&mut self, w: usize, rate: f64) {
+        self.secs[w] += (self.conns * self.slice) as f64 / rate;
+    }
+
+    /// Way `w`'s rate over the round.
+    fn rate(&self, w: usize) -> f64 {
+        (self.conns * self.slice * Self::COUNT) as f64 / self.secs[w]
+    }
+}
+
 fn progress(what: &str, value: f64, unit: &str) {
     println!("  {what:<52} {value:>10.0} {unit}");
 }
@@ -667,14 +710,19 @@ async fn emit_part(
                 tokio::task::block_in_place(|| bench.run(way, conns, txns / 10 + 1))?;
             }
             for round in 0..sizes.rounds {
-                for w in order(round, ways.len()) {
-                    let (name, way) = ways[w];
+                let mut timed = Slices::new(ways.len(), conns, txns);
+                for (slice, w) in timed.schedule(round) {
+                    let way = ways[w].1;
                     let rate = tokio::task::block_in_place(|| {
                         if relay.is_some() {
                             bench.settle()?;
                         }
-                        bench.run(way, conns, txns)
+                        bench.run(way, conns, slice)
                     })?;
+                    timed.add(w, rate);
+                }
+                for (w, (name, _)) in ways.iter().enumerate() {
+                    let rate = timed.rate(w);
                     progress(
                         &format!("{name}, {conns} conn., {relay_state}"),
                         rate,
@@ -731,9 +779,12 @@ async fn emit_async_part(
         // rates[way][round]
         let mut rates = vec![Vec::new(); ways.len()];
         for round in 0..sizes.rounds {
-            for w in order(round, ways.len()) {
-                let (name, way) = ways[w];
-                let rate = bench.run_async(way, conns, txns).await?;
+            let mut timed = Slices::new(ways.len(), conns, txns);
+            for (slice, w) in timed.schedule(round) {
+                timed.add(w, bench.run_async(ways[w].1, conns, slice).await?);
+            }
+            for (w, (name, _)) in ways.iter().enumerate() {
+                let rate = timed.rate(w);
                 progress(&format!("{name}, {conns} conn."), rate, "tx/s");
                 rates[w].push(rate);
             }
