@@ -12,7 +12,7 @@ use diesel::serialize::ToSql;
 use diesel::sql_types::HasSqlType;
 use diesel::sql_types::Text;
 use diesel::{Connection, RunQueryDsl as _};
-use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status};
+use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status, StoredMessage};
 
 use crate::{EmitOptions, OutboxRecord, Result};
 
@@ -27,6 +27,8 @@ mod sql;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
 
+#[cfg(feature = "postgres")]
+pub(crate) use record::ClaimRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
 pub(crate) use record::{BacklogRow, RecordRow, TopicRow, VersionRow, claimed};
@@ -123,7 +125,7 @@ pub(crate) trait Backend: Connection + Sized {
     /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
     /// of their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
     /// excepted.
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<OutboxRecord>> {
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
         let rows = self.load_records(&Self::__claim_per_key_sql(limit, held), None)?;
         claimed(self, rows)
     }
@@ -196,22 +198,32 @@ pub(crate) trait Backend: Connection + Sized {
     }
 
     /// Reads up to `limit` due NEW rows in id order, locking them where possible.
-    fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
+    ///
+    /// `held`: the ids of a batch the relay has in hand (a claim ahead), else empty.
+    /// They are locked by that batch's transaction, so the claim skips them anyway; a
+    /// backend may leave them out of its walk before it tries their locks.
+    fn __claim(&mut self, limit: usize, _held: &[i64]) -> Result<Vec<StoredMessage>> {
         let rows = self.load_records(&Self::__claim_sql(limit), None)?;
         claimed(self, rows)
+    }
+
+    /// Marks these claimed rows SENT (in the caller's transaction): one statement for
+    /// the whole batch; `status = 0` keeps status moving forward.
+    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+        let sql = format!(
+            "UPDATE outbox SET status = 1, sent_at = {} WHERE status = 0 AND id IN ({})",
+            Self::DIALECT.now,
+            in_list(ids)
+        );
+        self.run_sql(&sql, None)?;
+        Ok(())
     }
 
     /// Writes a batch outcome (in the caller's transaction).
     fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
         let d = &Self::DIALECT;
         if !outcome.sent.is_empty() {
-            // One statement for the whole batch; `status = 0` keeps status moving forward.
-            let sql = format!(
-                "UPDATE outbox SET status = 1, sent_at = {} WHERE status = 0 AND id IN ({})",
-                d.now,
-                in_list(&outcome.sent)
-            );
-            self.run_sql(&sql, None)?;
+            self.__mark_sent(&outcome.sent)?;
         }
         for (id, at, error) in &outcome.retry {
             let sql = format!(

@@ -400,8 +400,13 @@ impl Backend for MysqlConnection {
         )
     }
 
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<crate::OutboxRecord>> {
-        let rows = diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;
+    fn __claim_per_key(
+        &mut self,
+        limit: usize,
+        held: &[i64],
+    ) -> Result<Vec<outbox_core::StoredMessage>> {
+        let rows: Vec<super::RecordRow> =
+            diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;
         let mut locked = super::claimed(self, rows)?;
         if locked.is_empty() {
             return Ok(locked);

@@ -8,9 +8,9 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId, SqlQuery};
 use diesel::result::QueryResult;
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text};
 use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
-use outbox_core::{Envelope, MsgId};
+use outbox_core::{Envelope, MsgId, StoredMessage};
 
-use super::{Backend, BacklogRow, RecordRow, VersionRow};
+use super::{Backend, BacklogRow, ClaimRow, RecordRow, VersionRow};
 use super::{Dialect, Row, chunks, in_list};
 use crate::{EmitOptions, Notify, Result};
 
@@ -140,7 +140,7 @@ fn per_key_claim_sql(limit: usize, held: &[i64]) -> String {
            AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key) \
          SELECT l.* FROM l WHERE NOT EXISTS \
            (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id)",
-        columns = DIALECT.columns,
+        columns = ClaimRow::COLUMNS,
     )
 }
 
@@ -149,11 +149,69 @@ fn claim_per_key(
     conn: &mut PgConnection,
     limit: usize,
     held: &[i64],
-) -> Result<Vec<crate::OutboxRecord>> {
-    let mut rows = conn.load_records(&per_key_claim_sql(limit, held), None)?;
-    rows.sort_unstable_by_key(RecordRow::id);
+) -> Result<Vec<StoredMessage>> {
+    let mut rows: Vec<ClaimRow> = diesel::sql_query(per_key_claim_sql(limit, held)).load(conn)?;
+    rows.sort_unstable_by_key(ClaimRow::id);
     super::claimed(conn, rows)
 }
+
+/// The unordered claim: due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`, as
+/// [`ClaimRow`]s (the relay's columns only, `created_at` as PostgreSQL's binary
+/// timestamp).
+///
+/// `held`: a claim ahead leaves the rows of the batch in hand out by id (`o.id <>
+/// ALL($1)`, the ids bound as one array, which the planner hashes) before it tries their
+/// locks. They are locked by that batch's transaction, so `SKIP LOCKED` would skip them
+/// anyway, but only after a heap fetch and two lock-manager calls each (the tuple lock,
+/// then the holder's transaction lock): the claim ahead walks past all of them, since
+/// the batch in hand is the front of the backlog. The filter leaves out exactly those
+/// rows and no other, so a row below them that is due (a retry) is claimed as before.
+fn claim_sql(limit: usize, held: bool) -> String {
+    format!(
+        "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){} \
+         ORDER BY o.id LIMIT {limit} FOR UPDATE SKIP LOCKED",
+        ClaimRow::COLUMNS,
+        if held { " AND o.id <> ALL($1)" } else { "" },
+    )
+}
+
+/// Runs [`claim_sql`].
+fn claim(conn: &mut PgConnection, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+    let query = diesel::sql_query(claim_sql(limit, !held.is_empty()));
+    let rows: Vec<ClaimRow> = if held.is_empty() {
+        query.load(conn)?
+    } else {
+        query.bind::<Array<BigInt>, _>(held).load(conn)?
+    };
+    super::claimed(conn, rows)
+}
+
+/// `UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 AND id = ANY($1)`:
+/// a batch's rows marked SENT, the ids bound as one array, so that the text is the same
+/// for every batch and the statement is prepared once per connection (static query id).
+/// Against an `IN (..)` list of 500 literals the server neither parses nor plans the
+/// list for each batch.
+struct MarkSent<'a> {
+    ids: &'a [i64],
+}
+
+impl QueryId for MarkSent<'_> {
+    type QueryId = MarkSent<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for MarkSent<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 AND id = ANY(",
+        );
+        out.push_bind_param::<Array<BigInt>, [i64]>(self.ids)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl<Conn> RunQueryDsl<Conn> for MarkSent<'_> {}
 
 const INSERT_HEAD: &str = "INSERT INTO outbox \
     (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
@@ -750,8 +808,21 @@ impl Backend for PgConnection {
         per_key_claim_sql(limit, held)
     }
 
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<crate::OutboxRecord>> {
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
         claim_per_key(self, limit, held)
+    }
+
+    fn __claim_sql(limit: usize) -> String {
+        claim_sql(limit, false)
+    }
+
+    fn __claim(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+        claim(self, limit, held)
+    }
+
+    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+        MarkSent { ids }.execute(self)?;
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use diesel::result::QueryResult;
-use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status};
+use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status, StoredMessage};
 
 use super::{Backend, BacklogRow, Dialect, RecordRow, VersionRow};
 use crate::{EmitOptions, OutboxRecord, Result};
@@ -47,7 +47,7 @@ where
     fn __key_probe_sql(ids: &[i64]) -> String {
         C::__key_probe_sql(ids)
     }
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<OutboxRecord>> {
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
         (**self).__claim_per_key(limit, held)
     }
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
@@ -75,8 +75,11 @@ where
     fn __claim_sql(limit: usize) -> String {
         C::__claim_sql(limit)
     }
-    fn __claim(&mut self, limit: usize) -> Result<Vec<OutboxRecord>> {
-        (**self).__claim(limit)
+    fn __claim(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+        (**self).__claim(limit, held)
+    }
+    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+        (**self).__mark_sent(ids)
     }
     fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
         (**self).__complete(outcome)

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
-use outbox_core::{Envelope, Headers, MsgId, Status};
+use outbox_core::{Envelope, Headers, MsgId, Status, StoredMessage};
 
 use super::Backend;
 use crate::{Error, OutboxRecord, Result};
@@ -48,51 +48,159 @@ fn from_micros(us: i64) -> DateTime<Utc> {
 }
 
 impl RecordRow {
-    /// The row's id (PostgreSQL's per-key claim sorts its rows by it).
-    #[cfg(feature = "postgres")]
-    pub(crate) fn id(&self) -> i64 {
-        self.id
-    }
-
     pub(crate) fn into_record(self) -> Result<OutboxRecord> {
-        let corrupt = |reason: String| Error::CorruptRow {
+        let status = Status::try_from(self.status).map_err(|e| Error::CorruptRow {
             id: self.id,
-            reason,
-        };
-        let msg_id = MsgId::new(self.msg_id.clone()).map_err(|e| corrupt(e.to_string()))?;
-        let headers: Headers = serde_json::from_str(&self.headers)
-            .map_err(|e| corrupt(format!("headers are not a JSON object of strings: {e}")))?;
-        let status = Status::try_from(self.status).map_err(|e| corrupt(e.to_string()))?;
+            reason: e.to_string(),
+        });
+        let envelope = envelope(
+            self.id,
+            self.msg_id,
+            self.topic,
+            self.event_type,
+            self.msg_key,
+            self.schema_version,
+            self.payload,
+            &self.headers,
+            from_micros(self.created_us),
+        )?;
         Ok(OutboxRecord {
             id: self.id,
-            status,
+            status: status?,
             retries: u32::try_from(self.retries).unwrap_or(0),
             next_retry_at: from_micros(self.next_retry_us),
             sent_at: self.sent_us.map(from_micros),
             last_error: self.last_error,
-            envelope: Envelope {
-                msg_id,
-                topic: self.topic,
-                event_type: self.event_type,
-                key: self.msg_key,
-                schema_version: u32::try_from(self.schema_version).unwrap_or(0),
-                payload: self.payload,
-                headers,
-                created_at: from_micros(self.created_us),
-            },
+            envelope,
         })
     }
 }
 
-/// Claimed rows as records. A row that cannot be read (written around this library, with
-/// an invalid msg_id or headers) is marked DEAD with the reason in the claim's own
-/// transaction, instead of failing every claim, and so the whole relay, forever.
-pub(crate) fn claimed<C: Backend>(conn: &mut C, rows: Vec<RecordRow>) -> Result<Vec<OutboxRecord>> {
-    let mut records = Vec::with_capacity(rows.len());
+/// A row's message, or why it cannot be read ([`Error::CorruptRow`]).
+#[allow(clippy::too_many_arguments)]
+fn envelope(
+    id: i64,
+    msg_id: String,
+    topic: String,
+    event_type: String,
+    key: String,
+    schema_version: i32,
+    payload: String,
+    headers: &str,
+    created_at: DateTime<Utc>,
+) -> Result<Envelope> {
+    let corrupt = |reason: String| Error::CorruptRow { id, reason };
+    let msg_id = MsgId::new(msg_id).map_err(|e| corrupt(e.to_string()))?;
+    let headers: Headers = serde_json::from_str(headers)
+        .map_err(|e| corrupt(format!("headers are not a JSON object of strings: {e}")))?;
+    Ok(Envelope {
+        msg_id,
+        topic,
+        event_type,
+        key,
+        schema_version: u32::try_from(schema_version).unwrap_or(0),
+        payload,
+        headers,
+        created_at,
+    })
+}
+
+/// A claimed row, as the relay gets it: [`RecordRow`] on every backend, [`ClaimRow`]
+/// on PostgreSQL.
+pub(crate) trait ClaimedRow {
+    /// The row as the relay's message, or why it cannot be read.
+    fn into_stored(self) -> Result<StoredMessage>;
+}
+
+impl ClaimedRow for RecordRow {
+    fn into_stored(self) -> Result<StoredMessage> {
+        let r = self.into_record()?;
+        Ok(StoredMessage {
+            id: r.id,
+            retries: r.retries,
+            envelope: r.envelope,
+        })
+    }
+}
+
+/// PostgreSQL's claimed row: only the columns the relay uses (those of a
+/// [`StoredMessage`]), with `created_at` decoded by diesel from PostgreSQL's binary
+/// timestamp instead of converted to microseconds by the server (`extract(epoch ..)`
+/// on every row, the claim's costliest expression), and without the status, retry time,
+/// send time and last error that the relay never reads.
+#[cfg(feature = "postgres")]
+#[derive(QueryableByName)]
+pub(crate) struct ClaimRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    msg_id: String,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    event_type: String,
+    #[diesel(sql_type = Text)]
+    msg_key: String,
+    #[diesel(sql_type = Integer)]
+    schema_version: i32,
+    #[diesel(sql_type = Text)]
+    payload: String,
+    #[diesel(sql_type = Text)]
+    headers: String,
+    #[diesel(sql_type = Integer)]
+    retries: i32,
+    #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+    created_at: DateTime<Utc>,
+}
+
+#[cfg(feature = "postgres")]
+impl ClaimRow {
+    /// The select list of a claim, over a table aliased `o`.
+    pub(crate) const COLUMNS: &'static str = "o.id, o.msg_id, o.topic, o.event_type, \
+        o.msg_key, o.schema_version, o.payload::text AS payload, \
+        o.headers::text AS headers, o.retries, o.created_at";
+
+    /// The row's id (PostgreSQL's per-key claim sorts its rows by it).
+    pub(crate) fn id(&self) -> i64 {
+        self.id
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl ClaimedRow for ClaimRow {
+    fn into_stored(self) -> Result<StoredMessage> {
+        let envelope = envelope(
+            self.id,
+            self.msg_id,
+            self.topic,
+            self.event_type,
+            self.msg_key,
+            self.schema_version,
+            self.payload,
+            &self.headers,
+            self.created_at,
+        )?;
+        Ok(StoredMessage {
+            id: self.id,
+            retries: u32::try_from(self.retries).unwrap_or(0),
+            envelope,
+        })
+    }
+}
+
+/// Claimed rows as the relay's messages. A row that cannot be read (written around this
+/// library, with an invalid msg_id or headers) is marked DEAD with the reason in the
+/// claim's own transaction, instead of failing every claim, and so the whole relay,
+/// forever.
+pub(crate) fn claimed<C: Backend, R: ClaimedRow>(
+    conn: &mut C,
+    rows: Vec<R>,
+) -> Result<Vec<StoredMessage>> {
+    let mut messages = Vec::with_capacity(rows.len());
     let mut dead = Vec::new();
     for row in rows {
-        match row.into_record() {
-            Ok(record) => records.push(record),
+        match row.into_stored() {
+            Ok(message) => messages.push(message),
             Err(Error::CorruptRow { id, reason }) => {
                 tracing::error!(id, %reason, "unreadable outbox row dead-lettered");
                 dead.push((id, format!("unreadable row: {reason}")));
@@ -106,7 +214,7 @@ pub(crate) fn claimed<C: Backend>(conn: &mut C, rows: Vec<RecordRow>) -> Result<
             ..Default::default()
         })?;
     }
-    Ok(records)
+    Ok(messages)
 }
 
 /// One (topic, status) group of [`TOPICS_SQL`](super::TOPICS_SQL).

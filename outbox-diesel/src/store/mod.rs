@@ -8,7 +8,7 @@ use diesel::connection::TransactionManager as _;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use outbox_core::{ClaimedBatch, RelayBatchOutcome, StoredMessage};
 
-use crate::{Error, OutboxConnection, OutboxRecord, Result};
+use crate::{Error, OutboxConnection, Result};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -33,17 +33,6 @@ where
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::Task(e.to_string()))?
-}
-
-pub(crate) fn stored(records: Vec<OutboxRecord>) -> Vec<StoredMessage> {
-    records
-        .into_iter()
-        .map(|r| StoredMessage {
-            id: r.id,
-            retries: r.retries,
-            envelope: r.envelope,
-        })
-        .collect()
 }
 
 /// Which rows a relay store's claim may hand to the relay.
@@ -179,7 +168,7 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
             c.__begin_bounded_claim(how.stall)?;
             let claimed = match how.order {
                 ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
-                ClaimOrder::Unordered => c.__claim(limit),
+                ClaimOrder::Unordered => c.__claim(limit, &held),
             };
             let claimed = match claimed {
                 Ok(rows) => rows,
@@ -198,7 +187,7 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
             }
             Ok(Self {
                 conn: Some(conn),
-                messages: stored(claimed),
+                messages: claimed,
             })
         })
         .await

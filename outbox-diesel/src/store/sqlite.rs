@@ -11,7 +11,7 @@ use diesel::sql_types::{Nullable, Text};
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
 use outbox_core::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore, StoredMessage};
 
-use super::{blocking, stored};
+use super::blocking;
 use crate::backend::Backend as _;
 use crate::backend::sqlite::now;
 use crate::{ClaimOrder, Error, Result, SqlitePool};
@@ -293,13 +293,13 @@ impl RelayStore for SqliteRelayStore {
             let mut conn = pool.get()?;
             match order {
                 ClaimOrder::PerKey => conn.__claim_per_key(limit, &[]),
-                ClaimOrder::Unordered => conn.__claim(limit),
+                ClaimOrder::Unordered => conn.__claim(limit, &[]),
             }
         })
         .await?;
         Ok(SqliteBatch {
             pool: self.pool.clone(),
-            messages: stored(messages),
+            messages,
         })
     }
 
