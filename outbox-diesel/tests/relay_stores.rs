@@ -353,3 +353,51 @@ fn pg_wait_without_listener_or_with_a_dead_one_polls() {
         }
     });
 }
+
+/// A `created_at` that PostgreSQL takes but chrono cannot hold (written around this
+/// library) dead-letters its own row, in both claim orders, instead of failing every
+/// claim of the relay.
+#[test]
+fn pg_a_created_at_out_of_range_is_dead_lettered_not_a_stuck_relay() {
+    for order in [
+        outbox_diesel::ClaimOrder::PerKey,
+        outbox_diesel::ClaimOrder::Unordered,
+    ] {
+        let db = Pg::create();
+        let mut c = Pg::connect(&db);
+        c.emit_all((1..=3).map(|n| Pinged { n })).unwrap();
+        exec(
+            &mut c,
+            "UPDATE outbox SET created_at = '270000-01-01 00:00:00+00' WHERE msg_id = '1:Pinged';
+             UPDATE outbox SET created_at = 'infinity' WHERE msg_id = '2:Pinged';",
+        );
+        runtime().block_on(async {
+            let store = Pg::store(&db).with_order(order);
+            let batch = store.claim(10).await.unwrap();
+            let ids: Vec<String> = batch
+                .messages()
+                .iter()
+                .map(|m| m.envelope.msg_id.to_string())
+                .collect();
+            assert_eq!(ids, ["3:Pinged"], "{order:?}");
+            // The dead letters are written in the claim's transaction, with its outcome.
+            let sent = batch.messages().iter().map(|m| m.id).collect();
+            batch
+                .complete(RelayBatchOutcome {
+                    sent,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        });
+        assert_eq!(
+            Pg::scalar(
+                &mut c,
+                "SELECT COUNT(*) AS n FROM outbox WHERE status = 2 \
+                 AND last_error LIKE '%created_at is out of range%'"
+            ),
+            2,
+            "{order:?}"
+        );
+    }
+}

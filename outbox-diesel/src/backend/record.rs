@@ -149,8 +149,11 @@ pub(crate) struct ClaimRow {
     headers: String,
     #[diesel(sql_type = Integer)]
     retries: i32,
+    /// Microseconds since 2000-01-01 UTC, PostgreSQL's own form: decoding into chrono
+    /// here would fail the whole claim on a value chrono cannot hold (PostgreSQL takes
+    /// years up to 294276, and `infinity`), instead of dead-lettering that one row.
     #[diesel(sql_type = diesel::sql_types::Timestamptz)]
-    created_at: DateTime<Utc>,
+    created_at: diesel::data_types::PgTimestamp,
 }
 
 #[cfg(feature = "postgres")]
@@ -169,6 +172,17 @@ impl ClaimRow {
 #[cfg(feature = "postgres")]
 impl ClaimedRow for ClaimRow {
     fn into_stored(self) -> Result<StoredMessage> {
+        /// 2000-01-01 (PostgreSQL's epoch) in Unix microseconds.
+        const PG_EPOCH_US: i64 = 946_684_800_000_000;
+        let created_at = self
+            .created_at
+            .0
+            .checked_add(PG_EPOCH_US)
+            .and_then(DateTime::from_timestamp_micros)
+            .ok_or_else(|| Error::CorruptRow {
+                id: self.id,
+                reason: "created_at is out of range".into(),
+            })?;
         let envelope = envelope(
             self.id,
             self.msg_id,
@@ -178,7 +192,7 @@ impl ClaimedRow for ClaimRow {
             self.schema_version,
             self.payload,
             &self.headers,
-            self.created_at,
+            created_at,
         )?;
         Ok(StoredMessage {
             id: self.id,
