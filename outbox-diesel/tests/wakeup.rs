@@ -95,31 +95,39 @@ fn a_relay_about_to_park_waits_for_an_unannounced_emit_in_flight() {
     let db = Pg::create();
     let mut c = Pg::connect(&db);
     runtime().block_on(async {
-        let store = Pg::store(&db);
-        assert!(store.claim(10).await.unwrap().messages().is_empty());
-        let opts = EmitOptions::new().with_channel(db.name.clone());
-        // Emitted with no relay parked (no NOTIFY to come), not yet committed.
-        exec(&mut c, "BEGIN");
-        c.emit_with(
-            &opts,
-            Moved {
-                n: 1,
-                account: "a".into(),
-            },
-        )
-        .unwrap();
-        let waiting = tokio::spawn(async move {
-            let started = Instant::now();
-            store.wait_for_work(Duration::from_secs(20)).await;
-            started.elapsed()
-        });
-        // The relay has looked (nothing committed) and queues for the lock behind the
-        // emitting transaction's shared hold.
-        until("the relay waits for the lock", || queued(&db) == 1).await;
+        let waiting = park_behind_an_open_emit(&db, &mut c).await;
         exec(&mut c, "COMMIT");
         let waited = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "found after {waited:?}");
     });
+}
+
+/// Emits in a transaction left open on `c` with no relay parked (so no NOTIFY is to
+/// come), then parks a relay (a 30 s wait, how long it took is the task's output) and
+/// returns once it has looked (nothing committed) and queues for the lock behind the
+/// emit's shared hold.
+async fn park_behind_an_open_emit(
+    db: &fixtures::TestDb,
+    c: &mut diesel::PgConnection,
+) -> tokio::task::JoinHandle<Duration> {
+    let store = Pg::store(db);
+    assert!(store.claim(10).await.unwrap().messages().is_empty());
+    exec(c, "BEGIN");
+    c.emit_with(
+        &EmitOptions::new().with_channel(db.name.clone()),
+        Moved {
+            n: 1,
+            account: "a".into(),
+        },
+    )
+    .unwrap();
+    let waiting = tokio::spawn(async move {
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(30)).await;
+        started.elapsed()
+    });
+    until("the relay waits for the lock", || queued(db) == 1).await;
+    waiting
 }
 
 /// Requests for `db`'s wake-up lock not granted yet.
@@ -142,27 +150,12 @@ fn queued(db: &fixtures::TestDb) -> i64 {
 fn a_relay_queued_for_the_lock_is_woken_by_a_notify() {
     let db = Pg::create();
     let mut long = Pg::connect(&db);
-    let opts = EmitOptions::new().with_channel(db.name.clone());
     runtime().block_on(async {
-        let store = Pg::store(&db);
-        assert!(store.claim(10).await.unwrap().messages().is_empty());
-        // An emit in a transaction that stays open (its shared hold with it).
-        exec(&mut long, "BEGIN");
-        long.emit_with(
-            &opts,
-            Moved {
-                n: 1,
-                account: "a".into(),
-            },
-        )
-        .unwrap();
-        let waiting = tokio::spawn(async move {
-            let started = Instant::now();
-            store.wait_for_work(Duration::from_secs(30)).await;
-            started.elapsed()
-        });
-        until("the relay waits for the lock", || queued(&db) == 1).await;
-        let always = opts.clone().with_notify(outbox_diesel::Notify::Always);
+        // The emit's transaction stays open (its shared hold with it).
+        let waiting = park_behind_an_open_emit(&db, &mut long).await;
+        let always = EmitOptions::new()
+            .with_channel(db.name.clone())
+            .with_notify(outbox_diesel::Notify::Always);
         let mut c = Pg::connect(&db);
         c.transaction(|c| {
             c.emit_with(
