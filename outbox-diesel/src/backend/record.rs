@@ -9,10 +9,10 @@ use outbox_core::{Envelope, Headers, MsgId, Status, StoredMessage};
 use super::Backend;
 use crate::{Error, OutboxRecord, Result};
 
-/// An outbox row as the shared queries read it: timestamps as Unix microseconds, JSON
-/// as text, so that one struct reads every backend.
+/// The columns of a relay's message ([`StoredMessage`]) but its creation time, which
+/// the two row types below read each in their own form.
 #[derive(QueryableByName)]
-pub(crate) struct RecordRow {
+pub(crate) struct MessageColumns {
     #[diesel(sql_type = BigInt)]
     id: i64,
     #[diesel(sql_type = Text)]
@@ -29,10 +29,51 @@ pub(crate) struct RecordRow {
     payload: String,
     #[diesel(sql_type = Text)]
     headers: String,
-    #[diesel(sql_type = SmallInt)]
-    status: i16,
     #[diesel(sql_type = Integer)]
     retries: i32,
+}
+
+impl MessageColumns {
+    fn corrupt(&self, reason: String) -> Error {
+        Error::CorruptRow {
+            id: self.id,
+            reason,
+        }
+    }
+
+    /// The row's message, created at `created_at`, or why it cannot be read
+    /// ([`Error::CorruptRow`]).
+    fn into_stored(self, created_at: DateTime<Utc>) -> Result<StoredMessage> {
+        let id = self.id;
+        let corrupt = |reason: String| Error::CorruptRow { id, reason };
+        let msg_id = MsgId::new(self.msg_id).map_err(|e| corrupt(e.to_string()))?;
+        let headers: Headers = serde_json::from_str(&self.headers)
+            .map_err(|e| corrupt(format!("headers are not a JSON object of strings: {e}")))?;
+        Ok(StoredMessage {
+            id,
+            retries: u32::try_from(self.retries).unwrap_or(0),
+            envelope: Envelope {
+                msg_id,
+                topic: self.topic,
+                event_type: self.event_type,
+                key: self.msg_key,
+                schema_version: u32::try_from(self.schema_version).unwrap_or(0),
+                payload: self.payload,
+                headers,
+                created_at,
+            },
+        })
+    }
+}
+
+/// An outbox row as the shared queries read it: timestamps as Unix microseconds, JSON
+/// as text, so that one struct reads every backend.
+#[derive(QueryableByName)]
+pub(crate) struct RecordRow {
+    #[diesel(embed)]
+    message: MessageColumns,
+    #[diesel(sql_type = SmallInt)]
+    status: i16,
     #[diesel(sql_type = BigInt)]
     next_retry_us: i64,
     #[diesel(sql_type = BigInt)]
@@ -49,60 +90,18 @@ fn from_micros(us: i64) -> DateTime<Utc> {
 
 impl RecordRow {
     pub(crate) fn into_record(self) -> Result<OutboxRecord> {
-        let status = Status::try_from(self.status).map_err(|e| Error::CorruptRow {
-            id: self.id,
-            reason: e.to_string(),
-        });
-        let envelope = envelope(
-            self.id,
-            self.msg_id,
-            self.topic,
-            self.event_type,
-            self.msg_key,
-            self.schema_version,
-            self.payload,
-            &self.headers,
-            from_micros(self.created_us),
-        )?;
+        let status = Status::try_from(self.status).map_err(|e| self.message.corrupt(e.to_string()));
+        let m = self.message.into_stored(from_micros(self.created_us))?;
         Ok(OutboxRecord {
-            id: self.id,
+            id: m.id,
             status: status?,
-            retries: u32::try_from(self.retries).unwrap_or(0),
+            retries: m.retries,
             next_retry_at: from_micros(self.next_retry_us),
             sent_at: self.sent_us.map(from_micros),
             last_error: self.last_error,
-            envelope,
+            envelope: m.envelope,
         })
     }
-}
-
-/// A row's message, or why it cannot be read ([`Error::CorruptRow`]).
-#[allow(clippy::too_many_arguments)]
-fn envelope(
-    id: i64,
-    msg_id: String,
-    topic: String,
-    event_type: String,
-    key: String,
-    schema_version: i32,
-    payload: String,
-    headers: &str,
-    created_at: DateTime<Utc>,
-) -> Result<Envelope> {
-    let corrupt = |reason: String| Error::CorruptRow { id, reason };
-    let msg_id = MsgId::new(msg_id).map_err(|e| corrupt(e.to_string()))?;
-    let headers: Headers = serde_json::from_str(headers)
-        .map_err(|e| corrupt(format!("headers are not a JSON object of strings: {e}")))?;
-    Ok(Envelope {
-        msg_id,
-        topic,
-        event_type,
-        key,
-        schema_version: u32::try_from(schema_version).unwrap_or(0),
-        payload,
-        headers,
-        created_at,
-    })
 }
 
 /// A claimed row, as the relay gets it: [`RecordRow`] on every backend, [`ClaimRow`]
@@ -131,24 +130,8 @@ impl ClaimedRow for RecordRow {
 #[cfg(feature = "postgres")]
 #[derive(QueryableByName)]
 pub(crate) struct ClaimRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Text)]
-    msg_id: String,
-    #[diesel(sql_type = Text)]
-    topic: String,
-    #[diesel(sql_type = Text)]
-    event_type: String,
-    #[diesel(sql_type = Text)]
-    msg_key: String,
-    #[diesel(sql_type = Integer)]
-    schema_version: i32,
-    #[diesel(sql_type = Text)]
-    payload: String,
-    #[diesel(sql_type = Text)]
-    headers: String,
-    #[diesel(sql_type = Integer)]
-    retries: i32,
+    #[diesel(embed)]
+    message: MessageColumns,
     /// Microseconds since 2000-01-01 UTC, PostgreSQL's own form: decoding into chrono
     /// here would fail the whole claim on a value chrono cannot hold (PostgreSQL takes
     /// years up to 294276, and `infinity`), instead of dead-lettering that one row.
@@ -165,7 +148,7 @@ impl ClaimRow {
 
     /// The row's id (PostgreSQL's per-key claim sorts its rows by it).
     pub(crate) fn id(&self) -> i64 {
-        self.id
+        self.message.id
     }
 }
 
@@ -178,27 +161,11 @@ impl ClaimedRow for ClaimRow {
             .created_at
             .0
             .checked_add(PG_EPOCH_US)
-            .and_then(DateTime::from_timestamp_micros)
-            .ok_or_else(|| Error::CorruptRow {
-                id: self.id,
-                reason: "created_at is out of range".into(),
-            })?;
-        let envelope = envelope(
-            self.id,
-            self.msg_id,
-            self.topic,
-            self.event_type,
-            self.msg_key,
-            self.schema_version,
-            self.payload,
-            &self.headers,
-            created_at,
-        )?;
-        Ok(StoredMessage {
-            id: self.id,
-            retries: u32::try_from(self.retries).unwrap_or(0),
-            envelope,
-        })
+            .and_then(DateTime::from_timestamp_micros);
+        match created_at {
+            Some(at) => self.message.into_stored(at),
+            None => Err(self.message.corrupt("created_at is out of range".into())),
+        }
     }
 }
 
