@@ -18,11 +18,12 @@ use crate::{OutboxConnection, Result};
 pub enum Notify {
     /// Never notify; relays find new rows by polling (and a busy relay never waits).
     Never,
-    /// Notify on every emit that inserted a row.
+    /// Notify on every emit (PostgreSQL folds the NOTIFYs of one transaction into one).
     Always,
     /// Notify only while a relay is parked waiting for work (it holds the channel's
     /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no
-    /// extra round trip, and nothing is paid while relays are busy.
+    /// extra round trip, and nothing is paid while relays are busy. An `emit` of a
+    /// duplicate may wake a parked relay too (it finds nothing new and parks again).
     #[default]
     WhenRelayIdle,
 }

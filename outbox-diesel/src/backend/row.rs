@@ -117,20 +117,38 @@ where
 {
     for (i, r) in rows.iter().enumerate() {
         out.push_sql(if i == 0 { "(" } else { ", (" });
-        for text in [r.msg_id, r.topic, r.event_type, r.key] {
-            out.push_bind_param::<Text, str>(text)?;
-            out.push_sql(", ");
-        }
-        out.push_bind_param::<Integer, i32>(&r.schema_version)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(r.payload)?;
-        out.push_sql(json);
-        out.push_sql(", ");
+        push_before_headers(r, out, json)?;
         out.push_bind_param::<Text, str>(&r.headers)?;
         out.push_sql(json);
         out.push_sql(tail);
         out.push_sql(")");
     }
+    Ok(())
+}
+
+/// A `VALUES` tuple of [`push_values`] up to its headers, without the opening
+/// parenthesis: `msg_id, topic, event_type, msg_key, schema_version, payload{json}, `.
+pub(crate) fn push_before_headers<'b, DB>(
+    r: &'b Row<'_>,
+    out: &mut diesel::query_builder::AstPass<'_, 'b, DB>,
+    json: &'static str,
+) -> diesel::QueryResult<()>
+where
+    DB: diesel::backend::Backend
+        + diesel::sql_types::HasSqlType<Text>
+        + diesel::sql_types::HasSqlType<Integer>,
+    str: diesel::serialize::ToSql<Text, DB>,
+    i32: diesel::serialize::ToSql<Integer, DB>,
+{
+    for text in [r.msg_id, r.topic, r.event_type, r.key] {
+        out.push_bind_param::<Text, str>(text)?;
+        out.push_sql(", ");
+    }
+    out.push_bind_param::<Integer, i32>(&r.schema_version)?;
+    out.push_sql(", ");
+    out.push_bind_param::<Text, str>(r.payload)?;
+    out.push_sql(json);
+    out.push_sql(", ");
     Ok(())
 }
 
