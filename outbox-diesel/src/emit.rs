@@ -18,7 +18,8 @@ use crate::{OutboxConnection, Result};
 pub enum Notify {
     /// Never notify; relays find new rows by polling (and a busy relay never waits).
     Never,
-    /// Notify on every emit (PostgreSQL folds the NOTIFYs of one transaction into one).
+    /// Notify on every `emit` (a duplicate too), and on every `emit_all` that inserted a
+    /// row. PostgreSQL folds the NOTIFYs of one transaction into one.
     Always,
     /// Notify only while a relay is parked waiting for work (it holds the channel's
     /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no

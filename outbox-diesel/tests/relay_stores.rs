@@ -257,6 +257,40 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
         "exactly one NOTIFY, from the committed emit"
     );
 
+    // Duplicates insert nothing, and a caller may go on and commit. An `emit_all` of
+    // duplicates only notifies nobody; a duplicate `emit` may wake the parked relay
+    // (its check runs before the conflict is known: `Notify::WhenRelayIdle`).
+    let rows = || -> Vec<(i64, String)> {
+        use diesel::prelude::*;
+        use outbox_diesel::schema::pg::outbox;
+        outbox::table
+            .select((outbox::id, outbox::msg_id))
+            .order(outbox::id)
+            .load(&mut Pg::connect(&db))
+            .unwrap()
+    };
+    let before = rows();
+    c.transaction(|c| {
+        let all = c.emit_all_with(&idle, [Pinged { n: 1 }, Pinged { n: 2 }]);
+        assert!(all.unwrap_err().is_duplicate());
+        diesel::QueryResult::Ok(())
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(notifications(&mut l), 0, "emit_all of duplicates");
+    c.transaction(|c| {
+        assert!(
+            c.emit_with(&idle, Pinged { n: 2 })
+                .unwrap_err()
+                .is_duplicate()
+        );
+        diesel::QueryResult::Ok(())
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(notifications(&mut l), 1, "a duplicate emit, committed");
+    assert_eq!(rows(), before, "duplicates changed nothing");
+
     let never = idle.clone().with_notify(Notify::Never);
     c.emit_with(&never, Pinged { n: 4 }).unwrap();
     let always = idle.clone().with_notify(Notify::Always);

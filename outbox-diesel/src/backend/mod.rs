@@ -32,7 +32,9 @@ pub(crate) use record::ClaimRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
 pub(crate) use record::{BacklogRow, RecordRow, TopicRow, VersionRow, claimed};
-pub(crate) use row::{Row, check_group, chunks, push_before_headers, push_values};
+#[cfg(feature = "postgres")]
+pub(crate) use row::push_before_headers;
+pub(crate) use row::{Row, check_group, chunks, push_values};
 
 /// The highest recorded migration: the same text on every backend.
 const VERSION_SQL: &str = "SELECT MAX(version) AS version FROM outbox_migrations";

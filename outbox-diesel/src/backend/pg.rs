@@ -309,7 +309,7 @@ impl Mode for Always {
 }
 /// A shared try of the channel's [wake-up lock](crate::wake_lock_key): it fails only while a relay
 /// holds the lock exclusively (it is parked) or waits for it (it is about to park), and
-/// then the row notifies. A lock-manager call, no table: the `EXISTS` on
+/// then the emit notifies. A lock-manager call, no table: the `EXISTS` on
 /// `outbox_relay_idle` it replaced set up a scan per statement (relation lock,
 /// `heap_beginscan`, an `lseek` for the size), about 3 % of the server at 8 emitting
 /// connections. Held to the end of the emitting transaction, so that a relay about to
