@@ -241,17 +241,15 @@ impl<M: Mode> QueryId for PlainInsert<'_, M> {
 impl<M: Mode> QueryFragment<Pg> for PlainInsert<'_, M> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(INSERT_HEAD);
+        out.push_sql("(");
+        super::push_before_headers(self.row, &mut out, "::jsonb")?;
         if M::NOTIFIES {
-            out.push_sql("(");
-            super::push_before_headers(self.row, &mut out, "::jsonb")?;
             out.push_sql("(");
             M::push_wake(&mut out, &self.wake)?;
             out.push_sql(" || ");
-            out.push_bind_param::<Text, str>(&self.row.headers)?;
-            out.push_sql(")::jsonb)");
-        } else {
-            super::push_values(std::slice::from_ref(self.row), &mut out, "::jsonb", "")?;
         }
+        out.push_bind_param::<Text, str>(&self.row.headers)?;
+        out.push_sql(if M::NOTIFIES { ")::jsonb)" } else { "::jsonb)" });
         out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
         Ok(())
     }
