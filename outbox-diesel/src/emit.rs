@@ -18,13 +18,16 @@ use crate::{OutboxConnection, Result};
 pub enum Notify {
     /// Never notify; relays find new rows by polling (and a busy relay never waits).
     Never,
-    /// Notify on every `emit` (a duplicate too), and on every `emit_all` that inserted a
-    /// row. PostgreSQL folds the NOTIFYs of one transaction into one.
+    /// Notify on every emit of one event (`emit`, or `emit_all` of one event), a duplicate
+    /// too, and on every `emit_all` of several that inserted a row (even when a later
+    /// duplicate took the rows back). PostgreSQL folds the NOTIFYs of one transaction into
+    /// one.
     Always,
     /// Notify only while a relay is parked waiting for work (it holds the channel's
     /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no
-    /// extra round trip, and nothing is paid while relays are busy. An `emit` of a
-    /// duplicate may wake a parked relay too (it finds nothing new and parks again).
+    /// extra round trip, and nothing is paid while relays are busy. An emit of one event
+    /// that is a duplicate may wake a parked relay too, as may an `emit_all` whose rows a
+    /// later duplicate took back (it finds nothing new and parks again).
     #[default]
     WhenRelayIdle,
 }

@@ -258,8 +258,9 @@ fn pg_emit_notifies_only_while_a_relay_is_idle() {
     );
 
     // Duplicates insert nothing, and a caller may go on and commit. An `emit_all` of
-    // duplicates only notifies nobody; a duplicate `emit` may wake the parked relay
-    // (its check runs before the conflict is known: `Notify::WhenRelayIdle`).
+    // several duplicates only notifies nobody; a duplicate `emit` wakes the parked relay
+    // (its check runs before the conflict is known: `Notify::WhenRelayIdle`; with the
+    // check in a RETURNING list it would not, and this count would be 0).
     let rows = || -> Vec<(i64, String)> {
         use diesel::prelude::*;
         use outbox_diesel::schema::pg::outbox;

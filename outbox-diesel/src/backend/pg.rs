@@ -223,8 +223,8 @@ const INSERT_HEAD: &str = "INSERT INTO outbox \
 /// is prepended to the headers in the `VALUES` list: one plain statement, without the CTE
 /// of [`Insert`] (at 8 connections on 2 cores the CTE cost the default `WhenRelayIdle`
 /// about 10% of its throughput) and without a `RETURNING` list (a result row per
-/// execution: 8–11% more CPU per emitting transaction than none at 8 connections, in
-/// interleaved pgbench runs; the same check in the `VALUES` list: 0–3%). The price: the
+/// execution: about 8% more CPU per emitting transaction than none at 8 connections, in
+/// interleaved pgbench runs; the same check in the `VALUES` list: 0–3.5%). The price: the
 /// expression runs before the conflict check, so a duplicate may wake a parked relay
 /// too (it finds nothing new and parks again).
 struct PlainInsert<'a, M> {
