@@ -7,7 +7,7 @@ mod fixtures;
 use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
-use diesel::{Connection, PgConnection};
+use diesel::{Connection, PgConnection, RunQueryDsl as _};
 use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
 use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
 use outbox_diesel::{Emit, EmitOptions, Notify, SqliteRelayStore};
@@ -433,4 +433,98 @@ fn pg_a_created_at_out_of_range_is_dead_lettered_not_a_stuck_relay() {
             "{order:?}"
         );
     }
+}
+
+/// Whole-table scans of `outbox` counted by the server so far. A session reports its
+/// counts when it goes idle, at most once a second: wait that out first.
+fn pg_table_scans(c: &mut PgConnection) -> i64 {
+    std::thread::sleep(Duration::from_millis(1500));
+    exec(c, "SELECT pg_stat_clear_snapshot()");
+    Pg::scalar(
+        c,
+        "SELECT seq_scan AS n FROM pg_stat_all_tables WHERE relid = 'outbox'::regclass",
+    )
+}
+
+/// One relay turn as `run_until` takes it at a low rate: a row emitted, claimed, marked
+/// SENT, then the due check of a short wait.
+async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection) {
+    c.emit(Pinged {
+        n: fastrand::u32(..),
+    })
+    .unwrap();
+    let batch = store.claim(10).await.unwrap();
+    let sent = ids(&batch);
+    assert_eq!(sent.len(), 1);
+    batch
+        .complete(RelayBatchOutcome {
+            sent,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    store.claim(10).await.unwrap(); // empty: the relay is idle
+    store.wait_for_work(Duration::from_millis(1)).await;
+}
+
+#[test]
+fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
+    // A new table: statistics of an empty one, the relay's prepared statements (MarkSent
+    // on its pool, the due check on its LISTEN session) turned generic plans while it
+    // was small (after five runs), then the table grew with nothing analyzed since.
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    exec(&mut c, "ANALYZE outbox");
+    let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1))
+        .with_listener(db.url.clone())
+        .with_channel(db.name.clone());
+    let rt = runtime();
+    rt.block_on(async {
+        for _ in 0..8 {
+            pg_relay_turn(&store, &mut c).await;
+        }
+    });
+    exec(
+        &mut c,
+        "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
+         SELECT 's-' || g || ':E', 't', 'E', 's-' || g, '{}'::jsonb, 1, now()
+         FROM generate_series(1, 20000) g;",
+    );
+    let before = pg_table_scans(&mut c);
+    rt.block_on(async {
+        for _ in 0..5 {
+            pg_relay_turn(&store, &mut c).await;
+        }
+    });
+    assert_eq!(
+        pg_table_scans(&mut c) - before,
+        0,
+        "the relay's statements scanned the whole table"
+    );
+}
+
+#[derive(diesel::QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    value: String,
+}
+
+fn pg_setting(c: &mut PgConnection, name: &str) -> String {
+    diesel::sql_query(format!("SELECT current_setting('{name}') AS value"))
+        .get_result::<Setting>(c)
+        .unwrap()
+        .value
+}
+
+#[test]
+fn pg_claim_commits_without_the_flush_and_leaves_the_session_as_it_was() {
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    outbox_diesel::__private::begin_claim(&mut c, Duration::from_secs(30)).unwrap();
+    assert_eq!(pg_setting(&mut c, "synchronous_commit"), "off");
+    assert_eq!(pg_setting(&mut c, "enable_seqscan"), "off");
+    exec(&mut c, "COMMIT");
+    // `SET LOCAL`: a pooled connection goes back as it came.
+    assert_eq!(pg_setting(&mut c, "synchronous_commit"), "on");
+    assert_eq!(pg_setting(&mut c, "enable_seqscan"), "on");
 }

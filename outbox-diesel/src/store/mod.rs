@@ -154,24 +154,29 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// it sits idle for the stall timeout of `how` (the store's `with_stall_timeout`), in
     /// its claim order (`with_order`). `held`: the ids of
     /// the batch in hand for a claim ahead ([`outbox_core::RelayStore::claim_after`]),
-    /// else empty.
+    /// else empty. `first` runs in the claim's transaction (its settings) just before
+    /// the claim, in a snapshot of its own: what it returns comes with the batch.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    pub(crate) async fn claim(
+    pub(crate) async fn claim<T: Send + 'static>(
         pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
         how: LockedClaim,
         held: Vec<i64>,
-    ) -> Result<Self> {
+        first: impl FnOnce(&mut C) -> Result<T> + Send + 'static,
+    ) -> Result<(Self, T)> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
             c.__begin_bounded_claim(how.stall)?;
-            let claimed = match how.order {
-                ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
-                ClaimOrder::Unordered => c.__claim(limit, &held),
-            };
-            let claimed = match claimed {
-                Ok(rows) => rows,
+            let claimed = first(c).and_then(|noted| {
+                let rows = match how.order {
+                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
+                    ClaimOrder::Unordered => c.__claim(limit, &held),
+                };
+                Ok((rows?, noted))
+            });
+            let (claimed, noted) = match claimed {
+                Ok(claimed) => claimed,
                 Err(e) => {
                     rollback(c);
                     return Err(e);
@@ -180,15 +185,17 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
             if claimed.is_empty() {
                 // Nothing to hold: end the transaction now.
                 C::TransactionManager::commit_transaction(c)?;
-                return Ok(Self {
+                let empty = Self {
                     conn: None,
                     messages: Vec::new(),
-                });
+                };
+                return Ok((empty, noted));
             }
-            Ok(Self {
+            let batch = Self {
                 conn: Some(conn),
                 messages: claimed,
-            })
+            };
+            Ok((batch, noted))
         })
         .await
     }

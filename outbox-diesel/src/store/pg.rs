@@ -66,6 +66,13 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// another relay has just marked SENT fails with a serialization error instead of
 /// skipping it.
 ///
+/// Its commit does not wait for the WAL flush (`synchronous_commit = off`, for that
+/// transaction only): it records only what the relay did with rows already committed
+/// (SENT, a retry, DEAD), so a server crash that loses the last such commits makes the
+/// relay publish those rows again, duplicates that the consumers' deduplication absorbs,
+/// and saves the flush on the path from one wake-up to the next (commit → XADD at
+/// 1,000 messages/s on a disk with 3 ms flushes: p50 3.8 ms before).
+///
 /// # A stalled relay
 ///
 /// A relay that stops answering while it holds a batch (its process stopped, its VM
@@ -226,14 +233,10 @@ impl RelayStore for PgRelayStore {
     ) -> Result<Self::Batch, outbox_core::Error> {
         // An idle relay notes the newest due row before it claims: if the claim still
         // returns nothing, every due row up to there is held back or taken, and the due
-        // check before parking looks only above it. (Taken before the claim, so that a
-        // row committed in between counts as new.)
-        let up_to = if self.listener.is_some() && self.seen.empty.load(Ordering::Relaxed) {
-            let pool = self.pool.clone();
-            blocking(move || newest_due(&mut *pool.get()?)).await?
-        } else {
-            0
-        };
+        // check before parking looks only above it. (Read in a statement before the
+        // claim's, so that a row committed in between counts as new; in the claim's
+        // transaction, whose settings keep it on the index.)
+        let idle = self.listener.is_some() && self.seen.empty.load(Ordering::Relaxed);
         if self.stats.due(self.seen.empty.load(Ordering::Relaxed)) {
             let pool = self.pool.clone();
             let analyzed = blocking(move || analyze_if_stale(&mut *pool.get()?)).await;
@@ -246,7 +249,10 @@ impl RelayStore for PgRelayStore {
             }
         }
         let (pool, held) = (self.pool.clone(), held.to_vec());
-        let batch = LockedBatch::claim(pool, limit, self.claim, held).await?;
+        let (batch, up_to) = LockedBatch::claim(pool, limit, self.claim, held, move |c| {
+            if idle { newest_due(c) } else { Ok(0) }
+        })
+        .await?;
         let empty = batch.messages().is_empty();
         if !empty && let Some(listener) = &self.listener {
             // Back to work after a wait that timed out: emits stop notifying.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use diesel::connection::SimpleConnection as _;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager as _};
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
 use outbox_core::{Error, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage};
 use outbox_diesel::{ClaimOrder, Emit as _, PgRelayStore};
@@ -73,26 +73,28 @@ impl RelayBench {
     }
 
     /// The baseline: one connection claims a batch with the relay's unordered claim
-    /// shape, marks it SENT and commits, until nothing is left. Messages/s.
+    /// shape in the relay's transaction (its `BEGIN`: no wait for the WAL flush at
+    /// commit), marks it SENT and commits, until nothing is left. Messages/s.
     pub(crate) async fn sql_drain(&self, n: usize, batch: usize) -> Result<f64, BoxError> {
         let url = self.url.clone();
         let started = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<(), BoxError> {
             let mut conn = PgConnection::establish(&url)?;
             loop {
-                let claimed = conn.transaction(|c| {
-                    let rows: Vec<ClaimedRow> = diesel::sql_query(format!(
-                        "SELECT id, msg_id, topic, event_type, msg_key, payload::text AS payload, headers::text AS headers \
-                         FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-                         ORDER BY id LIMIT {batch} FOR UPDATE SKIP LOCKED"
-                    ))
-                    .load(c)?;
-                    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-                    diesel::sql_query("UPDATE outbox SET status = 1, sent_at = now() WHERE id = ANY($1)")
-                        .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
-                        .execute(c)?;
-                    diesel::QueryResult::Ok(rows.len())
-                })?;
+                // The relay's BEGIN (its isolation, commit and planner settings).
+                outbox_diesel::__private::begin_claim(&mut conn, Duration::ZERO)?;
+                let rows: Vec<ClaimedRow> = diesel::sql_query(format!(
+                    "SELECT id, msg_id, topic, event_type, msg_key, payload::text AS payload, headers::text AS headers \
+                     FROM outbox WHERE status = 0 AND next_retry_at <= now() \
+                     ORDER BY id LIMIT {batch} FOR UPDATE SKIP LOCKED"
+                ))
+                .load(&mut conn)?;
+                let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                diesel::sql_query("UPDATE outbox SET status = 1, sent_at = now() WHERE id = ANY($1)")
+                    .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
+                    .execute(&mut conn)?;
+                AnsiTransactionManager::commit_transaction(&mut conn)?;
+                let claimed = rows.len();
                 if claimed == 0 {
                     return Ok(());
                 }
