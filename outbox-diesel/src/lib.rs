@@ -123,13 +123,23 @@ pub mod __private {
         C::__claim_per_key_sql(limit, &[])
     }
 
-    /// Opens a claim's transaction on `conn` as a relay store does (isolation, planner
-    /// settings, stall bounds), for EXPLAIN tests of the claim as the relay runs it.
+    /// Opens a claim's transaction on `conn` as a relay store does (isolation, commit
+    /// and planner settings, stall bounds), for tests of the claim as the relay runs it
+    /// and the bench's pure-SQL drain.
     pub fn begin_claim<C: OutboxConnection>(
         conn: &mut C,
         stall: std::time::Duration,
     ) -> crate::Result<()> {
         conn.__begin_bounded_claim(stall)
+    }
+
+    /// Records a claimed batch's outcome on `conn` as a relay store does, in the claim's
+    /// transaction (see [`begin_claim`]), without committing it.
+    pub fn complete<C: OutboxConnection>(
+        conn: &mut C,
+        outcome: &outbox_core::RelayBatchOutcome,
+    ) -> crate::Result<()> {
+        conn.__complete(outcome)
     }
 
     /// MySQL's second per-key statement for the locked ids `ids` (empty elsewhere).

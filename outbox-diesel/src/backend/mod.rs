@@ -63,6 +63,9 @@ pub(crate) struct Dialect {
     pub(crate) ago: fn(i64) -> String,
     /// `DELETE .. LIMIT n` of rows matching `where` (table, where, order column, n).
     pub(crate) delete_limited: fn(&str, &str, &str, usize) -> String,
+    /// Run before rows are marked DEAD in a claim's transaction, where its commit must
+    /// be durable.
+    pub(crate) durable_dead: Option<&'static str>,
 }
 
 /// What `OutboxConnection` does, per backend. Crate-private and a supertrait of the
@@ -235,6 +238,9 @@ pub(crate) trait Backend: Connection + Sized {
                 d.ph,
             );
             self.run_sql(&sql, Some(truncate(error)))?;
+        }
+        if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
+            self.run_sql(durable, None)?;
         }
         for (id, error) in &outcome.dead {
             let sql = format!(

@@ -34,6 +34,7 @@ pub(super) const DIALECT: Dialect = Dialect {
     delete_limited: |table, filter, order, n| {
         format!("DELETE FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}")
     },
+    durable_dead: None,
 };
 
 /// SQL that is true when two `msg_key` expressions are the same key, byte for byte, as

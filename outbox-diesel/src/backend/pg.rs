@@ -38,6 +38,10 @@ pub(super) const DIALECT: Dialect = Dialect {
              SELECT ctid FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}))"
         )
     },
+    // The claim commits without waiting for its flush (`COMMIT_SETTINGS`), but a
+    // DEAD mark frees its key: it must be on disk before a later message of the key
+    // can be published, or a crash could bring the dead message back behind it.
+    durable_dead: Some("SET LOCAL synchronous_commit = on"),
 };
 
 /// The claim's `BEGIN`, in one round trip: READ COMMITTED whatever the database's
@@ -63,17 +67,19 @@ fn begin_claim_sql(stall: Duration) -> String {
 /// The claim's commit setting, for its transaction only: `synchronous_commit = off`.
 ///
 /// A claim's transaction only records what the relay did with rows that are already
-/// durable (SENT, a retry, DEAD): it writes no message. Should the server crash before
-/// such a commit reaches the disk (at most three `wal_writer_delay`s, 600 ms by
-/// default, after it returned), the rows are NEW again after recovery and are
-/// published once more: a duplicate on the stream, which the consumers' deduplication
-/// absorbs, as after a relay killed between its XADD and its commit. WAL is replayed
-/// in order, so a later batch's marks never survive an earlier one's, and the streams
-/// keep each key's order. What it saves is the flush on the relay's path: on a disk
-/// whose flush takes 3 ms, a relay woken at 1,000 messages/s spent most of its time
-/// waiting for its previous batch's commit (commit → XADD p50 3.8 ms, measured).
-/// Emits and the consumers' deduplication are the users' own transactions, untouched:
-/// their commits stay as durable as the server is set up to make them.
+/// durable (SENT, a retry): it writes no message. Should the server crash, or fail over
+/// to a standby, before such a commit reached the disk or the standby, the rows are
+/// back as they were: a row SENT is published once more (a duplicate on the stream,
+/// which the consumers' deduplication absorbs, as after a relay killed between its XADD
+/// and its commit); a retry comes early and counts one attempt fewer. WAL is replayed
+/// (and streamed) in order, so a later batch's marks never survive an earlier one's.
+/// Marking a row DEAD is the exception: it frees the row's key for the next message, so
+/// a batch with dead letters commits durably ([`DIALECT`]'s `durable_dead`). What it
+/// saves is the flush on the relay's path: on a disk whose flush takes 3 ms, a relay
+/// woken at 1,000 messages/s spent most of its time waiting for its previous batch's
+/// commit (commit → XADD p50 3.8 ms, measured). Emits and the consumers' deduplication
+/// are the users' own transactions, untouched: their commits stay as durable as the
+/// server is set up to make them.
 pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
 
 /// The claim's planner settings, for its transaction only.

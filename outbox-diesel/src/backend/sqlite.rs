@@ -77,6 +77,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              (SELECT rowid FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n})"
         )
     },
+    durable_dead: None,
 };
 
 /// One row: `INSERT .. ON CONFLICT (msg_id) DO NOTHING` (0 rows on a duplicate), cached.

@@ -66,12 +66,13 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// another relay has just marked SENT fails with a serialization error instead of
 /// skipping it.
 ///
-/// Its commit does not wait for the WAL flush (`synchronous_commit = off`, for that
-/// transaction only): it records only what the relay did with rows already committed
-/// (SENT, a retry, DEAD), so a server crash that loses the last such commits makes the
-/// relay publish those rows again, duplicates that the consumers' deduplication absorbs,
-/// and saves the flush on the path from one wake-up to the next (commit → XADD at
-/// 1,000 messages/s on a disk with 3 ms flushes: p50 3.8 ms before).
+/// Its commit does not wait for the WAL flush or a synchronous standby
+/// (`synchronous_commit = off`, for that transaction only) unless it marks rows DEAD: it
+/// records only what the relay did with rows already committed, so a server crash or a
+/// failover that loses the last such commits makes the relay publish those rows again,
+/// duplicates that the consumers' deduplication absorbs, and saves the flush on the path
+/// from one wake-up to the next (commit → XADD at 1,000 messages/s on a disk with 3 ms
+/// flushes: p50 3.8 ms before).
 ///
 /// # A stalled relay
 ///
@@ -96,7 +97,8 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// # The table's statistics
 ///
 /// The claim's plan does not depend on the `outbox` table's statistics (it runs as
-/// index walks whatever the planner believes about the row counts), but the rest of
+/// index walks whatever the planner believes about the row counts), nor do the
+/// statements that record its outcome and the parked relay's due check, but the rest of
 /// what the relay and the operators run does, and PostgreSQL keeps them only through
 /// autovacuum or `ANALYZE`. So the store looks at them at its first claim and then at
 /// most once a minute while claims return rows, and runs `ANALYZE outbox` itself, with
