@@ -92,16 +92,17 @@ fn mysql_claim_skips_rows_locked_by_a_concurrent_claimer() {
     runtime().block_on(claim_skips_locked_rows::<My>());
 }
 
+/// 20,000 SENT rows, a key each.
+const SENT_ROWS_PG: &str =
+    "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
+     SELECT 's-' || g || ':E', 't', 'E', 's-' || g, '{}'::jsonb, 1, now()
+     FROM generate_series(1, 20000) g;";
+
 #[test]
 fn pg_claim_does_not_scan_sent_rows() {
     let db = Pg::create();
     let mut c = Pg::connect(&db);
-    exec(
-        &mut c,
-        "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
-         SELECT 's-' || g || ':E', 't', 'E', 's-' || g, '{}'::jsonb, 1, now()
-         FROM generate_series(1, 20000) g;",
-    );
+    exec(&mut c, SENT_ROWS_PG);
     c.emit_all((1..=50).map(|n| Pinged { n })).unwrap();
     exec(&mut c, "ANALYZE outbox;");
     let sql = outbox_diesel::__private::claim_sql::<PgConnection>(100);
@@ -490,12 +491,7 @@ fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
         for _ in 0..8 {
             pg_relay_turn(&store, &mut c).await;
         }
-        exec(
-            &mut c,
-            "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at)
-             SELECT 's-' || g || ':E', 't', 'E', 's-' || g, '{}'::jsonb, 1, now()
-             FROM generate_series(1, 20000) g;",
-        );
+        exec(&mut c, SENT_ROWS_PG);
         for _ in 0..5 {
             pg_relay_turn(&store, &mut c).await;
         }
