@@ -436,10 +436,20 @@ fn pg_a_created_at_out_of_range_is_dead_lettered_not_a_stuck_relay() {
     }
 }
 
-/// Whole-table scans of `outbox` counted by the server so far: the counts of sessions
-/// that ended, and of idle ones as they last reported them (a session reports when it
-/// goes idle, but not more often than once a second, else some ten seconds later).
+/// Whole-table scans of `outbox` counted by the server once every other session on the
+/// database has ended: a session reports its counts as it ends (an idle one only now
+/// and then), and leaves `pg_stat_activity` after that.
 fn pg_table_scans(c: &mut PgConnection) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Pg::scalar(
+        c,
+        "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
+         AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    ) != 0
+    {
+        assert!(Instant::now() < deadline, "other sessions still open");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     exec(c, "SELECT pg_stat_clear_snapshot()");
     Pg::scalar(
         c,
@@ -496,13 +506,7 @@ fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
             pg_relay_turn(&store, &mut c).await;
         }
     });
-    // The relay's sessions end with the runtime and the store: they report as they end.
-    drop(rt);
-    let reported = Instant::now() + Duration::from_secs(5);
-    while fixtures::parked_relays(&db) != 0 && Instant::now() < reported {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(500));
+    drop(rt); // and the store with it: the relay's sessions end
     assert_eq!(
         pg_table_scans(&mut c) - before,
         0,

@@ -41,6 +41,8 @@ pub(super) const DIALECT: Dialect = Dialect {
     // The claim commits without waiting for its flush (`COMMIT_SETTINGS`), but a
     // DEAD mark frees its key: it must be on disk before a later message of the key
     // can be published, or a crash could bring the dead message back behind it.
+    // (`on` where the server is set to `remote_apply` still waits for the synchronous
+    // standbys' flush, which is what a failover needs.)
     durable_dead: Some("SET LOCAL synchronous_commit = on"),
 };
 
