@@ -7,6 +7,7 @@ mod fixtures;
 use std::time::{Duration, Instant};
 
 use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager as _};
+use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, PgConnection, RunQueryDsl as _};
 use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
 use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
@@ -436,15 +437,14 @@ fn pg_a_created_at_out_of_range_is_dead_lettered_not_a_stuck_relay() {
     }
 }
 
-/// Whole-table scans of `outbox` counted by the server once every other session on the
-/// database has ended: a session reports its counts as it ends (an idle one only now
-/// and then), and leaves `pg_stat_activity` after that.
-fn pg_table_scans(c: &mut PgConnection) -> i64 {
+/// Whole-table scans of `outbox` counted by the server once the sessions named `app`
+/// have ended: a session reports its counts as it ends (an idle one only now and then),
+/// and leaves `pg_stat_activity` after that.
+fn pg_table_scans(c: &mut PgConnection, app: &str) -> i64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Pg::scalar(
         c,
-        "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
-         AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        &format!("SELECT COUNT(*) AS n FROM pg_stat_activity WHERE application_name = '{app}'"),
     ) != 0
     {
         assert!(Instant::now() < deadline, "other sessions still open");
@@ -490,11 +490,17 @@ fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
         &mut c,
         "ALTER TABLE outbox SET (autovacuum_enabled = off); ANALYZE outbox",
     );
-    let before = pg_table_scans(&mut c);
+    // The relay's sessions by a name of their own, to wait for their end.
+    let relay_url = format!("{}&application_name={}", db.url, db.name);
+    let before = pg_table_scans(&mut c, &db.name);
     let rt = runtime();
     rt.block_on(async {
-        let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1))
-            .with_listener(db.url.clone())
+        let pool = Pool::builder()
+            .max_size(1)
+            .build(ConnectionManager::<PgConnection>::new(relay_url.clone()))
+            .unwrap();
+        let store = outbox_diesel::PgRelayStore::new(pool)
+            .with_listener(relay_url.clone())
             .with_channel(db.name.clone());
         // The first wait opens the LISTEN session; every later one runs its due check.
         store.wait_for_work(Duration::from_millis(500)).await;
@@ -508,7 +514,7 @@ fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
     });
     drop(rt); // and the store with it: the relay's sessions end
     assert_eq!(
-        pg_table_scans(&mut c) - before,
+        pg_table_scans(&mut c, &db.name) - before,
         0,
         "the relay's statements scanned the whole table"
     );
