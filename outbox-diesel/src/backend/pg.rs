@@ -114,8 +114,8 @@ pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
 /// `jit = off`: a claim is a short walk, which JIT compilation (tens to hundreds of ms)
 /// never pays back; and should a sort ever be unavoidable, its disabled cost (10^10)
 /// would pass `jit_above_cost` and compile the plan (+389 ms measured).
-pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL jit = off; SET LOCAL enable_nestloop = off; \
-     SET LOCAL enable_seqscan = off";
+pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL jit = off; \
+     SET LOCAL enable_nestloop = off; SET LOCAL enable_seqscan = off";
 
 /// The per-key claim (ARCHITECTURE.md, "Order per key") in one statement, with walks instead of a
 /// probe per row:
