@@ -481,9 +481,9 @@ async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection
 #[test]
 fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
     // A new table: statistics of an empty one (and no autovacuum to renew them), the
-    // relay's prepared statements (MarkSent on its pool, the due check on its LISTEN
-    // session) turned generic plans while it was small (after five runs), then the
-    // table grew with nothing analyzed since.
+    // relay's statements (the SENT mark on its pool, the prepared due check on its
+    // LISTEN session) planned while it was small (a generic plan after five runs),
+    // then the table grew with nothing analyzed since.
     let db = Pg::create();
     let mut c = Pg::connect(&db);
     exec(
@@ -582,4 +582,63 @@ fn pg_a_batch_with_dead_letters_commits_durably() {
         Pg::scalar(&mut c, "SELECT COUNT(*) AS n FROM outbox WHERE status = 2"),
         1
     );
+}
+
+#[test]
+fn pg_a_failed_mark_or_commit_leaves_the_batch_new_and_the_connection_usable() {
+    // A batch sent in full is marked and committed by one string: whether its UPDATE
+    // fails (and the COMMIT does not run) or its COMMIT does, the rows stay NEW and the
+    // pool's one connection comes back usable.
+    let db = Pg::create();
+    let mut c = Pg::connect(&db);
+    c.emit_all((1..=2).map(|n| Pinged { n })).unwrap();
+    let new =
+        |c: &mut PgConnection| Pg::scalar(c, "SELECT COUNT(*) AS n FROM outbox WHERE status = 0");
+    exec(
+        &mut c,
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$;",
+    );
+    let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1));
+    let rt = runtime();
+    for trigger in [
+        "CREATE TRIGGER refuse BEFORE UPDATE ON outbox \
+         FOR EACH ROW EXECUTE FUNCTION refuse()",
+        "CREATE CONSTRAINT TRIGGER refuse AFTER UPDATE ON outbox \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse()",
+    ] {
+        exec(&mut c, trigger);
+        let failed = rt.block_on(async {
+            let batch = store.claim(10).await.unwrap();
+            let sent = ids(&batch);
+            assert_eq!(sent.len(), 2);
+            batch
+                .complete(RelayBatchOutcome {
+                    sent,
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err()
+        });
+        let failed = outbox_core::error_chain(&failed).to_string();
+        assert!(
+            failed.contains("refused by a trigger"),
+            "{trigger}: {failed}"
+        );
+        assert_eq!(new(&mut c), 2, "{trigger}");
+        exec(&mut c, "DROP TRIGGER refuse ON outbox");
+    }
+    rt.block_on(async {
+        let batch = store.claim(10).await.unwrap();
+        let sent = ids(&batch);
+        assert_eq!(sent.len(), 2);
+        batch
+            .complete(RelayBatchOutcome {
+                sent,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    });
+    assert_eq!(new(&mut c), 0);
 }

@@ -253,6 +253,18 @@ pub(crate) trait Backend: Connection + Sized {
         Ok(())
     }
 
+    /// Marks these claimed rows SENT ([`__mark_sent`](Self::__mark_sent), nothing if
+    /// empty) and commits the claim's transaction: a batch whose every message was
+    /// published. On an error the transaction may still be open, to be rolled back.
+    /// PostgreSQL does both in one round trip.
+    fn __mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
+        if !ids.is_empty() {
+            self.__mark_sent(ids)?;
+        }
+        <Self::TransactionManager as diesel::connection::TransactionManager<Self>>::commit_transaction(self)?;
+        Ok(())
+    }
+
     /// Backlog statistics.
     fn __backlog(&mut self) -> Result<Backlog> {
         Ok(self.backlog_row()?.into_backlog())

@@ -84,6 +84,9 @@ where
     fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
         (**self).__complete(outcome)
     }
+    fn __mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
+        (**self).__mark_sent_and_commit(ids)
+    }
     fn __backlog(&mut self) -> Result<Backlog> {
         (**self).__backlog()
     }

@@ -143,6 +143,10 @@ impl<C: R2D2Connection + 'static> std::fmt::Debug for LockedBatch<C> {
 }
 
 fn rollback<C: R2D2Connection>(conn: &mut C) {
+    // A COMMIT that failed has ended the transaction as well.
+    if matches!(crate::inbox::depth(conn), Ok(0)) {
+        return;
+    }
     if let Err(e) = C::TransactionManager::rollback_transaction(conn) {
         tracing::warn!(error = %e, "rolling back a released outbox batch failed; the pool drops the connection");
     }
@@ -230,9 +234,12 @@ impl<C: OutboxConnection + R2D2Connection> ClaimedBatch for LockedBatch<C> {
         };
         blocking(move || {
             let c: &mut C = &mut conn;
-            let done = c
-                .__complete(&outcome)
-                .and_then(|()| Ok(C::TransactionManager::commit_transaction(c)?));
+            let done = if outcome.retry.is_empty() && outcome.dead.is_empty() {
+                c.__mark_sent_and_commit(&outcome.sent)
+            } else {
+                c.__complete(&outcome)
+                    .and_then(|()| Ok(C::TransactionManager::commit_transaction(c)?))
+            };
             if done.is_err() {
                 rollback(c);
             }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager as _};
+use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
 use outbox_core::{Error, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage};
 use outbox_diesel::{ClaimOrder, Emit as _, PgRelayStore};
@@ -89,11 +89,12 @@ impl RelayBench {
                      ORDER BY id LIMIT {batch} FOR UPDATE SKIP LOCKED"
                 ))
                 .load(&mut conn)?;
-                let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-                diesel::sql_query("UPDATE outbox SET status = 1, sent_at = now() WHERE id = ANY($1)")
-                    .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
-                    .execute(&mut conn)?;
-                AnsiTransactionManager::commit_transaction(&mut conn)?;
+                // The mark and the COMMIT in one round trip, as the relay sends them.
+                let ids: Vec<String> = rows.iter().map(|r| r.id.to_string()).collect();
+                conn.batch_execute(&format!(
+                    "UPDATE outbox SET status = 1, sent_at = now() WHERE id = ANY('{{{}}}'::int8[]); COMMIT",
+                    ids.join(",")
+                ))?;
                 let claimed = rows.len();
                 if claimed == 0 {
                     return Ok(());
