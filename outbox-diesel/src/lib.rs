@@ -133,8 +133,10 @@ pub mod __private {
         conn.__begin_bounded_claim(stall)
     }
 
-    /// Records a claimed batch's outcome on `conn` as a relay store does, in the claim's
-    /// transaction (see [`begin_claim`]), without committing it.
+    /// Records a claimed batch's outcome on `conn` in the claim's transaction (see
+    /// [`begin_claim`]), without committing it: as a relay store records a batch with
+    /// retries or dead letters (on PostgreSQL one sent in full is marked by the string
+    /// that commits it).
     pub fn complete<C: OutboxConnection>(
         conn: &mut C,
         outcome: &outbox_core::RelayBatchOutcome,

@@ -457,19 +457,25 @@ fn pg_table_scans(c: &mut PgConnection, app: &str) -> i64 {
     )
 }
 
-/// One relay turn as `run_until` takes it at a low rate: a row emitted, claimed, marked
-/// SENT, then the due check of a short wait.
-async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection) {
-    c.emit(Pinged {
+/// One relay turn as `run_until` takes it at a low rate: two rows emitted, claimed and
+/// recorded, then the due check of a short wait. Both sent (`mixed` false): marked with
+/// the COMMIT in one string; one sent and one dead letter: the prepared `MarkSent`.
+async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection, mixed: bool) {
+    c.emit_all([0, 1].map(|_| Pinged {
         n: fastrand::u32(..),
-    })
+    }))
     .unwrap();
     let batch = store.claim(10).await.unwrap();
-    let sent = ids(&batch);
-    assert_eq!(sent.len(), 1);
+    let mut sent = ids(&batch);
+    assert_eq!(sent.len(), 2);
+    let dead = match mixed {
+        true => vec![(sent.pop().unwrap(), "poison".to_owned())],
+        false => Vec::new(),
+    };
     batch
         .complete(RelayBatchOutcome {
             sent,
+            dead,
             ..Default::default()
         })
         .await
@@ -481,9 +487,9 @@ async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection
 #[test]
 fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
     // A new table: statistics of an empty one (and no autovacuum to renew them), the
-    // relay's statements (the SENT mark on its pool, the prepared due check on its
-    // LISTEN session) planned while it was small (a generic plan after five runs),
-    // then the table grew with nothing analyzed since.
+    // relay's statements (the SENT marks on its pool, the due check on its LISTEN
+    // session) planned while it was small (the prepared ones a generic plan after five
+    // runs), then the table grew with nothing analyzed since.
     let db = Pg::create();
     let mut c = Pg::connect(&db);
     exec(
@@ -504,12 +510,13 @@ fn pg_relay_statements_keep_to_indexes_on_a_table_grown_since_its_statistics() {
             .with_channel(db.name.clone());
         // The first wait opens the LISTEN session; every later one runs its due check.
         store.wait_for_work(Duration::from_millis(500)).await;
-        for _ in 0..8 {
-            pg_relay_turn(&store, &mut c).await;
+        // Six runs of `MarkSent` and of the due check: their generic plans.
+        for turn in 0..12 {
+            pg_relay_turn(&store, &mut c, turn % 2 == 1).await;
         }
         exec(&mut c, SENT_ROWS_PG);
-        for _ in 0..5 {
-            pg_relay_turn(&store, &mut c).await;
+        for turn in 0..6 {
+            pg_relay_turn(&store, &mut c, turn % 2 == 1).await;
         }
     });
     drop(rt); // and the store with it: the relay's sessions end
@@ -588,27 +595,35 @@ fn pg_a_batch_with_dead_letters_commits_durably() {
 fn pg_a_failed_mark_or_commit_leaves_the_batch_new_and_the_connection_usable() {
     // A batch sent in full is marked and committed by one string: whether its UPDATE
     // fails (and the COMMIT does not run) or its COMMIT does, the rows stay NEW and the
-    // pool's one connection comes back usable.
+    // pool gets its one connection back outside any transaction, the same session
+    // (r2d2 does not test it on check-out here, so a broken one would fail the claim
+    // after it instead of being replaced unseen).
     let db = Pg::create();
     let mut c = Pg::connect(&db);
     c.emit_all((1..=2).map(|n| Pinged { n })).unwrap();
-    let new =
-        |c: &mut PgConnection| Pg::scalar(c, "SELECT COUNT(*) AS n FROM outbox WHERE status = 0");
+    // A transaction left open holding the batch's row locks would block the DDL below.
     exec(
         &mut c,
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+        "SET lock_timeout = '5s';
+         CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
            $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$;",
     );
-    let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1));
+    let pool = Pool::builder()
+        .max_size(1)
+        .test_on_check_out(false)
+        .build(ConnectionManager::<PgConnection>::new(db.url.clone()))
+        .unwrap();
+    let session = |pool: &Pool<ConnectionManager<PgConnection>>| {
+        Pg::scalar(
+            &mut pool.get().unwrap(),
+            "SELECT pg_backend_pid()::int8 AS n",
+        )
+    };
+    let first = session(&pool);
+    let store = outbox_diesel::PgRelayStore::new(pool);
     let rt = runtime();
-    for trigger in [
-        "CREATE TRIGGER refuse BEFORE UPDATE ON outbox \
-         FOR EACH ROW EXECUTE FUNCTION refuse()",
-        "CREATE CONSTRAINT TRIGGER refuse AFTER UPDATE ON outbox \
-         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse()",
-    ] {
-        exec(&mut c, trigger);
-        let failed = rt.block_on(async {
+    let complete_all = || {
+        rt.block_on(async {
             let batch = store.claim(10).await.unwrap();
             let sent = ids(&batch);
             assert_eq!(sent.len(), 2);
@@ -618,8 +633,18 @@ fn pg_a_failed_mark_or_commit_leaves_the_batch_new_and_the_connection_usable() {
                     ..Default::default()
                 })
                 .await
-                .unwrap_err()
-        });
+        })
+    };
+    let new =
+        |c: &mut PgConnection| Pg::scalar(c, "SELECT COUNT(*) AS n FROM outbox WHERE status = 0");
+    for trigger in [
+        "CREATE TRIGGER refuse BEFORE UPDATE ON outbox \
+         FOR EACH ROW EXECUTE FUNCTION refuse()",
+        "CREATE CONSTRAINT TRIGGER refuse AFTER UPDATE ON outbox \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse()",
+    ] {
+        exec(&mut c, trigger);
+        let failed = complete_all().unwrap_err();
         let failed = outbox_core::error_chain(&failed).to_string();
         assert!(
             failed.contains("refused by a trigger"),
@@ -627,18 +652,20 @@ fn pg_a_failed_mark_or_commit_leaves_the_batch_new_and_the_connection_usable() {
         );
         assert_eq!(new(&mut c), 2, "{trigger}");
         exec(&mut c, "DROP TRIGGER refuse ON outbox");
+        assert_eq!(session(store.pool()), first, "{trigger}");
+        assert_eq!(
+            Pg::scalar(
+                &mut c,
+                &format!(
+                    "SELECT COUNT(*) AS n FROM pg_stat_activity \
+                     WHERE pid = {first} AND state <> 'idle'"
+                )
+            ),
+            0,
+            "{trigger}: the pool's session is not idle"
+        );
     }
-    rt.block_on(async {
-        let batch = store.claim(10).await.unwrap();
-        let sent = ids(&batch);
-        assert_eq!(sent.len(), 2);
-        batch
-            .complete(RelayBatchOutcome {
-                sent,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-    });
+    complete_all().unwrap();
     assert_eq!(new(&mut c), 0);
+    assert_eq!(session(store.pool()), first);
 }

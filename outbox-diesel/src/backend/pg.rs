@@ -109,7 +109,9 @@ pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
 /// change: planned while the table was empty (a fresh table, before autovacuum's first
 /// analyze), it was a sequential scan, and stayed one as the table grew (measured at
 /// 1,000 messages/s on a new table: 2,479 scans reading 3.9 million rows in 8 s, the
-/// primary key never used, commit → XADD p50 about 3 ms).
+/// primary key never used, commit → XADD p50 about 3 ms). The mark of a batch sent in
+/// full ([`mark_sent_and_commit_sql`]) is planned for each batch, on whatever the
+/// statistics say then: an empty table's as well.
 ///
 /// `jit = off`: a claim is a short walk, which JIT compilation (tens to hundreds of ms)
 /// never pays back; and should a sort ever be unavoidable, its disabled cost (10^10)
@@ -223,8 +225,9 @@ fn claim(conn: &mut PgConnection, limit: usize, held: &[i64]) -> Result<Vec<Stor
 /// a batch's rows marked SENT, the ids bound as one array, so that the text is the same
 /// for every batch and the statement is prepared once per connection (static query id).
 /// Against an `IN (..)` list of 500 literals the server neither parses nor plans the
-/// list for each batch. For a batch that also records retries or dead letters; one sent
-/// in full goes with its COMMIT ([`mark_sent_and_commit_sql`]).
+/// list for each batch. Now only for a batch that also records retries or dead letters:
+/// one sent in full, the usual batch, goes with its COMMIT in one string
+/// ([`mark_sent_and_commit_sql`]), parsed and planned each time.
 struct MarkSent<'a> {
     ids: &'a [i64],
 }
@@ -871,10 +874,11 @@ impl Backend for PgConnection {
         // One simple-query string, one round trip where the prepared `MarkSent` and the
         // COMMIT took two: a relay's batch is otherwise BEGIN, claim, publish, mark,
         // COMMIT, and each round trip counts where the database is across a network.
-        // The array is one constant to parse and the plan a primary-key lookup, so a
-        // batch costs the server no more (the bench's drain rates, same hour, within
-        // their noise). After a failed UPDATE the COMMIT does not run and the
-        // transaction stays open (diesel follows libpq's transaction status).
+        // The array is one constant to parse and the plan a primary-key lookup (on
+        // loopback, where a round trip is cheap, the bench's drain and latency figures
+        // stayed within their noise: BENCHMARKS.md). After a failed UPDATE the COMMIT
+        // does not run and the transaction stays open, to be rolled back; a failed
+        // COMMIT has ended it (diesel follows libpq's transaction status either way).
         Ok(self.batch_execute(&mark_sent_and_commit_sql(ids))?)
     }
 }

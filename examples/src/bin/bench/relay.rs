@@ -92,7 +92,8 @@ impl RelayBench {
                 // The mark and the COMMIT in one round trip, as the relay sends them.
                 let ids: Vec<String> = rows.iter().map(|r| r.id.to_string()).collect();
                 conn.batch_execute(&format!(
-                    "UPDATE outbox SET status = 1, sent_at = now() WHERE id = ANY('{{{}}}'::int8[]); COMMIT",
+                    "UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 \
+                     AND id = ANY('{{{}}}'::int8[]); COMMIT",
                     ids.join(",")
                 ))?;
                 let claimed = rows.len();
