@@ -84,7 +84,7 @@ async fn locked_row_holds_back_its_key<B: Ordered>() {
     );
     let store = B::store_with(&db, ClaimOrder::PerKey);
     assert_eq!(store.claim(100).await.unwrap().messages().len(), 6);
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await; // released
+    fixtures::released::<B>(&store, 0).await;
 
     // Another relay holds rows 1 and 2 (its batch, limit 2).
     let other = store.claim(2).await.unwrap();
@@ -96,15 +96,15 @@ async fn locked_row_holds_back_its_key<B: Ordered>() {
         "a's and b's later rows wait for the other relay; c goes on"
     );
     drop(mine);
+    fixtures::released::<B>(&store, 1).await; // the other relay's batch is in hand
 
     // The unordered claim would overtake them.
     let unordered = B::store_with(&db, ClaimOrder::Unordered);
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert_eq!(
         names(&unordered.claim(100).await.unwrap()),
         ["3", "4", "5", "6"]
     );
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    fixtures::released::<B>(&unordered, 0).await;
 
     // Once the other relay has published its rows, the rest follows in order.
     let ids: Vec<i64> = other.messages().iter().map(|m| m.id).collect();

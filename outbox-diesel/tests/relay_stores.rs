@@ -64,7 +64,7 @@ where
 
     // Dropping a batch releases its rows untouched.
     drop(a);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    fixtures::released::<B>(&store, 1).await; // b is still in hand
     let c = store.claim(10).await.unwrap();
     let want: Vec<i64> = all[..4].iter().chain(&all[7..]).copied().collect();
     assert_eq!(ids(&c), want, "released rows and the rest, but not b's");
@@ -76,7 +76,7 @@ where
     .await
     .unwrap();
     drop(c);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    fixtures::released::<B>(&store, 0).await;
     let d = store.claim(100).await.unwrap();
     assert_eq!(d.messages().len(), 7, "SENT rows are never claimed again");
     let backlog = store.backlog().await.unwrap();
