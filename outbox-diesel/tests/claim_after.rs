@@ -117,14 +117,12 @@ fn pg_unordered_claims_ignore_the_batch_in_hand() {
 fn pg_unordered_claims_ahead_leave_out_the_ids_in_hand_even_unlocked() {
     let db = Pg::create();
     emit_two_rounds::<Pg>(&db);
-    // One connection: the claim below waits for the release, which runs in the
-    // background, to return it to the pool.
-    let store =
-        outbox_diesel::PgRelayStore::new(Pg::pool(&db, 1)).with_order(ClaimOrder::Unordered);
+    let store = Pg::store(&db).with_order(ClaimOrder::Unordered);
     runtime().block_on(async {
         let all = store.claim(6).await.unwrap();
         let (first, third) = (all.messages()[0].id, all.messages()[2].id);
-        drop(all); // released: nothing is locked
+        drop(all);
+        fixtures::released::<Pg>(&store, 0).await; // nothing is locked
         let ahead = store.claim_after(3, &[first, third]).await.unwrap();
         assert_eq!(msg_ids(&ahead), ["1:Moved", "3:Moved", "4:Moved"]);
     });

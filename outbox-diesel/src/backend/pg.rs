@@ -237,11 +237,14 @@ impl QueryId for MarkSent<'_> {
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
+/// The SENT mark up to its array of ids, for [`MarkSent`] and
+/// [`mark_sent_and_commit_sql`].
+const MARK_SENT_HEAD: &str =
+    "UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 AND id = ANY(";
+
 impl QueryFragment<Pg> for MarkSent<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 AND id = ANY(",
-        );
+        out.push_sql(MARK_SENT_HEAD);
         out.push_bind_param::<Array<BigInt>, [i64]>(self.ids)?;
         out.push_sql(")");
         Ok(())
@@ -890,10 +893,7 @@ fn mark_sent_and_commit_sql(ids: &[i64]) -> String {
         return "COMMIT".into();
     }
     let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
-    format!(
-        "UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0 AND id = ANY('{{{}}}'::int8[]); COMMIT",
-        ids.join(",")
-    )
+    format!("{MARK_SENT_HEAD}'{{{}}}'::int8[]); COMMIT", ids.join(","))
 }
 
 #[cfg(test)]
