@@ -12,7 +12,7 @@ use outbox_diesel::schema::pg::outbox;
 use outbox_diesel::{Emit, EmitOptions, Notify, PgRelayStore};
 use outbox_examples::AccountTransferred;
 
-use crate::{BoxError, Service};
+use crate::{BoxError, Service, cpu};
 
 /// The parked relay's poll interval (see [`ParkedRelay`]).
 const PARKED_POLL: Duration = Duration::from_millis(10);
@@ -173,8 +173,8 @@ impl EmitBench {
         }
     }
 
-    /// `conns` threads, each `txns` transactions of one row written `way`. Rows/s.
-    pub(crate) fn run(&self, way: Way, conns: usize, txns: usize) -> Result<f64, BoxError> {
+    /// `conns` threads, each `txns` transactions of one row written `way`.
+    pub(crate) fn run(&self, way: Way, conns: usize, txns: usize) -> Result<Measured, BoxError> {
         let round = self
             .rounds
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -185,13 +185,15 @@ impl EmitBench {
         // ms against 0.3) runs before the clock starts.
         let warm = std::sync::Barrier::new(conns + 1);
         let mut started = Instant::now();
-        std::thread::scope(|s| {
+        let cpu = std::thread::scope(|s| {
             let workers: Vec<_> = connections
                 .iter_mut()
                 .enumerate()
                 .map(|(w, c)| {
                     let warm = &warm;
-                    s.spawn(move || -> Result<(), outbox_diesel::Error> {
+                    s.spawn(move || -> Result<Option<Duration>, BoxError> {
+                        let peer = diesel::sql_query(cpu::PEER).get_result(c)?;
+                        let backend = [cpu::Backend::of(&peer)];
                         let opts = match way {
                             Way::Emit(n) => EmitOptions::new().with_notify(n),
                             Way::Hand => EmitOptions::new(),
@@ -218,7 +220,10 @@ impl EmitBench {
                         let warmed = one(0);
                         warm.wait();
                         warmed?;
-                        (1..=txns).try_for_each(one)
+                        let before = cpu::Sample::take(&backend, cpu::Client::Thread);
+                        (1..=txns).try_for_each(one)?;
+                        let after = cpu::Sample::take(&backend, cpu::Client::Thread);
+                        Ok(after.zip(before).map(|(a, b)| a.since(&b)))
                     })
                 })
                 .collect();
@@ -226,20 +231,22 @@ impl EmitBench {
             started = Instant::now();
             workers
                 .into_iter()
-                .try_for_each(|w| w.join().expect("worker panicked"))
+                .map(|w| w.join().expect("worker panicked"))
+                .sum::<Result<Option<Duration>, BoxError>>()
         })?;
-        Ok((conns * txns) as f64 / started.elapsed().as_secs_f64())
+        Ok(Measured::new(conns * txns, started.elapsed(), cpu))
     }
 
     /// [`run`](Self::run) on diesel-async: `conns` tasks on `AsyncPgConnection`s, each
     /// `txns` transactions of one row written `way` (`AsyncEmit`, or the hand-written
-    /// insert awaited). Rows/s.
+    /// insert awaited). The client's CPU time is the whole process's: its runtime's
+    /// threads serve the tasks.
     pub(crate) async fn run_async(
         &self,
         way: Way,
         conns: usize,
         txns: usize,
-    ) -> Result<f64, BoxError> {
+    ) -> Result<Measured, BoxError> {
         use diesel_async::{AsyncConnection as _, AsyncPgConnection};
         use outbox_diesel::AsyncEmit as _;
 
@@ -247,8 +254,12 @@ impl EmitBench {
             .rounds
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut connections = Vec::with_capacity(conns);
+        let mut backends = Vec::with_capacity(conns);
         for _ in 0..conns {
-            connections.push(AsyncPgConnection::establish(&self.url).await?);
+            let mut c = AsyncPgConnection::establish(&self.url).await?;
+            let peer = diesel_async::RunQueryDsl::get_result(diesel::sql_query(cpu::PEER), &mut c);
+            backends.push(cpu::Backend::of(&peer.await?));
+            connections.push(c);
         }
         // As in `run`: each connection's first transaction before the clock starts.
         let warm = std::sync::Arc::new(tokio::sync::Barrier::new(conns + 1));
@@ -292,15 +303,36 @@ impl EmitBench {
                         }
                         done?;
                     }
-                    Ok::<_, outbox_diesel::Error>(())
+                    // Its backend ends with it: kept until the CPU time is read.
+                    Ok::<_, outbox_diesel::Error>(c)
                 })
             })
             .collect();
         warm.wait().await;
         let started = Instant::now();
+        let before = cpu::Sample::take(&backends, cpu::Client::Process);
+        let mut done = Vec::with_capacity(conns);
         for w in workers {
-            w.await??;
+            done.push(w.await??);
         }
-        Ok((conns * txns) as f64 / started.elapsed().as_secs_f64())
+        let elapsed = started.elapsed();
+        let after = cpu::Sample::take(&backends, cpu::Client::Process);
+        drop(done);
+        let cpu = after.zip(before).map(|(a, b)| a.since(&b));
+        Ok(Measured::new(conns * txns, elapsed, cpu))
+    }
+}
+
+/// One run of a way: its transactions, their time, and the CPU time they took (the
+/// client's and their backends', see [`cpu`]), if known.
+pub(crate) struct Measured {
+    pub(crate) txns: usize,
+    pub(crate) elapsed: Duration,
+    pub(crate) cpu: Option<Duration>,
+}
+
+impl Measured {
+    fn new(txns: usize, elapsed: Duration, cpu: Option<Duration>) -> Self {
+        Self { txns, elapsed, cpu }
     }
 }

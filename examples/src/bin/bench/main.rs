@@ -12,7 +12,9 @@
 //!   handlers update one row per key over 64 keys;
 //! - emit: `emit` (default `Notify::WhenRelayIdle`) against a hand-written diesel insert,
 //!   with no relay and with one parked on LISTEN; and `AsyncEmit` against the same
-//!   insert on diesel-async (`AsyncPgConnection`), no relay parked.
+//!   insert on diesel-async (`AsyncPgConnection`), no relay parked; each as throughput
+//!   and as CPU time per transaction (the client's and its PostgreSQL backend's, when
+//!   the server runs on this machine: see `cpu`).
 //!
 //! Prints one table (median and range over the rounds of each ratio) with the machine's
 //! facts, and writes it with SVG plots (throughput against batch size and relay count,
@@ -30,6 +32,7 @@ use diesel::{Connection as _, PgConnection};
 use outbox_diesel::{ClaimOrder, Notify};
 
 mod consumer;
+mod cpu;
 mod emit;
 mod machine;
 mod plot;
@@ -174,20 +177,43 @@ fn order(round: usize, n: usize) -> Vec<usize> {
 /// one client: 540 to 3,700 tx/s in consecutive 8 s runs), and one way's whole round
 /// after another's measured the disk's drift as much as the library.
 struct Slices {
-    conns: usize,
     slice: usize,
-    /// Seconds spent per way.
-    secs: Vec<f64>,
+    /// Per way: its slices summed.
+    ways: Vec<Sum>,
+}
+
+/// A way's slices so far: their transactions, time, and CPU time (`None` once a slice's
+/// was not known).
+#[derive(Clone, Copy)]
+struct Sum {
+    txns: usize,
+    secs: f64,
+    cpu: Option<Duration>,
+}
+
+impl Sum {
+    const EMPTY: Self = Self {
+        txns: 0,
+        secs: 0.0,
+        cpu: Some(Duration::ZERO),
+    };
+}
+
+/// A way's figures over a round: transactions per second, and CPU time per transaction
+/// in microseconds (client and backends, see `cpu`), if known.
+#[derive(Clone, Copy)]
+struct WayRound {
+    rate: f64,
+    cpu_us: Option<f64>,
 }
 
 impl Slices {
     const COUNT: usize = 10;
 
-    fn new(ways: usize, conns: usize, txns: usize) -> Self {
+    fn new(ways: usize, txns: usize) -> Self {
         Self {
-            conns,
             slice: (txns / Self::COUNT).max(1),
-            secs: vec![0.0; ways],
+            ways: vec![Sum::EMPTY; ways],
         }
     }
 
@@ -195,24 +221,73 @@ impl Slices {
     /// slice, the order reversed from one slice to the next.
     fn schedule(&self, round: usize) -> Vec<(usize, usize)> {
         (0..Self::COUNT)
-            .flat_map(|s| order(round + s, self.secs.len()))
+            .flat_map(|s| order(round + s, self.ways.len()))
             .map(|w| (self.slice, w))
             .collect()
     }
 
-    /// One slice of way `w` ran at `rate` transactions per second.
-    fn add(&mut self, w: usize, rate: f64) {
-        self.secs[w] += (self.conns * self.slice) as f64 / rate;
+    /// One slice of way `w`.
+    fn add(&mut self, w: usize, m: emit::Measured) {
+        let sum = &mut self.ways[w];
+        sum.txns += m.txns;
+        sum.secs += m.elapsed.as_secs_f64();
+        sum.cpu = sum.cpu.zip(m.cpu).map(|(a, b)| a + b);
     }
 
-    /// Way `w`'s rate over the round.
-    fn rate(&self, w: usize) -> f64 {
-        (self.conns * self.slice * Self::COUNT) as f64 / self.secs[w]
+    /// Way `w` over the round.
+    fn round(&self, w: usize) -> WayRound {
+        let sum = self.ways[w];
+        WayRound {
+            rate: sum.txns as f64 / sum.secs,
+            cpu_us: sum.cpu.map(|c| c.as_secs_f64() * 1e6 / sum.txns as f64),
+        }
     }
+}
+
+/// A way's throughput and CPU figures against the baseline's, over the rounds. The CPU
+/// ratio is the baseline's CPU per transaction over the way's: like the throughput
+/// ratio, below 1 where the way costs more.
+fn emit_figures(
+    name: &str,
+    (measured, baseline_name): (&str, &str),
+    target: Target,
+    way: &[WayRound],
+    baseline: &[WayRound],
+) -> [Figure; 2] {
+    let mut rate = Figure::ratio(
+        "emit",
+        name,
+        format!("{measured} / {baseline_name}"),
+        target,
+    );
+    rate.values = way
+        .iter()
+        .zip(baseline)
+        .map(|(x, y)| x.rate / y.rate)
+        .collect();
+    let mut cpu = Figure::ratio(
+        "emit",
+        format!("{name}: CPU"),
+        format!("{baseline_name}'s / {measured}'s CPU per transaction (client + backend)"),
+        target,
+    );
+    cpu.values = way
+        .iter()
+        .zip(baseline)
+        .filter_map(|(x, y)| Some(y.cpu_us? / x.cpu_us?))
+        .collect();
+    [rate, cpu]
 }
 
 fn progress(what: &str, value: f64, unit: &str) {
     println!("  {what:<52} {value:>10.0} {unit}");
+}
+
+fn progress_emit(what: &str, r: WayRound) {
+    match r.cpu_us {
+        Some(cpu) => println!("  {what:<52} {:>10.0} tx/s {cpu:>7.1} µs CPU/tx", r.rate),
+        None => progress(what, r.rate, "tx/s"),
+    }
 }
 
 // Tokio's default runtime, one worker per core, as `#[tokio::main]` gives users: more
@@ -710,25 +785,21 @@ async fn emit_part(
                 tokio::task::block_in_place(|| bench.run(way, conns, txns / 10 + 1))?;
             }
             for round in 0..sizes.rounds {
-                let mut timed = Slices::new(ways.len(), conns, txns);
+                let mut timed = Slices::new(ways.len(), txns);
                 for (slice, w) in timed.schedule(round) {
                     let way = ways[w].1;
-                    let rate = tokio::task::block_in_place(|| {
+                    let measured = tokio::task::block_in_place(|| {
                         if relay.is_some() {
                             bench.settle()?;
                         }
                         bench.run(way, conns, slice)
                     })?;
-                    timed.add(w, rate);
+                    timed.add(w, measured);
                 }
                 for (w, (name, _)) in ways.iter().enumerate() {
-                    let rate = timed.rate(w);
-                    progress(
-                        &format!("{name}, {conns} conn., {relay_state}"),
-                        rate,
-                        "tx/s",
-                    );
-                    rates[parked][c][w].push(rate);
+                    let r = timed.round(w);
+                    progress_emit(&format!("{name}, {conns} conn., {relay_state}"), r);
+                    rates[parked][c][w].push(r);
                 }
             }
         }
@@ -743,14 +814,13 @@ async fn emit_part(
                 (1, "emit, Notify::Never", Target::None),
             ] {
                 let r = &rates[parked][c];
-                let mut f = Figure::ratio(
-                    "emit",
-                    format!("{name}, {conns} conn., {relay_state}"),
-                    "emit / hand-written insert",
+                figures.extend(emit_figures(
+                    &format!("{name}, {conns} conn., {relay_state}"),
+                    ("emit", "hand-written insert"),
                     target,
-                );
-                f.values = r[w].iter().zip(&r[0]).map(|(x, y)| x / y).collect();
-                figures.push(f);
+                    &r[w],
+                    &r[0],
+                ));
             }
         }
     }
@@ -779,14 +849,14 @@ async fn emit_async_part(
         // rates[way][round]
         let mut rates = vec![Vec::new(); ways.len()];
         for round in 0..sizes.rounds {
-            let mut timed = Slices::new(ways.len(), conns, txns);
+            let mut timed = Slices::new(ways.len(), txns);
             for (slice, w) in timed.schedule(round) {
                 timed.add(w, bench.run_async(ways[w].1, conns, slice).await?);
             }
             for (w, (name, _)) in ways.iter().enumerate() {
-                let rate = timed.rate(w);
-                progress(&format!("{name}, {conns} conn."), rate, "tx/s");
-                rates[w].push(rate);
+                let r = timed.round(w);
+                progress_emit(&format!("{name}, {conns} conn."), r);
+                rates[w].push(r);
             }
         }
         for (w, name, target) in [
@@ -797,14 +867,13 @@ async fn emit_async_part(
             ),
             (2, "AsyncEmit, Notify::Never", Target::None),
         ] {
-            let mut f = Figure::ratio(
-                "emit",
-                format!("{name}, {conns} conn., no relay parked"),
-                "AsyncEmit / diesel-async hand-written insert",
+            figures.extend(emit_figures(
+                &format!("{name}, {conns} conn., no relay parked"),
+                ("AsyncEmit", "diesel-async hand-written insert"),
                 target,
-            );
-            f.values = rates[w].iter().zip(&rates[0]).map(|(x, y)| x / y).collect();
-            figures.push(f);
+                &rates[w],
+                &rates[0],
+            ));
         }
     }
     Ok(())

@@ -1,0 +1,96 @@
+//! CPU time spent on the emit figures' transactions: the bench's own threads and the
+//! PostgreSQL backends that serve their connections, from the kernel's per-task
+//! `schedstat` (nanoseconds on a CPU; `/proc/<pid>/stat` counts 10 ms ticks).
+//!
+//! Throughput at one connection follows the disk's flush time, and at eight the 2 cores'
+//! scheduling: both move by more than the library's cost from one second to the next.
+//! The CPU time a transaction needs does not wait for either, so the ratio of the two
+//! ways' CPU per transaction resolves what the throughput ratio can only bracket.
+//! Linux only, and only when PostgreSQL runs on this machine: otherwise no CPU figure.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::Integer;
+
+/// Time the task (a thread, or a one-thread process such as a PostgreSQL backend) at
+/// `/proc/<task>` has run on a CPU.
+fn on_cpu(task: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{task}/schedstat")).ok()?;
+    let ns = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
+}
+
+/// Whose CPU time counts as the client's.
+#[derive(Clone, Copy)]
+pub(crate) enum Client {
+    /// The calling thread.
+    Thread,
+    /// Every thread of this process (an async runtime's workers serve the tasks).
+    Process,
+}
+
+/// The CPU time of some tasks at one instant, by task.
+pub(crate) struct Sample(HashMap<String, Duration>);
+
+impl Sample {
+    /// `backends`' and `client`'s CPU time now; `None` unless every backend is known.
+    pub(crate) fn take(backends: &[Option<Backend>], client: Client) -> Option<Self> {
+        let mut tasks = HashMap::new();
+        for b in backends {
+            let task = &b.as_ref()?.0;
+            tasks.insert(task.clone(), on_cpu(task)?);
+        }
+        let threads = match client {
+            Client::Thread => vec!["thread-self".to_owned()],
+            Client::Process => std::fs::read_dir("/proc/self/task")
+                .ok()?
+                .filter_map(|t| Some(format!("self/task/{}", t.ok()?.file_name().to_str()?)))
+                .collect(),
+        };
+        for task in threads {
+            // A thread that ended between the listing and the read counts nothing.
+            if let Some(t) = on_cpu(&task) {
+                tasks.insert(task, t);
+            }
+        }
+        Some(Self(tasks))
+    }
+
+    /// The CPU time spent since `before`: a thread that began since counts whole, one
+    /// that ended counts nothing (a runtime's idle blocking threads come and go).
+    pub(crate) fn since(&self, before: &Sample) -> Duration {
+        self.0
+            .iter()
+            .map(|(task, t)| t.saturating_sub(before.0.get(task).copied().unwrap_or_default()))
+            .sum()
+    }
+}
+
+#[derive(QueryableByName)]
+pub(crate) struct Peer {
+    #[diesel(sql_type = Integer)]
+    pid: i32,
+    #[diesel(sql_type = Integer)]
+    port: i32,
+}
+
+/// The query that names a connection's backend: its pid, and the port it sees the
+/// bench's end of the connection on.
+pub(crate) const PEER: &str = "SELECT pg_backend_pid() AS pid, inet_client_port() AS port";
+
+/// The backend that serves a connection, if it runs on this machine.
+pub(crate) struct Backend(String);
+
+impl Backend {
+    /// `peer` is [`PEER`]'s answer on that connection. A pid of a server elsewhere could
+    /// name an unrelated process here: the backend is taken only if its process title
+    /// (`postgres: user db host(port) ...`) shows the connection's port.
+    pub(crate) fn of(peer: &Peer) -> Option<Self> {
+        let title = std::fs::read(format!("/proc/{}/cmdline", peer.pid)).ok()?;
+        let title = String::from_utf8_lossy(&title);
+        (title.starts_with("postgres") && title.contains(&format!("({})", peer.port)))
+            .then(|| Self(peer.pid.to_string()))
+    }
+}
