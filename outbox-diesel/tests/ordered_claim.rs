@@ -155,10 +155,14 @@ async fn retry_holds_back_its_key<B: Ordered>() {
         ["5", "6"],
         "a waits for its retry, and its rows do not fill the batch"
     );
-    drop((batch, store));
+    // Each store is dropped only once its batches are rolled back: their rows (and on
+    // SQLite the write lock) are free for the next claim.
+    drop(batch);
+    fixtures::released::<B>(&store, 0).await;
+    drop(store);
     let unordered = B::store_with(&db, ClaimOrder::Unordered);
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert_eq!(names(&unordered.claim(2).await.unwrap()), ["2", "3"]);
+    fixtures::released::<B>(&unordered, 0).await;
     drop(unordered);
     let store = B::store_with(&db, ClaimOrder::PerKey);
 
@@ -166,7 +170,6 @@ async fn retry_holds_back_its_key<B: Ordered>() {
         &mut c,
         "UPDATE outbox SET next_retry_at = created_at WHERE msg_id = '1:Moved'",
     );
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert_eq!(
         names(&store.claim(5).await.unwrap()),
         ["1", "2", "3", "4", "5"],
