@@ -155,8 +155,9 @@ async fn retry_holds_back_its_key<B: Ordered>() {
         ["5", "6"],
         "a waits for its retry, and its rows do not fill the batch"
     );
-    // Each store is dropped only once its batches are rolled back: their rows (and on
-    // SQLite the write lock) are free for the next claim.
+    // Each store is dropped only once its batches are rolled back, so that their rows
+    // are free for the next claim (PostgreSQL, MySQL; a SQLite batch holds no
+    // connection, and its store's relay lock goes with the store).
     drop(batch);
     fixtures::released::<B>(&store, 0).await;
     drop(store);

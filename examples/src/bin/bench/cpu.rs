@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use diesel::prelude::*;
-use diesel::sql_types::Integer;
+use diesel::sql_types::{Integer, Nullable};
 
 /// Time the task (a thread, or a one-thread process such as a PostgreSQL backend) at
 /// `/proc/<task>` has run on a CPU.
@@ -42,55 +42,74 @@ impl Sample {
             let task = &b.as_ref()?.0;
             tasks.insert(task.clone(), on_cpu(task)?);
         }
-        let threads = match client {
-            Client::Thread => vec!["thread-self".to_owned()],
-            Client::Process => std::fs::read_dir("/proc/self/task")
-                .ok()?
-                .filter_map(|t| Some(format!("self/task/{}", t.ok()?.file_name().to_str()?)))
-                .collect(),
-        };
-        for task in threads {
-            // A thread that ended between the listing and the read counts nothing.
-            if let Some(t) = on_cpu(&task) {
-                tasks.insert(task, t);
+        match client {
+            Client::Thread => {
+                tasks.insert("thread-self".to_owned(), on_cpu("thread-self")?);
+            }
+            Client::Process => {
+                for thread in std::fs::read_dir("/proc/self/task").ok()? {
+                    let task = format!("self/task/{}", thread.ok()?.file_name().to_str()?);
+                    // A thread that ended between the listing and the read counts nothing.
+                    if let Some(t) = on_cpu(&task) {
+                        tasks.insert(task, t);
+                    }
+                }
             }
         }
         Some(Self(tasks))
     }
 
     /// The CPU time spent since `before`: a thread that began since counts whole, one
-    /// that ended counts nothing (a runtime's idle blocking threads come and go).
-    pub(crate) fn since(&self, before: &Sample) -> Duration {
-        self.0
+    /// that ended counts nothing (a runtime's idle blocking threads come and go; a
+    /// thread id reused in between would count too little). `None` where the kernel
+    /// keeps no such time (schedstat reads zeros).
+    pub(crate) fn since(&self, before: &Sample) -> Option<Duration> {
+        let spent = self
+            .0
             .iter()
             .map(|(task, t)| t.saturating_sub(before.0.get(task).copied().unwrap_or_default()))
-            .sum()
+            .sum::<Duration>();
+        (!spent.is_zero()).then_some(spent)
     }
 }
 
+/// A connection's backend as the server names it: its pid, and the port it sees the
+/// bench's end of the connection on (none over a Unix socket).
 #[derive(QueryableByName)]
-pub(crate) struct Peer {
+struct Peer {
     #[diesel(sql_type = Integer)]
     pid: i32,
-    #[diesel(sql_type = Integer)]
-    port: i32,
+    #[diesel(sql_type = Nullable<Integer>)]
+    port: Option<i32>,
 }
 
-/// The query that names a connection's backend: its pid, and the port it sees the
-/// bench's end of the connection on.
-pub(crate) const PEER: &str = "SELECT pg_backend_pid() AS pid, inet_client_port() AS port";
+/// The query that names a connection's backend.
+fn peer_query() -> diesel::query_builder::SqlQuery {
+    diesel::sql_query("SELECT pg_backend_pid() AS pid, inet_client_port() AS port")
+}
 
 /// The backend that serves a connection, if it runs on this machine.
 pub(crate) struct Backend(String);
 
 impl Backend {
-    /// `peer` is [`PEER`]'s answer on that connection. A pid of a server elsewhere could
-    /// name an unrelated process here: the backend is taken only if its process title
-    /// (`postgres: user db host(port) ...`) shows the connection's port.
-    pub(crate) fn of(peer: &Peer) -> Option<Self> {
+    /// The backend serving `c`, if it can be read here (otherwise no CPU figure).
+    pub(crate) fn of(c: &mut PgConnection) -> Option<Self> {
+        Self::local(&peer_query().get_result(c).ok()?)
+    }
+
+    /// [`of`](Self::of) on diesel-async.
+    pub(crate) async fn of_async(c: &mut diesel_async::AsyncPgConnection) -> Option<Self> {
+        let peer = diesel_async::RunQueryDsl::get_result(peer_query(), c).await;
+        Self::local(&peer.ok()?)
+    }
+
+    /// A pid of a server elsewhere could name an unrelated process here: the backend is
+    /// taken only if its process title (`postgres: user db host(port) ...`) shows the
+    /// connection's port.
+    fn local(peer: &Peer) -> Option<Self> {
         let title = std::fs::read(format!("/proc/{}/cmdline", peer.pid)).ok()?;
         let title = String::from_utf8_lossy(&title);
-        (title.starts_with("postgres") && title.contains(&format!("({})", peer.port)))
+        (title.starts_with("postgres") && title.contains(&format!("({})", peer.port?)))
             .then(|| Self(peer.pid.to_string()))
     }
 }

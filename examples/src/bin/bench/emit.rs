@@ -181,6 +181,7 @@ impl EmitBench {
         let mut connections = (0..conns)
             .map(|_| PgConnection::establish(&self.url))
             .collect::<Result<Vec<_>, _>>()?;
+        let backends: Vec<_> = connections.iter_mut().map(cpu::Backend::of).collect();
         // Each connection's first transaction (a new backend's first insert is cold: 1.2
         // ms against 0.3) runs before the clock starts.
         let warm = std::sync::Barrier::new(conns + 1);
@@ -188,12 +189,12 @@ impl EmitBench {
         let cpu = std::thread::scope(|s| {
             let workers: Vec<_> = connections
                 .iter_mut()
+                .zip(backends)
                 .enumerate()
-                .map(|(w, c)| {
+                .map(|(w, (c, backend))| {
                     let warm = &warm;
                     s.spawn(move || -> Result<Option<Duration>, BoxError> {
-                        let peer = diesel::sql_query(cpu::PEER).get_result(c)?;
-                        let backend = [cpu::Backend::of(&peer)];
+                        let backend = [backend];
                         let opts = match way {
                             Way::Emit(n) => EmitOptions::new().with_notify(n),
                             Way::Hand => EmitOptions::new(),
@@ -223,7 +224,7 @@ impl EmitBench {
                         let before = cpu::Sample::take(&backend, cpu::Client::Thread);
                         (1..=txns).try_for_each(one)?;
                         let after = cpu::Sample::take(&backend, cpu::Client::Thread);
-                        Ok(after.zip(before).map(|(a, b)| a.since(&b)))
+                        Ok(after.zip(before).and_then(|(a, b)| a.since(&b)))
                     })
                 })
                 .collect();
@@ -234,7 +235,11 @@ impl EmitBench {
                 .map(|w| w.join().expect("worker panicked"))
                 .sum::<Result<Option<Duration>, BoxError>>()
         })?;
-        Ok(Measured::new(conns * txns, started.elapsed(), cpu))
+        Ok(Measured {
+            txns: conns * txns,
+            elapsed: started.elapsed(),
+            cpu,
+        })
     }
 
     /// [`run`](Self::run) on diesel-async: `conns` tasks on `AsyncPgConnection`s, each
@@ -257,8 +262,7 @@ impl EmitBench {
         let mut backends = Vec::with_capacity(conns);
         for _ in 0..conns {
             let mut c = AsyncPgConnection::establish(&self.url).await?;
-            let peer = diesel_async::RunQueryDsl::get_result(diesel::sql_query(cpu::PEER), &mut c);
-            backends.push(cpu::Backend::of(&peer.await?));
+            backends.push(cpu::Backend::of_async(&mut c).await);
             connections.push(c);
         }
         // As in `run`: each connection's first transaction before the clock starts.
@@ -308,6 +312,8 @@ impl EmitBench {
                 })
             })
             .collect();
+        // Sampled once the tasks are past their first transaction: the first moments of
+        // the timed ones, on the other core, may go unmeasured (as they go untimed).
         warm.wait().await;
         let started = Instant::now();
         let before = cpu::Sample::take(&backends, cpu::Client::Process);
@@ -318,8 +324,11 @@ impl EmitBench {
         let elapsed = started.elapsed();
         let after = cpu::Sample::take(&backends, cpu::Client::Process);
         drop(done);
-        let cpu = after.zip(before).map(|(a, b)| a.since(&b));
-        Ok(Measured::new(conns * txns, elapsed, cpu))
+        Ok(Measured {
+            txns: conns * txns,
+            elapsed,
+            cpu: after.zip(before).and_then(|(a, b)| a.since(&b)),
+        })
     }
 }
 
@@ -329,10 +338,4 @@ pub(crate) struct Measured {
     pub(crate) txns: usize,
     pub(crate) elapsed: Duration,
     pub(crate) cpu: Option<Duration>,
-}
-
-impl Measured {
-    fn new(txns: usize, elapsed: Duration, cpu: Option<Duration>) -> Self {
-        Self { txns, elapsed, cpu }
-    }
 }

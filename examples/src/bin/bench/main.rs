@@ -244,20 +244,21 @@ impl Slices {
     }
 }
 
-/// A way's throughput and CPU figures against the baseline's, over the rounds. The CPU
-/// ratio is the baseline's CPU per transaction over the way's: like the throughput
-/// ratio, below 1 where the way costs more.
+/// A way's throughput and CPU figures against the baseline's, over the rounds, both
+/// judged against `target`. The CPU ratio is the baseline's CPU per transaction over the
+/// way's: like the throughput ratio, below 1 where the way costs more. No CPU figure
+/// where the CPU time could not be read (see `cpu`).
 fn emit_figures(
     name: &str,
-    (measured, baseline_name): (&str, &str),
+    (way_name, baseline_name): (&str, &str),
     target: Target,
     way: &[WayRound],
     baseline: &[WayRound],
-) -> [Figure; 2] {
+) -> Vec<Figure> {
     let mut rate = Figure::ratio(
         "emit",
         name,
-        format!("{measured} / {baseline_name}"),
+        format!("{way_name} / {baseline_name}"),
         target,
     );
     rate.values = way
@@ -268,7 +269,7 @@ fn emit_figures(
     let mut cpu = Figure::ratio(
         "emit",
         format!("{name}: CPU"),
-        format!("{baseline_name}'s / {measured}'s CPU per transaction (client + backend)"),
+        format!("{baseline_name}'s / {way_name}'s CPU per transaction (client + backend)"),
         target,
     );
     cpu.values = way
@@ -276,7 +277,11 @@ fn emit_figures(
         .zip(baseline)
         .filter_map(|(x, y)| Some(y.cpu_us? / x.cpu_us?))
         .collect();
-    [rate, cpu]
+    let mut figures = vec![rate];
+    if cpu.values.len() == way.len() {
+        figures.push(cpu);
+    }
+    figures
 }
 
 fn progress(what: &str, value: f64, unit: &str) {
@@ -770,8 +775,8 @@ async fn emit_part(
             Way::Emit(Notify::WhenRelayIdle),
         ),
     ];
-    // rates[parked][conns index][way][round]
-    let mut rates = vec![vec![vec![Vec::new(); ways.len()]; 2]; 2];
+    // rounds[parked][conns index][way][round]
+    let mut rounds = vec![vec![vec![Vec::new(); ways.len()]; 2]; 2];
     for (parked, relay_state) in ["no relay", "a relay parked on LISTEN"].iter().enumerate() {
         let relay = if parked == 1 {
             tokio::task::block_in_place(|| bench.clear())?;
@@ -799,7 +804,7 @@ async fn emit_part(
                 for (w, (name, _)) in ways.iter().enumerate() {
                     let r = timed.round(w);
                     progress_emit(&format!("{name}, {conns} conn., {relay_state}"), r);
-                    rates[parked][c][w].push(r);
+                    rounds[parked][c][w].push(r);
                 }
             }
         }
@@ -813,7 +818,7 @@ async fn emit_part(
                 (2, "emit (default WhenRelayIdle)", Target::AtLeast(0.95)),
                 (1, "emit, Notify::Never", Target::None),
             ] {
-                let r = &rates[parked][c];
+                let r = &rounds[parked][c];
                 figures.extend(emit_figures(
                     &format!("{name}, {conns} conn., {relay_state}"),
                     ("emit", "hand-written insert"),
@@ -846,8 +851,8 @@ async fn emit_async_part(
         for (_, way) in ways {
             bench.run_async(way, conns, txns / 10 + 1).await?;
         }
-        // rates[way][round]
-        let mut rates = vec![Vec::new(); ways.len()];
+        // rounds[way][round]
+        let mut rounds = vec![Vec::new(); ways.len()];
         for round in 0..sizes.rounds {
             let mut timed = Slices::new(ways.len(), txns);
             for (slice, w) in timed.schedule(round) {
@@ -856,7 +861,7 @@ async fn emit_async_part(
             for (w, (name, _)) in ways.iter().enumerate() {
                 let r = timed.round(w);
                 progress_emit(&format!("{name}, {conns} conn."), r);
-                rates[w].push(r);
+                rounds[w].push(r);
             }
         }
         for (w, name, target) in [
@@ -871,8 +876,8 @@ async fn emit_async_part(
                 &format!("{name}, {conns} conn., no relay parked"),
                 ("AsyncEmit", "diesel-async hand-written insert"),
                 target,
-                &rates[w],
-                &rates[0],
+                &rounds[w],
+                &rounds[0],
             ));
         }
     }
