@@ -4,8 +4,9 @@
 //!
 //! Throughput at one connection follows the disk's flush time, and at eight the 2 cores'
 //! scheduling: both move by more than the library's cost from one second to the next.
-//! The CPU time a transaction needs does not wait for either, so the ratio of the two
-//! ways' CPU per transaction resolves what the throughput ratio can only bracket.
+//! The CPU time a transaction needs waits for neither, so the ratio of the two ways'
+//! CPU per transaction narrows what the throughput ratio can only bracket (the rounds'
+//! ranges mostly ±0.02 against ±0.05–0.15; BENCHMARKS.md).
 //! Linux only, and only when PostgreSQL runs on this machine: otherwise no CPU figure.
 
 use std::collections::HashMap;
