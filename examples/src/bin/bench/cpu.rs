@@ -32,45 +32,86 @@ pub(crate) enum Client {
     Process,
 }
 
-/// The CPU time of some tasks at one instant, by task.
-pub(crate) struct Sample(HashMap<String, Duration>);
+/// CPU time on each side of the connections: the bench's and PostgreSQL's.
+#[derive(Clone, Copy)]
+pub(crate) struct Cpu {
+    pub(crate) client: Duration,
+    pub(crate) server: Duration,
+}
+
+impl Cpu {
+    pub(crate) const ZERO: Self = Self {
+        client: Duration::ZERO,
+        server: Duration::ZERO,
+    };
+}
+
+impl std::ops::Add for Cpu {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self {
+            client: self.client + other.client,
+            server: self.server + other.server,
+        }
+    }
+}
+
+impl std::iter::Sum for Cpu {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::ZERO, |a, b| a + b)
+    }
+}
+
+/// The CPU time of some tasks at one instant, by task: the backends', the client's.
+pub(crate) struct Sample {
+    server: HashMap<String, Duration>,
+    client: HashMap<String, Duration>,
+}
 
 impl Sample {
     /// `backends`' and `client`'s CPU time now; `None` unless every backend is known.
     pub(crate) fn take(backends: &[Option<Backend>], client: Client) -> Option<Self> {
-        let mut tasks = HashMap::new();
+        let mut server = HashMap::new();
         for b in backends {
             let task = &b.as_ref()?.0;
-            tasks.insert(task.clone(), on_cpu(task)?);
+            server.insert(task.clone(), on_cpu(task)?);
         }
+        let mut threads = HashMap::new();
         match client {
             Client::Thread => {
-                tasks.insert("thread-self".to_owned(), on_cpu("thread-self")?);
+                threads.insert("thread-self".to_owned(), on_cpu("thread-self")?);
             }
             Client::Process => {
                 for thread in std::fs::read_dir("/proc/self/task").ok()? {
                     let task = format!("self/task/{}", thread.ok()?.file_name().to_str()?);
                     // A thread that ended between the listing and the read counts nothing.
                     if let Some(t) = on_cpu(&task) {
-                        tasks.insert(task, t);
+                        threads.insert(task, t);
                     }
                 }
             }
         }
-        Some(Self(tasks))
+        Some(Self {
+            server,
+            client: threads,
+        })
     }
 
     /// The CPU time spent since `before`: a thread that began since counts whole, one
     /// that ended counts nothing (a runtime's idle blocking threads come and go; a
     /// thread id reused in between would count too little). `None` where the kernel
     /// keeps no such time (schedstat reads zeros).
-    pub(crate) fn since(&self, before: &Sample) -> Option<Duration> {
-        let spent = self
-            .0
-            .iter()
-            .map(|(task, t)| t.saturating_sub(before.0.get(task).copied().unwrap_or_default()))
-            .sum::<Duration>();
-        (!spent.is_zero()).then_some(spent)
+    pub(crate) fn since(&self, before: &Sample) -> Option<Cpu> {
+        fn spent(now: &HashMap<String, Duration>, then: &HashMap<String, Duration>) -> Duration {
+            now.iter()
+                .map(|(task, t)| t.saturating_sub(then.get(task).copied().unwrap_or_default()))
+                .sum()
+        }
+        let cpu = Cpu {
+            client: spent(&self.client, &before.client),
+            server: spent(&self.server, &before.server),
+        };
+        (!cpu.client.is_zero() && !cpu.server.is_zero()).then_some(cpu)
     }
 }
 

@@ -193,7 +193,7 @@ impl EmitBench {
                 .enumerate()
                 .map(|(w, (c, backend))| {
                     let warm = &warm;
-                    s.spawn(move || -> Result<Option<Duration>, BoxError> {
+                    s.spawn(move || -> Result<Option<cpu::Cpu>, BoxError> {
                         let backend = [backend];
                         let opts = match way {
                             Way::Emit(n) => EmitOptions::new().with_notify(n),
@@ -233,7 +233,7 @@ impl EmitBench {
             workers
                 .into_iter()
                 .map(|w| w.join().expect("worker panicked"))
-                .sum::<Result<Option<Duration>, BoxError>>()
+                .sum::<Result<Option<cpu::Cpu>, BoxError>>()
         })?;
         Ok(Measured {
             txns: conns * txns,
@@ -337,5 +337,5 @@ impl EmitBench {
 pub(crate) struct Measured {
     pub(crate) txns: usize,
     pub(crate) elapsed: Duration,
-    pub(crate) cpu: Option<Duration>,
+    pub(crate) cpu: Option<cpu::Cpu>,
 }

@@ -188,23 +188,36 @@ struct Slices {
 struct Sum {
     txns: usize,
     secs: f64,
-    cpu: Option<Duration>,
+    cpu: Option<cpu::Cpu>,
 }
 
 impl Sum {
     const EMPTY: Self = Self {
         txns: 0,
         secs: 0.0,
-        cpu: Some(Duration::ZERO),
+        cpu: Some(cpu::Cpu::ZERO),
     };
 }
 
 /// A way's figures over a round: transactions per second, and CPU time per transaction
-/// in microseconds (client and backends, see `cpu`), if known.
+/// in microseconds, the client's and the backends' (see `cpu`), if known.
 #[derive(Clone, Copy)]
 struct WayRound {
     rate: f64,
-    cpu_us: Option<f64>,
+    cpu_us: Option<CpuUs>,
+}
+
+/// CPU time per transaction in microseconds.
+#[derive(Clone, Copy)]
+struct CpuUs {
+    client: f64,
+    server: f64,
+}
+
+impl CpuUs {
+    fn total(self) -> f64 {
+        self.client + self.server
+    }
 }
 
 impl Slices {
@@ -239,7 +252,13 @@ impl Slices {
         let sum = self.ways[w];
         WayRound {
             rate: sum.txns as f64 / sum.secs,
-            cpu_us: sum.cpu.map(|c| c.as_secs_f64() * 1e6 / sum.txns as f64),
+            cpu_us: sum.cpu.map(|c| {
+                let us = |d: Duration| d.as_secs_f64() * 1e6 / sum.txns as f64;
+                CpuUs {
+                    client: us(c.client),
+                    server: us(c.server),
+                }
+            }),
         }
     }
 }
@@ -275,7 +294,7 @@ fn emit_figures(
     cpu.values = way
         .iter()
         .zip(baseline)
-        .filter_map(|(x, y)| Some(y.cpu_us? / x.cpu_us?))
+        .filter_map(|(x, y)| Some(y.cpu_us?.total() / x.cpu_us?.total()))
         .collect();
     let mut figures = vec![rate];
     if cpu.values.len() == way.len() {
@@ -290,7 +309,13 @@ fn progress(what: &str, value: f64, unit: &str) {
 
 fn progress_emit(what: &str, r: WayRound) {
     match r.cpu_us {
-        Some(cpu) => println!("  {what:<52} {:>10.0} tx/s {cpu:>7.1} µs CPU/tx", r.rate),
+        Some(cpu) => println!(
+            "  {what:<52} {:>10.0} tx/s {:>7.1} µs CPU/tx (client {:.1}, server {:.1})",
+            r.rate,
+            cpu.total(),
+            cpu.client,
+            cpu.server
+        ),
         None => progress(what, r.rate, "tx/s"),
     }
 }
