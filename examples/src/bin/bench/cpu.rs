@@ -44,6 +44,18 @@ impl Cpu {
         client: Duration::ZERO,
         server: Duration::ZERO,
     };
+
+    pub(crate) fn total(self) -> Duration {
+        self.client + self.server
+    }
+
+    /// Each side's time per one of `n` transactions.
+    pub(crate) fn per(self, n: usize) -> Self {
+        Self {
+            client: self.client.div_f64(n as f64),
+            server: self.server.div_f64(n as f64),
+        }
+    }
 }
 
 impl std::ops::Add for Cpu {

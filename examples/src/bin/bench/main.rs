@@ -200,24 +200,11 @@ impl Sum {
 }
 
 /// A way's figures over a round: transactions per second, and CPU time per transaction
-/// in microseconds, the client's and the backends' (see `cpu`), if known.
+/// (the client's and the backends', see `cpu`), if known.
 #[derive(Clone, Copy)]
 struct WayRound {
     rate: f64,
-    cpu_us: Option<CpuUs>,
-}
-
-/// CPU time per transaction in microseconds.
-#[derive(Clone, Copy)]
-struct CpuUs {
-    client: f64,
-    server: f64,
-}
-
-impl CpuUs {
-    fn total(self) -> f64 {
-        self.client + self.server
-    }
+    cpu: Option<cpu::Cpu>,
 }
 
 impl Slices {
@@ -252,13 +239,7 @@ impl Slices {
         let sum = self.ways[w];
         WayRound {
             rate: sum.txns as f64 / sum.secs,
-            cpu_us: sum.cpu.map(|c| {
-                let us = |d: Duration| d.as_secs_f64() * 1e6 / sum.txns as f64;
-                CpuUs {
-                    client: us(c.client),
-                    server: us(c.server),
-                }
-            }),
+            cpu: sum.cpu.map(|c| c.per(sum.txns)),
         }
     }
 }
@@ -294,7 +275,7 @@ fn emit_figures(
     cpu.values = way
         .iter()
         .zip(baseline)
-        .filter_map(|(x, y)| Some(y.cpu_us?.total() / x.cpu_us?.total()))
+        .filter_map(|(x, y)| Some(y.cpu?.total().as_secs_f64() / x.cpu?.total().as_secs_f64()))
         .collect();
     let mut figures = vec![rate];
     if cpu.values.len() == way.len() {
@@ -308,13 +289,14 @@ fn progress(what: &str, value: f64, unit: &str) {
 }
 
 fn progress_emit(what: &str, r: WayRound) {
-    match r.cpu_us {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    match r.cpu {
         Some(cpu) => println!(
             "  {what:<52} {:>10.0} tx/s {:>7.1} µs CPU/tx (client {:.1}, server {:.1})",
             r.rate,
-            cpu.total(),
-            cpu.client,
-            cpu.server
+            us(cpu.total()),
+            us(cpu.client),
+            us(cpu.server)
         ),
         None => progress(what, r.rate, "tx/s"),
     }
