@@ -781,6 +781,10 @@ async fn emit_part(
             "emit, Notify::WhenRelayIdle (default)",
             Way::Emit(Notify::WhenRelayIdle),
         ),
+        // The floor of delivering at once: the same statement notifying on every
+        // transaction, without the check. With a relay that parks between two emits
+        // (one connection) the default sends a NOTIFY per transaction too.
+        ("emit, Notify::Always", Way::Emit(Notify::Always)),
     ];
     // rounds[parked][conns index][way][round]
     let mut rounds = vec![vec![vec![Vec::new(); ways.len()]; 2]; 2];
@@ -824,6 +828,7 @@ async fn emit_part(
             for (w, name, target) in [
                 (2, "emit (default WhenRelayIdle)", Target::AtLeast(0.95)),
                 (1, "emit, Notify::Never", Target::None),
+                (3, "emit, Notify::Always", Target::None),
             ] {
                 let r = &rounds[parked][c];
                 figures.extend(emit_figures(
