@@ -21,16 +21,19 @@ pub enum Notify {
     /// Notify on every emit of one event (`emit`, or `emit_all` of one event), a duplicate
     /// too, and on every `emit_all` of several that inserted a row (even when a later
     /// duplicate took the rows back). PostgreSQL folds the NOTIFYs of one transaction into
-    /// one. Measured at 8 emitting connections on 2 cores: about half the throughput of
-    /// the same insert without it (BENCHMARKS.md).
+    /// one. In BENCHMARKS.md's bench at 8 emitting connections on 2 cores: about half the
+    /// throughput of a hand-written insert of the same row (0.75 of its CPU per
+    /// transaction), since every committing transaction takes the database's NOTIFY lock
+    /// in turn.
     Always,
     /// Notify only while a relay is parked waiting for work (it holds the channel's
     /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no
     /// extra round trip. While relays are busy an emit pays only that check, a shared
-    /// try of the lock (about 3 µs of server CPU per transaction in BENCHMARKS.md's
-    /// measurements, some 1.5 % of a one-row transaction); while one is parked, each
-    /// emitting transaction also sends a NOTIFY (11–14 µs there, most of it the signal
-    /// that wakes the relay's session), which is what delivers its row at once. An emit
+    /// try of the lock (2–3 µs of server CPU per transaction in BENCHMARKS.md's
+    /// measurements, at most 1.5 % of a one-row transaction); while one is parked, each
+    /// emitting transaction also sends a NOTIFY (about 11 µs in the bench, 14 µs in a
+    /// slower hour's profile; most of it the signal that wakes the relay's session),
+    /// which is what delivers its row at once. An emit
     /// of one event that is a duplicate may wake a parked relay too, as may an
     /// `emit_all` whose rows a later duplicate took back (it finds nothing new and parks
     /// again).

@@ -11,7 +11,8 @@
 //!   against single mode, and two consumers in batch mode against single mode when
 //!   handlers update one row per key over 64 keys;
 //! - emit: `emit` (default `Notify::WhenRelayIdle`) against a hand-written diesel insert,
-//!   with no relay and with one parked on LISTEN; and `AsyncEmit` against the same
+//!   with no relay and with one parked on LISTEN (beside it, without a target,
+//!   `Notify::Never` and `Notify::Always`); and `AsyncEmit` against the same
 //!   insert on diesel-async (`AsyncPgConnection`), no relay parked; each as throughput
 //!   and as CPU time per transaction (the client's and its PostgreSQL backend's, when
 //!   the server runs on this machine: see `cpu`).
