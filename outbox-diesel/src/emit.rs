@@ -33,10 +33,9 @@ pub enum Notify {
     /// measurements, at most 1.5 % of a one-row transaction); while one is parked, each
     /// emitting transaction also sends a NOTIFY (about 11 µs in the bench, 14 µs in a
     /// slower hour's profile; most of it the signal that wakes the relay's session),
-    /// which is what delivers its row at once. An emit
-    /// of one event that is a duplicate may wake a parked relay too, as may an
-    /// `emit_all` whose rows a later duplicate took back (it finds nothing new and parks
-    /// again).
+    /// which is what delivers its row at once. An emit of one event that is a duplicate
+    /// may wake a parked relay too, as may an `emit_all` whose rows a later duplicate
+    /// took back (it finds nothing new and parks again).
     #[default]
     WhenRelayIdle,
 }

@@ -782,7 +782,7 @@ async fn emit_part(
             "emit, Notify::WhenRelayIdle (default)",
             Way::Emit(Notify::WhenRelayIdle),
         ),
-        // The floor of delivering at once: the same statement notifying on every
+        // What delivering at once costs: the same statement notifying on every
         // transaction, without the check. With a relay that parks between two emits
         // (one connection) the default sends a NOTIFY per transaction too.
         ("emit, Notify::Always", Way::Emit(Notify::Always)),
