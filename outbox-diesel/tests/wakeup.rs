@@ -112,15 +112,7 @@ async fn park_behind_an_open_emit(
 ) -> tokio::task::JoinHandle<Duration> {
     let store = Pg::store(db);
     assert!(store.claim(10).await.unwrap().messages().is_empty());
-    exec(c, "BEGIN");
-    c.emit_with(
-        &EmitOptions::new().with_channel(db.name.clone()),
-        Moved {
-            n: 1,
-            account: "a".into(),
-        },
-    )
-    .unwrap();
+    emit_left_open(db, c, 1, "a");
     let waiting = tokio::spawn(async move {
         let started = Instant::now();
         store.wait_for_work(Duration::from_secs(30)).await;
@@ -128,6 +120,20 @@ async fn park_behind_an_open_emit(
     });
     until("the relay waits for the lock", || queued(db) == 1).await;
     waiting
+}
+
+/// Emits row `n` of `account` (default `WhenRelayIdle`) in a transaction left open on
+/// `c`: its try of the wake-up lock is held to its commit.
+fn emit_left_open(db: &fixtures::TestDb, c: &mut diesel::PgConnection, n: u32, account: &str) {
+    exec(c, "BEGIN");
+    c.emit_with(
+        &EmitOptions::new().with_channel(db.name.clone()),
+        Moved {
+            n,
+            account: account.into(),
+        },
+    )
+    .unwrap();
 }
 
 /// Requests for `db`'s wake-up lock not granted yet.
@@ -233,6 +239,91 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
         assert!(started.elapsed() < Duration::from_secs(2));
         assert_eq!(store.claim(10).await.unwrap().messages().len(), 1);
     });
+}
+
+/// The hole the due check's id bound left: a row emitted (without a NOTIFY, no relay was
+/// parked) in a transaction still open at the relay's idle claim, with an id below the
+/// held-back rows that claim saw, and committed while the relay queues for the lock. The
+/// look after the lock finds it by its transaction (not visible to that claim), not by
+/// its id, instead of leaving it to the poll.
+#[test]
+fn a_relay_finds_an_unannounced_row_below_the_held_back_ones() {
+    let db = Pg::create();
+    let mut late = Pg::connect(&db);
+    emit_left_open(&db, &mut late, 100, "x");
+    runtime().block_on(async {
+        let (store, waited) = park_behind_a_late_row(&db, late).await;
+        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
+        let batch = store.claim(10).await.unwrap();
+        let ids: Vec<_> = batch
+            .messages()
+            .iter()
+            .map(|m| m.envelope.msg_id.as_str())
+            .collect();
+        assert_eq!(ids, ["100:Moved"]);
+    });
+}
+
+/// A late row that the per-key claim holds back too wakes the relay once (it cannot
+/// tell), and the relay parks again: its next claim sees the row, and no longer counts
+/// it as new.
+#[test]
+fn a_relay_woken_by_a_late_held_back_row_parks_again() {
+    let db = Pg::create();
+    let (mut c, mut late) = (Pg::connect(&db), Pg::connect(&db));
+    c.emit(Moved {
+        n: 50,
+        account: "b".into(),
+    })
+    .unwrap();
+    exec(
+        &mut c,
+        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '50:Moved'",
+    );
+    emit_left_open(&db, &mut late, 100, "b");
+    runtime().block_on(async {
+        let (store, _) = park_behind_a_late_row(&db, late).await;
+        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_millis(800)).await;
+        assert!(
+            started.elapsed() >= Duration::from_millis(750),
+            "woke again for a row it has seen"
+        );
+    });
+}
+
+/// Behind the row `late` holds open, emits three rows of key `a` whose first waits for
+/// its retry (the other two are due but held back), runs the relay's loop to a wait
+/// that knows them, commits `late` once that wait queues for the lock, and returns the
+/// store and how long the wait took (30 s: its poll).
+async fn park_behind_a_late_row(
+    db: &fixtures::TestDb,
+    mut late: diesel::PgConnection,
+) -> (outbox_diesel::PgRelayStore, Duration) {
+    let mut c = Pg::connect(db);
+    c.emit_all((1..=3).map(|n| Moved {
+        n,
+        account: "a".into(),
+    }))
+    .unwrap();
+    exec(
+        &mut c,
+        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '1:Moved'",
+    );
+    let store = Pg::store(db);
+    assert!(store.claim(10).await.unwrap().messages().is_empty());
+    store.wait_for_work(Duration::from_millis(300)).await;
+    // Idle: it notes the held-back rows as seen.
+    assert!(store.claim(10).await.unwrap().messages().is_empty());
+    let waiting = tokio::spawn(async move {
+        let started = Instant::now();
+        store.wait_for_work(Duration::from_secs(30)).await;
+        (store, started.elapsed())
+    });
+    until("the relay waits for the lock", || queued(db) == 1).await;
+    exec(&mut late, "COMMIT");
+    waiting.await.unwrap()
 }
 
 /// A wait that times out keeps the wake-up lock, so that an idle relay re-parks without

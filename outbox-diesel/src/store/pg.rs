@@ -2,8 +2,8 @@
 
 mod listen;
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use diesel::r2d2::{ConnectionManager, Pool};
@@ -11,7 +11,7 @@ use diesel::sql_types::{BigInt, Bool, Double};
 use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
-use self::listen::Listener;
+use self::listen::{Horizon, Listener};
 use crate::backend::Backend as _;
 use crate::store::{LockedBatch, LockedClaim, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
@@ -124,8 +124,8 @@ pub struct PgRelayStore {
 struct Seen {
     /// The last claim returned nothing.
     empty: AtomicBool,
-    /// Due rows up to this id were there before the last (empty) claim.
-    up_to: AtomicI64,
+    /// What the last (empty) claim left behind: due rows it could not take.
+    horizon: Mutex<Horizon>,
 }
 
 impl PgRelayStore {
@@ -235,9 +235,10 @@ impl RelayStore for PgRelayStore {
     ) -> Result<Self::Batch, outbox_core::Error> {
         // An idle relay notes the newest due row before it claims: if the claim still
         // returns nothing, every due row up to there is held back or taken, and the due
-        // check before parking looks only above it. (Read in a statement before the
-        // claim's, so that a row committed in between counts as new; in the claim's
-        // transaction, whose settings keep it on the index.)
+        // check before parking looks above it, and below it only at rows that statement
+        // could not see yet. (Read in a statement before the claim's, so that a row
+        // committed in between counts as new; in the claim's transaction, whose settings
+        // keep it on the index.)
         let idle = self.listener.is_some() && self.seen.empty.load(Ordering::Relaxed);
         if self.stats.due(self.seen.empty.load(Ordering::Relaxed)) {
             let pool = self.pool.clone();
@@ -251,8 +252,12 @@ impl RelayStore for PgRelayStore {
             }
         }
         let (pool, held) = (self.pool.clone(), held.to_vec());
-        let (batch, up_to) = LockedBatch::claim(pool, limit, self.claim, held, move |c| {
-            if idle { newest_due(c) } else { Ok(0) }
+        let (batch, horizon) = LockedBatch::claim(pool, limit, self.claim, held, move |c| {
+            if idle {
+                newest_due(c)
+            } else {
+                Ok(Horizon::default())
+            }
         })
         .await?;
         let empty = batch.messages().is_empty();
@@ -261,17 +266,25 @@ impl RelayStore for PgRelayStore {
             listener.busy();
         }
         self.seen.empty.store(empty, Ordering::Relaxed);
-        self.seen
-            .up_to
-            .store(if empty { up_to } else { 0 }, Ordering::Relaxed);
+        *self
+            .seen
+            .horizon
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) =
+            if empty { horizon } else { Horizon::default() };
         Ok(batch)
     }
 
     async fn wait_for_work(&self, timeout: Duration) {
         match &self.listener {
             Some(listener) => {
-                let seen = self.seen.up_to.load(Ordering::Relaxed);
-                listener.wait(&self.channel, timeout, seen).await;
+                let seen = self
+                    .seen
+                    .horizon
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                listener.wait(&self.channel, timeout, &seen).await;
             }
             None => tokio::time::sleep(timeout).await,
         }
@@ -456,20 +469,18 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
     Ok(true)
 }
 
-#[derive(QueryableByName)]
-struct Newest {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-}
-
-/// The id of the newest due NEW row (0 if none): one backward step on `outbox_pending`.
-fn newest_due(conn: &mut PgConnection) -> Result<i64> {
+/// The id of the newest due NEW row (0 if none: one backward step on `outbox_pending`),
+/// and the transactions the statement could not see yet (its snapshot's `xmax` and
+/// in-progress list, as 32-bit xids like a row's `xmin`).
+fn newest_due(conn: &mut PgConnection) -> Result<Horizon> {
     Ok(diesel::sql_query(
         "SELECT COALESCE((SELECT id FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-         ORDER BY id DESC LIMIT 1), 0) AS id",
+         ORDER BY id DESC LIMIT 1), 0) AS id, \
+         txid_snapshot_xmax(txid_current_snapshot()) % 4294967296 AS xmax, \
+         ARRAY(SELECT x % 4294967296 FROM txid_snapshot_xip(txid_current_snapshot()) x) \
+         AS xip",
     )
-    .get_result::<Newest>(conn)?
-    .id)
+    .get_result(conn)?)
 }
 
 #[cfg(test)]

@@ -31,11 +31,14 @@
 //! it. An emit whose try succeeded between two slices holds the lock shared to its
 //! commit, so the next slice waits for it, and the look after the lock sees its row.
 //!
-//! Not covered: the due check looks above the newest due row the relay saw before its
-//! last (empty) claim, which the per-key claim held back or another relay held. A row
-//! below it that was not committed then (an emitting transaction in flight at the
-//! claim) and commits while the relay parks sends no NOTIFY if its try succeeded before
-//! the relay queued: the relay finds it at its poll interval.
+//! The due check looks above the newest due row the relay saw before its last (empty)
+//! claim, which the per-key claim held back or another relay held, so that those rows
+//! do not keep it from parking; below it, at the rows of transactions that claim could
+//! not see yet ([`Horizon`]): an emit in flight then may have taken a lower id, and if
+//! its try succeeded before the relay queued, it sends no NOTIFY. (Before this, such a
+//! row waited for the relay's poll.) Left to the poll still: such a row written in a
+//! savepoint whose subtransaction had its xid before the claim (the snapshot lists the
+//! top-level transactions in progress only).
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -65,12 +68,40 @@ const LOCK_SLICE: Duration = Duration::from_millis(50);
 /// (`i32::MAX` ms), a timed-out wait releases the lock instead.
 const PARKED_IDLE_SLACK: Duration = Duration::from_secs(5);
 
-/// Due NEW rows above id `$1`.
+/// Due NEW rows above id `$1`, or at or below it but written by a transaction that
+/// was in progress (its 32-bit xid in `$3`) or not begun (at or past `$2`, in
+/// wrap-around order) at the statement that read `$1` ([`Horizon`]).
 ///
 /// Prepared once per LISTEN session, whose settings keep its generic plan on the
-/// `outbox_pending` index ([`SESSION_SQL`]).
+/// `outbox_pending` index ([`SESSION_SQL`]): the first `EXISTS` is a range of it, the
+/// second a walk over the NEW rows up to `$1` (few but those the claim held back, and
+/// none without a horizon).
 const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
-     AND next_retry_at <= now() AND id > $1::int8)";
+     AND next_retry_at <= now() AND id > $1::int8) \
+     OR EXISTS (SELECT 1 FROM outbox WHERE status = 0 AND next_retry_at <= now() \
+     AND id <= $1::int8 AND ((xmin::text::int8 - $2::int8 + 4294967296) % 4294967296 \
+     < 2147483648 OR xmin::text::int8 = ANY($3::int8[])))";
+
+/// What a relay's last empty claim left behind: the newest due row it saw (`id`, 0 if
+/// none), all of them held back by the per-key claim or taken by another relay, and the
+/// transactions the statement that read it could not see (its snapshot's `xmax` and
+/// in-progress `xip`, as 32-bit xids like a row's `xmin`).
+///
+/// The due check before parking looks above `id` only (the rows below were there and
+/// not for this relay), but for rows those transactions wrote: an emit in flight at
+/// the claim may have taken an id below `id` and commit while the relay parks, and if
+/// its try of the wake-up lock came before the relay's, it sends no NOTIFY. Compared in
+/// 32 bits: a row would read as new after 2^31 more transactions, far past any
+/// retry schedule that could hold it back.
+#[derive(Debug, Default, Clone, diesel::QueryableByName)]
+pub(super) struct Horizon {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    xmax: i64,
+    #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::BigInt>)]
+    xip: Vec<i64>,
+}
 
 /// The LISTEN session's settings. `enable_seqscan = off`: PostgreSQL keeps a prepared
 /// statement's generic plan until the table's statistics change, and [`DUE_SQL`]'s,
@@ -150,9 +181,9 @@ impl Listener {
         }
     }
 
-    /// Parks until a notification, due work above id `seen`, or `timeout`. Never
+    /// Parks until a notification, due work beyond `seen`, or `timeout`. Never
     /// fails: without a working connection it sleeps instead (and reconnects next time).
-    pub(super) async fn wait(&self, channel: &str, timeout: Duration, seen: i64) {
+    pub(super) async fn wait(&self, channel: &str, timeout: Duration, seen: &Horizon) {
         let deadline = Instant::now() + timeout;
         // A second concurrent waiter (not the relay's pattern) just sleeps.
         let Ok(mut state) = self.state.try_lock() else {
@@ -317,7 +348,7 @@ impl Live {
             && !self.reader.is_finished()
     }
 
-    /// Looks for due work above `seen`, takes the wake-up lock (unless a timed-out wait
+    /// Looks for due work beyond `seen`, takes the wake-up lock (unless a timed-out wait
     /// left it held), looks again, then waits for a notification or `deadline`. Whether
     /// the lock is left held (it timed out), or `None` if it went back to work without
     /// taking it.
@@ -325,7 +356,7 @@ impl Live {
         self: &Arc<Self>,
         timeout: Duration,
         deadline: Instant,
-        seen: i64,
+        seen: &Horizon,
     ) -> Result<Option<bool>, Lost> {
         // The last wait's release goes first, or it would end the hold below.
         let releasing = self
@@ -395,9 +426,11 @@ impl Live {
         Ok(Some(standing))
     }
 
-    /// Whether due NEW rows above id `seen` are committed.
-    async fn due(&self, seen: i64) -> Result<bool, tokio_postgres::Error> {
-        self.client.query_one(&self.due, &[&seen]).await?.try_get(0)
+    /// Whether due NEW rows beyond `seen` are committed.
+    async fn due(&self, seen: &Horizon) -> Result<bool, tokio_postgres::Error> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&seen.id, &seen.xmax, &seen.xip];
+        self.client.query_one(&self.due, &params).await?.try_get(0)
     }
 
     /// The `idle_session_timeout` of a hold for a wait of `timeout`, in ms: `None` where
