@@ -282,7 +282,8 @@ fn a_relay_woken_by_a_late_held_back_row_parks_again() {
     );
     emit_left_open(&db, &mut late, 100, "b");
     runtime().block_on(async {
-        let (store, _) = park_behind_a_late_row(&db, late).await;
+        let (store, waited) = park_behind_a_late_row(&db, late).await;
+        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
         assert!(store.claim(10).await.unwrap().messages().is_empty());
         let started = Instant::now();
         store.wait_for_work(Duration::from_millis(800)).await;

@@ -42,7 +42,8 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// Before it takes the lock, and once more after, the relay looks for due rows
 /// newer than what its last claims saw: a relay that keeps up with its emitters goes
 /// back to work without the lock (so that they send no NOTIFY), and a row committed just
-/// before the lock is not left to the poll. Rows the
+/// before the lock is not left to the poll, nor (after the lock) one below those
+/// that was not committed yet at its last claim. Rows the
 /// per-key claim held back (behind another relay's batch or a retry) do not count: that
 /// relay, or the poll interval, picks them up.
 ///
@@ -470,15 +471,15 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
 }
 
 /// The id of the newest due NEW row (0 if none: one backward step on `outbox_pending`),
-/// and the transactions the statement could not see yet (its snapshot's `xmax` and
-/// in-progress list, as 32-bit xids like a row's `xmin`).
+/// and the transactions the statement could not see (see [`Horizon`]).
+/// `txid_current_snapshot()` is the statement's own snapshot, the one its subquery read.
 fn newest_due(conn: &mut PgConnection) -> Result<Horizon> {
     Ok(diesel::sql_query(
         "SELECT COALESCE((SELECT id FROM outbox WHERE status = 0 AND next_retry_at <= now() \
          ORDER BY id DESC LIMIT 1), 0) AS id, \
-         txid_snapshot_xmax(txid_current_snapshot()) % 4294967296 AS xmax, \
-         ARRAY(SELECT x % 4294967296 FROM txid_snapshot_xip(txid_current_snapshot()) x) \
-         AS xip",
+         txid_snapshot_xmin(s) % 4294967296 AS xmin, txid_snapshot_xmax(s) % 4294967296 AS xmax, \
+         ARRAY(SELECT x % 4294967296 FROM txid_snapshot_xip(s) x) AS xip \
+         FROM txid_current_snapshot() s",
     )
     .get_result(conn)?)
 }

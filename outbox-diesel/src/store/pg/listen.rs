@@ -31,14 +31,15 @@
 //! it. An emit whose try succeeded between two slices holds the lock shared to its
 //! commit, so the next slice waits for it, and the look after the lock sees its row.
 //!
-//! The due check looks above the newest due row the relay saw before its last (empty)
-//! claim, which the per-key claim held back or another relay held, so that those rows
-//! do not keep it from parking; below it, at the rows of transactions that claim could
-//! not see yet ([`Horizon`]): an emit in flight then may have taken a lower id, and if
-//! its try succeeded before the relay queued, it sends no NOTIFY. (Before this, such a
-//! row waited for the relay's poll.) Left to the poll still: such a row written in a
-//! savepoint whose subtransaction had its xid before the claim (the snapshot lists the
-//! top-level transactions in progress only).
+//! Before parking, the relay looks for due rows it has not seen: (a) rows above the
+//! newest due row at its last empty claim (rows up to there were held back by the
+//! per-key claim or taken by another relay, and must not keep it awake); (b) after it
+//! has the lock, also rows at or below that one written by a transaction the claim's
+//! snapshot could not see ([`Horizon`]): an emit in flight may have taken a lower id,
+//! and if it tried the lock before the relay queued, it sends no NOTIFY. Left to the
+//! poll: such a row emitted inside a savepoint (a nested diesel `transaction`), whose
+//! subtransaction's xid no snapshot function lists, and one below the 1,000 newest NEW
+//! rows up to there.
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -68,35 +69,52 @@ const LOCK_SLICE: Duration = Duration::from_millis(50);
 /// (`i32::MAX` ms), a timed-out wait releases the lock instead.
 const PARKED_IDLE_SLACK: Duration = Duration::from_secs(5);
 
-/// Due NEW rows above id `$1`, or at or below it but written by a transaction that
-/// was in progress (its 32-bit xid in `$3`) or not begun (at or past `$2`, in
-/// wrap-around order) at the statement that read `$1` ([`Horizon`]).
+/// Due NEW rows above id `$1`, the newest due row the relay's last empty claim saw
+/// ([`Horizon`]; 0 for none).
 ///
 /// Prepared once per LISTEN session, whose settings keep its generic plan on the
-/// `outbox_pending` index ([`SESSION_SQL`]): the first `EXISTS` is a range of it, the
-/// second a walk over the NEW rows up to `$1` (few but those the claim held back, and
-/// none without a horizon).
+/// `outbox_pending` index ([`SESSION_SQL`]): a range of it.
 const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
+     AND next_retry_at <= now() AND id > $1::int8)";
+
+/// [`DUE_SQL`], and due NEW rows at or below `$1` that the statement that read it could
+/// not see: among the 1,000 NEW rows with the highest ids up to `$1` (a late emit's id
+/// is near the top: the held-back rows above it were committed, most NEW rows below are
+/// older retries), those whose `xmin` lies, in 32-bit wrap-around order from that
+/// snapshot's oldest running xid `$4`, before this statement's `xmax` and at or past that
+/// snapshot's `xmax` `$2`, or is one of its running xids `$3`. The window from `$4` to
+/// now is never older than the oldest transaction then running, so a row held back for
+/// 2^31 transactions does not read as new (which would keep the relay from parking).
+/// For the look after the wake-up lock only: the walk costs up to 1,000 heap fetches.
+const DUE_OR_LATE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
      AND next_retry_at <= now() AND id > $1::int8) \
-     OR EXISTS (SELECT 1 FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-     AND id <= $1::int8 AND ((xmin::text::int8 - $2::int8 + 4294967296) % 4294967296 \
-     < 2147483648 OR xmin::text::int8 = ANY($3::int8[])))";
+     OR EXISTS (SELECT 1 FROM (SELECT xmin::text::int8 AS x, next_retry_at FROM outbox \
+     WHERE status = 0 AND id <= $1::int8 ORDER BY id DESC LIMIT 1000) o \
+     WHERE o.next_retry_at <= now() \
+     AND (o.x - $4::int8 + 4294967296) % 4294967296 \
+     < (txid_snapshot_xmax(txid_current_snapshot()) % 4294967296 - $4::int8 + 4294967296) \
+     % 4294967296 \
+     AND ((o.x - $4::int8 + 4294967296) % 4294967296 >= ($2::int8 - $4::int8 + 4294967296) \
+     % 4294967296 OR o.x = ANY($3::int8[])))";
 
 /// What a relay's last empty claim left behind: the newest due row it saw (`id`, 0 if
-/// none), all of them held back by the per-key claim or taken by another relay, and the
-/// transactions the statement that read it could not see (its snapshot's `xmax` and
-/// in-progress `xip`, as 32-bit xids like a row's `xmin`).
+/// none), all of them held back by the per-key claim or taken by another relay, and
+/// the transactions the statement that read it (just before the claim) could not see:
+/// its snapshot's oldest running xid, `xmax` and running xids, as 32-bit xids like a
+/// row's `xmin`. Read by the same statement, so the same snapshot (READ COMMITTED: one
+/// per statement).
 ///
-/// The due check before parking looks above `id` only (the rows below were there and
-/// not for this relay), but for rows those transactions wrote: an emit in flight at
-/// the claim may have taken an id below `id` and commit while the relay parks, and if
-/// its try of the wake-up lock came before the relay's, it sends no NOTIFY. Compared in
-/// 32 bits: a row would read as new after 2^31 more transactions, far past any
-/// retry schedule that could hold it back.
+/// The look before the lock goes above `id` only (the rows below were there and not
+/// for this relay); the look after it also at rows below written by those transactions
+/// ([`DUE_OR_LATE_SQL`]): an emit in flight at the claim may have taken an id below
+/// `id` and commit while the relay queues for the lock, and if its try of the lock came
+/// before the relay's, it sends no NOTIFY.
 #[derive(Debug, Default, Clone, diesel::QueryableByName)]
 pub(super) struct Horizon {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
     id: i64,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    xmin: i64,
     #[diesel(sql_type = diesel::sql_types::BigInt)]
     xmax: i64,
     #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::BigInt>)]
@@ -107,8 +125,11 @@ pub(super) struct Horizon {
 /// statement's generic plan until the table's statistics change, and [`DUE_SQL`]'s,
 /// planned on a fresh table (before autovacuum's first analyze), was a sequential scan
 /// that stayed one as the table grew (measured: one scan of the whole table per park).
-/// `jit = off`: as for the claim, a short index walk never pays a compilation back.
-const SESSION_SQL: &str = "SET enable_seqscan = off; SET jit = off";
+/// `enable_bitmapscan = off`: [`DUE_OR_LATE_SQL`]'s walk of the newest NEW rows must be
+/// a backward index scan that stops after 1,000, not a bitmap scan of every NEW row up
+/// to its id, sorted. `jit = off`: as for the claim, a short index walk never pays a
+/// compilation back.
+const SESSION_SQL: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET jit = off";
 
 /// Ends this session's hold (the connection is the listener's alone, so all of its
 /// advisory locks) and the limits the hold came with.
@@ -272,6 +293,7 @@ struct Live {
     events: Arc<Events>,
     reader: JoinHandle<()>,
     due: Statement,
+    due_or_late: Statement,
     /// The channel's wake-up lock.
     lock: (i32, i32),
     /// The server ends idle sessions on request (`idle_session_timeout`, PostgreSQL 14).
@@ -323,8 +345,9 @@ impl Live {
         client
             .batch_execute(&format!("{SESSION_SQL}; LISTEN {}", quote_ident(channel)))
             .await?;
-        let (due, version) = tokio::try_join!(
+        let (due, due_or_late, version) = tokio::try_join!(
             client.prepare(DUE_SQL),
+            client.prepare(DUE_OR_LATE_SQL),
             client.query_one("SELECT current_setting('server_version_num')::int4", &[]),
         )?;
         Ok(Self {
@@ -333,6 +356,7 @@ impl Live {
             events,
             reader,
             due,
+            due_or_late,
             lock: crate::wake_lock_key(channel),
             idle_limit: version.try_get::<_, i32>(0)? >= 140_000,
             held: AtomicBool::new(false),
@@ -372,7 +396,7 @@ impl Live {
         // relay that keeps up with its emitters, and every emit meanwhile would pay for a
         // NOTIFY (which serialises commits); measured at 8 emitting connections, 0.74 of
         // a hand-written insert's rate with that churn.
-        if self.due(seen).await? {
+        if self.due(seen, false).await? {
             return Ok(None);
         }
         // Older notifications are stale: the relay has claimed since they were sent.
@@ -401,7 +425,7 @@ impl Live {
         }
         // The emits that committed before the lock was taken sent no NOTIFY: look once
         // more before parking.
-        let due = self.due(seen).await?;
+        let due = self.due(seen, true).await?;
         // Registered before the count is read again: a notification in between is not lost.
         let mut changed = pin!(self.events.changed.notified());
         changed.as_mut().enable();
@@ -426,11 +450,17 @@ impl Live {
         Ok(Some(standing))
     }
 
-    /// Whether due NEW rows beyond `seen` are committed.
-    async fn due(&self, seen: &Horizon) -> Result<bool, tokio_postgres::Error> {
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-            [&seen.id, &seen.xmax, &seen.xip];
-        self.client.query_one(&self.due, &params).await?.try_get(0)
+    /// Whether due NEW rows above `seen` are committed, or with `late`, also the rows
+    /// below it of transactions `seen` could not see ([`DUE_OR_LATE_SQL`]).
+    async fn due(&self, seen: &Horizon, late: bool) -> Result<bool, tokio_postgres::Error> {
+        let row = if late {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&seen.id, &seen.xmax, &seen.xip, &seen.xmin];
+            self.client.query_one(&self.due_or_late, &params).await?
+        } else {
+            self.client.query_one(&self.due, &[&seen.id]).await?
+        };
+        row.try_get(0)
     }
 
     /// The `idle_session_timeout` of a hold for a wait of `timeout`, in ms: `None` where
