@@ -1,7 +1,8 @@
 //! PostgreSQL wake-up: a parked relay holds its channel's wake-up lock (and several
 //! relays take turns with it), a relay about to park waits for the emitting
-//! transactions in flight, a relay does not spin on rows the per-key claim holds back,
-//! and a parked wait ends promptly when the relay stops.
+//! transactions in flight, also for a row below the held-back ones it has seen, a
+//! relay does not spin on rows the per-key claim holds back, and a parked wait ends
+//! promptly when the relay stops.
 
 mod fixtures;
 
@@ -201,10 +202,15 @@ fn a_relay_parked_for_years_is_woken_by_an_emit() {
     });
 }
 
+/// Also while a transaction older than those rows is open (it keeps the oldest running
+/// xid of the relay's snapshots below the rows' xids): rows committed before the
+/// relay's last claim do not count as late.
 #[test]
 fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     let db = Pg::create();
     let mut c = Pg::connect(&db);
+    let mut old = Pg::connect(&db);
+    exec(&mut old, "BEGIN; SELECT txid_current()");
     c.emit_all((1..=3).map(|n| Moved {
         n,
         account: "a".into(),
@@ -252,7 +258,7 @@ fn a_relay_finds_an_unannounced_row_below_the_held_back_ones() {
     let mut late = Pg::connect(&db);
     emit_left_open(&db, &mut late, 100, "x");
     runtime().block_on(async {
-        let (store, waited) = park_behind_a_late_row(&db, late).await;
+        let (store, waited) = park_behind_a_late_row(&db, late, "COMMIT").await;
         assert!(waited < Duration::from_secs(10), "found after {waited:?}");
         let batch = store.claim(10).await.unwrap();
         let ids: Vec<_> = batch
@@ -282,7 +288,7 @@ fn a_relay_woken_by_a_late_held_back_row_parks_again() {
     );
     emit_left_open(&db, &mut late, 100, "b");
     runtime().block_on(async {
-        let (store, waited) = park_behind_a_late_row(&db, late).await;
+        let (store, waited) = park_behind_a_late_row(&db, late, "COMMIT").await;
         assert!(waited < Duration::from_secs(10), "found after {waited:?}");
         assert!(store.claim(10).await.unwrap().messages().is_empty());
         let started = Instant::now();
@@ -294,13 +300,34 @@ fn a_relay_woken_by_a_late_held_back_row_parks_again() {
     });
 }
 
-/// Behind the row `late` holds open, emits three rows of key `a` whose first waits for
+/// A row that became due in a transaction that had no xid yet at the relay's last claim
+/// (it held the wake-up lock shared, as an emit's try does, and wrote later): the
+/// retrying first row of the held-back key, made due by an UPDATE (as a redrive does).
+#[test]
+fn a_relay_finds_a_row_made_due_by_a_transaction_begun_before_its_claim() {
+    let db = Pg::create();
+    let mut late = Pg::connect(&db);
+    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
+    exec(
+        &mut late,
+        &format!("BEGIN; SELECT pg_try_advisory_xact_lock_shared({class}, {key})"),
+    );
+    runtime().block_on(async {
+        let finish = "UPDATE outbox SET next_retry_at = now() WHERE msg_id = '1:Moved'; COMMIT";
+        let (store, waited) = park_behind_a_late_row(&db, late, finish).await;
+        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
+        assert_eq!(store.claim(10).await.unwrap().messages().len(), 3);
+    });
+}
+
+/// Behind `late`'s open transaction, emits three rows of key `a` whose first waits for
 /// its retry (the other two are due but held back), runs the relay's loop to a wait
-/// that knows them, commits `late` once that wait queues for the lock, and returns the
-/// store and how long the wait took (30 s: its poll).
+/// that knows them, ends `late` with `finish` once that wait queues for the lock, and
+/// returns the store and how long the wait took (30 s: its poll).
 async fn park_behind_a_late_row(
     db: &fixtures::TestDb,
     mut late: diesel::PgConnection,
+    finish: &str,
 ) -> (outbox_diesel::PgRelayStore, Duration) {
     let mut c = Pg::connect(db);
     c.emit_all((1..=3).map(|n| Moved {
@@ -323,7 +350,7 @@ async fn park_behind_a_late_row(
         (store, started.elapsed())
     });
     until("the relay waits for the lock", || queued(db) == 1).await;
-    exec(&mut late, "COMMIT");
+    exec(&mut late, finish);
     waiting.await.unwrap()
 }
 

@@ -42,10 +42,12 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// Before it takes the lock, and once more after, the relay looks for due rows
 /// newer than what its last claims saw: a relay that keeps up with its emitters goes
 /// back to work without the lock (so that they send no NOTIFY), and a row committed just
-/// before the lock is not left to the poll, nor (after the lock) one below those
-/// that was not committed yet at its last claim. Rows the
-/// per-key claim held back (behind another relay's batch or a retry) do not count: that
-/// relay, or the poll interval, picks them up.
+/// before the lock is not left to the poll, nor (after the lock) one below those that
+/// was not committed yet at its last claim. Rows the per-key claim held back (behind
+/// another relay's batch or a retry) do not count, but for one not committed at that
+/// claim (it wakes the relay once): that relay, or the poll interval, picks them up.
+/// Left to the poll: such a late row emitted in a savepoint, or below the 1,000 newest
+/// NEW rows.
 ///
 /// # The LISTEN connection
 ///
@@ -125,7 +127,8 @@ pub struct PgRelayStore {
 struct Seen {
     /// The last claim returned nothing.
     empty: AtomicBool,
-    /// What the last (empty) claim left behind: due rows it could not take.
+    /// Set by an empty claim that followed an empty one ([`Horizon`]); the default
+    /// (every due row counts) otherwise.
     horizon: Mutex<Horizon>,
 }
 
@@ -470,7 +473,7 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
     Ok(true)
 }
 
-/// The id of the newest due NEW row (0 if none: one backward step on `outbox_pending`),
+/// The id of the newest due NEW row (0 if none; one backward step on `outbox_pending`),
 /// and the transactions the statement could not see (see [`Horizon`]).
 /// `txid_current_snapshot()` is the statement's own snapshot, the one its subquery read.
 fn newest_due(conn: &mut PgConnection) -> Result<Horizon> {

@@ -13,9 +13,10 @@
 //! its commit, so a relay taking the lock first waits for the transactions that emitted
 //! without a NOTIFY, and its due check after that sees their rows: the window of the
 //! table's marks (an emit before the mark committing after the relay's due check went
-//! unannounced until the next poll) is closed, but for the case below. A session that
-//! ends (a crashed relay, a cut connection) releases the lock with it; a stopped
-//! relay's idle session is ended by the server ([`PARKED_IDLE_SLACK`]).
+//! unannounced until the next poll) is closed, but for the cases at the end of this
+//! section. A session that ends (a crashed relay, a cut connection) releases the lock
+//! with it; a stopped relay's idle session is ended by the server
+//! ([`PARKED_IDLE_SLACK`]).
 //!
 //! Every emit's try goes to one lock of the shared lock table (advisory locks have no
 //! fast path), where the `EXISTS` took a fast-path relation lock: measured faster at 8
@@ -34,8 +35,8 @@
 //! Before parking, the relay looks for due rows it has not seen: (a) rows above the
 //! newest due row at its last empty claim (rows up to there were held back by the
 //! per-key claim or taken by another relay, and must not keep it awake); (b) after it
-//! has the lock, also rows at or below that one written by a transaction the claim's
-//! snapshot could not see ([`Horizon`]): an emit in flight may have taken a lower id,
+//! has the lock, also rows at or below that one written by a transaction the snapshot
+//! of the statement just before that claim could not see ([`Horizon`]): an emit in flight may have taken a lower id,
 //! and if it tried the lock before the relay queued, it sends no NOTIFY. Left to the
 //! poll: such a row emitted inside a savepoint (a nested diesel `transaction`), whose
 //! subtransaction's xid no snapshot function lists, and one below the 1,000 newest NEW
@@ -73,19 +74,19 @@ const PARKED_IDLE_SLACK: Duration = Duration::from_secs(5);
 /// ([`Horizon`]; 0 for none).
 ///
 /// Prepared once per LISTEN session, whose settings keep its generic plan on the
-/// `outbox_pending` index ([`SESSION_SQL`]): a range of it.
+/// `outbox_pending` index ([`SESSION_SQL`]), a range scan.
 const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
      AND next_retry_at <= now() AND id > $1::int8)";
 
-/// [`DUE_SQL`], and due NEW rows at or below `$1` that the statement that read it could
-/// not see: among the 1,000 NEW rows with the highest ids up to `$1` (a late emit's id
-/// is near the top: the held-back rows above it were committed, most NEW rows below are
-/// older retries), those whose `xmin` lies, in 32-bit wrap-around order from that
-/// snapshot's oldest running xid `$4`, before this statement's `xmax` and at or past that
-/// snapshot's `xmax` `$2`, or is one of its running xids `$3`. The window from `$4` to
-/// now is never older than the oldest transaction then running, so a row held back for
-/// 2^31 transactions does not read as new (which would keep the relay from parking).
-/// For the look after the wake-up lock only: the walk costs up to 1,000 heap fetches.
+/// [`DUE_SQL`], and late rows: due NEW rows at or below `$1` that the statement that
+/// read it could not see. Late: `xmin` is one of that snapshot's running xids (`$3`) or
+/// at or after its `xmax` (`$2`), and before this statement's `xmax`; xids compared as
+/// offsets mod 2^32 from that snapshot's oldest running xid (`$4`), so that a row held
+/// back for 2^31 transactions or more reads as late at most once per 2^32 xids (when
+/// its xmin's low bits come round), never for good. Only among the 1,000 NEW rows with
+/// the highest ids up to `$1`: only rows emitted while the late one was in flight lie
+/// between it and `$1`. For the look after the wake-up lock only: the walk costs up to
+/// 1,000 heap fetches.
 const DUE_OR_LATE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
      AND next_retry_at <= now() AND id > $1::int8) \
      OR EXISTS (SELECT 1 FROM (SELECT xmin::text::int8 AS x, next_retry_at FROM outbox \
