@@ -202,6 +202,28 @@ fn a_relay_parked_for_years_is_woken_by_an_emit() {
     });
 }
 
+/// Emits three rows of key `a` whose first waits for its retry: the other two are due
+/// but held back by the per-key claim.
+fn emit_held_back(c: &mut diesel::PgConnection) {
+    c.emit_all((1..=3).map(|n| Moved {
+        n,
+        account: "a".into(),
+    }))
+    .unwrap();
+    exec(
+        c,
+        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '1:Moved'",
+    );
+}
+
+/// The relay's loop up to the claim that knows what it left behind: an empty claim, a
+/// wait (short: rows are due), an empty claim that notes the held-back rows as seen.
+async fn idle_behind_held_back(store: &outbox_diesel::PgRelayStore) {
+    assert!(store.claim(10).await.unwrap().messages().is_empty());
+    store.wait_for_work(Duration::from_millis(300)).await;
+    assert!(store.claim(10).await.unwrap().messages().is_empty());
+}
+
 /// Also while a transaction older than those rows is open (it keeps the oldest running
 /// xid of the relay's snapshots below the rows' xids): rows committed before the
 /// relay's last claim do not count as late.
@@ -211,23 +233,10 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     let mut c = Pg::connect(&db);
     let mut old = Pg::connect(&db);
     exec(&mut old, "BEGIN; SELECT txid_current()");
-    c.emit_all((1..=3).map(|n| Moved {
-        n,
-        account: "a".into(),
-    }))
-    .unwrap();
-    // The key's first message waits for its retry: the other two are due but held back.
-    exec(
-        &mut c,
-        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '1:Moved'",
-    );
+    emit_held_back(&mut c);
     runtime().block_on(async {
         let store = Pg::store(&db);
-        // The relay's loop: an empty claim, a wait, an empty claim (now knowing what it
-        // saw), a wait that must park.
-        assert!(store.claim(10).await.unwrap().messages().is_empty());
-        store.wait_for_work(Duration::from_millis(300)).await;
-        assert!(store.claim(10).await.unwrap().messages().is_empty());
+        idle_behind_held_back(&store).await;
         let started = Instant::now();
         store.wait_for_work(Duration::from_millis(800)).await;
         assert!(
@@ -320,30 +329,18 @@ fn a_relay_finds_a_row_made_due_by_a_transaction_begun_before_its_claim() {
     });
 }
 
-/// Behind `late`'s open transaction, emits three rows of key `a` whose first waits for
-/// its retry (the other two are due but held back), runs the relay's loop to a wait
-/// that knows them, ends `late` with `finish` once that wait queues for the lock, and
-/// returns the store and how long the wait took (30 s: its poll).
+/// Behind `late`'s open transaction, emits rows the per-key claim holds back
+/// ([`emit_held_back`]), runs the relay's loop to a wait that knows them, ends `late`
+/// with `finish` once that wait queues for the lock, and returns the store and how long
+/// the wait took (30 s: its poll).
 async fn park_behind_a_late_row(
     db: &fixtures::TestDb,
     mut late: diesel::PgConnection,
     finish: &str,
 ) -> (outbox_diesel::PgRelayStore, Duration) {
-    let mut c = Pg::connect(db);
-    c.emit_all((1..=3).map(|n| Moved {
-        n,
-        account: "a".into(),
-    }))
-    .unwrap();
-    exec(
-        &mut c,
-        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '1:Moved'",
-    );
+    emit_held_back(&mut Pg::connect(db));
     let store = Pg::store(db);
-    assert!(store.claim(10).await.unwrap().messages().is_empty());
-    store.wait_for_work(Duration::from_millis(300)).await;
-    // Idle: it notes the held-back rows as seen.
-    assert!(store.claim(10).await.unwrap().messages().is_empty());
+    idle_behind_held_back(&store).await;
     let waiting = tokio::spawn(async move {
         let started = Instant::now();
         store.wait_for_work(Duration::from_secs(30)).await;

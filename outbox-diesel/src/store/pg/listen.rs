@@ -36,11 +36,11 @@
 //! newest due row at its last empty claim (rows up to there were held back by the
 //! per-key claim or taken by another relay, and must not keep it awake); (b) after it
 //! has the lock, also rows at or below that one written by a transaction the snapshot
-//! of the statement just before that claim could not see ([`Horizon`]): an emit in flight may have taken a lower id,
-//! and if it tried the lock before the relay queued, it sends no NOTIFY. Left to the
-//! poll: such a row emitted inside a savepoint (a nested diesel `transaction`), whose
-//! subtransaction's xid no snapshot function lists, and one below the 1,000 newest NEW
-//! rows up to there.
+//! of the statement just before that claim could not see ([`Horizon`]): an emit in
+//! flight may have taken a lower id, and if it tried the lock before the relay queued,
+//! it sends no NOTIFY. Left to the poll: such a row emitted inside a savepoint (a
+//! nested diesel `transaction`), whose subtransaction's xid no snapshot function lists,
+//! and one below the 1,000 newest NEW rows up to there.
 
 use std::future::poll_fn;
 use std::pin::pin;
