@@ -69,19 +69,13 @@ fn emit_waking(db: &fixtures::TestDb, c: &mut diesel::PgConnection, n: u32) {
 fn two_parked_relays_are_both_woken_by_one_emit() {
     let db = Pg::create();
     runtime().block_on(async {
-        let park = |store: outbox_diesel::PgRelayStore| {
-            tokio::spawn(async move {
-                let started = Instant::now();
-                store.wait_for_work(Duration::from_secs(20)).await;
-                started.elapsed()
-            })
-        };
+        let park = |store| timed_wait(store, Duration::from_secs(20));
         let (a, b) = (park(Pg::store(&db)), park(Pg::store(&db)));
         until("a relay holds the lock", || holders(&db) == 1).await;
         // Both listeners connected and waiting (the second one in the lock's queue).
         tokio::time::sleep(Duration::from_millis(300)).await;
         emit_waking(&db, &mut Pg::connect(&db), 1);
-        for waited in [a.await.unwrap(), b.await.unwrap()] {
+        for (_, waited) in [a.await.unwrap(), b.await.unwrap()] {
             assert!(waited < Duration::from_secs(10), "woke after {waited:?}");
         }
         until("the woken relays release the lock", || holders(&db) == 0).await;
@@ -98,27 +92,37 @@ fn a_relay_about_to_park_waits_for_an_unannounced_emit_in_flight() {
     runtime().block_on(async {
         let waiting = park_behind_an_open_emit(&db, &mut c).await;
         exec(&mut c, "COMMIT");
-        let waited = waiting.await.unwrap();
+        let (_, waited) = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "found after {waited:?}");
     });
 }
 
 /// Emits in a transaction left open on `c` with no relay parked (so no NOTIFY is to
-/// come), then parks a relay (a 30 s wait, how long it took is the task's output) and
-/// returns once it has looked (nothing committed) and queues for the lock behind the
-/// emit's shared hold.
-async fn park_behind_an_open_emit(
-    db: &fixtures::TestDb,
-    c: &mut diesel::PgConnection,
-) -> tokio::task::JoinHandle<Duration> {
+/// come), then parks a relay behind the emit's shared hold ([`queue_for_the_lock`]).
+async fn park_behind_an_open_emit(db: &fixtures::TestDb, c: &mut diesel::PgConnection) -> Waiting {
     let store = Pg::store(db);
     assert!(store.claim(10).await.unwrap().messages().is_empty());
     emit_left_open(db, c, 1, "a");
-    let waiting = tokio::spawn(async move {
+    queue_for_the_lock(db, store).await
+}
+
+/// A relay's wait for work running in a task: its output is the store and how long the
+/// wait took.
+type Waiting = tokio::task::JoinHandle<(outbox_diesel::PgRelayStore, Duration)>;
+
+/// Starts `store`'s wait for work of `timeout`.
+fn timed_wait(store: outbox_diesel::PgRelayStore, timeout: Duration) -> Waiting {
+    tokio::spawn(async move {
         let started = Instant::now();
-        store.wait_for_work(Duration::from_secs(30)).await;
-        started.elapsed()
-    });
+        store.wait_for_work(timeout).await;
+        (store, started.elapsed())
+    })
+}
+
+/// Starts `store`'s wait for work (30 s: its poll) and returns once it has looked
+/// (nothing due) and queues for the wake-up lock.
+async fn queue_for_the_lock(db: &fixtures::TestDb, store: outbox_diesel::PgRelayStore) -> Waiting {
+    let waiting = timed_wait(store, Duration::from_secs(30));
     until("the relay waits for the lock", || queued(db) == 1).await;
     waiting
 }
@@ -175,7 +179,7 @@ fn a_relay_queued_for_the_lock_is_woken_by_a_notify() {
             .map(drop)
         })
         .unwrap();
-        let waited = waiting.await.unwrap();
+        let (_, waited) = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "woken after {waited:?}");
         exec(&mut long, "ROLLBACK");
     });
@@ -341,12 +345,7 @@ async fn park_behind_a_late_row(
     emit_held_back(&mut Pg::connect(db));
     let store = Pg::store(db);
     idle_behind_held_back(&store).await;
-    let waiting = tokio::spawn(async move {
-        let started = Instant::now();
-        store.wait_for_work(Duration::from_secs(30)).await;
-        (store, started.elapsed())
-    });
-    until("the relay waits for the lock", || queued(db) == 1).await;
+    let waiting = queue_for_the_lock(db, store).await;
     exec(&mut late, finish);
     waiting.await.unwrap()
 }
@@ -502,26 +501,16 @@ fn a_lost_listen_connection_polls_then_reconnects() {
         let store = outbox_diesel::PgRelayStore::new(Pg::pool(&db, 2))
             .with_listener(url)
             .with_channel(db.name.clone());
-        let parked = store.clone();
-        let waiting = tokio::spawn(async move {
-            let started = Instant::now();
-            parked.wait_for_work(Duration::from_millis(1500)).await;
-            started.elapsed()
-        });
+        let waiting = timed_wait(store.clone(), Duration::from_millis(1500));
         until("the relay parks", || holders(&db) == 1).await;
         let mut c = Pg::connect(&db);
         assert_eq!(Pg::scalar(&mut c, &listeners), 1, "its LISTEN connection");
         // Without its connection the wait sleeps out its timeout.
-        let waited = waiting.await.unwrap();
+        let (_, waited) = waiting.await.unwrap();
         assert!(waited >= Duration::from_millis(1400), "{waited:?}");
 
         // The next wait reconnects, parks, and is woken by NOTIFY again.
-        let parked = store.clone();
-        let waiting = tokio::spawn(async move {
-            let started = Instant::now();
-            parked.wait_for_work(Duration::from_secs(20)).await;
-            started.elapsed()
-        });
+        let waiting = timed_wait(store.clone(), Duration::from_secs(20));
         until("the relay parks again", || holders(&db) == 1).await;
         let opts = EmitOptions::new().with_channel(db.name.clone());
         c.transaction(|c| {
@@ -535,7 +524,7 @@ fn a_lost_listen_connection_polls_then_reconnects() {
             .map(drop)
         })
         .unwrap();
-        let waited = waiting.await.unwrap();
+        let (_, waited) = waiting.await.unwrap();
         assert!(waited < Duration::from_secs(10), "{waited:?}");
     });
 }

@@ -103,13 +103,8 @@ const DUE_OR_LATE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status 
 /// the transactions the statement that read it (just before the claim) could not see:
 /// its snapshot's oldest running xid, `xmax` and running xids, as 32-bit xids like a
 /// row's `xmin`. Read by the same statement, so the same snapshot (READ COMMITTED: one
-/// per statement).
-///
-/// The look before the lock goes above `id` only (the rows below were there and not
-/// for this relay); the look after it also at rows below written by those transactions
-/// ([`DUE_OR_LATE_SQL`]): an emit in flight at the claim may have taken an id below
-/// `id` and commit while the relay queues for the lock, and if its try of the lock came
-/// before the relay's, it sends no NOTIFY.
+/// per statement). The look before the lock uses `id` alone ([`DUE_SQL`]), the look
+/// after it all of it ([`DUE_OR_LATE_SQL`]); why, in the module docs.
 #[derive(Debug, Default, Clone, diesel::QueryableByName)]
 pub(super) struct Horizon {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
