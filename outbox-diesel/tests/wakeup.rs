@@ -141,6 +141,16 @@ fn emit_left_open(db: &fixtures::TestDb, c: &mut diesel::PgConnection, n: u32, a
     .unwrap();
 }
 
+/// Opens a transaction on `c` holding `db`'s wake-up lock shared, as an emit's try
+/// does, with no xid yet (it has written nothing).
+fn begin_holding_the_lock_shared(db: &fixtures::TestDb, c: &mut diesel::PgConnection) {
+    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
+    exec(
+        c,
+        &format!("BEGIN; SELECT pg_advisory_xact_lock_shared({class}, {key})"),
+    );
+}
+
 /// Requests for `db`'s wake-up lock not granted yet.
 fn queued(db: &fixtures::TestDb) -> i64 {
     let (class, key) = outbox_diesel::wake_lock_key(&db.name);
@@ -320,11 +330,7 @@ fn a_relay_woken_by_a_late_held_back_row_parks_again() {
 fn a_relay_finds_a_row_made_due_by_a_transaction_begun_before_its_claim() {
     let db = Pg::create();
     let mut late = Pg::connect(&db);
-    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
-    exec(
-        &mut late,
-        &format!("BEGIN; SELECT pg_try_advisory_xact_lock_shared({class}, {key})"),
-    );
+    begin_holding_the_lock_shared(&db, &mut late);
     runtime().block_on(async {
         let finish = "UPDATE outbox SET next_retry_at = now() WHERE msg_id = '1:Moved'; COMMIT";
         let (store, waited) = park_behind_a_late_row(&db, late, finish).await;
@@ -436,11 +442,7 @@ fn a_relay_with_new_rows_goes_back_to_work_without_the_lock() {
     // An emitting transaction holds the lock shared: a relay that tried to take it
     // would wait for it until its deadline.
     let mut emitter = Pg::connect(&db);
-    let (class, key) = outbox_diesel::wake_lock_key(&db.name);
-    exec(
-        &mut emitter,
-        &format!("BEGIN; SELECT pg_advisory_xact_lock_shared({class}, {key})"),
-    );
+    begin_holding_the_lock_shared(&db, &mut emitter);
     runtime().block_on(async {
         let store = Pg::store(&db);
         assert!(store.claim(10).await.unwrap().messages().is_empty());
