@@ -100,6 +100,13 @@ pub enum Error {
         /// The highest version this release knows ([`MIGRATION_VERSION`](crate::MIGRATION_VERSION)).
         supported: i32,
     },
+    /// A [`PartitionPolicy`](crate::PartitionPolicy) out of range.
+    #[cfg(feature = "postgres")]
+    #[error("invalid partition policy: {reason}")]
+    InvalidPartitionPolicy {
+        /// What is wrong.
+        reason: String,
+    },
     /// No connection could be obtained from diesel-async's pool (or the pool could not
     /// be built): [`AsyncDieselInbox`](crate::AsyncDieselInbox).
     #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]

@@ -6,7 +6,7 @@
 //! serializable, field too long) leave your transaction usable: nothing was written, and
 //! `?` rolls back as usual. A database error aborts a PostgreSQL transaction like any
 //! failed statement. On PostgreSQL a failing statement would abort the transaction, so a
-//! duplicate msg_id is detected with `ON CONFLICT (msg_id) DO NOTHING` and "0 rows";
+//! duplicate msg_id is detected with `ON CONFLICT DO NOTHING` and "0 rows";
 //! MySQL and SQLite roll back only the failing statement. [`Error`] converts into
 //! [`diesel::result::Error`] (a duplicate becomes a `UniqueViolation` on
 //! [`MSG_ID_CONSTRAINT`]; test it with [`is_duplicate`]) and into
@@ -79,6 +79,8 @@ mod inbox;
 mod inbox_ahead;
 mod migrate;
 mod ops;
+#[cfg(feature = "postgres")]
+mod partition;
 pub mod schema;
 mod store;
 
@@ -96,6 +98,11 @@ pub use migrate::{
 pub use ops::{
     OutboxRecord, TopicCounts, backlog, dead_letters, find_message, list_messages, purge_consumed,
     purge_dead, purge_sent, redrive, redrive_all, topic_counts,
+};
+#[cfg(feature = "postgres")]
+pub use partition::{
+    POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport,
+    maintain_partitions, migrate_partitioned, partition_policy, partitions,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use store::DEFAULT_STALL_TIMEOUT;

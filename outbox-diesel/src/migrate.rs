@@ -56,15 +56,24 @@ pub const MIGRATION_VERSION: i32 = 1;
 ///
 /// The same SQL ships as plain files under `migrations/<backend>/` for users who
 /// prefer to copy them into their own diesel migrations.
+///
+/// On PostgreSQL tables already partitioned by
+/// [`migrate_partitioned`](crate::migrate_partitioned) get the partitioned migration
+/// instead (idempotent as well), so a relay that migrates at start keeps the layout.
 pub fn migrate<C: OutboxConnection>(conn: &mut C) -> Result<()> {
-    if let Some(found) = conn.__migration_version()?
-        && found > MIGRATION_VERSION
-    {
-        return Err(crate::Error::SchemaTooNew {
+    check_version(conn)?;
+    let sql = conn.__migration_sql()?;
+    conn.batch_execute(sql)?;
+    Ok(())
+}
+
+/// Refuses tables a newer release migrated ([`Error::SchemaTooNew`](crate::Error::SchemaTooNew)).
+pub(crate) fn check_version<C: OutboxConnection>(conn: &mut C) -> Result<()> {
+    match conn.__migration_version()? {
+        Some(found) if found > MIGRATION_VERSION => Err(crate::Error::SchemaTooNew {
             found,
             supported: MIGRATION_VERSION,
-        });
+        }),
+        _ => Ok(()),
     }
-    conn.batch_execute(C::__MIGRATION)?;
-    Ok(())
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use chrono::Utc;
 use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
-use fixtures::{Backend, Lite, My, Pg, exec, runtime};
+use fixtures::{Backend, Lite, My, Pg, PgParted, exec, runtime};
 use outbox_core::{
     ClaimedBatch, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed, Relay,
     RelayBatchOutcome, RelayConfig, RelayStore, RetryPolicy, Status,
@@ -590,7 +590,7 @@ fn operations_queries<B: Backend>() {
 }
 
 outbox_tests::on_every_backend! {
-    postgres => Pg, mariadb => My, sqlite => Lite;
+    postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
     commit_writes_business_row_and_message,
     rollback_after_emit_writes_neither,
     panic_inside_transaction_writes_neither,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, MysqlConnection, PgConnection};
-use fixtures::{Backend, Lite, My, Pg, TestDb, exec, runtime};
+use fixtures::{Backend, Lite, My, Pg, PgParted, TestDb, exec, runtime};
 use outbox_core::{Inbox as _, InvalidMsgId, MsgId, OutboxEvent, RelayStore as _};
 use outbox_diesel::{
     DieselInbox, Emit, Error, MIGRATION_VERSION, MysqlRelayStore, OutboxRecord, PgRelayStore,
@@ -363,6 +363,13 @@ fn newer_release_sql<B: Backend>() -> (&'static str, &'static str, &'static str)
             "SELECT COUNT(*) AS n FROM pg_indexes WHERE indexname = 'outbox_sent' \
              AND schemaname = current_schema()",
         ),
+        // The partitioned layout has no `outbox_sent` (retention drops partitions).
+        "PostgreSQL (partitioned)" => (
+            "INSERT INTO outbox_migrations (version) VALUES (2)",
+            "DROP INDEX outbox_dead",
+            "SELECT COUNT(*) AS n FROM pg_indexes WHERE indexname = 'outbox_dead' \
+             AND schemaname = current_schema()",
+        ),
         "MariaDB" => (
             "INSERT INTO outbox_migrations (version, applied_at) VALUES (2, UTC_TIMESTAMP(6))",
             "DROP INDEX outbox_sent ON outbox",
@@ -443,7 +450,7 @@ fn tables_without_a_recorded_version_are_migrated<B: Backend>() {
 }
 
 outbox_tests::on_every_backend! {
-    postgres => Pg, mariadb => My, sqlite => Lite;
+    postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
     an_empty_id_field_is_refused,
     an_empty_template_part_is_refused,
     an_overlong_id_is_refused,

@@ -6,7 +6,7 @@
 mod fixtures;
 
 use diesel::Connection;
-use fixtures::{Backend, Lite, My, Pg};
+use fixtures::{Backend, Lite, My, Pg, PgParted};
 use outbox_core::{InvalidMsgId, OutboxEvent};
 use outbox_diesel::{Emit, Error};
 use serde::{Deserialize, Serialize};
@@ -88,6 +88,6 @@ fn an_empty_business_key_is_refused_and_nothing_is_written<B: Backend>() {
 }
 
 outbox_tests::on_every_backend! {
-    postgres => Pg, mariadb => My, sqlite => Lite;
+    postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
     an_empty_business_key_is_refused_and_nothing_is_written,
 }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
-use fixtures::{Backend, Lite, My, Pg, exec};
+use fixtures::{Backend, Lite, My, Pg, PgParted, exec};
 use outbox_core::{
     Delivery, Dispatcher, Envelope, Handler, HandlerError, Inbox, MsgId, OutboxEvent, Processed,
 };
@@ -344,6 +344,12 @@ impl Sabotage for Pg {
     }
 }
 
+impl Sabotage for PgParted {
+    fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError> {
+        Pg::sabotage(c)
+    }
+}
+
 impl Sabotage for My {
     fn sabotage(c: &mut Self::Conn) -> Result<(), HandlerError> {
         let me = My::scalar(c, "SELECT CAST(CONNECTION_ID() AS SIGNED) AS n");
@@ -563,7 +569,7 @@ fn a_handler_ending_the_batch_transaction_loses_and_doubles_nothing<B: Backend>(
 }
 
 outbox_tests::on_every_backend! {
-    postgres => Pg, mariadb => My, sqlite => Lite;
+    postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
     failing_handlers_roll_back_only_their_own_message,
     an_ignored_failed_statement_fails_only_its_message,
     single_mode_never_acks_writes_that_did_not_commit,

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::{PgConnection, QueryResult, RunQueryDsl};
-use fixtures::{Backend, My, Pg, TestDb, exec};
+use fixtures::{Backend, My, Pg, PgParted, TestDb, exec};
 use outbox_core::{Error, HandlerError, Inbox, MsgId, Processed};
 use outbox_diesel::DieselInbox;
 
@@ -45,6 +45,16 @@ impl Collide for Pg {
 
     fn prepared(c: &mut PgConnection, sql: &str) -> QueryResult<usize> {
         diesel::sql_query(sql).execute(c)
+    }
+}
+
+impl Collide for PgParted {
+    const RIVAL_SESSION: &'static str = Pg::RIVAL_SESSION;
+    const RIVAL_BALLAST: &'static str = Pg::RIVAL_BALLAST;
+    const LOCK_BOB_IMPATIENTLY: &'static str = Pg::LOCK_BOB_IMPATIENTLY;
+
+    fn prepared(c: &mut PgConnection, sql: &str) -> QueryResult<usize> {
+        Pg::prepared(c, sql)
     }
 }
 
@@ -480,7 +490,7 @@ fn lock_wait_timeout_is_transient<B: Collide>() {
 }
 
 outbox_tests::on_every_backend! {
-    postgres => Pg, mariadb => My;
+    postgres => Pg, postgres_partitioned => PgParted, mariadb => My;
     single_mode_deadlock_is_transient,
     single_mode_deadlock_in_a_prepared_statement_is_transient,
     single_mode_swallowed_deadlock_is_never_applied,

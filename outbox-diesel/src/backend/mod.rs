@@ -345,6 +345,12 @@ pub(crate) trait Backend: Connection + Sized {
         Ok(self.run_sql(&sql, None)?)
     }
 
+    /// The migration [`migrate`](crate::migrate) runs: [`Self::__MIGRATION`], but on
+    /// PostgreSQL the partitioned one for partitioned tables.
+    fn __migration_sql(&mut self) -> Result<&'static str> {
+        Ok(Self::__MIGRATION)
+    }
+
     /// The highest migration version recorded in `outbox_migrations`; `None` when the
     /// table is missing (never migrated, or migrated before the table existed) or empty.
     fn __migration_version(&mut self) -> Result<Option<i32>> {

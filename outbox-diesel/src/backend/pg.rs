@@ -256,7 +256,7 @@ impl<Conn> RunQueryDsl<Conn> for MarkSent<'_> {}
 const INSERT_HEAD: &str = "INSERT INTO outbox \
     (msg_id, topic, event_type, msg_key, schema_version, payload, headers) VALUES ";
 
-/// The hot path: one row. A plain `INSERT .. ON CONFLICT (msg_id) DO NOTHING`, prepared
+/// The hot path: one row. A plain `INSERT .. ON CONFLICT DO NOTHING`, prepared
 /// once per connection and mode (static query id). `ON CONFLICT` turns a duplicate into
 /// "0 rows" instead of an error, which on PostgreSQL would abort the caller's
 /// transaction. With NOTIFY, the [wake-up expression](Mode::push_wake) (an empty text)
@@ -290,7 +290,7 @@ impl<M: Mode> QueryFragment<Pg> for PlainInsert<'_, M> {
         }
         out.push_bind_param::<Text, str>(&self.row.headers)?;
         out.push_sql(if M::NOTIFIES { ")::jsonb)" } else { "::jsonb)" });
-        out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
+        out.push_sql(" ON CONFLICT DO NOTHING");
         Ok(())
     }
 }
@@ -411,7 +411,7 @@ impl<M: Mode> QueryFragment<Pg> for Insert<'_, M> {
         out.push_sql("WITH ins AS (");
         out.push_sql(INSERT_HEAD);
         super::push_values(self.rows, &mut out, "::jsonb", "")?;
-        out.push_sql(" ON CONFLICT (msg_id) DO NOTHING RETURNING id, msg_id) SELECT id, msg_id, ");
+        out.push_sql(" ON CONFLICT DO NOTHING RETURNING id, msg_id) SELECT id, msg_id, ");
         M::push_wake(&mut out, &self.wake)?;
         out.push_sql(" AS notified FROM ins");
         Ok(())
@@ -769,6 +769,13 @@ impl Backend for PgConnection {
 
     fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
         super::execute_sql(self, sql, bind)
+    }
+
+    fn __migration_sql(&mut self) -> Result<&'static str> {
+        Ok(match crate::partition::partition_policy(self)? {
+            Some(_) => crate::partition::POSTGRES_PARTITIONED_UP,
+            None => Self::__MIGRATION,
+        })
     }
 
     fn backlog_row(&mut self) -> QueryResult<BacklogRow> {

@@ -113,6 +113,9 @@ where
     fn __purge_consumed(&mut self, older_than_us: i64, batch: usize) -> Result<usize> {
         (**self).__purge_consumed(older_than_us, batch)
     }
+    fn __migration_sql(&mut self) -> Result<&'static str> {
+        (**self).__migration_sql()
+    }
     fn __migration_version(&mut self) -> Result<Option<i32>> {
         (**self).__migration_version()
     }

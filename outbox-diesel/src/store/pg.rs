@@ -1,6 +1,7 @@
 //! PostgreSQL: the relay store, whose idle wait is woken by `NOTIFY` (see `listen`).
 
 mod listen;
+mod maintenance;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,6 +13,7 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
 use self::listen::{Horizon, Listener};
+use self::maintenance::Maintenance;
 use crate::backend::Backend as _;
 use crate::store::{LockedBatch, LockedClaim, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
@@ -120,6 +122,7 @@ pub struct PgRelayStore {
     claim: LockedClaim,
     seen: Arc<Seen>,
     stats: Arc<StatsCheck>,
+    maintenance: Arc<Maintenance>,
 }
 
 /// What the last claims saw, for the due check before parking.
@@ -143,6 +146,7 @@ impl PgRelayStore {
             claim: LockedClaim::default(),
             seen: Arc::default(),
             stats: Arc::default(),
+            maintenance: Arc::default(),
         }
     }
 
@@ -244,6 +248,7 @@ impl RelayStore for PgRelayStore {
         // committed in between counts as new; in the claim's transaction, whose settings
         // keep it on the index.)
         let idle = self.listener.is_some() && self.seen.empty.load(Ordering::Relaxed);
+        self.maintenance.start_if_due(&self.pool);
         if self.stats.due(self.seen.empty.load(Ordering::Relaxed)) {
             let pool = self.pool.clone();
             let analyzed = blocking(move || analyze_if_stale(&mut *pool.get()?)).await;

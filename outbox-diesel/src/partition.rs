@@ -1,0 +1,636 @@
+//! Time-partitioned `outbox` and `consumed_msg` tables on PostgreSQL: created by
+//! [`migrate_partitioned`], kept by [`maintain_partitions`] (which the relay runs by
+//! itself), retention by dropping whole partitions instead of deleting rows.
+//!
+//! The layout, its dedup window and the migration of an unpartitioned table are described
+//! in `docs/table-partitions.md`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use diesel::connection::SimpleConnection as _;
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
+
+use crate::{Error, Result};
+
+pub(crate) const POSTGRES_PARTITIONED_UP: &str =
+    include_str!("../migrations/postgres-partitioned/2025-01-01-000000_outbox/up.sql");
+
+/// The partitioned PostgreSQL migration (`migrations/postgres-partitioned/`): what
+/// [`migrate_partitioned`] runs after converting unpartitioned tables. It creates no
+/// partition; [`maintain_partitions`] (or the relay) does.
+pub const POSTGRES_PARTITIONED_MIGRATION: crate::Migration = crate::Migration {
+    name: "2025-01-01-000000_outbox",
+    up: POSTGRES_PARTITIONED_UP,
+    down: include_str!("../migrations/postgres-partitioned/2025-01-01-000000_outbox/down.sql"),
+};
+
+/// One maintenance run at a time per schema (any number of relays run it): a session
+/// lock on a class id of ours and the schema's oid. Waits; tries; releases.
+const MAINTENANCE_LOCK: &str = "SELECT true AS locked FROM pg_advisory_lock(1869968486, \
+     (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox')))";
+const MAINTENANCE_TRY_LOCK: &str = "SELECT pg_try_advisory_lock(1869968486, \
+     (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox'))) AS locked";
+const MAINTENANCE_UNLOCK: &str = "SELECT pg_advisory_unlock(1869968486, \
+     (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox'))) AS locked";
+/// How long creating or attaching a partition waits for a table lock before it gives up
+/// until the next run (ATTACH takes `SHARE UPDATE EXCLUSIVE`: it waits only for
+/// `VACUUM`, `ANALYZE` and DDL, never for emits or claims).
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `DETACH .. CONCURRENTLY` waits for the transactions that may still see the
+/// partition (a long report, `pg_dump`) before it gives up until the next run.
+const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest interval and retention a policy takes.
+const MAX_POLICY_SECS: u64 = 100 * 365 * 86_400;
+
+/// How the partitioned tables are kept: stored in the database (`outbox_partitioning`) by
+/// [`migrate_partitioned`], read by every [`maintain_partitions`].
+///
+/// Partitions cover `interval` each, aligned to the Unix epoch in UTC (daily partitions
+/// start at 00:00 UTC).
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_diesel::PartitionPolicy;
+///
+/// let hourly = PartitionPolicy::default()
+///     .with_interval(Duration::from_secs(3600))
+///     .with_retention(Duration::from_secs(2 * 86_400));
+/// assert_eq!(hourly.premake, 7);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionPolicy {
+    /// The time one partition covers, in whole seconds (default one day).
+    pub interval: Duration,
+    /// Partitions kept ready after the current one (default 7): how long emits go on
+    /// when no relay and no `outbox partitions maintain` runs. A row whose time has no
+    /// partition fails its insert.
+    pub premake: u32,
+    /// How long a partition is kept after its range ends (default 7 days). It is the
+    /// dedup window: a msg_id is refused while any partition holds it, at least this
+    /// long after it was emitted.
+    pub retention: Duration,
+}
+
+impl Default for PartitionPolicy {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(86_400),
+            premake: 7,
+            retention: Duration::from_secs(7 * 86_400),
+        }
+    }
+}
+
+impl PartitionPolicy {
+    /// Sets [`interval`](Self::interval).
+    pub fn with_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Sets [`premake`](Self::premake).
+    pub fn with_premake(mut self, premake: u32) -> Self {
+        self.premake = premake;
+        self
+    }
+
+    /// Sets [`retention`](Self::retention).
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Checks the policy: an interval of whole seconds, at least one second; interval and
+    /// retention at most 100 years; at most 1,000 partitions ahead.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |reason: &str| {
+            Err(Error::InvalidPartitionPolicy {
+                reason: reason.into(),
+            })
+        };
+        if self.interval < Duration::from_secs(1) || self.interval.subsec_nanos() != 0 {
+            return invalid("the interval must be a whole number of seconds, at least 1 s");
+        }
+        if self.interval.as_secs() > MAX_POLICY_SECS || self.retention.as_secs() > MAX_POLICY_SECS {
+            return invalid("interval and retention must be at most 100 years");
+        }
+        if self.premake > 1000 {
+            return invalid("premake must be at most 1000 partitions");
+        }
+        Ok(())
+    }
+}
+
+/// One partition of `outbox` or `consumed_msg`, as [`partitions`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partition {
+    /// The partitioned table: `outbox` or `consumed_msg`.
+    pub table: &'static str,
+    /// The partition's table name.
+    pub name: String,
+    /// Its range's start (`None`: from the beginning, as an unpartitioned table converted
+    /// by [`migrate_partitioned`] is attached).
+    pub from: Option<DateTime<Utc>>,
+    /// Its range's end, exclusive.
+    pub to: Option<DateTime<Utc>>,
+    /// A `DETACH .. CONCURRENTLY` was interrupted; the next maintenance finishes it.
+    pub detaching: bool,
+}
+
+/// What a [`maintain_partitions`] run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionReport {
+    /// Partitions created.
+    pub created: Vec<String>,
+    /// Partitions detached and dropped.
+    pub dropped: Vec<String>,
+    /// Expired partitions kept, with the reason (NEW or DEAD rows in them).
+    pub kept: Vec<(String, String)>,
+    /// Steps that failed (a lock not granted in time, a range already taken), with the
+    /// error; the next run tries again.
+    pub failed: Vec<(String, String)>,
+    /// Another maintenance run was in progress (another relay): this one did nothing.
+    pub busy: bool,
+}
+
+/// A partitioned table and the unique indexes each of its partitions gets.
+struct Table {
+    name: &'static str,
+    /// `(index name suffix, columns)`.
+    unique: &'static [(&'static str, &'static str)],
+    /// Has NEW and DEAD rows, which keep a partition past its retention.
+    has_status: bool,
+}
+
+const TABLES: [Table; 2] = [
+    Table {
+        name: "outbox",
+        unique: &[("id", "id"), ("msg_id", "msg_id")],
+        has_status: true,
+    },
+    Table {
+        name: "consumed_msg",
+        unique: &[("key", "consumer_group, msg_id")],
+        has_status: false,
+    },
+];
+
+/// Creates the partitioned tables (converting unpartitioned ones first), records
+/// `policy`, and creates the current partition and `policy.premake` after it. Safe to run
+/// again: it then only records `policy` and maintains the partitions.
+///
+/// An unpartitioned `outbox` (or `consumed_msg`) becomes the first partition of the new
+/// table, renamed `outbox_legacy` and covering everything before now, with its rows, ids
+/// and indexes as they are: nothing is copied. It takes the table's `ACCESS EXCLUSIVE`
+/// lock for the conversion, which scans the table once to check its rows' times: emits
+/// and relays wait for it, and carry on after. Dropped like the others once its range
+/// ends `retention` ago and it holds no NEW or DEAD row.
+///
+/// Needs PostgreSQL 14 or later. MySQL and MariaDB have no partitioned layout (see
+/// `docs/table-partitions.md`).
+pub fn migrate_partitioned(
+    conn: &mut PgConnection,
+    policy: &PartitionPolicy,
+) -> Result<PartitionReport> {
+    policy.validate()?;
+    crate::migrate::check_version(conn)?;
+    conn.transaction(|c| {
+        let now = db_now(c)?;
+        let mut plain = Vec::new();
+        for table in &TABLES {
+            if kind(c, table.name)? == Some(Kind::Plain) {
+                plain.push(table);
+            }
+        }
+        for table in &plain {
+            rename_to_legacy(c, table)?;
+        }
+        c.batch_execute(POSTGRES_PARTITIONED_UP)?;
+        for table in &plain {
+            c.batch_execute(&format!(
+                "ALTER TABLE {t} ATTACH PARTITION {t}_legacy FOR VALUES FROM (MINVALUE) TO ({})",
+                literal(now),
+                t = table.name
+            ))?;
+        }
+        diesel::sql_query(
+            "UPDATE outbox_partitioning SET interval_secs = $1, premake = $2, retention_secs = $3",
+        )
+        .bind::<BigInt, _>(policy.interval.as_secs() as i64)
+        .bind::<Integer, _>(policy.premake as i32)
+        .bind::<BigInt, _>(policy.retention.as_secs() as i64)
+        .execute(c)?;
+        Ok::<_, Error>(())
+    })?;
+    maintain(conn, MAINTENANCE_LOCK)
+}
+
+/// The stored policy when `outbox` is partitioned; `None` for the unpartitioned layout
+/// (or no tables at all).
+pub fn partition_policy(conn: &mut PgConnection) -> Result<Option<PartitionPolicy>> {
+    if kind(conn, "outbox")? != Some(Kind::Partitioned) {
+        return Ok(None);
+    }
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        interval_secs: i64,
+        #[diesel(sql_type = Integer)]
+        premake: i32,
+        #[diesel(sql_type = BigInt)]
+        retention_secs: i64,
+    }
+    let row: Option<Row> =
+        diesel::sql_query("SELECT interval_secs, premake, retention_secs FROM outbox_partitioning")
+            .get_result(conn)
+            .map(Some)
+            .or_else(|e| match e {
+                diesel::result::Error::NotFound => Ok(None),
+                e => Err(e),
+            })?;
+    Ok(Some(row.map_or_else(PartitionPolicy::default, |r| {
+        PartitionPolicy {
+            interval: Duration::from_secs(r.interval_secs.max(1) as u64),
+            premake: r.premake.max(0) as u32,
+            retention: Duration::from_secs(r.retention_secs.max(0) as u64),
+        }
+    })))
+}
+
+/// The partitions of `outbox` and `consumed_msg`, each table's in range order (empty for
+/// the unpartitioned layout).
+pub fn partitions(conn: &mut PgConnection) -> Result<Vec<Partition>> {
+    let mut all = Vec::new();
+    for table in &TABLES {
+        all.extend(partitions_of(conn, table)?);
+    }
+    Ok(all)
+}
+
+/// Keeps the partitioned tables: finishes an interrupted detach, creates the current
+/// partition and the policy's `premake` after it, and detaches (`CONCURRENTLY`, so emits
+/// and claims never wait) and drops every partition whose range ended `retention` ago,
+/// unless it still holds NEW or DEAD rows (those are never removed: it is kept, and
+/// reported, until they are sent, re-driven or purged). Rows are never deleted.
+///
+/// Does nothing on the unpartitioned layout, or while another run holds the maintenance
+/// lock (another relay: [`PartitionReport::busy`]). A step that fails (a lock not granted
+/// in time) is reported in [`PartitionReport::failed`] and tried again by the next run.
+/// Run it outside a transaction: `DETACH .. CONCURRENTLY` cannot run inside one.
+///
+/// The relay ([`PgRelayStore`](crate::PgRelayStore)) runs it at its first claim and then
+/// every quarter interval (at most every 10 minutes); `outbox partitions maintain` runs
+/// it once, e.g. from cron.
+pub fn maintain_partitions(conn: &mut PgConnection) -> Result<PartitionReport> {
+    maintain(conn, MAINTENANCE_TRY_LOCK)
+}
+
+/// [`maintain_partitions`], taking the maintenance lock with `lock` (which waits, or tries).
+fn maintain(conn: &mut PgConnection, lock: &str) -> Result<PartitionReport> {
+    let Some(policy) = partition_policy(conn)? else {
+        return Ok(PartitionReport::default());
+    };
+    if !advisory_lock(conn, lock)? {
+        return Ok(PartitionReport {
+            busy: true,
+            ..PartitionReport::default()
+        });
+    }
+    let mut report = PartitionReport::default();
+    let kept = TABLES
+        .iter()
+        .try_for_each(|table| maintain_table(conn, table, &policy, &mut report));
+    let _ = advisory_lock(conn, MAINTENANCE_UNLOCK);
+    kept.map(|()| report)
+}
+
+fn maintain_table(
+    conn: &mut PgConnection,
+    table: &Table,
+    policy: &PartitionPolicy,
+    report: &mut PartitionReport,
+) -> Result<()> {
+    for p in partitions_of(conn, table)?.iter().filter(|p| p.detaching) {
+        let finalize = format!(
+            "ALTER TABLE {} DETACH PARTITION {} FINALIZE",
+            table.name, p.name
+        );
+        if let Err(e) = with_statement_timeout(conn, DETACH_TIMEOUT, &finalize) {
+            report.failed.push((p.name.clone(), error_text(&e)));
+        }
+    }
+    drop_orphans(conn, table, report)?;
+    let now = db_now(conn)?;
+    create_ahead(conn, table, policy, now, report)?;
+    drop_expired(conn, table, policy, now, report)
+}
+
+/// Creates the partitions from the current one to `premake` after it, from where the
+/// last one ends (a gap left while no maintenance ran is not filled: its time is past).
+fn create_ahead(
+    conn: &mut PgConnection,
+    table: &Table,
+    policy: &PartitionPolicy,
+    now: DateTime<Utc>,
+    report: &mut PartitionReport,
+) -> Result<()> {
+    let step = policy.interval.as_secs() as i64 * 1_000_000;
+    let now_us = now.timestamp_micros();
+    let current = now_us.div_euclid(step) * step;
+    let until = current.saturating_add(step.saturating_mul(i64::from(policy.premake) + 1));
+    let last_end = partitions_of(conn, table)?
+        .iter()
+        .filter_map(|p| p.to)
+        .map(|to| to.timestamp_micros())
+        .max();
+    let mut from = last_end.map_or(current, |end| end.max(current));
+    while from < until {
+        let to = (from.div_euclid(step) + 1) * step;
+        let (Some(start), Some(end)) = (micros(from), micros(to)) else {
+            break;
+        };
+        let name = format!("{}_p{}", table.name, start.format("%Y%m%dt%H%M%S"));
+        match create_partition(conn, table, &name, start, end) {
+            Ok(()) => report.created.push(name),
+            Err(e) => report.failed.push((name, error_text(&e))),
+        }
+        from = to;
+    }
+    Ok(())
+}
+
+/// Creates `name` apart with its unique indexes, then attaches it (which takes only
+/// `SHARE UPDATE EXCLUSIVE` on the parent, where `CREATE TABLE .. PARTITION OF` would
+/// take `ACCESS EXCLUSIVE` and stop emits while it waits), in one transaction.
+fn create_partition(
+    conn: &mut PgConnection,
+    table: &Table,
+    name: &str,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<()> {
+    let mut sql = format!(
+        "SET LOCAL lock_timeout = {}; CREATE TABLE {name} (LIKE {t} INCLUDING DEFAULTS);",
+        LOCK_TIMEOUT.as_millis(),
+        t = table.name
+    );
+    for (suffix, columns) in table.unique {
+        sql += &format!(" CREATE UNIQUE INDEX {name}_{suffix} ON {name} ({columns});");
+    }
+    sql += &format!(
+        " ALTER TABLE {t} ATTACH PARTITION {name} FOR VALUES FROM ({}) TO ({});",
+        literal(from),
+        literal(to),
+        t = table.name
+    );
+    conn.transaction(|c| c.batch_execute(&sql))?;
+    Ok(())
+}
+
+fn drop_expired(
+    conn: &mut PgConnection,
+    table: &Table,
+    policy: &PartitionPolicy,
+    now: DateTime<Utc>,
+    report: &mut PartitionReport,
+) -> Result<()> {
+    let retention = chrono::Duration::from_std(policy.retention).unwrap_or(chrono::Duration::MAX);
+    let cutoff = now
+        .checked_sub_signed(retention)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let expired = partitions_of(conn, table)?
+        .into_iter()
+        .filter(|p| !p.detaching && p.to.is_some_and(|to| to <= cutoff));
+    for p in expired {
+        if let Some(reason) = live_rows(conn, table, &p.name)? {
+            report.kept.push((p.name, reason));
+            continue;
+        }
+        let detach = format!(
+            "ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY",
+            table.name, p.name
+        );
+        if let Err(e) = with_statement_timeout(conn, DETACH_TIMEOUT, &detach) {
+            report.failed.push((p.name, error_text(&e)));
+            continue;
+        }
+        // Nothing writes to a partition whose time is past, but a hand-written insert
+        // could: what the look before the detach did not see goes back.
+        if let Some(reason) = live_rows(conn, table, &p.name)? {
+            let bound = |t: Option<DateTime<Utc>>| t.map_or("MINVALUE".to_owned(), literal);
+            conn.batch_execute(&format!(
+                "ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})",
+                table.name,
+                p.name,
+                bound(p.from),
+                bound(p.to)
+            ))?;
+            report.kept.push((p.name, reason));
+            continue;
+        }
+        conn.batch_execute(&format!("DROP TABLE {}", p.name))?;
+        report.dropped.push(p.name);
+    }
+    Ok(())
+}
+
+/// Drops the partitions a run detached but did not drop (its process ended in between):
+/// tables named as this module names partitions that are no longer attached. One that
+/// holds NEW or DEAD rows is left and reported.
+fn drop_orphans(
+    conn: &mut PgConnection,
+    table: &Table,
+    report: &mut PartitionReport,
+) -> Result<()> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        name: String,
+    }
+    let orphans: Vec<Row> = diesel::sql_query(
+        "SELECT c.relname::text AS name FROM pg_class c \
+         WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1)) \
+         AND c.relkind = 'r' AND NOT c.relispartition \
+         AND c.relname ~ ('^' || $1 || '_(p[0-9]{8}t[0-9]{6}|legacy)$')",
+    )
+    .bind::<Text, _>(table.name)
+    .load(conn)?;
+    for Row { name } in orphans {
+        match live_rows(conn, table, &name)? {
+            Some(reason) => report.kept.push((name, format!("detached, {reason}"))),
+            None => {
+                conn.batch_execute(&format!("DROP TABLE {name}"))?;
+                report.dropped.push(name);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Why partition `name` must be kept: the NEW and DEAD rows it holds (counted on their
+/// partial indexes); `None` if it holds neither.
+fn live_rows(conn: &mut PgConnection, table: &Table, name: &str) -> Result<Option<String>> {
+    if !table.has_status {
+        return Ok(None);
+    }
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        new: i64,
+        #[diesel(sql_type = BigInt)]
+        dead: i64,
+    }
+    let r: Row = diesel::sql_query(format!(
+        "SELECT (SELECT count(*) FROM {name} WHERE status = 0) AS new, \
+         (SELECT count(*) FROM {name} WHERE status = 2) AS dead"
+    ))
+    .get_result(conn)?;
+    Ok((r.new + r.dead > 0).then(|| format!("holds {} NEW and {} DEAD rows", r.new, r.dead)))
+}
+
+fn partitions_of(conn: &mut PgConnection, table: &Table) -> Result<Vec<Partition>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        name: String,
+        #[diesel(sql_type = Nullable<Timestamptz>)]
+        range_from: Option<DateTime<Utc>>,
+        #[diesel(sql_type = Nullable<Timestamptz>)]
+        range_to: Option<DateTime<Utc>>,
+        #[diesel(sql_type = Bool)]
+        detaching: bool,
+    }
+    // The bounds as the server prints them, read back by the server (the same DateStyle).
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT c.relname::text AS name, \
+         (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']+)''\\)'))[1]::timestamptz AS range_from, \
+         (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \\(''([^'']+)''\\)'))[1]::timestamptz AS range_to, \
+         i.inhdetachpending AS detaching \
+         FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = to_regclass($1) ORDER BY 3 NULLS FIRST, 2 NULLS FIRST",
+    )
+    .bind::<Text, _>(table.name)
+    .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Partition {
+            table: table.name,
+            name: r.name,
+            from: r.range_from,
+            to: r.range_to,
+            detaching: r.detaching,
+        })
+        .collect())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Plain,
+    Partitioned,
+}
+
+/// Whether `table` (as the `search_path` finds it) is partitioned; `None` if missing.
+fn kind(conn: &mut PgConnection, table: &str) -> Result<Option<Kind>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Nullable<Bool>)]
+        partitioned: Option<bool>,
+    }
+    let row: Row = diesel::sql_query(
+        "SELECT (SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)) AS partitioned",
+    )
+    .bind::<Text, _>(table)
+    .get_result(conn)?;
+    Ok(row
+        .partitioned
+        .map(|p| if p { Kind::Partitioned } else { Kind::Plain }))
+}
+
+/// Renames an unpartitioned table and the indexes whose names the partitioned table
+/// takes (its primary key and unique constraint keep theirs: they stay its own).
+fn rename_to_legacy(conn: &mut PgConnection, table: &Table) -> Result<()> {
+    let t = table.name;
+    let mut sql =
+        format!("LOCK TABLE {t} IN ACCESS EXCLUSIVE MODE; ALTER TABLE {t} RENAME TO {t}_legacy;");
+    let indexes: &[&str] = if table.has_status {
+        &["pending", "pending_key", "retrying", "dead", "sent"]
+    } else {
+        &["consumed_at"]
+    };
+    for index in indexes {
+        sql += &format!(" ALTER INDEX IF EXISTS {t}_{index} RENAME TO {t}_legacy_{index};");
+    }
+    conn.batch_execute(&sql)?;
+    Ok(())
+}
+
+/// Runs `sql` outside a transaction with a `statement_timeout`, then resets it (the
+/// connection goes back to a pool).
+fn with_statement_timeout(conn: &mut PgConnection, timeout: Duration, sql: &str) -> Result<()> {
+    conn.batch_execute(&format!("SET statement_timeout = {}", timeout.as_millis()))?;
+    let ran = conn.batch_execute(sql);
+    let reset = conn.batch_execute("RESET statement_timeout");
+    ran?;
+    Ok(reset?)
+}
+
+/// Runs `sql`, one of the `MAINTENANCE_*` statements.
+fn advisory_lock(conn: &mut PgConnection, sql: &str) -> Result<bool> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Bool)]
+        locked: bool,
+    }
+    let row: Row = diesel::sql_query(sql).get_result(conn)?;
+    Ok(row.locked)
+}
+
+fn db_now(conn: &mut PgConnection) -> Result<DateTime<Utc>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Timestamptz)]
+        now: DateTime<Utc>,
+    }
+    let row: Row = diesel::sql_query("SELECT now() AS now").get_result(conn)?;
+    Ok(row.now)
+}
+
+fn micros(us: i64) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(us)
+}
+
+/// A `timestamptz` literal the server reads whatever its DateStyle (ISO 8601, UTC).
+fn literal(t: DateTime<Utc>) -> String {
+    format!("'{}'", t.to_rfc3339_opts(SecondsFormat::Micros, true))
+}
+
+fn error_text(e: &Error) -> String {
+    outbox_core::error_chain(e).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::PartitionPolicy;
+
+    #[test]
+    fn policies_out_of_range_are_refused() {
+        assert!(PartitionPolicy::default().validate().is_ok());
+        let bad = [
+            PartitionPolicy::default().with_interval(Duration::ZERO),
+            PartitionPolicy::default().with_interval(Duration::from_millis(1500)),
+            PartitionPolicy::default().with_interval(Duration::from_secs(101 * 365 * 86_400)),
+            PartitionPolicy::default().with_retention(Duration::from_secs(101 * 365 * 86_400)),
+            PartitionPolicy::default().with_premake(1001),
+        ];
+        for policy in bad {
+            assert!(policy.validate().is_err(), "{policy:?}");
+        }
+    }
+}
