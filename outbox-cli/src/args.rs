@@ -49,6 +49,17 @@ that are not streams (leases, the hash of partition counts) are never listed.
 Example:
   outbox streams --redis-url redis://127.0.0.1:6379 --json";
 
+const PARTITIONS_HELP: &str = "\
+Relays keep the partitions by themselves; `maintain` is for cron or for a setup whose
+relays are stopped. Expired partitions are detached and dropped whole, never emptied by
+DELETE; one that still holds NEW or DEAD rows is kept and reported until they are sent,
+re-driven or purged. Exits 1 when a step failed (tried again at the next run).
+
+Examples:
+  outbox migrate --partitioned --partition-interval 1d --retention 7d
+  outbox partitions maintain
+  outbox partitions list --json";
+
 const DEAD_HELP: &str = "\
 Examples:
   outbox dead list --limit 20
@@ -97,6 +108,9 @@ pub(crate) enum Command {
     /// Delete published messages and consumer dedup records past their retention.
     #[command(subcommand)]
     Purge(PurgeCommand),
+    /// PostgreSQL's partitioned layout (`migrate --partitioned`): keep and list partitions.
+    #[command(subcommand, after_help = PARTITIONS_HELP)]
+    Partitions(PartitionsCommand),
     /// Remove the Redis stream entries every consumer group has acknowledged.
     #[command(after_help = TRIM_HELP)]
     Trim(TrimArgs),
@@ -171,6 +185,37 @@ pub(crate) struct MigrateArgs {
     /// With --print: print the SQL that drops the tables instead.
     #[arg(long, requires = "print")]
     pub(crate) down: bool,
+    /// PostgreSQL: partition `outbox` and `consumed_msg` by time, converting existing
+    /// tables (their rows become the first partition), and keep partitions ahead.
+    #[arg(long)]
+    pub(crate) partitioned: bool,
+    /// With --partitioned: the time one partition covers.
+    #[arg(long, default_value = "1d", value_parser = humantime::parse_duration, requires = "partitioned", value_name = "DURATION")]
+    pub(crate) partition_interval: Duration,
+    /// With --partitioned: partitions kept ready after the current one.
+    #[arg(long, default_value_t = 7, requires = "partitioned", value_name = "N")]
+    pub(crate) premake: u32,
+    /// With --partitioned: how long a partition is kept after its range ends (the
+    /// msg_id dedup window).
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration, requires = "partitioned", value_name = "DURATION")]
+    pub(crate) retention: Duration,
+}
+
+/// `outbox partitions`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum PartitionsCommand {
+    /// Create the partitions ahead and drop expired ones (what the relay does by itself).
+    Maintain,
+    /// List the partitions of `outbox` and `consumed_msg` with their ranges.
+    List(PartitionsListArgs),
+}
+
+/// `outbox partitions list`.
+#[derive(Debug, Args)]
+pub(crate) struct PartitionsListArgs {
+    /// Print JSON: [{"table": .., "name": .., "from": .. or null, "to": .. or null}].
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 /// `outbox status`.

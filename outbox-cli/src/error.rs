@@ -19,6 +19,15 @@ pub(crate) enum CliError {
     /// A SQLite file that should exist does not.
     #[error("SQLite database `{0}` does not exist (`outbox migrate` creates it)")]
     NoSqliteFile(String),
+    /// A PostgreSQL-only feature asked of another backend.
+    #[error(
+        "{0} is for PostgreSQL only: MySQL/MariaDB and SQLite keep the unpartitioned layout \
+         (docs/table-partitions.md says why)"
+    )]
+    PostgresOnly(&'static str),
+    /// `outbox partitions maintain` could not do every step.
+    #[error("{0} partition maintenance step(s) failed (listed above); the next run tries again")]
+    MaintenanceFailed(usize),
     /// `outbox relay --partitions` gave one topic twice.
     #[error("--partitions gives topic `{0}` twice: give each topic one count")]
     PartitionsTwice(String),

@@ -107,6 +107,16 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// [`migrate_partitioned`](crate::migrate_partitioned) could not make a partition
+    /// (a lock not granted in time, say); it changed nothing.
+    #[cfg(feature = "postgres")]
+    #[error("cannot create partition {name}: {error}")]
+    PartitionNotCreated {
+        /// The partition.
+        name: String,
+        /// Why, as the database said it.
+        error: String,
+    },
     /// No connection could be obtained from diesel-async's pool (or the pool could not
     /// be built): [`AsyncDieselInbox`](crate::AsyncDieselInbox).
     #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]

@@ -184,6 +184,9 @@ const TABLES: [Table; 2] = [
 /// `policy`, and creates the current partition and `policy.premake` after it. Safe to run
 /// again: it then only records `policy` and maintains the partitions.
 ///
+/// The first partitions are made in the migration's transaction; one that cannot be made
+/// fails it ([`Error::PartitionNotCreated`]) and nothing changes.
+///
 /// An unpartitioned `outbox` (or `consumed_msg`) becomes the first partition of the new
 /// table, renamed `outbox_legacy` and covering everything before now, with its rows, ids
 /// and indexes as they are: nothing is copied. It takes the table's `ACCESS EXCLUSIVE`
@@ -199,8 +202,7 @@ pub fn migrate_partitioned(
 ) -> Result<PartitionReport> {
     policy.validate()?;
     crate::migrate::check_version(conn)?;
-    conn.transaction(|c| {
-        let now = db_now(c)?;
+    let created = conn.transaction(|c| {
         let mut plain = Vec::new();
         for table in &TABLES {
             if kind(c, table.name)? == Some(Kind::Plain) {
@@ -210,6 +212,8 @@ pub fn migrate_partitioned(
         for table in &plain {
             rename_to_legacy(c, table)?;
         }
+        // Read once the old tables are locked: every row in them is older.
+        let now = db_clock(c)?;
         c.batch_execute(POSTGRES_PARTITIONED_UP)?;
         for table in &plain {
             c.batch_execute(&format!(
@@ -225,9 +229,22 @@ pub fn migrate_partitioned(
         .bind::<Integer, _>(policy.premake as i32)
         .bind::<BigInt, _>(policy.retention.as_secs() as i64)
         .execute(c)?;
-        Ok::<_, Error>(())
+        // In the same transaction: an emit right after the commit must find its partition.
+        let mut report = PartitionReport::default();
+        for table in &TABLES {
+            create_ahead(c, table, policy, now, &mut report)?;
+        }
+        match report.failed.first() {
+            Some((name, error)) => Err(Error::PartitionNotCreated {
+                name: name.clone(),
+                error: error.clone(),
+            }),
+            None => Ok(report),
+        }
     })?;
-    maintain(conn, MAINTENANCE_LOCK)
+    let mut rest = maintain(conn, MAINTENANCE_LOCK)?;
+    rest.created.splice(0..0, created.created);
+    Ok(rest)
 }
 
 /// The stored policy when `outbox` is partitioned; `None` for the unpartitioned layout
@@ -325,7 +342,7 @@ fn maintain_table(
         }
     }
     drop_orphans(conn, table, report)?;
-    let now = db_now(conn)?;
+    let now = db_clock(conn)?;
     create_ahead(conn, table, policy, now, report)?;
     drop_expired(conn, table, policy, now, report)
 }
@@ -590,13 +607,14 @@ fn advisory_lock(conn: &mut PgConnection, sql: &str) -> Result<bool> {
     Ok(row.locked)
 }
 
-fn db_now(conn: &mut PgConnection) -> Result<DateTime<Utc>> {
+/// The server's clock now (not the transaction's start, as `now()` would give).
+fn db_clock(conn: &mut PgConnection) -> Result<DateTime<Utc>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = Timestamptz)]
         now: DateTime<Utc>,
     }
-    let row: Row = diesel::sql_query("SELECT now() AS now").get_result(conn)?;
+    let row: Row = diesel::sql_query("SELECT clock_timestamp() AS now").get_result(conn)?;
     Ok(row.now)
 }
 

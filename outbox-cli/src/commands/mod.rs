@@ -2,6 +2,7 @@
 
 mod dead;
 mod migrate;
+mod partitions;
 mod purge;
 mod relay;
 mod status;
@@ -23,6 +24,7 @@ pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
         Command::Relay(args) => relay::run(&database(url)?, &args),
         Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
         Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
+        Command::Partitions(cmd) => partitions::run(&database(url)?, &cmd, out),
         Command::Trim(args) => trim::run(&args, out),
         Command::Streams(args) => streams::run(&args, out),
         #[cfg(feature = "serve")]
