@@ -73,13 +73,14 @@ pub(crate) struct Database {
 }
 
 impl Database {
-    /// Creates database `name` on the server of `admin_url`, with the outbox tables and the
-    /// chaos tables for `keys` keys.
+    /// Creates database `name` on the server of `admin_url`, with the outbox tables (on
+    /// PostgreSQL `partitioned` by time if asked) and the chaos tables for `keys` keys.
     pub(crate) fn create(
         backend: Backend,
         admin_url: &str,
         name: &str,
         keys: usize,
+        partitioned: bool,
     ) -> Result<Self, BoxError> {
         let mut db = Self {
             backend,
@@ -91,7 +92,19 @@ impl Database {
         db.admin(&format!("CREATE DATABASE {name}"))?;
         db.created = true;
         let mut conn = db.connect("chaos-setup")?;
-        with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
+        match &mut conn {
+            // Partitions of 5 s, made by the relays all through the run (6 ahead: 30 s, more
+            // than any one fault keeps a relay down); kept past the run for the checks,
+            // which read every row.
+            Conn::Pg(c) if partitioned => {
+                let policy = outbox_diesel::PartitionPolicy::default()
+                    .with_interval(std::time::Duration::from_secs(5))
+                    .with_premake(6)
+                    .with_retention(std::time::Duration::from_secs(86_400));
+                outbox_diesel::migrate_partitioned(c, &policy)?;
+            }
+            _ => with_conn!(&mut conn, c => outbox_diesel::migrate(c))?,
+        }
         match &mut conn {
             Conn::Pg(c) => c.batch_execute(chaos::POSTGRES_SETUP)?,
             Conn::My(c) => c.batch_execute(chaos::MYSQL_SETUP)?,

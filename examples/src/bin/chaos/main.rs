@@ -135,6 +135,10 @@ struct Args {
     /// instead of the blocking inbox (PostgreSQL only).
     #[arg(long)]
     async_inbox: bool,
+    /// The outbox tables on PostgreSQL partitioned by time (`migrate_partitioned`), with
+    /// partitions of 5 s so that the relays make new ones all through the run.
+    #[arg(long)]
+    partitioned: bool,
     /// Consumers in batch mode: up to N messages per transaction.
     #[arg(long)]
     batch: Option<usize>,
@@ -199,6 +203,7 @@ struct Config {
     partitions: u32,
     ordered: bool,
     async_inbox: bool,
+    partitioned: bool,
     batch: Option<usize>,
     drain_timeout: Duration,
     admin_url: String,
@@ -245,6 +250,9 @@ impl Config {
         if a.async_inbox && a.backend != Backend::Postgres {
             return Err("--async-inbox runs on PostgreSQL only (--backend postgres)".into());
         }
+        if a.partitioned && a.backend != Backend::Postgres {
+            return Err("--partitioned runs on PostgreSQL only (--backend postgres)".into());
+        }
         if a.batch == Some(0) || a.relays == 0 || a.consumers == 0 || a.keys == 0 || events == 0 {
             return Err(
                 "--batch, --relays, --consumers, --keys and --events must be at least 1".into(),
@@ -265,6 +273,7 @@ impl Config {
             partitions: a.partitions,
             ordered: a.ordered,
             async_inbox: a.async_inbox,
+            partitioned: a.partitioned,
             batch: a.batch,
             drain_timeout: a.drain_timeout.unwrap_or(Duration::from_secs(if a.ci {
                 100
@@ -533,7 +542,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     );
     let db = world
         .db
-        .insert(Database::create(c.backend, &c.admin_url, &tag, c.keys)?);
+        .insert(Database::create(c.backend, &c.admin_url, &tag, c.keys, c.partitioned)?);
     let redis = RedisServer::start(&dir)?;
     let redis_url = redis.url();
     let prefix = format!("{tag}:");
@@ -735,7 +744,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         final_terms,
     );
     println!(
-        "chaos seed={} backend={} events={} partitions={}{}{}{} faults: {} | lost={} double_applied={} \
+        "chaos seed={} backend={} events={} partitions={}{}{}{}{} faults: {} | lost={} double_applied={} \
          order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
          dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={} \
          drain={} | {}",
@@ -745,6 +754,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         c.partitions,
         if c.ordered { " ordered" } else { "" },
         if c.async_inbox { " async_inbox" } else { "" },
+        if c.partitioned { " layout=partitioned" } else { "" },
         c.batch.map(|n| format!(" batch={n}")).unwrap_or_default(),
         faults.join(" "),
         findings.lost,
