@@ -38,6 +38,7 @@ mod emit;
 mod machine;
 mod plot;
 mod relay;
+mod scale;
 mod stats;
 
 use consumer::{ConsumerBench, Load, Mode};
@@ -57,7 +58,9 @@ struct Args {
     #[arg(long)]
     rounds: Option<usize>,
     /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
-    /// async-emit, plots.
+    /// async-emit, plots, scale. Without it, every part but scale (a drain with the
+    /// horizon held back and the claim against 50M rows: about half an hour), which runs
+    /// by default only with --tiny.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these figures of the consumer part, by their place in its list (from 0; e.g.
@@ -79,7 +82,8 @@ struct Args {
 
 impl Args {
     fn runs(&self, part: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|p| p == part)
+        let by_default = part != "scale" || self.tiny;
+        (self.only.is_empty() && by_default) || self.only.iter().any(|p| p == part)
     }
 }
 
@@ -94,6 +98,10 @@ struct Sizes {
     emit_txns: usize,
     batch_sizes: Vec<usize>,
     relay_counts: Vec<usize>,
+    /// Rows the relay drains with the horizon held back (`scale`).
+    scale_drain: usize,
+    /// Table sizes the claim is timed at (`scale`).
+    scale_rows: Vec<usize>,
 }
 
 impl Sizes {
@@ -109,6 +117,8 @@ impl Sizes {
                 emit_txns: 40,
                 batch_sizes: vec![100, 500],
                 relay_counts: vec![1, 2],
+                scale_drain: 5_000,
+                scale_rows: vec![10_000, 50_000],
             }
         } else {
             Self {
@@ -121,6 +131,8 @@ impl Sizes {
                 emit_txns: 2_000,
                 batch_sizes: vec![50, 100, 250, 500, 1000],
                 relay_counts: vec![1, 2, 4],
+                scale_drain: 200_000,
+                scale_rows: vec![10_000, 1_000_000, 10_000_000, 50_000_000],
             }
         };
         if let Some(rounds) = args.rounds {
@@ -364,6 +376,9 @@ async fn main() -> Result<(), BoxError> {
         }
         bench.cleanup();
         result?;
+    }
+    if args.runs("scale") {
+        scale::part(&sizes, &svc, &args.out, &mut figures).await?;
     }
     let table = stats::table(&figures, !args.tiny);
     let load_after = machine::load();

@@ -33,10 +33,20 @@ pub(crate) struct RelayBench {
 
 impl RelayBench {
     pub(crate) async fn new(svc: &Service) -> Result<Self, BoxError> {
-        let schema = format!("bench_relay_{}", std::process::id());
+        Self::with_layout(svc, false).await
+    }
+
+    /// On the partitioned layout if `partitioned` (`migrate_partitioned`, default policy).
+    pub(crate) async fn with_layout(svc: &Service, partitioned: bool) -> Result<Self, BoxError> {
+        let layout = if partitioned { "_parted" } else { "" };
+        let schema = format!("bench_relay_{}{layout}", std::process::id());
         let url = svc.schema(&schema)?;
         let mut conn = PgConnection::establish(&url)?;
-        outbox_diesel::migrate(&mut conn)?;
+        if partitioned {
+            outbox_diesel::migrate_partitioned(&mut conn, &Default::default())?;
+        } else {
+            outbox_diesel::migrate(&mut conn)?;
+        }
         let bench = Self {
             svc: svc.clone(),
             url,
@@ -54,18 +64,45 @@ impl RelayBench {
     }
 
     /// `n` NEW rows with ~200-byte payloads over `keys` keys, in one statement.
+    ///
+    /// Without triggers (`session_replication_role = replica`): on the partitioned layout
+    /// the msg_id trigger would take one lock per row until commit, more than the
+    /// server's lock table holds at this size; the ids are unique by construction.
     pub(crate) fn fill(&self, n: usize, keys: usize) -> Result<(), BoxError> {
         self.conn.lock().unwrap().batch_execute(&format!(
-            "TRUNCATE outbox; \
+            "TRUNCATE outbox; SET session_replication_role = replica; \
              INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
              SELECT 't-' || g || ':AccountTransferred', 'account.transferred', 'AccountTransferred', \
                     'k' || (g % {keys}), \
                     jsonb_build_object('transfer_id', 't-' || g, 'from', 'alice', 'to', 'bob', 'amount', g, \
                                        'memo', repeat('x', 120)) \
              FROM generate_series(1, {n}) g; \
-             ANALYZE outbox; CHECKPOINT;"
+             RESET session_replication_role; ANALYZE outbox; CHECKPOINT;"
         ))?;
         Ok(())
+    }
+
+    /// The database URL of the bench's schema.
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Runs `sql` on the bench's connection.
+    pub(crate) fn exec(&self, sql: &str) -> Result<(), BoxError> {
+        self.conn.lock().unwrap().batch_execute(sql)?;
+        Ok(())
+    }
+
+    /// A number `sql` selects as `n` on the bench's connection.
+    pub(crate) fn scalar(&self, sql: &str) -> Result<i64, BoxError> {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        Ok(diesel::sql_query(sql)
+            .get_result::<N>(&mut *self.conn.lock().unwrap())?
+            .n)
     }
 
     fn due(&self) -> Result<u64, BoxError> {

@@ -540,9 +540,13 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         c.fault_one_in,
         dir.display()
     );
-    let db = world
-        .db
-        .insert(Database::create(c.backend, &c.admin_url, &tag, c.keys, c.partitioned)?);
+    let db = world.db.insert(Database::create(
+        c.backend,
+        &c.admin_url,
+        &tag,
+        c.keys,
+        c.partitioned,
+    )?);
     let redis = RedisServer::start(&dir)?;
     let redis_url = redis.url();
     let prefix = format!("{tag}:");
@@ -754,7 +758,11 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         c.partitions,
         if c.ordered { " ordered" } else { "" },
         if c.async_inbox { " async_inbox" } else { "" },
-        if c.partitioned { " layout=partitioned" } else { "" },
+        if c.partitioned {
+            " layout=partitioned"
+        } else {
+            ""
+        },
         c.batch.map(|n| format!(" batch={n}")).unwrap_or_default(),
         faults.join(" "),
         findings.lost,
