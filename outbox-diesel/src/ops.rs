@@ -129,10 +129,12 @@ impl UnreadableRecord {
 /// reason it does not decode.
 ///
 /// ```no_run
-/// # fn show(conn: &mut diesel::PgConnection) -> outbox_diesel::Result<()> {
+/// use diesel::Connection as _;
 /// use outbox_diesel::OutboxRow;
 ///
-/// for row in outbox_diesel::dead_letters(conn, 0, 100)? {
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = diesel::PgConnection::establish("postgres://localhost/app")?;
+/// for row in outbox_diesel::dead_letters(&mut conn, 0, 100)? {
 ///     match row {
 ///         OutboxRow::Readable(r) => println!("{} {}", r.id, r.envelope.msg_id),
 ///         OutboxRow::Unreadable(u) => println!("{} {:?} unreadable: {}", u.id, u.msg_id, u.reason),

@@ -40,13 +40,11 @@ impl AllowedHosts {
     pub(crate) fn allows(&self, host: &str) -> bool {
         let name = host_name(host).to_ascii_lowercase();
         let name = name.trim_end_matches('.');
-        if let Some(ip) = name
+        let bare = name
             .strip_prefix('[')
             .and_then(|n| n.strip_suffix(']'))
-            .unwrap_or(name)
-            .parse::<IpAddr>()
-            .ok()
-        {
+            .unwrap_or(name);
+        if let Ok(ip) = bare.parse::<IpAddr>() {
             let bound = self.addr.ip();
             return bound.is_unspecified()
                 || ip == bound
