@@ -102,14 +102,37 @@ impl RecordRow {
 
     /// The row decoded, or as stored with the reason it does not decode.
     pub(crate) fn into_row(self) -> OutboxRow {
-        match self.decode() {
-            Ok(record) => OutboxRow::Readable(record),
-            Err(reason) => OutboxRow::Unreadable(self.into_unreadable(reason)),
-        }
+        let (status, created_at, next_retry_at, msg_id, headers) = match self.decoded_parts() {
+            Ok(parts) => parts,
+            Err(reason) => return OutboxRow::Unreadable(self.into_unreadable(reason)),
+        };
+        // The text columns (the payload above all) are moved, not copied: the relay's
+        // claim reads its rows through here on MySQL and SQLite.
+        let m = self.message;
+        OutboxRow::Readable(OutboxRecord {
+            id: m.id,
+            status,
+            retries: u32::try_from(m.retries).unwrap_or(0),
+            next_retry_at,
+            sent_at: self.sent_us.and_then(from_micros),
+            last_error: self.last_error,
+            envelope: Envelope {
+                msg_id,
+                topic: m.topic,
+                event_type: m.event_type,
+                key: m.msg_key,
+                schema_version: u32::try_from(m.schema_version).unwrap_or(0),
+                payload: m.payload,
+                headers,
+                created_at,
+            },
+        })
     }
 
-    /// The record, or why the row is not one (the first field that does not decode).
-    fn decode(&self) -> std::result::Result<OutboxRecord, String> {
+    /// The fields that must decode, or why one does not (the first found).
+    fn decoded_parts(
+        &self,
+    ) -> std::result::Result<(Status, DateTime<Utc>, DateTime<Utc>, MsgId, Headers), String> {
         let status = Status::try_from(self.status).map_err(|e| e.to_string())?;
         let at = |us: Option<i64>, column: &str| {
             us.and_then(from_micros)
@@ -117,28 +140,10 @@ impl RecordRow {
         };
         let created_at = at(self.created_us, "created_at")?;
         let next_retry_at = at(self.next_retry_us, "next_retry_at")?;
-        let m = &self.message;
-        let msg_id = MsgId::new(m.msg_id.clone()).map_err(|e| e.to_string())?;
-        let headers: Headers = serde_json::from_str(&m.headers)
+        let msg_id = MsgId::new(self.message.msg_id.clone()).map_err(|e| e.to_string())?;
+        let headers: Headers = serde_json::from_str(&self.message.headers)
             .map_err(|e| format!("headers are not a JSON object of strings: {e}"))?;
-        Ok(OutboxRecord {
-            id: m.id,
-            status,
-            retries: u32::try_from(m.retries).unwrap_or(0),
-            next_retry_at,
-            sent_at: self.sent_us.and_then(from_micros),
-            last_error: self.last_error.clone(),
-            envelope: Envelope {
-                msg_id,
-                topic: m.topic.clone(),
-                event_type: m.event_type.clone(),
-                key: m.msg_key.clone(),
-                schema_version: u32::try_from(m.schema_version).unwrap_or(0),
-                payload: m.payload.clone(),
-                headers,
-                created_at,
-            },
-        })
+        Ok((status, created_at, next_retry_at, msg_id, headers))
     }
 
     fn into_unreadable(self, reason: String) -> UnreadableRecord {
