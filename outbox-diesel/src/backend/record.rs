@@ -85,6 +85,15 @@ pub(crate) struct RecordRow {
     last_error: Option<String>,
 }
 
+/// The fields of a [`RecordRow`] that must decode, decoded.
+struct Decoded {
+    status: Status,
+    created_at: DateTime<Utc>,
+    next_retry_at: DateTime<Utc>,
+    msg_id: MsgId,
+    headers: Headers,
+}
+
 fn from_micros(us: i64) -> Option<DateTime<Utc>> {
     DateTime::from_timestamp_micros(us)
 }
@@ -102,7 +111,13 @@ impl RecordRow {
 
     /// The row decoded, or as stored with the reason it does not decode.
     pub(crate) fn into_row(self) -> OutboxRow {
-        let (status, created_at, next_retry_at, msg_id, headers) = match self.decoded_parts() {
+        let Decoded {
+            status,
+            created_at,
+            next_retry_at,
+            msg_id,
+            headers,
+        } = match self.decoded_parts() {
             Ok(parts) => parts,
             Err(reason) => return OutboxRow::Unreadable(self.into_unreadable(reason)),
         };
@@ -130,9 +145,7 @@ impl RecordRow {
     }
 
     /// The fields that must decode, or why one does not (the first found).
-    fn decoded_parts(
-        &self,
-    ) -> std::result::Result<(Status, DateTime<Utc>, DateTime<Utc>, MsgId, Headers), String> {
+    fn decoded_parts(&self) -> std::result::Result<Decoded, String> {
         let status = Status::try_from(self.status).map_err(|e| e.to_string())?;
         let at = |us: Option<i64>, column: &str| {
             us.and_then(from_micros)
@@ -143,7 +156,13 @@ impl RecordRow {
         let msg_id = MsgId::new(self.message.msg_id.clone()).map_err(|e| e.to_string())?;
         let headers: Headers = serde_json::from_str(&self.message.headers)
             .map_err(|e| format!("headers are not a JSON object of strings: {e}"))?;
-        Ok((status, created_at, next_retry_at, msg_id, headers))
+        Ok(Decoded {
+            status,
+            created_at,
+            next_retry_at,
+            msg_id,
+            headers,
+        })
     }
 
     fn into_unreadable(self, reason: String) -> UnreadableRecord {
