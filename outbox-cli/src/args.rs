@@ -159,6 +159,12 @@ pub(crate) struct ServeArgs {
     /// Streams whose name ends with SUFFIX are consumer dead-letter streams.
     #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]
     pub(crate) dead_letter_suffix: String,
+    /// A host name the page may be reached by, besides the address it listens on and
+    /// `localhost` (the name of a proxy in front of it, or its DNS name); repeatable.
+    /// Requests naming any other host are refused (421), which keeps pages on other
+    /// sites from reading it by DNS rebinding.
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    pub(crate) allowed_hosts: Vec<String>,
 }
 
 impl Command {

@@ -54,6 +54,9 @@ pub(crate) enum CliError {
     /// A query failed.
     #[error("database operation failed")]
     Database(#[from] outbox_diesel::Error),
+    /// A redrive selected a row that does not decode: nothing was re-driven.
+    #[error("refused to redrive")]
+    Refused(#[source] outbox_diesel::Error),
     /// No message has this id or msg_id.
     #[error("no outbox message with {0}")]
     NotFound(String),

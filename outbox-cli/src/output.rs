@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use outbox_core::Backlog;
-use outbox_diesel::OutboxRecord;
+use outbox_diesel::{OutboxRecord, OutboxRow, UnreadableRecord};
 use outbox_redis::TrimReport;
 use serde::Serialize;
 
@@ -71,6 +71,80 @@ impl<'a> From<&'a OutboxRecord> for RecordJson<'a> {
                 .unwrap_or_else(|_| serde_json::Value::String(e.payload.clone())),
         }
     }
+}
+
+/// A row whose fields do not decode, as the JSON outputs print it: the keys of
+/// [`RecordJson`], each as stored (headers and payload as JSON if they parse, else as
+/// text; timestamps `null` when out of range), and `unreadable`, the reason.
+#[derive(Debug, Serialize)]
+pub(crate) struct UnreadableJson<'a> {
+    id: i64,
+    msg_id: &'a str,
+    status: String,
+    topic: &'a str,
+    event_type: &'a str,
+    key: &'a str,
+    schema_version: i32,
+    retries: i32,
+    created_at: Option<String>,
+    next_retry_at: Option<String>,
+    sent_at: Option<String>,
+    last_error: Option<&'a str>,
+    headers: serde_json::Value,
+    payload: serde_json::Value,
+    /// Why the row does not decode.
+    unreadable: &'a str,
+}
+
+impl<'a> From<&'a UnreadableRecord> for UnreadableJson<'a> {
+    fn from(u: &'a UnreadableRecord) -> Self {
+        Self {
+            id: u.id,
+            msg_id: &u.msg_id,
+            status: stored_status(u),
+            topic: &u.topic,
+            event_type: &u.event_type,
+            key: &u.key,
+            schema_version: u.schema_version,
+            retries: u.retries,
+            created_at: u.created_at.map(rfc3339),
+            next_retry_at: u.next_retry_at.map(rfc3339),
+            sent_at: u.sent_at.map(rfc3339),
+            last_error: u.last_error.as_deref(),
+            headers: json_or_text(&u.headers),
+            payload: json_or_text(&u.payload),
+            unreadable: &u.reason,
+        }
+    }
+}
+
+/// Any row as the JSON outputs print it: [`RecordJson`] or [`UnreadableJson`].
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub(crate) enum RowJson<'a> {
+    /// A row that decodes.
+    Readable(RecordJson<'a>),
+    /// A row that does not.
+    Unreadable(UnreadableJson<'a>),
+}
+
+impl<'a> From<&'a OutboxRow> for RowJson<'a> {
+    fn from(row: &'a OutboxRow) -> Self {
+        match row {
+            OutboxRow::Readable(r) => Self::Readable(r.into()),
+            OutboxRow::Unreadable(u) => Self::Unreadable(u.into()),
+        }
+    }
+}
+
+/// The status's name, or the stored number if it is none.
+fn stored_status(u: &UnreadableRecord) -> String {
+    u.status()
+        .map_or_else(|| format!("unknown ({})", u.status), |s| s.to_string())
+}
+
+fn json_or_text(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_owned()))
 }
 
 /// One stream as `outbox trim --json` prints it.
@@ -245,26 +319,32 @@ pub(crate) fn backlog(w: &mut impl Write, b: &Backlog) -> io::Result<()> {
     writeln!(w, "DEAD messages:     {}", b.dead)
 }
 
-/// `outbox dead list`, for people: a table, and how to see the next page when full.
-pub(crate) fn record_table(
-    w: &mut impl Write,
-    records: &[OutboxRecord],
-    limit: usize,
-) -> io::Result<()> {
-    if records.is_empty() {
+/// `outbox dead list`, for people: a table, and how to see the next page when full. A
+/// row whose fields do not decode is shown as stored, escaped, with the reason in place
+/// of its last error, and a note says what can be done with it.
+pub(crate) fn record_table(w: &mut impl Write, rows: &[OutboxRow], limit: usize) -> io::Result<()> {
+    if rows.is_empty() {
         return writeln!(w, "no dead letters");
     }
-    let rows: Vec<[String; 6]> = records
+    let cells: Vec<[String; 6]> = rows
         .iter()
-        .map(|r| {
-            [
+        .map(|row| match row {
+            OutboxRow::Readable(r) => [
                 r.id.to_string(),
                 r.envelope.msg_id.to_string(),
                 r.envelope.topic.clone(),
                 r.retries.to_string(),
                 short_time(r.envelope.created_at),
                 one_line(r.last_error.as_deref().unwrap_or("-"), 80),
-            ]
+            ],
+            OutboxRow::Unreadable(u) => [
+                u.id.to_string(),
+                format!("{:?}", u.msg_id),
+                visible(&u.topic),
+                u.retries.to_string(),
+                u.created_at.map_or_else(|| "?".to_owned(), short_time),
+                one_line(&format!("UNREADABLE: {}", visible(&u.reason)), 80),
+            ],
         })
         .collect();
     let header = [
@@ -276,19 +356,35 @@ pub(crate) fn record_table(
         "LAST ERROR",
     ];
     let mut widths = header.map(str::len);
-    for row in &rows {
+    for row in &cells {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
     table_row(w, &header.map(str::to_owned), &widths)?;
-    for row in &rows {
+    for row in &cells {
         table_row(w, row, &widths)?;
     }
-    if records.len() >= limit
-        && let Some(last) = records.last()
+    let unreadable = rows
+        .iter()
+        .filter(|r| matches!(r, OutboxRow::Unreadable(_)))
+        .count();
+    if unreadable > 0 {
+        writeln!(
+            w,
+            "({unreadable} UNREADABLE: fields that do not decode, shown as stored; \
+             `outbox dead show ID` shows them in full; fix such a row before a redrive, \
+             or `outbox dead purge ID`)"
+        )?;
+    }
+    if rows.len() >= limit
+        && let Some(last) = rows.last()
     {
-        writeln!(w, "(more may follow: outbox dead list --after {})", last.id)?;
+        writeln!(
+            w,
+            "(more may follow: outbox dead list --after {})",
+            last.id()
+        )?;
     }
     Ok(())
 }
@@ -338,6 +434,59 @@ pub(crate) fn record_detail(w: &mut impl Write, r: &OutboxRecord) -> io::Result<
     writeln!(w, "payload:\n{payload}")
 }
 
+/// `outbox dead show` of a row whose fields do not decode: every field as stored,
+/// escaped, and why it does not decode.
+pub(crate) fn unreadable_detail(w: &mut impl Write, u: &UnreadableRecord) -> io::Result<()> {
+    let time = |t: Option<DateTime<Utc>>| t.map_or_else(|| "out of range".to_owned(), rfc3339);
+    writeln!(w, "id:             {}", u.id)?;
+    writeln!(w, "UNREADABLE:     {}", visible(&u.reason))?;
+    writeln!(
+        w,
+        "                (shown as stored; fix the row before a redrive, or purge it)"
+    )?;
+    writeln!(w, "msg_id:         {:?}", u.msg_id)?;
+    writeln!(w, "status:         {}", stored_status(u))?;
+    writeln!(w, "topic:          {}", visible(&u.topic))?;
+    writeln!(
+        w,
+        "event type:     {} (schema version {})",
+        visible(&u.event_type),
+        u.schema_version
+    )?;
+    writeln!(w, "key:            {}", visible(&u.key))?;
+    writeln!(w, "retries:        {}", u.retries)?;
+    writeln!(w, "created at:     {}", time(u.created_at))?;
+    writeln!(w, "next retry at:  {}", time(u.next_retry_at))?;
+    writeln!(
+        w,
+        "sent at:        {}",
+        u.sent_at.map_or_else(|| "-".to_owned(), rfc3339)
+    )?;
+    writeln!(
+        w,
+        "last error:     {}",
+        u.last_error
+            .as_deref()
+            .map_or_else(|| "-".to_owned(), visible)
+    )?;
+    writeln!(w, "headers:        {}", visible(&u.headers))?;
+    writeln!(w, "payload:\n{}", visible(&u.payload))
+}
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`): a stored value cannot
+/// move the terminal's cursor or fake lines of the output.
+fn visible(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// An age rounded to the second: `2h 5m 3s`.
 pub(crate) fn age(d: Duration) -> String {
     humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
@@ -365,6 +514,12 @@ fn one_line(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        assert_eq!(visible("a b\n\u{1b}[2Jc\t"), "a b\\n\\u{1b}[2Jc\\t");
+        assert_eq!(visible("plain é"), "plain é");
+    }
 
     #[test]
     fn ages_are_rounded_to_seconds() {

@@ -13,6 +13,7 @@ outbox_tests::on_every_backend! {
     migrate_is_idempotent,
     status_counts_due_new_the_oldest_age_and_dead,
     dead_letters_list_show_redrive_and_purge,
+    unreadable_dead_letters_are_shown_refused_for_redrive_and_purged,
     purge_deletes_only_old_sent_messages_and_dedup_records,
 }
 
@@ -182,6 +183,105 @@ fn dead_letters_list_show_redrive_and_purge<B: Backend>() {
     assert_eq!(db.json(&["dead", "list", "--json"]), json!([]));
     assert_eq!(db.status()["due"], 1, "4:Ping is still NEW");
     db.stdout(&["dead", "show", "4:Ping"]);
+}
+
+/// DEAD rows whose fields do not decode (written around the library, dead-lettered by
+/// the relay) are listed and shown as stored, escaped, with the reason; a redrive that
+/// selects one is refused and changes nothing, `redrive --all` leaves them DEAD and says
+/// so, purge deletes them.
+fn unreadable_dead_letters_are_shown_refused_for_redrive_and_purged<B: Backend>() {
+    let db = &TestDb::new(B::ENGINE);
+    db.migrate();
+    db.emit(1..=2);
+    db.kill(&[1]);
+    let bad_id = db.forge_dead("acc bad id", "cli.ping", "{}");
+    let bad_headers = db.forge_dead("h:Ping", "red\u{1b}[31mtopic", r#"{"retries": 3}"#);
+
+    let list = db.stdout(&["dead", "list"]);
+    for needle in [
+        "\"acc bad id\"",
+        "UNREADABLE: msg_id \"acc bad id\" contains whitespace",
+        "UNREADABLE: headers are not a JSON object of strings",
+        "red\\u{1b}[31mtopic",
+        "1:Ping",
+        "(2 UNREADABLE:",
+    ] {
+        assert!(list.contains(needle), "{needle:?} not in:\n{list}");
+    }
+    assert!(
+        !list.contains('\u{1b}'),
+        "a control character reached the terminal:\n{list}"
+    );
+    let json = db.json(&["dead", "list", "--json"]);
+    assert_eq!(json.as_array().map(Vec::len), Some(3), "{json}");
+    assert_eq!(json[0]["msg_id"], "1:Ping");
+    assert!(json[0].get("unreadable").is_none(), "{json}");
+    assert_eq!(json[1]["msg_id"], "acc bad id");
+    assert_eq!(json[1]["id"], bad_id);
+    assert_eq!(json[1]["status"], "DEAD");
+    assert_eq!(json[1]["payload"], json!({"n": 1}));
+    assert!(
+        json[1]["unreadable"]
+            .as_str()
+            .is_some_and(|r| r.contains("contains whitespace")),
+        "{json}"
+    );
+    assert_eq!(json[2]["headers"], json!({"retries": 3}));
+
+    let shown = db.stdout(&["dead", "show", "acc bad id"]);
+    assert!(
+        shown.contains(&format!("id:             {bad_id}"))
+            && shown.contains("UNREADABLE:     msg_id \"acc bad id\"")
+            && shown.contains("fix the row before a redrive"),
+        "{shown}"
+    );
+    let shown = db.json(&["dead", "show", &bad_headers.to_string(), "--json"]);
+    assert!(
+        shown["unreadable"]
+            .as_str()
+            .is_some_and(|r| r.contains("headers")),
+        "{shown}"
+    );
+
+    // A redrive that selects an unreadable row is refused as a whole.
+    db.outbox()
+        .args(["dead", "redrive", "1:Ping", &bad_id.to_string()])
+        .assert()
+        .code(1)
+        .stderr(contains("error: refused to redrive"))
+        .stderr(contains(format!("outbox row {bad_id} cannot be re-driven")))
+        .stderr(contains("fix the row or purge it"));
+    assert_eq!(db.status()["dead"], 3, "nothing was re-driven");
+    // --all re-drives the others and says which stay DEAD.
+    db.outbox()
+        .args(["dead", "redrive", "--all"])
+        .assert()
+        .success()
+        .stdout(contains("re-drove 1 DEAD message(s)"))
+        .stderr(contains(format!(
+            "warning: message {bad_id} (\"acc bad id\") is unreadable"
+        )))
+        .stderr(contains(format!(
+            "warning: message {bad_headers} (\"h:Ping\") is unreadable"
+        )));
+    assert_eq!(db.status()["dead"], 2);
+    assert_eq!(
+        db.json(&["dead", "show", "1:Ping", "--json"])["status"],
+        "NEW"
+    );
+
+    db.outbox()
+        .args(["dead", "purge", "acc bad id"])
+        .assert()
+        .success()
+        .stdout(contains("deleted 1 DEAD message(s)"));
+    db.outbox()
+        .args(["dead", "purge", "--all"])
+        .assert()
+        .success()
+        .stdout(contains("deleted 1 DEAD message(s)"));
+    assert_eq!(db.status()["dead"], 0);
+    assert_eq!(db.stdout(&["dead", "list"]), "no dead letters\n");
 }
 
 fn purge_deletes_only_old_sent_messages_and_dedup_records<B: Backend>() {

@@ -1,7 +1,8 @@
 //! `outbox serve` as a process: its pages and JSON API against an isolated database and
 //! streams under a unique prefix, redrive and purge with and without the token and the
-//! CSRF token, the refusal to serve other hosts without a token, and no password on any
-//! page.
+//! CSRF token, dead letters that do not decode, 4xx answers to bad input, the refusal
+//! to serve other addresses without a token and requests naming other hosts, and no
+//! password on any page.
 #![cfg(feature = "serve")]
 
 mod fixtures;
@@ -100,7 +101,7 @@ fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
     assert_eq!(paged["outbox"][0]["msg_id"], "1:Ping", "{paged}");
     assert_eq!(paged["consumers"][0]["msg_id"], "8:Ping", "{paged}");
     let (status, _) = server.get("/api/dead?older_than=soon");
-    assert_eq!(status, 500);
+    assert_eq!(status, 400);
 
     let (status, page) = server.get("/dead?error=WRONGTYPE");
     assert_eq!(status, 200);
@@ -424,4 +425,252 @@ fn the_outbox_dead_letters_show_while_redis_is_down() {
     );
     let (status, _) = server.get("/api/groups");
     assert_eq!(status, 500, "the groups need Redis");
+}
+
+/// The row id of the outbox row with this msg_id (compared as stored).
+fn id_of_raw(db: &TestDb, msg_id: &str) -> i64 {
+    db.scalar(&format!(
+        "SELECT id AS n FROM outbox WHERE msg_id = '{msg_id}'"
+    ))
+}
+
+/// A NEW row with `msg_id = 'acc bad id'` (written around the library) is dead-lettered
+/// by a real relay; the list, the detail and the API show it as stored with the reason, a
+/// redrive of it is refused (409) and changes nothing, a purge deletes it.
+#[test]
+fn a_dead_letter_the_relay_made_of_an_unreadable_row_is_shown_and_purged() {
+    let (db, streams) = scenario();
+    db.exec(
+        "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload) \
+         VALUES ('acc bad id', 'cli.ping', 'Ping', 'acc', 1, '{\"n\": 0}')",
+    );
+    let bad = id_of_raw(&db, "acc bad id");
+    let mut relay = fixtures::relay::start_relay(&db, &streams.prefix, &[]);
+    outbox_tests::wait_until_within(
+        "the relay dead-letters the unreadable row",
+        std::time::Duration::from_secs(60),
+        || {
+            db.scalar(&format!(
+                "SELECT COUNT(*) AS n FROM outbox WHERE id = {bad} AND status = 2 \
+                 AND last_error LIKE 'unreadable row: msg_id%whitespace%'"
+            )) == 1
+        },
+    );
+    relay.stop();
+    let server = serve(&db, &streams, &["--token", TOKEN]);
+    let item = format!("outbox:{bad}");
+
+    let dead = server.json("/api/dead");
+    assert_eq!(dead["outbox_total"], 3, "{dead}");
+    let shown = &dead["outbox"][0];
+    assert_eq!(shown["item"], item.as_str(), "newest first: {dead}");
+    assert_eq!(shown["msg_id"], "acc bad id");
+    assert_eq!(shown["payload"], json!({"n": 0}));
+    assert!(
+        shown["unreadable"]
+            .as_str()
+            .is_some_and(|r| r.contains("\"acc bad id\" contains whitespace")),
+        "{dead}"
+    );
+    assert_eq!(dead["outbox"][1]["msg_id"], "2:Ping");
+    assert!(dead["outbox"][1].get("unreadable").is_none(), "{dead}");
+    let one = server.json(&format!("/api/dead/show?item={item}"));
+    assert_eq!(
+        (&one["id"], &one["msg_id"]),
+        (&json!(bad), &json!("acc bad id"))
+    );
+    assert!(one["unreadable"].is_string(), "{one}");
+    let (status, page) = server.get("/dead");
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("acc bad id")
+            && page
+                .contains("<b>unreadable: </b>msg_id &quot;acc bad id&quot; contains whitespace")
+            && page.contains("2:Ping"),
+        "{page}"
+    );
+    let (status, page) = server.get(&format!("/dead/show?item={item}"));
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("id=\"unreadable\"") && page.contains("Fix the row before a redrive"),
+        "{page}"
+    );
+
+    // A redrive is refused, through the API and the form, and changes nothing.
+    let (status, body) = server.post_json(
+        "/api/dead/redrive",
+        &json!({"items": [item, format!("outbox:{}", db.id_of(1))]}),
+        Some(TOKEN),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body.contains(&format!("outbox row {bad} cannot be re-driven"))
+            && body.contains("purge it"),
+        "{body}"
+    );
+    let csrf = server.csrf();
+    let (status, page) = server.post_form(
+        "/dead/redrive",
+        &[("item", &item), ("csrf", &csrf), ("token", TOKEN)],
+    );
+    assert_eq!(status, 409, "{page}");
+    assert!(page.contains("cannot be re-driven"), "{page}");
+    assert_eq!(db.status()["dead"], 3, "nothing was re-driven");
+
+    let (status, body) =
+        server.post_json("/api/dead/purge", &json!({"items": [item]}), Some(TOKEN));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["outbox"],
+        1
+    );
+    assert_eq!(db.status()["dead"], 2);
+    let (status, _) = server.get(&format!("/api/dead/show?item={item}"));
+    assert_eq!(status, 404);
+}
+
+/// On MariaDB and SQLite too, the list and the detail read an unreadable DEAD row.
+#[test]
+fn unreadable_dead_letters_are_listed_on_every_backend() {
+    for engine in [Engine::Postgres, Engine::Mariadb, Engine::Sqlite] {
+        let db = TestDb::new(engine);
+        db.migrate();
+        db.emit([1]);
+        let bad = db.forge_dead("h:Ping", "cli.ping", r#"{"retries": 3}"#);
+        let server = Server::start(&db.url, &[]);
+        let dead = server.json("/api/dead");
+        assert_eq!(dead["outbox_total"], 1, "{engine:?}: {dead}");
+        assert!(
+            dead["outbox"][0]["unreadable"]
+                .as_str()
+                .is_some_and(|r| r.contains("headers are not a JSON object of strings")),
+            "{engine:?}: {dead}"
+        );
+        let (status, page) = server.get(&format!("/dead/show?item=outbox:{bad}"));
+        assert_eq!(status, 200, "{engine:?}: {page}");
+        assert!(
+            page.contains("h:Ping") && page.contains("Unreadable: "),
+            "{engine:?}: {page}"
+        );
+    }
+}
+
+/// Every malformed or unknown selection and filter answers 4xx with a clear message, on
+/// the API (as JSON) and on the pages; consumer items are kept to the dead-letter
+/// streams of the configured prefix.
+#[test]
+fn bad_input_answers_4xx_with_a_clear_message() {
+    let (db, streams) = scenario();
+    let server = serve(&db, &streams, &["--token", TOKEN]);
+    let other = streams.add_dead_letter(5);
+    let foreign = format!("consumer:{other}:elsewhere:cli.ping:dead");
+    for (item, says) in [
+        ("outbox:abc", "not a dead letter: `outbox:abc`"),
+        ("outbox:99999999999999999999", "not a dead letter"),
+        ("1:Ping", "not a dead letter: `1:Ping`"),
+        ("nope:Ping", "not a dead letter"),
+        ("outbox:nope:Ping", "not a dead letter"),
+        ("consumer:xyz:outbox:cli.ping:dead", "not a dead letter"),
+        ("consumer:1-0:", "not a dead letter"),
+        ("", "not a dead letter"),
+        (
+            foreign.as_str(),
+            "is not a dead-letter stream of this server",
+        ),
+        (
+            &format!("consumer:{other}:{}", streams.stream),
+            "is not a dead-letter stream of this server",
+        ),
+    ] {
+        let path = format!("/api/dead/show?item={}", urlencode(item));
+        let (status, body) = server.get(&path);
+        assert_eq!(status, 400, "{path}: {body}");
+        let error: serde_json::Value = serde_json::from_str(&body).expect("a JSON error");
+        assert!(
+            error["error"].as_str().is_some_and(|e| e.contains(says)),
+            "{path}: {body}"
+        );
+        let (status, page) = server.get(&format!("/dead/show?item={}", urlencode(item)));
+        assert_eq!(status, 400, "{item}: {page}");
+    }
+    // A dead letter of the prefix that is not there (any more) is a 404.
+    let (status, _) = server.get(&format!(
+        "/api/dead/show?item={}",
+        urlencode(&format!("consumer:1-0:{}", streams.dead))
+    ));
+    assert_eq!(status, 404);
+    for path in ["/api/dead?older_than=banana", "/dead?older_than=banana"] {
+        let (status, body) = server.get(path);
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(body.contains("older_than `banana`"), "{path}: {body}");
+    }
+    let (status, body) = server.post_json(
+        "/api/dead/purge",
+        &json!({"items": ["outbox:x"]}),
+        Some(TOKEN),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(db.status()["dead"], 2, "nothing changed");
+}
+
+/// `GET path` with `Host: host` over plain HTTP/1.1: the status code and the body.
+fn get_with_host(base: &str, path: &str, host: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let addr = base.trim_start_matches("http://");
+    let mut tcp = std::net::TcpStream::connect(addr).expect("connect");
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        tcp,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    tcp.read_to_string(&mut response).expect("a response");
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {response}"));
+    (status, response)
+}
+
+/// A page on another site that rebinds its name to 127.0.0.1 reaches the server with its
+/// own name in `Host`: such requests are refused (421); the bound address, `localhost`
+/// and `--allowed-host` names are served.
+#[test]
+fn requests_naming_other_hosts_are_refused() {
+    let (db, streams) = scenario();
+    let server = serve(&db, &streams, &["--allowed-host", "ops.example"]);
+    let port = server.base.rsplit(':').next().unwrap().to_owned();
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("ops.example:{port}"),
+        "OPS.example".to_owned(),
+    ] {
+        let (status, body) = get_with_host(&server.base, "/api/dead", &host);
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    for host in [
+        format!("rebind.example:{port}"),
+        "rebind.example".to_owned(),
+        format!("localhost.rebind.example:{port}"),
+        format!("10.1.2.3:{port}"),
+    ] {
+        for path in [
+            "/",
+            "/dead",
+            "/api/dead",
+            "/api/overview",
+            "/dead/confirm?action=purge&item=outbox:1",
+        ] {
+            let (status, body) = get_with_host(&server.base, path, &host);
+            assert_eq!(status, 421, "{host} {path}: {body}");
+            assert!(
+                body.contains(&format!("does not serve host `{host}`")) && !body.contains("1:Ping"),
+                "{host} {path}: {body}"
+            );
+        }
+    }
 }

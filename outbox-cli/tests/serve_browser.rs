@@ -2,7 +2,9 @@
 //! `chromium-driver`) driven over WebDriver by fantoccini opens the dead-letter page,
 //! redrives a dead letter of the outbox and one of a consumer, purges another of each
 //! (clicking through the confirmation and typing the token), and the test checks the
-//! database and the streams afterwards. With `OUTBOX_SCREENSHOTS=docs/serve` (a path
+//! database and the streams afterwards. A second run sees a dead letter that does not
+//! decode, is refused its redrive and purges it, types a bad filter, and opens the page
+//! by a rebound host name. With `OUTBOX_SCREENSHOTS=docs/serve` (a path
 //! relative to the workspace) it saves PNG screenshots of the pages there.
 #![cfg(feature = "serve")]
 
@@ -48,17 +50,21 @@ impl Drop for Chromedriver {
     }
 }
 
-/// A headless Chromium session.
-async fn browser(driver: &Chromedriver) -> Client {
+/// A headless Chromium session, with `extra` command-line arguments.
+async fn browser(driver: &Chromedriver, extra: &[&str]) -> Client {
+    // --no-sandbox: CI runs as root, where Chromium's sandbox cannot start.
+    let mut args = vec![
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+    ];
+    args.extend_from_slice(extra);
     let mut caps = serde_json::Map::new();
     caps.insert(
         "goog:chromeOptions".into(),
-        serde_json::json!({
-            "binary": "/usr/bin/chromium",
-            // --no-sandbox: CI runs as root, where Chromium's sandbox cannot start.
-            "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1280,900"],
-        }),
+        serde_json::json!({"binary": "/usr/bin/chromium", "args": args}),
     );
     ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
         .capabilities(caps)
@@ -173,7 +179,7 @@ async fn redrive_and_purge_in_a_browser() {
     );
 
     let driver = Chromedriver::start();
-    let client = browser(&driver).await;
+    let client = browser(&driver, &[]).await;
     let base = &server.base;
 
     client.goto(&format!("{base}/")).await.expect("overview");
@@ -236,4 +242,117 @@ async fn redrive_and_purge_in_a_browser() {
     assert_eq!(db.status()["dead"], 0);
     assert_eq!(streams.msg_ids(&streams.stream), ["7:Ping", "9:Ping"]);
     assert!(streams.msg_ids(&streams.dead).is_empty());
+}
+
+/// A dead letter that does not decode (`acc <b>bad</b> id`, written around the library
+/// and dead-lettered as the relay does) is listed and shown as stored, escaped, with the
+/// reason; its redrive is refused with the reason, its purge goes through. A bad filter
+/// is a clear error, and a host name rebound to 127.0.0.1 (DNS rebinding, here by
+/// Chromium's resolver rules) gets no page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=2);
+    db.kill(&[2]);
+    let bad = db.forge_dead("acc <b>bad</b> id", "cli.ping", "{}");
+    let server = Server::start(&db.url, &["--token", TOKEN]);
+    let item = format!("outbox:{bad}");
+    let port = server.base.rsplit(':').next().unwrap().to_owned();
+
+    let driver = Chromedriver::start();
+    let client = browser(
+        &driver,
+        &["--host-resolver-rules=MAP rebind.example 127.0.0.1"],
+    )
+    .await;
+    let base = &server.base;
+    client
+        .goto(&format!("{base}/dead"))
+        .await
+        .expect("dead letters");
+    let row = text(&client, "tr.unreadable").await;
+    assert!(
+        row.contains("acc <b>bad</b> id")
+            && row.contains("unreadable: msg_id \"acc <b>bad</b> id\" contains whitespace"),
+        "{row}"
+    );
+    assert!(text(&client, "#outbox-dead").await.contains("2:Ping"));
+    snap(&client, "dead-letters-unreadable").await;
+
+    // Its detail, then a redrive: refused with the reason, nothing changes.
+    click(
+        &client,
+        &format!("a[href=\"/dead/show?item=outbox%3A{bad}\"]"),
+    )
+    .await;
+    let why = text(&client, "#unreadable").await;
+    assert!(
+        why.contains("Unreadable: msg_id") && why.contains("Fix the row"),
+        "{why}"
+    );
+    click(&client, "button[value=\"redrive\"]").await;
+    client
+        .find(Locator::Css("#token"))
+        .await
+        .expect("token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("type the token");
+    click(&client, "#confirm-button").await;
+    let refused = text(&client, "#error").await;
+    assert!(
+        refused.contains(&format!("outbox row {bad} cannot be re-driven"))
+            && refused.contains("fix the row or purge it"),
+        "{refused}"
+    );
+    assert_eq!(db.status()["dead"], 2);
+
+    // Purged from the list.
+    client
+        .goto(&format!("{base}/dead"))
+        .await
+        .expect("dead letters");
+    click(&client, &format!("input[value=\"{item}\"]")).await;
+    click(&client, "#purge-selected").await;
+    let done = confirm(&client, &[&item]).await;
+    assert!(done.contains("Purged 1 outbox message(s)"), "{done}");
+    assert_eq!(db.status()["dead"], 1);
+
+    // A filter that is no duration: the page says why.
+    client
+        .goto(&format!("{base}/dead"))
+        .await
+        .expect("dead letters");
+    client
+        .find(Locator::Css("input[name=\"older_than\"]"))
+        .await
+        .expect("older_than field")
+        .send_keys("banana")
+        .await
+        .expect("type");
+    click(&client, "form.filters button").await;
+    assert!(
+        text(&client, "#error")
+            .await
+            .contains("older_than `banana`")
+    );
+
+    // The same server by a rebound name: refused; by localhost: served.
+    client
+        .goto(&format!("http://rebind.example:{port}/dead"))
+        .await
+        .expect("rebound page");
+    let body = text(&client, "body").await;
+    assert!(
+        body.contains("does not serve host `rebind.example"),
+        "{body}"
+    );
+    assert!(!body.contains("2:Ping"), "{body}");
+    client
+        .goto(&format!("http://localhost:{port}/dead"))
+        .await
+        .expect("localhost page");
+    assert!(text(&client, "#outbox-dead").await.contains("2:Ping"));
+    client.close().await.expect("close the browser");
 }

@@ -86,6 +86,19 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A re-drive ([`redrive`](crate::redrive)) selected a DEAD row whose stored fields do
+    /// not decode ([`OutboxRow::Unreadable`](crate::OutboxRow::Unreadable)): the relay would
+    /// dead-letter it again at once. Nothing was re-driven; fix the row or purge it.
+    #[error(
+        "outbox row {id} cannot be re-driven: it is unreadable ({reason}); nothing was \
+         re-driven: fix the row or purge it"
+    )]
+    UnreadableRow {
+        /// The row id.
+        id: i64,
+        /// Why the row does not decode.
+        reason: String,
+    },
     /// The outbox tables were migrated by a newer release: the version recorded in
     /// `outbox_migrations` is above [`MIGRATION_VERSION`](crate::MIGRATION_VERSION).
     /// [`migrate`](crate::migrate) refuses to run this release's migration over them and

@@ -74,40 +74,176 @@ pub fn topic_counts<C: OutboxConnection>(conn: &mut C) -> Result<Vec<TopicCounts
     Ok(counts)
 }
 
+/// An outbox row whose stored fields do not decode into an [`OutboxRecord`], as stored,
+/// with the reason.
+///
+/// Such a row was written around this library (by hand, or by a foreign producer): a
+/// msg_id with whitespace, headers that are not a JSON object of strings, an unknown
+/// status, a timestamp out of range. The relay dead-letters it on its first claim
+/// (`last_error` starts with `unreadable row:`), and the listings return it as
+/// [`OutboxRow::Unreadable`] so that it can be seen and purged. [`redrive`] refuses it:
+/// fix the row first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnreadableRecord {
+    /// The row id.
+    pub id: i64,
+    /// The stored status (`2` for DEAD; see [`status`](Self::status)).
+    pub status: i16,
+    /// The stored msg_id, which need not be a valid [`MsgId`](outbox_core::MsgId).
+    pub msg_id: String,
+    /// The stored topic.
+    pub topic: String,
+    /// The stored event type.
+    pub event_type: String,
+    /// The stored ordering key.
+    pub key: String,
+    /// The stored schema version.
+    pub schema_version: i32,
+    /// The stored payload, as text.
+    pub payload: String,
+    /// The stored headers, as text.
+    pub headers: String,
+    /// The stored retry count.
+    pub retries: i32,
+    /// When the row is due (again); `None` if the stored value is out of range.
+    pub next_retry_at: Option<DateTime<Utc>>,
+    /// When the row was created; `None` if the stored value is out of range.
+    pub created_at: Option<DateTime<Utc>>,
+    /// When it was published, if it was and the value is in range.
+    pub sent_at: Option<DateTime<Utc>>,
+    /// The last publish error (the relay's `unreadable row: …` once it dead-lettered it).
+    pub last_error: Option<String>,
+    /// Why the row does not decode: the first field found wrong.
+    pub reason: String,
+}
+
+impl UnreadableRecord {
+    /// The stored status, if it is a known one.
+    pub fn status(&self) -> Option<Status> {
+        Status::try_from(self.status).ok()
+    }
+}
+
+/// An outbox row as the operations listings return it: decoded, or as stored with the
+/// reason it does not decode.
+///
+/// ```no_run
+/// use diesel::Connection as _;
+/// use outbox_diesel::OutboxRow;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = diesel::PgConnection::establish("postgres://localhost/app")?;
+/// for row in outbox_diesel::dead_letters(&mut conn, 0, 100)? {
+///     match row {
+///         OutboxRow::Readable(r) => println!("{} {}", r.id, r.envelope.msg_id),
+///         OutboxRow::Unreadable(u) => println!("{} {:?} unreadable: {}", u.id, u.msg_id, u.reason),
+///     }
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutboxRow {
+    /// A row that decodes.
+    Readable(OutboxRecord),
+    /// A row that does not.
+    Unreadable(UnreadableRecord),
+}
+
+impl OutboxRow {
+    /// The row id.
+    pub fn id(&self) -> i64 {
+        match self {
+            Self::Readable(r) => r.id,
+            Self::Unreadable(u) => u.id,
+        }
+    }
+
+    /// The row's status, `None` for an unreadable row's unknown one.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Self::Readable(r) => Some(r.status),
+            Self::Unreadable(u) => u.status(),
+        }
+    }
+
+    /// The decoded record, or [`Error::CorruptRow`](crate::Error::CorruptRow) with the
+    /// reason for an unreadable row.
+    pub fn into_record(self) -> Result<OutboxRecord> {
+        match self {
+            Self::Readable(r) => Ok(r),
+            Self::Unreadable(u) => Err(crate::Error::CorruptRow {
+                id: u.id,
+                reason: u.reason,
+            }),
+        }
+    }
+}
+
 /// DEAD rows with `id > after_id`, in id order, at most `limit`: page with the last id.
+/// A row that does not decode (the relay dead-letters such rows) is returned as
+/// [`OutboxRow::Unreadable`] rather than failing the listing.
 pub fn dead_letters<C: OutboxConnection>(
     conn: &mut C,
     after_id: i64,
     limit: usize,
-) -> Result<Vec<OutboxRecord>> {
+) -> Result<Vec<OutboxRow>> {
     conn.__list(Some(Status::Dead), after_id, limit)
 }
 
-/// Rows of any status (or of `status`) with `id > after_id`, in id order, at most `limit`.
+/// Rows of any status (or of `status`) with `id > after_id`, in id order, at most `limit`,
+/// unreadable ones included as [`OutboxRow::Unreadable`].
+pub fn list_rows<C: OutboxConnection>(
+    conn: &mut C,
+    status: Option<Status>,
+    after_id: i64,
+    limit: usize,
+) -> Result<Vec<OutboxRow>> {
+    conn.__list(status, after_id, limit)
+}
+
+/// Like [`list_rows`], decoded: fails with [`Error::CorruptRow`](crate::Error::CorruptRow)
+/// on the first row that does not decode.
 pub fn list_messages<C: OutboxConnection>(
     conn: &mut C,
     status: Option<Status>,
     after_id: i64,
     limit: usize,
 ) -> Result<Vec<OutboxRecord>> {
-    conn.__list(status, after_id, limit)
+    conn.__list(status, after_id, limit)?
+        .into_iter()
+        .map(OutboxRow::into_record)
+        .collect()
 }
 
-/// The row with this msg_id, whatever its status.
+/// The row with this msg_id, whatever its status, compared as stored: an unreadable
+/// row's msg_id (`"acc bad id"`) finds it too.
+pub fn find_row<C: OutboxConnection>(conn: &mut C, msg_id: &str) -> Result<Option<OutboxRow>> {
+    conn.__find(msg_id)
+}
+
+/// Like [`find_row`], decoded: fails with [`Error::CorruptRow`](crate::Error::CorruptRow)
+/// if the row does not decode.
 pub fn find_message<C: OutboxConnection>(
     conn: &mut C,
     msg_id: &str,
 ) -> Result<Option<OutboxRecord>> {
-    conn.__find(msg_id)
+    conn.__find(msg_id)?.map(OutboxRow::into_record).transpose()
 }
 
 /// Re-drives DEAD rows: back to NEW with retries reset, due now, last error cleared.
 /// Ids that are not DEAD are left alone. Returns how many rows changed.
+///
+/// Fails with [`Error::UnreadableRow`](crate::Error::UnreadableRow), and changes nothing,
+/// if one of them does not decode ([`OutboxRow::Unreadable`]): the relay would only
+/// dead-letter it again. Fix such a row, or [`purge_dead`] it.
 pub fn redrive<C: OutboxConnection>(conn: &mut C, ids: &[i64]) -> Result<usize> {
     conn.__redrive(Some(ids))
 }
 
-/// Re-drives every DEAD row; see [`redrive`].
+/// Re-drives every DEAD row that decodes (see [`redrive`]), a page of rows at a time;
+/// unreadable rows stay DEAD. Returns how many rows changed.
 pub fn redrive_all<C: OutboxConnection>(conn: &mut C) -> Result<usize> {
     conn.__redrive(None)
 }

@@ -521,7 +521,11 @@ fn operations_queries<B: Backend>() {
         dead: vec![(ids[2], "poison".into())],
     });
 
-    let dead = outbox_diesel::dead_letters(&mut conn, 0, 10).unwrap();
+    let dead: Vec<_> = outbox_diesel::dead_letters(&mut conn, 0, 10)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_record().unwrap())
+        .collect();
     assert_eq!(dead.len(), 1);
     assert_eq!((dead[0].id, dead[0].retries), (ids[2], 1));
     assert_eq!(dead[0].last_error.as_deref(), Some("poison"));

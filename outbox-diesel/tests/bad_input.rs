@@ -1,6 +1,7 @@
 //! Bad input at the database side, on each backend (PostgreSQL and MariaDB on this
-//! machine, SQLite in a temp file): events that make no valid message, missing tables,
-//! tables a newer release migrated, wrong passwords and unreachable servers. Each is a
+//! machine, SQLite in a temp file): events that make no valid message, rows written
+//! around the library that do not decode, missing tables, tables a newer release
+//! migrated, wrong passwords and unreachable servers. Each is a
 //! typed error with a clear message, and nothing committed changes: the tests compare
 //! the outbox rows and the business rows before and after.
 
@@ -12,9 +13,11 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, MysqlConnection, PgConnection};
 use fixtures::{Backend, Lite, My, Pg, PgParted, TestDb, exec, runtime};
+use outbox_core::Status;
 use outbox_core::{Inbox as _, InvalidMsgId, MsgId, OutboxEvent, RelayStore as _};
 use outbox_diesel::{
-    DieselInbox, Emit, Error, MIGRATION_VERSION, MysqlRelayStore, OutboxRecord, PgRelayStore,
+    DieselInbox, Emit, Error, MIGRATION_VERSION, MysqlRelayStore, OutboxRecord, OutboxRow,
+    PgRelayStore, UnreadableRecord,
 };
 use outbox_tests::{MariadbUser, assert_hidden};
 use serde::{Deserialize, Serialize};
@@ -449,8 +452,171 @@ fn tables_without_a_recorded_version_are_migrated<B: Backend>() {
     );
 }
 
+/// Inserts a NEW row by SQL, as a foreign producer might: a copy of the row of
+/// `good:OrderPaid` with `msg_id` and `headers` as given.
+fn insert_raw<B: Backend>(c: &mut B::Conn, msg_id: &str, headers: &str) -> i64 {
+    exec(
+        c,
+        &format!(
+            "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
+             headers, next_retry_at, created_at) \
+             SELECT '{msg_id}', topic, event_type, msg_key, schema_version, payload, \
+             '{headers}', next_retry_at, created_at FROM outbox WHERE msg_id = 'good:OrderPaid'"
+        ),
+    );
+    B::scalar(
+        c,
+        &format!("SELECT id AS n FROM outbox WHERE msg_id = '{msg_id}'"),
+    )
+}
+
+fn unreadable(row: &OutboxRow) -> &UnreadableRecord {
+    match row {
+        OutboxRow::Unreadable(u) => u,
+        OutboxRow::Readable(r) => panic!("row {} decodes: {r:?}", r.id),
+    }
+}
+
+/// Rows the relay dead-letters because they do not decode (a msg_id with whitespace,
+/// headers that are not strings) are listed, found, refused for a redrive and purged,
+/// next to a DEAD row that decodes.
+fn unreadable_dead_letters_are_listed_refused_for_redrive_and_purged<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.emit(paid("good")).unwrap();
+    let good = B::scalar(
+        &mut conn,
+        "SELECT id AS n FROM outbox WHERE msg_id = 'good:OrderPaid'",
+    );
+    let bad_id = insert_raw::<B>(&mut conn, "acc bad id", "{}");
+    let bad_headers = insert_raw::<B>(&mut conn, "h:OrderPaid", r#"{"retries": 3}"#);
+    // The relay dead-letters the two unreadable rows and publishes the good one; then the
+    // good one is made DEAD too, as a rejected message would be.
+    let relay = outbox_core::Relay::new(B::store(&db), outbox_core::MemoryBroker::new());
+    let report = runtime().block_on(relay.run_once()).unwrap();
+    assert_eq!((report.claimed, report.sent), (1, 1), "{report:?}");
+    exec(
+        &mut conn,
+        &format!("UPDATE outbox SET status = 2, last_error = 'rejected' WHERE id = {good}"),
+    );
+
+    let dead = outbox_diesel::dead_letters(&mut conn, 0, 10).unwrap();
+    assert_eq!(
+        dead.iter().map(OutboxRow::id).collect::<Vec<_>>(),
+        [good, bad_id, bad_headers]
+    );
+    assert!(
+        matches!(&dead[0], OutboxRow::Readable(r) if r.envelope.msg_id.as_str() == "good:OrderPaid")
+    );
+    let u = unreadable(&dead[1]);
+    assert_eq!(
+        (
+            u.msg_id.as_str(),
+            u.topic.as_str(),
+            u.status(),
+            u.payload.contains("1999")
+        ),
+        ("acc bad id", "order.paid", Some(Status::Dead), true)
+    );
+    assert!(
+        u.reason.contains("\"acc bad id\" contains whitespace"),
+        "{u:?}"
+    );
+    assert!(
+        u.last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("unreadable row: msg_id")),
+        "the relay's reason: {u:?}"
+    );
+    assert!(u.created_at.is_some() && u.next_retry_at.is_some(), "{u:?}");
+    let u = unreadable(&dead[2]);
+    assert!(
+        u.reason
+            .contains("headers are not a JSON object of strings"),
+        "{u:?}"
+    );
+    assert_eq!(u.headers.replace(' ', ""), r#"{"retries":3}"#);
+
+    // Found by its stored msg_id and by id; the decoding calls say which row and why.
+    let found = outbox_diesel::find_row(&mut conn, "acc bad id")
+        .unwrap()
+        .unwrap();
+    assert_eq!(unreadable(&found).id, bad_id);
+    let by_id = outbox_diesel::list_rows(&mut conn, None, bad_id - 1, 1).unwrap();
+    assert_eq!(unreadable(&by_id[0]).id, bad_id);
+    let e = outbox_diesel::find_message(&mut conn, "acc bad id").unwrap_err();
+    assert!(
+        matches!(e, Error::CorruptRow { id, .. } if id == bad_id),
+        "{e:?}"
+    );
+
+    // A redrive that selects one is refused as a whole; redrive_all leaves them DEAD.
+    let before = outbox_diesel::dead_letters(&mut conn, 0, 10).unwrap();
+    let e = outbox_diesel::redrive(&mut conn, &[good, bad_id]).unwrap_err();
+    assert!(
+        matches!(&e, Error::UnreadableRow { id, reason } if *id == bad_id && reason.contains("whitespace")),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("fix the row or purge it"), "{e}");
+    assert_eq!(
+        outbox_diesel::dead_letters(&mut conn, 0, 10).unwrap(),
+        before,
+        "nothing changed"
+    );
+    assert_eq!(outbox_diesel::redrive_all(&mut conn).unwrap(), 1);
+    let left: Vec<i64> = outbox_diesel::dead_letters(&mut conn, 0, 10)
+        .unwrap()
+        .iter()
+        .map(OutboxRow::id)
+        .collect();
+    assert_eq!(left, [bad_id, bad_headers]);
+    assert_eq!(
+        outbox_diesel::find_message(&mut conn, "good:OrderPaid")
+            .unwrap()
+            .unwrap()
+            .status,
+        Status::New
+    );
+
+    // Fixed, it is a message again and can be re-driven.
+    exec(
+        &mut conn,
+        &format!("UPDATE outbox SET headers = '{{}}' WHERE id = {bad_headers}"),
+    );
+    assert_eq!(
+        outbox_diesel::redrive(&mut conn, &[bad_headers]).unwrap(),
+        1
+    );
+    assert_eq!(outbox_diesel::purge_dead(&mut conn, &[bad_id]).unwrap(), 1);
+    assert!(
+        outbox_diesel::dead_letters(&mut conn, 0, 10)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(outbox_diesel::backlog(&mut conn).unwrap().dead, 0);
+}
+
+/// A row with a status no release writes is listed as unreadable, not a failed listing.
+fn an_unknown_status_is_listed_as_unreadable<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    conn.emit(paid("a")).unwrap();
+    exec(&mut conn, "UPDATE outbox SET status = 7");
+    let rows = outbox_diesel::list_rows(&mut conn, None, 0, 10).unwrap();
+    let u = unreadable(&rows[0]);
+    assert_eq!(
+        (u.status, u.status(), u.msg_id.as_str()),
+        (7, None, "a:OrderPaid")
+    );
+    assert!(u.reason.contains('7'), "{u:?}");
+    let e = outbox_diesel::list_messages(&mut conn, None, 0, 10).unwrap_err();
+    assert!(matches!(e, Error::CorruptRow { .. }), "{e:?}");
+}
+
 outbox_tests::on_every_backend! {
     postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
+    unreadable_dead_letters_are_listed_refused_for_redrive_and_purged,
+    an_unknown_status_is_listed_as_unreadable,
     an_empty_id_field_is_refused,
     an_empty_template_part_is_refused,
     an_overlong_id_is_refused,
@@ -462,6 +628,27 @@ outbox_tests::on_every_backend! {
     missing_tables_are_a_clear_error_and_nothing_commits,
     tables_of_a_newer_release_are_left_alone,
     tables_without_a_recorded_version_are_migrated,
+}
+
+/// PostgreSQL takes timestamps chrono cannot hold (`infinity`): the relay dead-letters
+/// such a row, and the listings show it as unreadable instead of failing on the cast.
+#[test]
+fn postgres_an_infinite_created_at_is_listed_as_unreadable() {
+    let db = Pg::create();
+    let mut conn = Pg::connect(&db);
+    conn.emit(paid("forever")).unwrap();
+    exec(&mut conn, "UPDATE outbox SET created_at = 'infinity'");
+    let relay = outbox_core::Relay::new(Pg::store(&db), outbox_core::MemoryBroker::new());
+    let report = runtime().block_on(relay.run_once()).unwrap();
+    assert_eq!((report.claimed, report.sent), (0, 0), "{report:?}");
+    let dead = outbox_diesel::dead_letters(&mut conn, 0, 10).unwrap();
+    let u = unreadable(&dead[0]);
+    assert_eq!(
+        (u.msg_id.as_str(), u.created_at),
+        ("forever:OrderPaid", None)
+    );
+    assert_eq!(u.reason, "created_at is out of range");
+    assert_eq!(outbox_diesel::purge_dead(&mut conn, &[u.id]).unwrap(), 1);
 }
 
 /// On PostgreSQL migrate may run inside the caller's transaction: the version probe on

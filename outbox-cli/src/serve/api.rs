@@ -1,7 +1,9 @@
 //! The JSON API: the pages' data under `/api/`. Reads answer 200 with JSON, failures
-//! 500 with `{"error": "…"}`; redrive and purge take `{"items": ["outbox:17",
-//! "consumer:<id>:<dead-letter stream>"]}` and need `Authorization: Bearer <token>`
-//! (403 otherwise).
+//! `{"error": "…"}` with 400 for bad input (a malformed item, a dead-letter stream of
+//! another prefix, `older_than=banana`), 404 for a dead letter that is gone, 409 for a
+//! redrive of a row that does not decode, 500 otherwise; redrive and purge take
+//! `{"items": ["outbox:17", "consumer:<id>:<dead-letter stream>"]}` and need
+//! `Authorization: Bearer <token>` (403 otherwise).
 
 use std::sync::Arc;
 
@@ -15,19 +17,15 @@ use serde_json::json;
 use super::App;
 use super::data::{self, Action, Failure, Filter, Item};
 
-/// 500 with the failure.
+/// The failure's status, with `{"error": …}`.
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            Json(json!({"error": self.0})),
-        )
-            .into_response()
+        (self.status, Json(json!({"error": self.message}))).into_response()
     }
 }
 
 fn joined<T>(r: Result<Result<T, Failure>, tokio::task::JoinError>) -> Result<T, Failure> {
-    r.map_err(|e| Failure(e.to_string()))?
+    r.map_err(|e| Failure::server(e.to_string()))?
 }
 
 /// `GET /api/overview`.
@@ -51,12 +49,13 @@ pub(super) struct ItemQuery {
     pub(super) item: String,
 }
 
-/// `GET /api/dead/show?item=…`: 404 when there is no such dead letter.
+/// `GET /api/dead/show?item=…`: 404 when there is no such dead letter, 400 for an item
+/// that names none this server serves.
 pub(super) async fn dead_letter(
     State(app): State<Arc<App>>,
     Query(q): Query<ItemQuery>,
 ) -> Result<Response, Failure> {
-    let found = match Item::parse(&q.item)? {
+    let found = match app.item(&q.item)? {
         Item::Outbox(id) => {
             let app = app.clone();
             joined(tokio::task::spawn_blocking(move || data::outbox_row(&app, id)).await)?
@@ -121,9 +120,7 @@ async fn act(
         .collect::<Result<Vec<_>, _>>();
     let items = match items {
         Ok(items) => items,
-        Err(f) => {
-            return Ok((StatusCode::BAD_REQUEST, Json(json!({"error": f.0}))).into_response());
-        }
+        Err(f) => return Ok(f.into_response()),
     };
     let done = data::apply(&app, action, &items).await?;
     tracing::info!(

@@ -5,17 +5,18 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
 use diesel::RunQueryDsl as _;
 use diesel::sql_types::{BigInt, Double, Nullable, Text};
-use outbox_diesel::OutboxRecord;
+use outbox_diesel::OutboxRow;
 use outbox_redis::redis::aio::MultiplexedConnection;
 use outbox_redis::redis::{self, AsyncConnectionConfig};
 use serde::{Deserialize, Serialize};
 
 use super::App;
 use crate::backend::{BackendKind, Conn, redact, with_conn};
-use crate::output::RecordJson;
+use crate::output::RowJson;
 
 /// Minutes of history the publish chart covers.
 pub(crate) const CHART_MINUTES: i64 = 15;
@@ -27,25 +28,40 @@ const SCAN_PAGE: usize = 500;
 /// How long connecting to Redis may take.
 const REDIS_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A failure the page shows (and the API returns with 500): the innermost cause, never
-/// a URL (which may carry a password).
+/// A failure the page shows and the API returns with `{"error": …}`: its HTTP status
+/// (500 unless the request itself was wrong) and the innermost cause, never a URL (which
+/// may carry a password).
 #[derive(Debug)]
-pub(crate) struct Failure(pub(crate) String);
+pub(crate) struct Failure {
+    /// The status to answer with.
+    pub(crate) status: StatusCode,
+    /// What went wrong.
+    pub(crate) message: String,
+}
 
 impl Failure {
+    /// A failure of the server or of a service behind it: 500.
+    pub(crate) fn server(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+        }
+    }
+
+    /// A request that cannot be served as asked: 400.
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+        }
+    }
+
     fn of(e: &(dyn std::error::Error + 'static)) -> Self {
         let mut cause = e;
         while let Some(c) = cause.source() {
             cause = c;
         }
-        Self(
-            cause
-                .to_string()
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_owned(),
-        )
+        Self::server(cause.to_string().lines().next().unwrap_or_default())
     }
 }
 
@@ -56,7 +72,14 @@ impl From<crate::error::CliError> for Failure {
 }
 impl From<outbox_diesel::Error> for Failure {
     fn from(e: outbox_diesel::Error) -> Self {
-        Self::of(&e)
+        match e {
+            // The selection holds a row that cannot be re-driven as it is: 409.
+            outbox_diesel::Error::UnreadableRow { .. } => Self {
+                status: StatusCode::CONFLICT,
+                message: e.to_string(),
+            },
+            e => Self::of(&e),
+        }
     }
 }
 impl From<diesel::result::Error> for Failure {
@@ -304,7 +327,7 @@ impl Filter {
         }
         humantime::parse_duration(self.older_than.trim())
             .map(Some)
-            .map_err(|e| Failure(format!("older_than `{}`: {e}", self.older_than)))
+            .map_err(|e| Failure::bad_request(format!("older_than `{}`: {e}", self.older_than)))
     }
 
     fn matches(&self, topic: &str, event_type: &str, error: &str, age: Duration) -> bool {
@@ -341,7 +364,8 @@ pub(crate) struct DeadPage {
 pub(crate) struct OutboxDead {
     /// What selects it: `outbox:<id>`.
     pub(crate) item: String,
-    /// The row as `outbox dead show --json` prints it.
+    /// The row as `outbox dead show --json` prints it (with `unreadable`, the reason,
+    /// for a row whose fields do not decode).
     #[serde(flatten)]
     pub(crate) record: serde_json::Value,
     /// Seconds since it was emitted.
@@ -397,7 +421,12 @@ pub(crate) enum Item {
 impl Item {
     /// Parses a selection value.
     pub(crate) fn parse(text: &str) -> Result<Self, Failure> {
-        let bad = || Failure(format!("not a dead letter: `{text}`"));
+        let bad = || {
+            Failure::bad_request(format!(
+                "not a dead letter: `{text}` (give `outbox:<row id>` or \
+                 `consumer:<entry id>:<dead-letter stream>`)"
+            ))
+        };
         if let Some(id) = text.strip_prefix("outbox:") {
             return id.parse().map(Self::Outbox).map_err(|_| bad());
         }
@@ -413,6 +442,29 @@ impl Item {
     }
 }
 
+impl App {
+    /// Parses a selection value that must name a dead letter this server serves: an
+    /// outbox row, or an entry of a dead-letter stream under `--stream-prefix` (400
+    /// otherwise, so the API reads no other key of the Redis server).
+    pub(crate) fn item(&self, text: &str) -> Result<Item, Failure> {
+        let item = Item::parse(text)?;
+        if let Item::Consumer { dead_stream, .. } = &item
+            && !self.serves(dead_stream)
+        {
+            return Err(Failure::bad_request(format!(
+                "`{dead_stream}` is not a dead-letter stream of this server (`{}…{}`)",
+                self.prefix, self.dead_suffix
+            )));
+        }
+        Ok(item)
+    }
+
+    /// Whether `dead_stream` is one of the dead-letter streams this server serves.
+    fn serves(&self, dead_stream: &str) -> bool {
+        dead_stream.starts_with(&self.prefix) && dead_stream.ends_with(&self.dead_suffix)
+    }
+}
+
 /// The millisecond time of a stream entry id `<ms>-<seq>`.
 fn entry_ms(id: &str) -> Option<i64> {
     let (ms, seq) = id.split_once('-')?;
@@ -424,11 +476,9 @@ fn age_of(time: DateTime<Utc>) -> Duration {
     (Utc::now() - time).to_std().unwrap_or_default()
 }
 
-/// The outbox's DEAD rows that match, newest first (blocking).
-pub(crate) fn outbox_dead(
-    app: &App,
-    filter: &Filter,
-) -> Result<(Vec<OutboxRecord>, bool), Failure> {
+/// The outbox's DEAD rows that match, newest first (blocking). Rows whose fields do not
+/// decode are among them, as stored.
+pub(crate) fn outbox_dead(app: &App, filter: &Filter) -> Result<(Vec<OutboxRow>, bool), Failure> {
     filter.min_age()?;
     let mut conn = app.db.connect(false)?;
     let mut all = Vec::new();
@@ -436,39 +486,50 @@ pub(crate) fn outbox_dead(
     loop {
         let page = with_conn!(&mut conn, c => outbox_diesel::dead_letters(c, after, SCAN_PAGE))?;
         let Some(last) = page.last() else { break };
-        after = last.id;
+        after = last.id();
         all.extend(page);
     }
     let truncated = all.len() > SCAN_LIMIT;
     all.reverse();
     all.truncate(SCAN_LIMIT);
-    all.retain(|r| {
-        let e = &r.envelope;
+    all.retain(|row| {
+        let (topic, event_type, error) = match row {
+            OutboxRow::Readable(r) => (&r.envelope.topic, &r.envelope.event_type, &r.last_error),
+            OutboxRow::Unreadable(u) => (&u.topic, &u.event_type, &u.last_error),
+        };
         filter.matches(
-            &e.topic,
-            &e.event_type,
-            r.last_error.as_deref().unwrap_or_default(),
-            age_of(e.created_at),
+            topic,
+            event_type,
+            error.as_deref().unwrap_or_default(),
+            age_of(created_at(row)),
         )
     });
     Ok((all, truncated))
 }
 
-/// An outbox row for the API and the pages.
-pub(crate) fn outbox_item(r: &OutboxRecord) -> OutboxDead {
-    OutboxDead {
-        item: format!("outbox:{}", r.id),
-        record: serde_json::to_value(RecordJson::from(r)).unwrap_or_default(),
-        age_seconds: age_of(r.envelope.created_at).as_secs_f64(),
+/// When the row was created; an unreadable row's out-of-range time (`infinity`) as now.
+fn created_at(row: &OutboxRow) -> DateTime<Utc> {
+    match row {
+        OutboxRow::Readable(r) => r.envelope.created_at,
+        OutboxRow::Unreadable(u) => u.created_at.unwrap_or_else(Utc::now),
     }
 }
 
-/// One outbox row by id, whatever its status (blocking).
-pub(crate) fn outbox_row(app: &App, id: i64) -> Result<Option<OutboxRecord>, Failure> {
+/// An outbox row for the API and the pages.
+pub(crate) fn outbox_item(row: &OutboxRow) -> OutboxDead {
+    OutboxDead {
+        item: format!("outbox:{}", row.id()),
+        record: serde_json::to_value(RowJson::from(row)).unwrap_or_default(),
+        age_seconds: age_of(created_at(row)).as_secs_f64(),
+    }
+}
+
+/// One outbox row by id, whatever its status, readable or not (blocking).
+pub(crate) fn outbox_row(app: &App, id: i64) -> Result<Option<OutboxRow>, Failure> {
     let mut conn = app.db.connect(false)?;
     let page =
-        with_conn!(&mut conn, c => outbox_diesel::list_messages(c, None, id.saturating_sub(1), 1))?;
-    Ok(page.into_iter().find(|r| r.id == id))
+        with_conn!(&mut conn, c => outbox_diesel::list_rows(c, None, id.saturating_sub(1), 1))?;
+    Ok(page.into_iter().find(|r| r.id() == id))
 }
 
 /// A Redis connection, if `--redis-url` was given.
@@ -565,11 +626,11 @@ pub(crate) async fn dead_page(
     let (app2, filter2) = (app.clone(), filter.clone());
     let (outbox, outbox_cut) = tokio::task::spawn_blocking(move || outbox_dead(&app2, &filter2))
         .await
-        .map_err(|e| Failure(e.to_string()))??;
+        .map_err(|e| Failure::server(e.to_string()))??;
     filter.min_age()?;
     let (consumers, consumers_cut, redis_error) = match consumers_dead(app, filter).await {
         Ok((consumers, cut)) => (consumers, cut, None),
-        Err(f) => (Vec::new(), false, Some(f.0)),
+        Err(f) => (Vec::new(), false, Some(f.message)),
     };
     let (per, page) = (filter.per_page(), filter.page);
     let slice = |len: usize| (page.saturating_mul(per).min(len), per);
@@ -663,7 +724,7 @@ pub(crate) async fn apply(
             })
         })
         .await
-        .map_err(|e| Failure(e.to_string()))??;
+        .map_err(|e| Failure::server(e.to_string()))??;
         done.outbox = changed;
         done.skipped += ids.len() - changed;
     }
@@ -677,11 +738,11 @@ pub(crate) async fn apply(
     if consumer.is_empty() {
         return Ok(done);
     }
-    let mut conn = redis_conn(app)
-        .await?
-        .ok_or_else(|| Failure("no --redis-url: consumer dead letters are not served".into()))?;
+    let mut conn = redis_conn(app).await?.ok_or_else(|| {
+        Failure::bad_request("no --redis-url: consumer dead letters are not served")
+    })?;
     for (dead_stream, id) in consumer {
-        if !dead_stream.ends_with(&app.dead_suffix) || !dead_stream.starts_with(&app.prefix) {
+        if !app.serves(dead_stream) {
             done.skipped += 1;
             continue;
         }

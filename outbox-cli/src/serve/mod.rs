@@ -13,11 +13,13 @@
 //! | `GET /groups` | `GET /api/groups` | consumer groups: lag, pending, consumers, oldest pending |
 //!
 //! The database is read on a new connection per request, on the blocking pool, as the
-//! admin endpoint's probes do.
+//! admin endpoint's probes do. Every request must name this server in `Host` (see
+//! [`host`]).
 
 mod api;
 mod auth;
 mod data;
+mod host;
 mod pages;
 
 use std::net::SocketAddr;
@@ -73,7 +75,8 @@ pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    runtime.block_on(serve(args.addr, app))
+    let hosts = host::AllowedHosts::new(args.addr, &args.allowed_hosts);
+    runtime.block_on(serve(args.addr, app, hosts))
 }
 
 /// A server other hosts can reach must have a token: without one, anyone there could
@@ -86,7 +89,7 @@ fn check_exposure(addr: SocketAddr, token: Option<&str>) -> Result<(), CliError>
     Ok(())
 }
 
-async fn serve(addr: SocketAddr, app: Arc<App>) -> Result<(), CliError> {
+async fn serve(addr: SocketAddr, app: Arc<App>, hosts: host::AllowedHosts) -> Result<(), CliError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| CliError::Serve { addr, source })?;
@@ -100,14 +103,14 @@ async fn serve(addr: SocketAddr, app: Arc<App>) -> Result<(), CliError> {
         "serving the operator's page on http://{}{read_only}",
         listener.local_addr().unwrap_or(addr)
     );
-    axum::serve(listener, router(app))
+    axum::serve(listener, router(app, hosts))
         .with_graceful_shutdown(shutdown())
         .await
         .map_err(|source| CliError::Serve { addr, source })
 }
 
-/// The pages and the API.
-fn router(app: Arc<App>) -> Router {
+/// The pages and the API, for requests that name one of `hosts`.
+fn router(app: Arc<App>, hosts: host::AllowedHosts) -> Router {
     Router::new()
         .route("/", get(pages::overview))
         .route("/dead", get(pages::dead_letters))
@@ -123,6 +126,10 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/dead/purge", post(api::purge))
         .route("/api/groups", get(api::groups))
         .with_state(app)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(hosts),
+            host::check,
+        ))
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -57,11 +57,7 @@ fn page(status: StatusCode, title: &str, body: Markup) -> Response {
 }
 
 fn failure_page(f: &Failure) -> Response {
-    page(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "Error",
-        html! { p.err { (f.0) } },
-    )
+    page(f.status, "Error", html! { p.err #error { (f.message) } })
 }
 
 fn seconds(s: f64) -> String {
@@ -79,7 +75,10 @@ fn seconds(s: f64) -> String {
 /// `GET /`.
 pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
     let read = tokio::task::spawn_blocking(move || data::overview(&app)).await;
-    let o = match read.map_err(|e| Failure(e.to_string())).and_then(|r| r) {
+    let o = match read
+        .map_err(|e| Failure::server(e.to_string()))
+        .and_then(|r| r)
+    {
         Ok(o) => o,
         Err(f) => return failure_page(&f),
     };
@@ -252,7 +251,8 @@ fn outbox_table(rows: &[OutboxDead]) -> Markup {
             tr { th {} th { "id" } th { "msg_id" } th { "topic" } th { "type" } th.num { "attempts" } th { "age" } th { "last error" } }
             @for d in rows {
                 @let r = &d.record;
-                tr {
+                @let unreadable = r["unreadable"].as_str();
+                tr class=[unreadable.map(|_| "unreadable")] {
                     td { input type="checkbox" name="item" value=(d.item); }
                     td { a href={ "/dead/show?item=" (urlencode(&d.item)) } { (r["id"]) } }
                     td { (r["msg_id"].as_str().unwrap_or_default()) }
@@ -260,7 +260,11 @@ fn outbox_table(rows: &[OutboxDead]) -> Markup {
                     td { (r["event_type"].as_str().unwrap_or_default()) }
                     td.num { (r["retries"]) }
                     td { (seconds(d.age_seconds)) }
-                    td.err { (r["last_error"].as_str().unwrap_or_default()) }
+                    @if let Some(reason) = unreadable {
+                        td.err { b { "unreadable: " } (reason) }
+                    } @else {
+                        td.err { (r["last_error"].as_str().unwrap_or_default()) }
+                    }
                 }
             }
         }
@@ -299,21 +303,18 @@ pub(super) async fn dead_letter(
     State(app): State<Arc<App>>,
     Query(q): Query<ItemQuery>,
 ) -> Response {
-    let item = match Item::parse(&q.item) {
+    let item = match app.item(&q.item) {
         Ok(i) => i,
-        Err(f) => {
-            return page(
-                StatusCode::BAD_REQUEST,
-                "Dead letter",
-                html! { p.err { (f.0) } },
-            );
-        }
+        Err(f) => return page(f.status, "Dead letter", html! { p.err { (f.message) } }),
     };
     let detail = match item {
         Item::Outbox(id) => {
             let app = app.clone();
             let read = tokio::task::spawn_blocking(move || data::outbox_row(&app, id)).await;
-            match read.map_err(|e| Failure(e.to_string())).and_then(|r| r) {
+            match read
+                .map_err(|e| Failure::server(e.to_string()))
+                .and_then(|r| r)
+            {
                 Ok(found) => found.map(|r| outbox_detail(&data::outbox_item(&r))),
                 Err(f) => return failure_page(&f),
             }
@@ -348,6 +349,14 @@ fn outbox_detail(d: &OutboxDead) -> Markup {
     let payload = serde_json::to_string_pretty(&r["payload"]).unwrap_or_default();
     let headers = serde_json::to_string_pretty(&r["headers"]).unwrap_or_default();
     html! {
+        @if let Some(reason) = r["unreadable"].as_str() {
+            p.err #unreadable {
+                b { "Unreadable: " } (reason)
+                br;
+                "Its fields are shown as stored. Fix the row before a redrive (the relay would \
+                 dead-letter it again), or purge it."
+            }
+        }
         table #detail {
             tr { th { "source" } td { "outbox row " (r["id"]) } }
             tr { th { "status" } td { (r["status"].as_str().unwrap_or_default()) } }
@@ -417,7 +426,7 @@ pub(super) async fn confirm(State(app): State<Arc<App>>, RawQuery(query): RawQue
         return page(
             StatusCode::BAD_REQUEST,
             "Confirm",
-            html! { p.err { (f.0) } },
+            html! { p.err { (f.message) } },
         );
     }
     let what = match action {
@@ -482,7 +491,7 @@ async fn act(app: Arc<App>, action: Action, body: &[u8]) -> Response {
             return page(
                 StatusCode::BAD_REQUEST,
                 "Refused",
-                html! { p.err { (f.0) } },
+                html! { p.err { (f.message) } },
             );
         }
     };

@@ -14,7 +14,7 @@ use diesel::sql_types::Text;
 use diesel::{Connection, RunQueryDsl as _};
 use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status, StoredMessage};
 
-use crate::{EmitOptions, OutboxRecord, Result};
+use crate::{EmitOptions, Error, OutboxRow, Result};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -270,48 +270,88 @@ pub(crate) trait Backend: Connection + Sized {
         Ok(self.backlog_row()?.into_backlog())
     }
 
-    /// Rows with `id > after_id`, optionally of one status, in id order.
+    /// Rows with `id > after_id`, optionally of one status, in id order; a row that does
+    /// not decode comes as [`OutboxRow::Unreadable`].
     fn __list(
         &mut self,
         status: Option<Status>,
         after_id: i64,
         limit: usize,
-    ) -> Result<Vec<OutboxRecord>> {
+    ) -> Result<Vec<OutboxRow>> {
         let filter = status.map_or(String::new(), |s| format!("status = {} AND ", s.as_i16()));
         let sql = format!(
             "SELECT {} FROM outbox WHERE {filter}id > {after_id} ORDER BY id LIMIT {limit}",
             Self::DIALECT.columns
         );
-        self.load_records(&sql, None)?
+        Ok(self
+            .load_records(&sql, None)?
             .into_iter()
-            .map(RecordRow::into_record)
-            .collect()
+            .map(RecordRow::into_row)
+            .collect())
     }
 
-    /// The row with this msg_id.
-    fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRecord>> {
+    /// The row with this msg_id (compared as stored, so an unreadable one is found too).
+    fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRow>> {
         let d = &Self::DIALECT;
         let sql = format!("SELECT {} FROM outbox WHERE msg_id = {}", d.columns, d.ph);
         // msg_id is unique: at most one row.
-        self.load_records(&sql, Some(msg_id))?
+        Ok(self
+            .load_records(&sql, Some(msg_id))?
             .pop()
-            .map(RecordRow::into_record)
-            .transpose()
+            .map(RecordRow::into_row))
     }
 
-    /// DEAD → NEW (all, or these ids).
+    /// DEAD → NEW: these ids, refused as a whole ([`Error::UnreadableRow`]) if one of them
+    /// does not decode; or every DEAD row that decodes, a page at a time.
     fn __redrive(&mut self, ids: Option<&[i64]>) -> Result<usize> {
-        let only = match ids {
-            Some([]) => return Ok(0),
-            Some(ids) => format!(" AND id IN ({})", in_list(ids)),
-            None => String::new(),
+        const PAGE: usize = 1000;
+        let redrive = |c: &mut Self, ids: &[i64]| -> Result<usize> {
+            if ids.is_empty() {
+                return Ok(0);
+            }
+            let sql = format!(
+                "UPDATE outbox SET status = 0, retries = 0, next_retry_at = {}, \
+                 last_error = NULL WHERE status = 2 AND id IN ({})",
+                Self::DIALECT.now,
+                in_list(ids)
+            );
+            Ok(c.run_sql(&sql, None)?)
         };
-        let sql = format!(
-            "UPDATE outbox SET status = 0, retries = 0, next_retry_at = {}, last_error = NULL \
-             WHERE status = 2{only}",
-            Self::DIALECT.now
-        );
-        Ok(self.run_sql(&sql, None)?)
+        if let Some(ids) = ids {
+            if ids.is_empty() {
+                return Ok(0);
+            }
+            let sql = format!(
+                "SELECT {} FROM outbox WHERE status = 2 AND id IN ({})",
+                Self::DIALECT.columns,
+                in_list(ids)
+            );
+            for row in self.load_records(&sql, None)? {
+                if let OutboxRow::Unreadable(raw) = row.into_row() {
+                    return Err(Error::UnreadableRow {
+                        id: raw.id,
+                        reason: raw.reason,
+                    });
+                }
+            }
+            return redrive(self, ids);
+        }
+        let (mut after, mut total) = (0, 0);
+        loop {
+            let page = self.__list(Some(Status::Dead), after, PAGE)?;
+            let Some(last) = page.last() else {
+                return Ok(total);
+            };
+            after = last.id();
+            let readable: Vec<i64> = page
+                .iter()
+                .filter_map(|r| match r {
+                    OutboxRow::Readable(r) => Some(r.id),
+                    OutboxRow::Unreadable(_) => None,
+                })
+                .collect();
+            total += redrive(self, &readable)?;
+        }
     }
 
     /// Deletes these DEAD rows.

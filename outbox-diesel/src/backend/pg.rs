@@ -14,12 +14,34 @@ use super::{Backend, BacklogRow, ClaimRow, RecordRow, VersionRow};
 use super::{Dialect, Row, chunks, in_list};
 use crate::{EmitOptions, Notify, Result};
 
+/// Unix microseconds of a timestamp column, NULL where chrono cannot hold it (PostgreSQL
+/// takes `infinity` and years up to 294276): such a row is listed as unreadable instead of
+/// failing the whole statement on the cast.
+macro_rules! us {
+    ($col:literal) => {
+        concat!(
+            "CASE WHEN isfinite(",
+            $col,
+            ") AND ",
+            $col,
+            " < '262000-01-01' THEN (extract(epoch FROM ",
+            $col,
+            ") * 1000000)::bigint END"
+        )
+    };
+}
+
 pub(super) const DIALECT: Dialect = Dialect {
-    columns: "id, msg_id, topic, event_type, msg_key, schema_version, \
-              payload::text AS payload, headers::text AS headers, status, retries, \
-              (extract(epoch FROM next_retry_at) * 1000000)::bigint AS next_retry_us, \
-              (extract(epoch FROM created_at) * 1000000)::bigint AS created_us, \
-              (extract(epoch FROM sent_at) * 1000000)::bigint AS sent_us, last_error",
+    columns: concat!(
+        "id, msg_id, topic, event_type, msg_key, schema_version, \
+         payload::text AS payload, headers::text AS headers, status, retries, ",
+        us!("next_retry_at"),
+        " AS next_retry_us, ",
+        us!("created_at"),
+        " AS created_us, ",
+        us!("sent_at"),
+        " AS sent_us, last_error"
+    ),
     now: "now()",
     ph: "$1",
     lock: " FOR UPDATE SKIP LOCKED",

@@ -8,7 +8,7 @@ use diesel::result::QueryResult;
 use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status, StoredMessage};
 
 use super::{Backend, BacklogRow, Dialect, RecordRow, VersionRow};
-use crate::{EmitOptions, OutboxRecord, Result};
+use crate::{EmitOptions, OutboxRow, Result};
 
 impl<C> Backend for PooledConnection<ConnectionManager<C>>
 where
@@ -95,10 +95,10 @@ where
         status: Option<Status>,
         after_id: i64,
         limit: usize,
-    ) -> Result<Vec<OutboxRecord>> {
+    ) -> Result<Vec<OutboxRow>> {
         (**self).__list(status, after_id, limit)
     }
-    fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRecord>> {
+    fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRow>> {
         (**self).__find(msg_id)
     }
     fn __redrive(&mut self, ids: Option<&[i64]>) -> Result<usize> {

@@ -7,7 +7,7 @@ use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
 use outbox_core::{Envelope, Headers, MsgId, Status, StoredMessage};
 
 use super::Backend;
-use crate::{Error, OutboxRecord, Result};
+use crate::{Error, OutboxRecord, OutboxRow, Result, UnreadableRecord};
 
 /// The columns of a relay's message ([`StoredMessage`]) but its creation time, which
 /// the two row types below read each in their own form.
@@ -67,40 +67,123 @@ impl MessageColumns {
 }
 
 /// An outbox row as the shared queries read it: timestamps as Unix microseconds, JSON
-/// as text, so that one struct reads every backend.
+/// as text, so that one struct reads every backend. A timestamp the backend cannot turn
+/// into microseconds chrono holds comes as NULL and makes the row unreadable.
 #[derive(QueryableByName)]
 pub(crate) struct RecordRow {
     #[diesel(embed)]
     message: MessageColumns,
     #[diesel(sql_type = SmallInt)]
     status: i16,
-    #[diesel(sql_type = BigInt)]
-    next_retry_us: i64,
-    #[diesel(sql_type = BigInt)]
-    created_us: i64,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    next_retry_us: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    created_us: Option<i64>,
     #[diesel(sql_type = Nullable<BigInt>)]
     sent_us: Option<i64>,
     #[diesel(sql_type = Nullable<Text>)]
     last_error: Option<String>,
 }
 
-fn from_micros(us: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_micros(us).unwrap_or_default()
+/// The fields of a [`RecordRow`] that must decode, decoded.
+struct Decoded {
+    status: Status,
+    created_at: DateTime<Utc>,
+    next_retry_at: DateTime<Utc>,
+    msg_id: MsgId,
+    headers: Headers,
+}
+
+fn from_micros(us: i64) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(us)
 }
 
 impl RecordRow {
     pub(crate) fn into_record(self) -> Result<OutboxRecord> {
-        let status = Status::try_from(self.status).map_err(|e| self.message.corrupt(e.to_string()));
-        let m = self.message.into_stored(from_micros(self.created_us))?;
-        Ok(OutboxRecord {
+        match self.into_row() {
+            OutboxRow::Readable(record) => Ok(record),
+            OutboxRow::Unreadable(raw) => Err(Error::CorruptRow {
+                id: raw.id,
+                reason: raw.reason,
+            }),
+        }
+    }
+
+    /// The row decoded, or as stored with the reason it does not decode.
+    pub(crate) fn into_row(self) -> OutboxRow {
+        let Decoded {
+            status,
+            created_at,
+            next_retry_at,
+            msg_id,
+            headers,
+        } = match self.decoded_parts() {
+            Ok(parts) => parts,
+            Err(reason) => return OutboxRow::Unreadable(self.into_unreadable(reason)),
+        };
+        // The text columns (the payload above all) are moved, not copied: the relay's
+        // claim reads its rows through here on MySQL and SQLite.
+        let m = self.message;
+        OutboxRow::Readable(OutboxRecord {
             id: m.id,
-            status: status?,
-            retries: m.retries,
-            next_retry_at: from_micros(self.next_retry_us),
-            sent_at: self.sent_us.map(from_micros),
+            status,
+            retries: u32::try_from(m.retries).unwrap_or(0),
+            next_retry_at,
+            sent_at: self.sent_us.and_then(from_micros),
             last_error: self.last_error,
-            envelope: m.envelope,
+            envelope: Envelope {
+                msg_id,
+                topic: m.topic,
+                event_type: m.event_type,
+                key: m.msg_key,
+                schema_version: u32::try_from(m.schema_version).unwrap_or(0),
+                payload: m.payload,
+                headers,
+                created_at,
+            },
         })
+    }
+
+    /// The fields that must decode, or why one does not (the first found).
+    fn decoded_parts(&self) -> std::result::Result<Decoded, String> {
+        let status = Status::try_from(self.status).map_err(|e| e.to_string())?;
+        let at = |us: Option<i64>, column: &str| {
+            us.and_then(from_micros)
+                .ok_or_else(|| format!("{column} is out of range"))
+        };
+        let created_at = at(self.created_us, "created_at")?;
+        let next_retry_at = at(self.next_retry_us, "next_retry_at")?;
+        let msg_id = MsgId::new(self.message.msg_id.clone()).map_err(|e| e.to_string())?;
+        let headers: Headers = serde_json::from_str(&self.message.headers)
+            .map_err(|e| format!("headers are not a JSON object of strings: {e}"))?;
+        Ok(Decoded {
+            status,
+            created_at,
+            next_retry_at,
+            msg_id,
+            headers,
+        })
+    }
+
+    fn into_unreadable(self, reason: String) -> UnreadableRecord {
+        let m = self.message;
+        UnreadableRecord {
+            id: m.id,
+            status: self.status,
+            msg_id: m.msg_id,
+            topic: m.topic,
+            event_type: m.event_type,
+            key: m.msg_key,
+            schema_version: m.schema_version,
+            payload: m.payload,
+            headers: m.headers,
+            retries: m.retries,
+            next_retry_at: self.next_retry_us.and_then(from_micros),
+            created_at: self.created_us.and_then(from_micros),
+            sent_at: self.sent_us.and_then(from_micros),
+            last_error: self.last_error,
+            reason,
+        }
     }
 }
 
