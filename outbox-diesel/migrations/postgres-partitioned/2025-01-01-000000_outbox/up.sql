@@ -52,7 +52,11 @@ CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (id) WHERE status = 2;
 -- READ and SERIALIZABLE a look cannot see a row committed after the transaction's
 -- snapshot, so a concurrent insert of the same msg_id fails with a serialization failure
 -- instead (retry the transaction), as a unique index would make it.
+-- The look skips the partitions ahead (`created_at <= now_`, pruned as the statement
+-- starts): every row there is, its time its transaction's start, is older than the clock.
 CREATE OR REPLACE FUNCTION outbox_dedup_msg_id() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    now_ timestamptz;
 BEGIN
     IF NOT pg_try_advisory_xact_lock(1869968484, hashtext(NEW.msg_id)) THEN
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -62,7 +66,8 @@ BEGIN
         END IF;
         PERFORM pg_advisory_xact_lock(1869968484, hashtext(NEW.msg_id));
     END IF;
-    IF EXISTS (SELECT 1 FROM outbox WHERE msg_id = NEW.msg_id) THEN
+    now_ := clock_timestamp();  -- after the lock: the rows of those it waited for are older
+    IF EXISTS (SELECT 1 FROM outbox WHERE msg_id = NEW.msg_id AND created_at <= now_) THEN
         RETURN NULL;
     END IF;
     RETURN NEW;
@@ -76,6 +81,8 @@ CREATE TABLE IF NOT EXISTS consumed_msg (
 
 -- (consumer_group, msg_id) unique across partitions, as msg_id in outbox.
 CREATE OR REPLACE FUNCTION consumed_msg_dedup() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    now_ timestamptz;
 BEGIN
     IF NOT pg_try_advisory_xact_lock(1869968485, hashtext(NEW.consumer_group || '/' || NEW.msg_id)) THEN
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -84,8 +91,10 @@ BEGIN
         END IF;
         PERFORM pg_advisory_xact_lock(1869968485, hashtext(NEW.consumer_group || '/' || NEW.msg_id));
     END IF;
+    now_ := clock_timestamp();
     IF EXISTS (SELECT 1 FROM consumed_msg
-               WHERE consumer_group = NEW.consumer_group AND msg_id = NEW.msg_id) THEN
+               WHERE consumer_group = NEW.consumer_group AND msg_id = NEW.msg_id
+                 AND consumed_at <= now_) THEN
         RETURN NULL;
     END IF;
     RETURN NEW;
