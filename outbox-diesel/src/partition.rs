@@ -202,49 +202,56 @@ pub fn migrate_partitioned(
 ) -> Result<PartitionReport> {
     policy.validate()?;
     crate::migrate::check_version(conn)?;
-    let created = conn.transaction(|c| {
-        let mut plain = Vec::new();
-        for table in &TABLES {
-            if kind(c, table.name)? == Some(Kind::Plain) {
-                plain.push(table);
-            }
-        }
-        for table in &plain {
-            rename_to_legacy(c, table)?;
-        }
-        // Read once the old tables are locked: every row in them is older.
-        let now = db_clock(c)?;
-        c.batch_execute(POSTGRES_PARTITIONED_UP)?;
-        for table in &plain {
-            c.batch_execute(&format!(
-                "ALTER TABLE {t} ATTACH PARTITION {t}_legacy FOR VALUES FROM (MINVALUE) TO ({})",
-                literal(now),
-                t = table.name
-            ))?;
-        }
-        diesel::sql_query(
-            "UPDATE outbox_partitioning SET interval_secs = $1, premake = $2, retention_secs = $3",
-        )
-        .bind::<BigInt, _>(policy.interval.as_secs() as i64)
-        .bind::<Integer, _>(policy.premake as i32)
-        .bind::<BigInt, _>(policy.retention.as_secs() as i64)
-        .execute(c)?;
-        // In the same transaction: an emit right after the commit must find its partition.
-        let mut report = PartitionReport::default();
-        for table in &TABLES {
-            create_ahead(c, table, policy, now, &mut report)?;
-        }
-        match report.failed.first() {
-            Some((name, error)) => Err(Error::PartitionNotCreated {
-                name: name.clone(),
-                error: error.clone(),
-            }),
-            None => Ok(report),
-        }
-    })?;
+    let created = conn.transaction(|c| create_tables(c, policy))?;
     let mut rest = maintain(conn, MAINTENANCE_LOCK)?;
     rest.created.splice(0..0, created.created);
     Ok(rest)
+}
+
+/// The transaction of [`migrate_partitioned`]: converts, migrates, records the policy and
+/// makes the first partitions (what it made).
+fn create_tables(c: &mut PgConnection, policy: &PartitionPolicy) -> Result<PartitionReport> {
+    // The migration's own lock first, so that a concurrent run waits, then finds the
+    // tables partitioned.
+    c.batch_execute("SELECT pg_advisory_xact_lock(7362291004541029)")?;
+    let mut plain = Vec::new();
+    for table in &TABLES {
+        if kind(c, table.name)? == Some(Kind::Plain) {
+            plain.push(table);
+        }
+    }
+    for table in &plain {
+        rename_to_legacy(c, table)?;
+    }
+    // Read once the old tables are locked: every row in them is older.
+    let now = db_clock(c)?;
+    c.batch_execute(POSTGRES_PARTITIONED_UP)?;
+    for table in &plain {
+        c.batch_execute(&format!(
+            "ALTER TABLE {t} ATTACH PARTITION {t}_legacy FOR VALUES FROM (MINVALUE) TO ({})",
+            literal(now),
+            t = table.name
+        ))?;
+    }
+    diesel::sql_query(
+        "UPDATE outbox_partitioning SET interval_secs = $1, premake = $2, retention_secs = $3",
+    )
+    .bind::<BigInt, _>(policy.interval.as_secs() as i64)
+    .bind::<Integer, _>(policy.premake as i32)
+    .bind::<BigInt, _>(policy.retention.as_secs() as i64)
+    .execute(c)?;
+    // In the same transaction: an emit right after the commit must find its partition.
+    let mut report = PartitionReport::default();
+    for table in &TABLES {
+        create_ahead(c, table, policy, now, &mut report)?;
+    }
+    match report.failed.first() {
+        Some((name, error)) => Err(Error::PartitionNotCreated {
+            name: name.clone(),
+            error: error.clone(),
+        }),
+        None => Ok(report),
+    }
 }
 
 /// The stored policy when `outbox` is partitioned; `None` for the unpartitioned layout
