@@ -33,6 +33,9 @@ pub(crate) struct MessageColumns {
     retries: i32,
 }
 
+// Decoding the columns alone serves PostgreSQL's claim row; the others decode a whole
+// `RecordRow`.
+#[cfg(feature = "postgres")]
 impl MessageColumns {
     fn corrupt(&self, reason: String) -> Error {
         Error::CorruptRow {
