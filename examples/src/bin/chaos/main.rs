@@ -636,6 +636,8 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         produced.txs += part.txs;
         produced.errors += part.errors;
         produced.rolled_back_events += part.rolled_back_events;
+        produced.resolved_committed += part.resolved_committed;
+        produced.resolved_rolled_back += part.resolved_rolled_back;
         produced.rolled_back.extend(part.rolled_back);
     }
     let (mut tally, last_fault_end) = result?;
@@ -720,7 +722,8 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         .collect();
     eprintln!(
         "chaos: by role: {}; Redis down {:.0} s in all; producer: {} transactions committed, \
-         {} rolled back ({} events), {} failed; planned handler faults: {} fail, {} panic; \
+         {} rolled back ({} events), {} failed (of them, looked up afterwards: {} committed, \
+         {} not); planned handler faults: {} fail, {} panic; \
          SIGTERMs answered: {} (slowest {:.1} s, {} at the end)",
         roles.join(" "),
         tally.redis_down.as_secs_f64(),
@@ -728,6 +731,8 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         produced.rolled_back.len(),
         produced.rolled_back_events,
         produced.errors,
+        produced.resolved_committed,
+        produced.resolved_rolled_back,
         findings.planned_fail,
         findings.planned_panic,
         tally.terms_answered,
