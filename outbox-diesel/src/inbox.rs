@@ -215,7 +215,10 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         check_group(group, msg_id)?;
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
-        Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
+        if let Err(e) = Tm::<C>::begin_transaction(c) {
+            c.__forget_if_lost();
+            return Err(store_error(e.into()));
+        }
         let failed = match run_one(c, group, msg_id, handle) {
             Ok(processed) => match c.__commit_checked() {
                 Ok(Ok(())) => return Ok(processed),
@@ -247,7 +250,10 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         check_group(group, first)?;
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
-        Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
+        if let Err(e) = Tm::<C>::begin_transaction(c) {
+            c.__forget_if_lost();
+            return Err(store_error(e.into()));
+        }
         let mut run = || {
             let mut distinct = HashSet::with_capacity(msg_ids.len());
             let firsts: Vec<&str> = msg_ids

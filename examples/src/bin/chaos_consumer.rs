@@ -6,7 +6,8 @@
 //! ordered mode), a diesel inbox (with `--async-inbox` the async inbox on diesel-async),
 //! and the [`ApplyTick`] handler, which adds
 //! each message's sequence number to a per-key sum in the dedup transaction. It stops on
-//! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0.
+//! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0. With
+//! `--admin-addr` it serves the consumer's probes (`outbox_redis::health_router`).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -61,6 +62,10 @@ struct Args {
     /// Batch mode: up to N messages per transaction (`ConsumerConfig::batch_size`).
     #[arg(long)]
     batch_size: Option<usize>,
+    /// Serve the consumer's `/healthz` (liveness) and `/readyz` (readiness) here
+    /// (`outbox_redis::health_router`).
+    #[arg(long, value_name = "ADDR")]
+    admin_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -135,8 +140,9 @@ where
     C: ChaosDb + OutboxConnection + R2D2Connection,
 {
     let manager = ConnectionManager::<C>::new(args.database_url.as_str());
-    // r2d2 opens its first connections while building; the database is up in a chaos
-    // run (its sessions get killed, the server stays).
+    // r2d2 opens its first connections while building; a chaos run starts no consumer
+    // while its database is down (its sessions get killed, its server may crash and
+    // come back, with `--db-restart`).
     let size = args.pool_size;
     let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
         .await??;
@@ -145,7 +151,7 @@ where
         .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
         .idempotency(DieselInbox::new(pool))
         .build()?;
-    run(&consumer, stopped).await
+    run(&consumer, args, stopped).await
 }
 
 /// [`serve`] on the async inbox: handlers await their statements on the dedup
@@ -157,7 +163,7 @@ async fn serve_async(args: &Args, stopped: watch::Receiver<bool>) -> Result<(), 
         .handle_tx::<Tick, _>(ApplyTickAsync::new(args.fault_one_in))
         .idempotency_async(inbox)
         .build()?;
-    run(&consumer, stopped).await
+    run(&consumer, args, stopped).await
 }
 
 /// The default config but for the stream prefix, the partitions, ordered and batch mode.
@@ -172,11 +178,26 @@ fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
     Ok(config)
 }
 
-/// Runs `consumer` until `stopped`.
-async fn run<S>(consumer: &Consumer<S>, stopped: watch::Receiver<bool>) -> Result<(), BoxError>
+/// Runs `consumer` until `stopped`, serving its probes on `--admin-addr`.
+async fn run<S>(
+    consumer: &Consumer<S>,
+    args: &Args,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), BoxError>
 where
-    S: ConsumerStore,
+    S: ConsumerStore + 'static,
+    S::Conn: 'static,
+    Consumer<S>: Send + Sync,
 {
+    if let Some(addr) = args.admin_addr {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let app = outbox_redis::health_router(consumer.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                eprintln!("chaos_consumer: the admin endpoint stopped: {e}");
+            }
+        });
+    }
     // `run_until` fails when Redis is unreachable at start (it creates the groups
     // first); a deployment restarts the process, here it waits for Redis itself.
     loop {

@@ -193,6 +193,13 @@ pub(crate) trait Backend: Connection + Sized {
         Ok(true)
     }
 
+    /// After a statement failed outside a transaction: marks the connection broken if
+    /// it no longer reaches its server, so that the pool drops it instead of handing it
+    /// out again. (Inside a transaction a failed rollback marks it.) Nothing to do on
+    /// PostgreSQL, whose connection marks itself (diesel reads libpq's status after each
+    /// statement), nor on SQLite.
+    fn __forget_if_lost(&mut self) {}
+
     /// The unordered claim statement (for EXPLAIN tests too).
     fn __claim_sql(limit: usize) -> String {
         let d = &Self::DIALECT;

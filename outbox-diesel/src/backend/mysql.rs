@@ -335,6 +335,17 @@ impl Backend for MysqlConnection {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
+    fn __forget_if_lost(&mut self) {
+        // diesel's `MysqlConnection` does not notice that its server has gone away: r2d2
+        // took a dead connection back as healthy and, on a pool that skips the check on
+        // check-out, handed it out for every claim, long after the server had come back
+        // (a relay never resumed after its MariaDB's restart). One round trip, after a
+        // failure only.
+        if self.batch_execute("DO 0").is_err() {
+            AnsiTransactionManager::transaction_manager_status_mut(self).set_in_error();
+        }
+    }
+
     fn __transaction_open(&mut self) -> Result<bool> {
         // Outside a transaction a savepoint ends with its own statement, so releasing it
         // fails (1305) exactly when no transaction is open. (`@@in_transaction` would

@@ -72,6 +72,9 @@ where
     fn __transaction_open(&mut self) -> Result<bool> {
         (**self).__transaction_open()
     }
+    fn __forget_if_lost(&mut self) {
+        (**self).__forget_if_lost();
+    }
     fn __claim_sql(limit: usize) -> String {
         C::__claim_sql(limit)
     }

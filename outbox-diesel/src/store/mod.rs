@@ -171,7 +171,10 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
-            c.__begin_bounded_claim(how.stall)?;
+            if let Err(e) = c.__begin_bounded_claim(how.stall) {
+                c.__forget_if_lost();
+                return Err(e);
+            }
             let claimed = first(c).and_then(|noted| {
                 let rows = match how.order {
                     ClaimOrder::PerKey => c.__claim_per_key(limit, &held),

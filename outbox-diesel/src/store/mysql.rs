@@ -96,7 +96,15 @@ impl RelayStore for MysqlRelayStore {
 
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
         let pool = self.pool.clone();
-        Ok(blocking(move || pool.get()?.__backlog()).await?)
+        Ok(blocking(move || {
+            let mut conn = pool.get()?;
+            let backlog = conn.__backlog();
+            if backlog.is_err() {
+                conn.__forget_if_lost();
+            }
+            backlog
+        })
+        .await?)
     }
 
     /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the

@@ -64,7 +64,7 @@ pub(crate) enum State {
 }
 
 /// What happened to a process on its own.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Event {
     /// Exited without being told to.
     UnexpectedExit(String, ExitStatus),
@@ -83,6 +83,9 @@ pub(crate) struct Proc {
     child: Option<Child>,
     pub(crate) state: State,
     starts: u32,
+    /// The loopback port of its HTTP probes (the relay's `--admin-addr`, the consumer's
+    /// `/healthz` and `/readyz`).
+    pub(crate) admin_port: u16,
 }
 
 impl Proc {
@@ -92,6 +95,7 @@ impl Proc {
         program: PathBuf,
         args: Vec<OsString>,
         log: PathBuf,
+        admin_port: u16,
     ) -> Self {
         Self {
             name,
@@ -102,6 +106,7 @@ impl Proc {
             child: None,
             state: State::Down(Instant::now()),
             starts: 0,
+            admin_port,
         }
     }
 

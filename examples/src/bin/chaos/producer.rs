@@ -25,6 +25,10 @@ pub(crate) struct Produced {
     pub(crate) rolled_back_events: u64,
     /// Transactions that failed on their own (and were not retried as such).
     pub(crate) errors: u64,
+    /// Of those, transactions whose outcome was looked up afterwards: committed after
+    /// all, or not.
+    pub(crate) resolved_committed: u64,
+    pub(crate) resolved_rolled_back: u64,
 }
 
 pub(crate) struct Settings {
@@ -54,6 +58,10 @@ impl From<outbox_diesel::Error> for TxError {
     }
 }
 
+/// How long a producer waits for its database to take connections again before the run
+/// fails: well past the longest planned outage (`--db-restart`).
+const DOWN_LIMIT: Duration = Duration::from_secs(300);
+
 /// Starts `threads` producer threads sharing `settings.events`.
 pub(crate) fn start(
     settings: &Settings,
@@ -64,34 +72,18 @@ pub(crate) fn start(
     (0..threads)
         .map(|i| {
             let share = settings.events / threads + u64::from(i < settings.events % threads);
-            let (backend, url, keys, within) = (
-                settings.backend,
-                settings.url.clone(),
-                settings.keys,
-                settings.within,
-            );
             let seed = settings.seed.wrapping_mul(31).wrapping_add(i);
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut conn = match backend {
-                    Backend::Postgres => PgConnection::establish(&url).map(Conn::Pg),
-                    Backend::Mysql => MysqlConnection::establish(&url).map(Conn::My),
-                }
-                .map_err(|e| e.to_string())?;
-                let mut p = Producer {
-                    rng: fastrand::Rng::with_seed(seed),
-                    id: i,
-                    share,
-                    keys,
-                    within,
-                    stop,
-                };
-                match &mut conn {
-                    Conn::Pg(c) => p.run(c),
-                    Conn::My(c) => p.run(c),
-                }
-                .map_err(|e| e.to_string())
-            })
+            let mut p = Producer {
+                rng: fastrand::Rng::with_seed(seed),
+                id: i,
+                share,
+                keys: settings.keys,
+                within: settings.within,
+                stop: stop.clone(),
+                backend: settings.backend,
+                url: settings.url.clone(),
+            };
+            std::thread::spawn(move || p.run().map_err(|e| e.to_string()))
         })
         .collect()
 }
@@ -103,16 +95,102 @@ struct Producer {
     keys: usize,
     within: Duration,
     stop: Arc<AtomicBool>,
+    backend: Backend,
+    url: String,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+/// One producer transaction: the next `Tick` of each of `keys`, rolled back if `doomed`.
+fn transact<C: ChaosDb>(c: &mut C, keys: &[String], tx: u64, doomed: bool) -> Result<(), TxError> {
+    c.transaction(|c| {
+        for k in keys {
+            c.emit_next(k, tx)?;
+        }
+        if doomed {
+            return Err(TxError::Rollback);
+        }
+        Ok(())
+    })
+}
+
+/// Whether transaction `tx` committed: its msg_ids (`{key}/{seq}/{tx}:Tick`) name it, and
+/// its outbox rows exist exactly if it did.
+fn committed(conn: &mut Conn, tx: u64) -> Result<bool, diesel::result::Error> {
+    use diesel::RunQueryDsl as _;
+    let q = diesel::sql_query(format!(
+        "SELECT COUNT(*) AS n FROM outbox WHERE msg_id LIKE '%/{tx}:Tick'"
+    ));
+    let rows: Vec<Count> = match conn {
+        Conn::Pg(c) => q.load(c)?,
+        Conn::My(c) => q.load(c)?,
+    };
+    Ok(rows.first().is_some_and(|r| r.n > 0))
 }
 
 impl Producer {
-    fn run<C: ChaosDb>(&mut self, conn: &mut C) -> Result<Produced, BoxError> {
+    fn connect(&self) -> diesel::ConnectionResult<Conn> {
+        match self.backend {
+            Backend::Postgres => PgConnection::establish(&self.url).map(Conn::Pg),
+            Backend::Mysql => MysqlConnection::establish(&self.url).map(Conn::My),
+        }
+    }
+
+    fn run(&mut self) -> Result<Produced, BoxError> {
         let mut out = Produced::default();
         let started = Instant::now();
         let per_sec = self.share as f64 / self.within.as_secs_f64().max(0.001);
         let mut failures_in_a_row = 0;
         let mut n = 0u64;
+        let mut conn: Option<Conn> = None;
+        let mut down_since: Option<Instant> = None;
+        // A transaction that failed with the outcome of its COMMIT unknown (the server
+        // crashed around it): looked up once a connection works again, so that the
+        // counts stay exact. (Its numbers were taken in the transaction itself, so the
+        // next one never reuses them: nothing is emitted again.)
+        let mut unresolved: Option<(u64, u64)> = None;
         while out.events < self.share && !self.stop.load(Ordering::Relaxed) {
+            let c = match conn.as_mut() {
+                Some(c) => c,
+                None => match self.connect() {
+                    Ok(c) => {
+                        down_since = None;
+                        conn.insert(c)
+                    }
+                    Err(e) => {
+                        let since = *down_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() > DOWN_LIMIT {
+                            return Err(format!(
+                                "producer {}: no connection for {DOWN_LIMIT:?}: {e}",
+                                self.id
+                            )
+                            .into());
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                        continue;
+                    }
+                },
+            };
+            if let Some((tx, size)) = unresolved {
+                match committed(c, tx) {
+                    Ok(true) => {
+                        out.events += size;
+                        out.txs += 1;
+                        out.resolved_committed += 1;
+                    }
+                    Ok(false) => out.resolved_rolled_back += 1,
+                    Err(_) => {
+                        conn = None;
+                        continue;
+                    }
+                }
+                unresolved = None;
+                continue;
+            }
             let due = started + Duration::from_secs_f64(out.events as f64 / per_sec);
             let now = Instant::now();
             if now < due {
@@ -129,15 +207,10 @@ impl Producer {
                 .map(|_| key_name(self.rng.usize(0..self.keys)))
                 .collect();
             keys.sort();
-            let result = conn.transaction(|c| {
-                for k in &keys {
-                    c.emit_next(k, tx)?;
-                }
-                if doomed {
-                    return Err(TxError::Rollback);
-                }
-                Ok(())
-            });
+            let result = match c {
+                Conn::Pg(c) => transact(c, &keys, tx, doomed),
+                Conn::My(c) => transact(c, &keys, tx, doomed),
+            };
             match result {
                 Ok(()) => {
                     out.events += size;
@@ -156,6 +229,16 @@ impl Producer {
                         return Err(
                             format!("producer {}: 20 failures in a row: {e}", self.id).into()
                         );
+                    }
+                    // The connection may be gone with its server: a new one, on which
+                    // the outcome is looked up first.
+                    conn = None;
+                    if doomed {
+                        // Never committed, whatever failed: no trace of it may show.
+                        out.rolled_back.push(tx);
+                        out.rolled_back_events += size;
+                    } else {
+                        unresolved = Some((tx, size));
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }
