@@ -34,6 +34,7 @@ use outbox_diesel::{ClaimOrder, Notify};
 
 mod consumer;
 mod cpu;
+mod day;
 mod emit;
 mod machine;
 mod plot;
@@ -58,9 +59,10 @@ struct Args {
     #[arg(long)]
     rounds: Option<usize>,
     /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
-    /// async-emit, plots, scale. Without it, every part but scale (a drain with the
-    /// horizon held back and the claim against 50M rows: about half an hour), which runs
-    /// by default only with --tiny.
+    /// async-emit, plots, scale, day. Without it, every part but scale (a drain with the
+    /// horizon held back and the claim against 50M rows: about half an hour) and day (a
+    /// compressed day of partitions: about three minutes), which run by default only
+    /// with --tiny.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these figures of the consumer part, by their place in its list (from 0; e.g.
@@ -82,7 +84,7 @@ struct Args {
 
 impl Args {
     fn runs(&self, part: &str) -> bool {
-        let by_default = part != "scale" || self.tiny;
+        let by_default = !matches!(part, "scale" | "day") || self.tiny;
         (self.only.is_empty() && by_default) || self.only.iter().any(|p| p == part)
     }
 }
@@ -102,6 +104,8 @@ struct Sizes {
     scale_drain: usize,
     /// Table sizes the claim is timed at (`scale`).
     scale_rows: Vec<usize>,
+    /// The compressed day (`day`).
+    day: day::DaySize,
 }
 
 impl Sizes {
@@ -119,6 +123,11 @@ impl Sizes {
                 relay_counts: vec![1, 2],
                 scale_drain: 5_000,
                 scale_rows: vec![10_000, 50_000],
+                day: day::DaySize {
+                    rate: 100,
+                    duration: Duration::from_secs(6),
+                    interval: Duration::from_secs(2),
+                },
             }
         } else {
             Self {
@@ -133,6 +142,11 @@ impl Sizes {
                 relay_counts: vec![1, 2, 4],
                 scale_drain: 200_000,
                 scale_rows: vec![10_000, 1_000_000, 10_000_000, 50_000_000],
+                day: day::DaySize {
+                    rate: 1000,
+                    duration: Duration::from_secs(150),
+                    interval: Duration::from_secs(10),
+                },
             }
         };
         if let Some(rounds) = args.rounds {
@@ -379,6 +393,9 @@ async fn main() -> Result<(), BoxError> {
     }
     if args.runs("scale") {
         scale::part(&sizes, &svc, &args.out, &mut figures).await?;
+    }
+    if args.runs("day") {
+        day::part(&sizes.day, &svc, &args.out, &mut figures).await?;
     }
     let table = stats::table(&figures, !args.tiny);
     let load_after = machine::load();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
 use outbox_core::{Error, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage};
-use outbox_diesel::{ClaimOrder, Emit as _, PgRelayStore};
+use outbox_diesel::{ClaimOrder, Emit as _, PartitionPolicy, PgRelayStore};
 use outbox_examples::AccountTransferred;
 use outbox_redis::{PublisherConfig, RedisPublisher};
 
@@ -38,14 +38,21 @@ impl RelayBench {
 
     /// On the partitioned layout if `partitioned` (`migrate_partitioned`, default policy).
     pub(crate) async fn with_layout(svc: &Service, partitioned: bool) -> Result<Self, BoxError> {
-        let layout = if partitioned { "_parted" } else { "" };
+        Self::with_policy(svc, partitioned.then(PartitionPolicy::default)).await
+    }
+
+    /// On the partitioned layout with `policy`, or on the unpartitioned one.
+    pub(crate) async fn with_policy(
+        svc: &Service,
+        policy: Option<PartitionPolicy>,
+    ) -> Result<Self, BoxError> {
+        let layout = if policy.is_some() { "_parted" } else { "" };
         let schema = format!("bench_relay_{}{layout}", std::process::id());
         let url = svc.schema(&schema)?;
         let mut conn = PgConnection::establish(&url)?;
-        if partitioned {
-            outbox_diesel::migrate_partitioned(&mut conn, &Default::default())?;
-        } else {
-            outbox_diesel::migrate(&mut conn)?;
+        match &policy {
+            Some(policy) => drop(outbox_diesel::migrate_partitioned(&mut conn, policy)?),
+            None => outbox_diesel::migrate(&mut conn)?,
         }
         let bench = Self {
             svc: svc.clone(),
@@ -152,7 +159,11 @@ impl RelayBench {
         }
     }
 
-    fn publisher(&self, sink: Sink, max_len: Option<usize>) -> Result<AnyPublisher, BoxError> {
+    pub(crate) fn publisher(
+        &self,
+        sink: Sink,
+        max_len: Option<usize>,
+    ) -> Result<AnyPublisher, BoxError> {
         Ok(match sink {
             Sink::Count => AnyPublisher::Count,
             Sink::Redis => AnyPublisher::Redis(Box::new(
@@ -238,10 +249,7 @@ impl RelayBench {
         self.fill(0, 1)?;
         self.clear_streams().await?;
         let committed: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let publisher = TimingPublisher {
-            inner: self.publisher(Sink::Redis, None)?,
-            published: Arc::default(),
-        };
+        let publisher = TimingPublisher::new(self.publisher(Sink::Redis, None)?);
         let published = Arc::clone(&publisher.published);
         let url = self.url.clone();
         let store = tokio::task::spawn_blocking(move || PgRelayStore::connect(&url, 2)).await??;
@@ -407,9 +415,18 @@ impl Publisher for Counted {
 }
 
 /// Notes when each message's XADD was acknowledged.
-struct TimingPublisher {
+pub(crate) struct TimingPublisher {
     inner: AnyPublisher,
-    published: Arc<Mutex<HashMap<String, Instant>>>,
+    pub(crate) published: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl TimingPublisher {
+    pub(crate) fn new(inner: AnyPublisher) -> Self {
+        Self {
+            inner,
+            published: Arc::default(),
+        }
+    }
 }
 
 impl Publisher for TimingPublisher {
