@@ -1,0 +1,215 @@
+//! PostgreSQL: its dialect and the `Backend` impl; the statements of each role in a
+//! module of its own (the claim, emit, the consumers' dedup rows, emit on diesel-async).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use diesel::connection::{AnsiTransactionManager, SimpleConnection as _};
+use diesel::result::QueryResult;
+use diesel::sql_types::Integer;
+use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
+use outbox_core::{Envelope, StoredMessage};
+
+use super::{Backend, BacklogRow, Dialect, RecordRow, VersionRow};
+use crate::{EmitOptions, Result};
+
+/// Unix microseconds of a timestamp column, NULL where chrono cannot hold it (PostgreSQL
+/// takes `infinity` and years up to 294276): such a row is listed as unreadable instead of
+/// failing the whole statement on the cast.
+macro_rules! us {
+    ($col:literal) => {
+        concat!(
+            "CASE WHEN isfinite(",
+            $col,
+            ") AND ",
+            $col,
+            " < '262000-01-01' THEN (extract(epoch FROM ",
+            $col,
+            ") * 1000000)::bigint END"
+        )
+    };
+}
+
+pub(super) const DIALECT: Dialect = Dialect {
+    columns: concat!(
+        "id, msg_id, topic, event_type, msg_key, schema_version, \
+         payload::text AS payload, headers::text AS headers, status, retries, ",
+        us!("next_retry_at"),
+        " AS next_retry_us, ",
+        us!("created_at"),
+        " AS created_us, ",
+        us!("sent_at"),
+        " AS sent_us, last_error"
+    ),
+    now: "now()",
+    ph: "$1",
+    lock: " FOR UPDATE SKIP LOCKED",
+    backlog: "SELECT \
+        (SELECT count(*) FROM outbox WHERE status = 0 AND next_retry_at <= now()) AS due, \
+        (SELECT (extract(epoch FROM now() - min(created_at)) * 1000000)::bigint \
+           FROM outbox WHERE status = 0 AND next_retry_at <= now()) AS oldest_us, \
+        (SELECT count(*) FROM outbox WHERE status = 2) AS dead",
+    // The statement's start, not the transaction's: the claim's transaction began
+    // before the batch was published.
+    later: |us| format!("(statement_timestamp() + interval '{us} microseconds')"),
+    ago: |us| format!("(now() - interval '{us} microseconds')"),
+    delete_limited: |table, filter, order, n| {
+        format!(
+            "DELETE FROM {table} WHERE ctid = ANY(ARRAY(\
+             SELECT ctid FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}))"
+        )
+    },
+    // The claim commits without waiting for its flush (`COMMIT_SETTINGS`), but a
+    // DEAD mark frees its key: it must be on disk before a later message of the key
+    // can be published, or a crash could bring the dead message back behind it.
+    // (`on` where the server is set to `remote_apply` still waits for the synchronous
+    // standbys' flush, which is what a failover needs.)
+    durable_dead: Some("SET LOCAL synchronous_commit = on"),
+};
+
+mod claim;
+mod emit;
+mod inbox;
+
+use claim::{
+    MarkSent, begin_claim_sql, claim, claim_per_key, claim_sql, mark_sent_and_commit_sql,
+    per_key_claim_sql,
+};
+use emit::insert;
+use inbox::{ConsumedDelete, ConsumedInsert, ConsumedInsertBatch};
+#[cfg(feature = "async-postgres")]
+mod nonblocking;
+
+impl Backend for PgConnection {
+    const __MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
+    const DIALECT: Dialect = DIALECT;
+
+    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+        super::load_rows(self, sql, bind)
+    }
+
+    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+        super::execute_sql(self, sql, bind)
+    }
+
+    fn __migration_sql(&mut self) -> Result<&'static str> {
+        Ok(match crate::partition::partition_policy(self)? {
+            Some(_) => crate::partition::POSTGRES_PARTITIONED_UP,
+            None => Self::__MIGRATION,
+        })
+    }
+
+    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
+        super::load_one(self, DIALECT.backlog)
+    }
+
+    fn version_row(&mut self) -> QueryResult<VersionRow> {
+        super::load_one(self, super::VERSION_SQL)
+    }
+
+    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
+        super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
+    fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+        insert(self, options, envelopes)
+    }
+
+    fn __begin_claim(&mut self) -> Result<()> {
+        self.__begin_bounded_claim(Duration::ZERO)
+    }
+
+    fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
+        let begun = AnsiTransactionManager::begin_transaction_sql(self, &begin_claim_sql(stall));
+        if begun.is_err() {
+            // BEGIN may have run before a later statement of the string failed: leave
+            // no transaction open on a connection that goes back to the pool.
+            let _ = self.batch_execute("ROLLBACK");
+        }
+        Ok(begun?)
+    }
+
+    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+        Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
+    }
+
+    fn __insert_consumed_batch(
+        &mut self,
+        group: &str,
+        msg_ids: &[&str],
+    ) -> Result<Option<HashSet<String>>> {
+        let mut sorted = msg_ids.to_vec();
+        sorted.sort_unstable();
+        let new: Vec<String> = ConsumedInsertBatch {
+            group,
+            msg_ids: &sorted,
+        }
+        .load(self)?;
+        Ok(Some(new.into_iter().collect()))
+    }
+
+    fn __delete_consumed(&mut self, group: &str, msg_id: &str) -> Result<()> {
+        ConsumedDelete { group, msg_id }.execute(self)?;
+        Ok(())
+    }
+
+    fn __check_committable(&mut self) -> Result<()> {
+        // Any statement fails in an aborted transaction; this one is prepared once.
+        diesel::select(1i32.into_sql::<Integer>()).execute(self)?;
+        Ok(())
+    }
+
+    fn __commit_checked(&mut self) -> Result<Result<()>> {
+        // One round trip for the check and the COMMIT (the consumer's single mode ran
+        // five statements per message where a plain loop runs four): in a simple-query
+        // string the statements after a failed one do not run, so an aborted
+        // transaction fails the `SELECT 1` and stays open, while a healthy one commits.
+        // libpq's transaction status, which diesel follows, tells the two failures
+        // apart.
+        match self.batch_execute("SELECT 1; COMMIT") {
+            Ok(()) => Ok(Ok(())),
+            Err(e) => {
+                let status = <AnsiTransactionManager as diesel::connection::TransactionManager<
+                    Self,
+                >>::transaction_manager_status_mut(self);
+                match status.transaction_depth() {
+                    Ok(Some(_)) => Ok(Err(e.into())),
+                    _ => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+        per_key_claim_sql(limit, held)
+    }
+
+    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+        claim_per_key(self, limit, held)
+    }
+
+    fn __claim_sql(limit: usize) -> String {
+        claim_sql(limit, false)
+    }
+
+    fn __claim(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+        claim(self, limit, held)
+    }
+
+    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+        MarkSent { ids }.execute(self)?;
+        Ok(())
+    }
+
+    fn __mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
+        // One simple-query string, one round trip where the prepared `MarkSent` and the
+        // COMMIT took two: a relay's batch is otherwise BEGIN, claim, publish, mark,
+        // COMMIT, and each round trip counts where the database is across a network.
+        // The array is one constant to parse and the plan a primary-key lookup (on
+        // loopback, where a round trip is cheap, the bench's drain and latency figures
+        // stayed within their noise: BENCHMARKS.md). After a failed UPDATE the COMMIT
+        // does not run and the transaction stays open, to be rolled back; a failed
+        // COMMIT has ended it (diesel follows libpq's transaction status either way).
+        Ok(self.batch_execute(&mark_sent_and_commit_sql(ids))?)
+    }
+}
