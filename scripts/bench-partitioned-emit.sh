@@ -6,6 +6,9 @@
 #
 #   bash scripts/bench-partitioned-emit.sh [SECONDS_PER_RUN] [ROUNDS]
 #
+# With SYNCHRONOUS_COMMIT=off every session commits without waiting for its WAL flush:
+# where the disk's flush time drifts from run to run, this shows the statements' own cost.
+#
 # Needs the local PostgreSQL (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/test)
 # and the `outbox` binary (built if missing).
 set -euo pipefail
@@ -40,7 +43,7 @@ script emit " ON CONFLICT DO NOTHING"
 declare -A tps
 run() { # way schema script clients
     local out
-    out="$(PGOPTIONS="-c search_path=$2" pgbench -n -M prepared -c "$4" -j "$4" -T "$secs" -f "$work/$3.sql" "$url" 2>&1)"
+    out="$(PGOPTIONS="-c search_path=$2 -c synchronous_commit=${SYNCHRONOUS_COMMIT:-on}" pgbench -n -M prepared -c "$4" -j "$4" -T "$secs" -f "$work/$3.sql" "$url" 2>&1)"
     grep -oP 'tps = \K[0-9.]+' <<<"$out" | head -1
 }
 for clients in 1 8; do
