@@ -18,8 +18,15 @@ use crate::valid;
 /// Expands the derive; on error, the errors plus a stub impl so the user sees the real
 /// mistakes and not a cascade of "trait not implemented".
 pub(crate) fn derive(input: &DeriveInput) -> TokenStream {
+    derive_in(input, "outbox_core")
+}
+
+/// [`derive`], reaching `outbox-core` by `::<default_krate>` unless `#[outbox(crate)]`
+/// says otherwise.
+pub(crate) fn derive_in(input: &DeriveInput, default_krate: &'static str) -> TokenStream {
     let cx = Ctxt::default();
-    let event = Event::from_input(&cx, input);
+    let mut event = Event::from_input(&cx, input);
+    event.default_krate = default_krate;
     valid::check(&cx, &event);
     match cx.finish() {
         Ok(()) => expand(&event),
@@ -152,7 +159,10 @@ fn checked_parts<'a>(event: &'a Event<'_>, args: &'a [Ident]) -> impl Iterator<I
 fn krate(event: &Event<'_>) -> TokenStream {
     match &event.krate {
         Some(path) => path.to_token_stream(),
-        None => quote!(::outbox_core),
+        None => {
+            let krate = Ident::new(event.default_krate, Span::call_site());
+            quote!(::#krate)
+        }
     }
 }
 
@@ -163,8 +173,9 @@ fn krate(event: &Event<'_>) -> TokenStream {
 fn private_at(event: &Event<'_>, span: Span, segments: &[&str]) -> TokenStream {
     match &event.krate {
         None => {
+            let krate = Ident::new(event.default_krate, span);
             let segments = segments.iter().map(|s| Ident::new(s, span));
-            quote_spanned!(span=> ::outbox_core::__private #(::#segments)*)
+            quote_spanned!(span=> ::#krate::__private #(::#segments)*)
         }
         Some(path) => {
             let segments = segments.iter().map(|s| format_ident!("{s}"));
