@@ -318,7 +318,7 @@ fn fallback(event: &Event<'_>) -> Option<TokenStream> {
 }
 
 /// Expansion snapshots in `src/snapshots/`. After a deliberate change, regenerate them with
-/// `INSTA_UPDATE=always cargo test -p outbox-derive` (or `cargo insta review`) and review
+/// `INSTA_UPDATE=always cargo test -p typed-outbox-derive` (or `cargo insta review`) and review
 /// every changed `.snap` as code.
 #[cfg(test)]
 mod tests {
