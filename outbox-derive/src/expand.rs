@@ -521,4 +521,25 @@ mod tests {
         assert!(!out.contains("outbox_core"), "{out}");
         insta::assert_snapshot!(out);
     }
+    /// The facade's derive reaches `::outbox` everywhere, the stub after an error included,
+    /// and `crate = "..."` still wins over it.
+    #[test]
+    fn facade_derive_reaches_the_facade() {
+        let facade = |input: TokenStream| {
+            let input: DeriveInput = syn::parse2(input).expect("a derive input");
+            super::derive_in(&input, "outbox").to_string()
+        };
+        for input in [
+            quote! { struct A { #[outbox(id)] id: String } },
+            quote! { #[outbox(topic = "")] struct A { #[outbox(id)] id: String } },
+        ] {
+            let out = facade(input);
+            assert!(out.contains(":: outbox :: __private"), "{out}");
+            assert!(!out.contains("outbox_core"), "{out}");
+        }
+        let out = facade(
+            quote! { #[outbox(crate = "my_app::outbox")] struct A { #[outbox(id)] id: String } },
+        );
+        assert!(out.contains("my_app :: outbox :: __private"), "{out}");
+    }
 }
