@@ -68,7 +68,7 @@
 pub use outbox_core::*;
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent): the attributes and what it generates are
-/// documented on `outbox_core`'s derive. Its code reaches this crate as `::outbox`; a
+/// documented on [`outbox_core`'s derive](macro@outbox_core::OutboxEvent). Its code reaches this crate as `::outbox`; a
 /// crate that renames the dependency names its path with `#[outbox(crate = "...")]`.
 #[cfg(feature = "derive")]
 #[doc(inline)]
