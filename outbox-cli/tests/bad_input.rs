@@ -743,6 +743,8 @@ fn out_of_range_numbers_and_negative_durations_are_usage_errors() {
         relay(&["--shutdown-timeout", "99999999999999999999999y"]),
         relay(&["--stall-timeout", "-30s"]),
         relay(&["--admin-addr", "999.1.1.1:99999"]),
+        // The former name of --admin-addr, removed before 0.1.0.
+        relay(&["--metrics-addr", "127.0.0.1:9464"]),
         relay(&["--order", "random"]),
         with_db(&["purge", "sent", "--older-than", "-7d"]),
         with_db(&["purge", "sent", "--older-than", "7d", "--batch-size", "0"]),
