@@ -521,6 +521,7 @@ mod tests {
         assert!(!out.contains("outbox_core"), "{out}");
         insta::assert_snapshot!(out);
     }
+
     /// The facade's derive reaches `::outbox` everywhere, the stub after an error included,
     /// and `crate = "..."` still wins over it.
     #[test]

@@ -60,7 +60,7 @@
 //!
 //! Name at least one of `postgres`, `mysql`, `sqlite` for the database side, and `redis`
 //! for the broker. The parts are also published on their own (`typed-outbox-core`,
-//! `-derive`, `-diesel`, `-redis`, each with the same features) for crates that need one
+//! `-derive`, `-diesel`, `-redis`, each with its own features) for crates that need one
 //! of them only.
 #![doc(test(attr(deny(warnings))))]
 
