@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 secs="${1:-10}"; rounds="${2:-3}"
 url="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 bin="${OUTBOX_BIN:-${CARGO_TARGET_DIR:-target}/release/outbox}"
-[ -x "$bin" ] || cargo build -q --release -p outbox-cli
+[ -x "$bin" ] || cargo build -q --release -p typed-outbox-cli
 tag="bench_pemit_$$"
 work="$(mktemp -d)"
 cleanup() {

@@ -284,9 +284,9 @@ pub(crate) struct RelayArgs {
     /// Serve, at http://ADDR: /metrics (Prometheus: backlog, published, failures, batch
     /// timings), /healthz (200 when the database and Redis answer, else 503 naming the
     /// one down) and /readyz (200 while the oldest due message is younger than
-    /// --ready-max-age, else 503). `--metrics-addr` is its former name.
+    /// --ready-max-age, else 503).
     #[cfg(feature = "admin")]
-    #[arg(long, alias = "metrics-addr", value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR")]
     pub(crate) admin_addr: Option<std::net::SocketAddr>,
     /// /readyz answers 503 once the oldest due message is older than this: the relay is
     /// not keeping up (or cannot publish).

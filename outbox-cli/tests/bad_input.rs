@@ -233,7 +233,7 @@ fn relay_with_a_wrong_redis_password(db: &TestDb) {
             db,
             &url,
             &[
-                "--metrics-addr",
+                "--admin-addr",
                 &metrics.to_string(),
                 "--poll-interval",
                 "100ms",
@@ -304,7 +304,7 @@ fn relay_never_shows_passwords(database_url: &str, db_password: &str) {
             &redis_url,
             "--stream-prefix",
             &prefix,
-            "--metrics-addr",
+            "--admin-addr",
             &metrics.to_string(),
         ],
         "debug",
@@ -742,7 +742,9 @@ fn out_of_range_numbers_and_negative_durations_are_usage_errors() {
         relay(&["--poll-interval", "1 fortnight"]),
         relay(&["--shutdown-timeout", "99999999999999999999999y"]),
         relay(&["--stall-timeout", "-30s"]),
-        relay(&["--metrics-addr", "999.1.1.1:99999"]),
+        relay(&["--admin-addr", "999.1.1.1:99999"]),
+        // The former name of --admin-addr, removed before 0.1.0.
+        relay(&["--metrics-addr", "127.0.0.1:9464"]),
         relay(&["--order", "random"]),
         with_db(&["purge", "sent", "--older-than", "-7d"]),
         with_db(&["purge", "sent", "--older-than", "7d", "--batch-size", "0"]),

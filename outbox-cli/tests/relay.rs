@@ -211,7 +211,7 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
     db.emit(1..=3);
     let streams = Streams::new();
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
-    let mut relay = start_relay(&db, &streams.prefix, &["--metrics-addr", &addr.to_string()]);
+    let mut relay = start_relay(&db, &streams.prefix, &["--admin-addr", &addr.to_string()]);
     streams.wait_for(3, &mut relay);
 
     let metrics = scrape(addr);

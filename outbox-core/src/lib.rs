@@ -68,7 +68,7 @@ pub use store::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore};
 /// | `#[outbox(partitions = 8)]` | the partition streams each of its topics is spread over by ordering key, 1 to [`MAX_PARTITIONS`] ([`OutboxEvent::PARTITIONS`](trait@OutboxEvent); docs/partitions.md) | `1`: one stream a topic |
 /// | `#[outbox(key = field)]` | the ordering key: messages sharing it are published in order | the business key |
 /// | `#[outbox(id = "{tenant}/{order_id}")]` | the business key as a template over fields | — |
-/// | `#[outbox(crate = "my_app::outbox")]` | the path the generated code reaches `outbox-core` by | `::outbox_core` |
+/// | `#[outbox(crate = "my_app::outbox")]` | the path the generated code reaches `outbox-core` by | `::outbox_core`; through the `typed-outbox` facade, `::outbox` |
 ///
 /// On fields: `#[outbox(id)]` marks the business key; several marked fields join with `:`
 /// in field order. Exactly one of field ids and a template is required.

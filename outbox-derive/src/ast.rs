@@ -24,6 +24,9 @@ pub(crate) struct Event<'a> {
     /// `#[outbox(crate = "...")]`: the path generated code reaches `outbox-core` by, in
     /// place of `::outbox_core`.
     pub(crate) krate: Option<Path>,
+    /// The crate reached without `crate = "..."`: `outbox_core`, or `outbox` for the
+    /// derive the `typed-outbox` facade re-exports.
+    pub(crate) default_krate: &'static str,
     /// A struct's single variant, or an enum's variants; empty for a union.
     pub(crate) variants: Vec<Variant<'a>>,
 }
@@ -134,6 +137,7 @@ impl<'a> Event<'a> {
             version,
             partitions,
             krate,
+            default_krate: "outbox_core",
             variants: Vec::new(),
         };
         match &input.data {

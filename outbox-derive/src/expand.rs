@@ -18,8 +18,15 @@ use crate::valid;
 /// Expands the derive; on error, the errors plus a stub impl so the user sees the real
 /// mistakes and not a cascade of "trait not implemented".
 pub(crate) fn derive(input: &DeriveInput) -> TokenStream {
+    derive_in(input, "outbox_core")
+}
+
+/// [`derive`], reaching `outbox-core` by `::<default_krate>` unless `#[outbox(crate)]`
+/// says otherwise.
+pub(crate) fn derive_in(input: &DeriveInput, default_krate: &'static str) -> TokenStream {
     let cx = Ctxt::default();
-    let event = Event::from_input(&cx, input);
+    let mut event = Event::from_input(&cx, input);
+    event.default_krate = default_krate;
     valid::check(&cx, &event);
     match cx.finish() {
         Ok(()) => expand(&event),
@@ -152,7 +159,10 @@ fn checked_parts<'a>(event: &'a Event<'_>, args: &'a [Ident]) -> impl Iterator<I
 fn krate(event: &Event<'_>) -> TokenStream {
     match &event.krate {
         Some(path) => path.to_token_stream(),
-        None => quote!(::outbox_core),
+        None => {
+            let krate = Ident::new(event.default_krate, Span::call_site());
+            quote!(::#krate)
+        }
     }
 }
 
@@ -163,8 +173,9 @@ fn krate(event: &Event<'_>) -> TokenStream {
 fn private_at(event: &Event<'_>, span: Span, segments: &[&str]) -> TokenStream {
     match &event.krate {
         None => {
+            let krate = Ident::new(event.default_krate, span);
             let segments = segments.iter().map(|s| Ident::new(s, span));
-            quote_spanned!(span=> ::outbox_core::__private #(::#segments)*)
+            quote_spanned!(span=> ::#krate::__private #(::#segments)*)
         }
         Some(path) => {
             let segments = segments.iter().map(|s| format_ident!("{s}"));
@@ -307,7 +318,7 @@ fn fallback(event: &Event<'_>) -> Option<TokenStream> {
 }
 
 /// Expansion snapshots in `src/snapshots/`. After a deliberate change, regenerate them with
-/// `INSTA_UPDATE=always cargo test -p outbox-derive` (or `cargo insta review`) and review
+/// `INSTA_UPDATE=always cargo test -p typed-outbox-derive` (or `cargo insta review`) and review
 /// every changed `.snap` as code.
 #[cfg(test)]
 mod tests {
@@ -509,5 +520,27 @@ mod tests {
         });
         assert!(!out.contains("outbox_core"), "{out}");
         insta::assert_snapshot!(out);
+    }
+
+    /// The facade's derive reaches `::outbox` everywhere, the stub after an error included,
+    /// and `crate = "..."` still wins over it.
+    #[test]
+    fn facade_derive_reaches_the_facade() {
+        let facade = |input: TokenStream| {
+            let input: DeriveInput = syn::parse2(input).expect("a derive input");
+            super::derive_in(&input, "outbox").to_string()
+        };
+        for input in [
+            quote! { struct A { #[outbox(id)] id: String } },
+            quote! { #[outbox(topic = "")] struct A { #[outbox(id)] id: String } },
+        ] {
+            let out = facade(input);
+            assert!(out.contains(":: outbox :: __private"), "{out}");
+            assert!(!out.contains("outbox_core"), "{out}");
+        }
+        let out = facade(
+            quote! { #[outbox(crate = "my_app::outbox")] struct A { #[outbox(id)] id: String } },
+        );
+        assert!(out.contains("my_app :: outbox :: __private"), "{out}");
     }
 }
