@@ -97,11 +97,16 @@ pub(crate) fn is_outage(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || e.kind() == redis::ErrorKind::AuthenticationFailed
+        // Sentinel knows no healthy primary right now (a failover is under way).
+        || e.kind() == redis::ErrorKind::MasterNameNotFoundBySentinel
         || e.code().is_some_and(|c| OUTAGE_CODES.contains(&c))
 }
 
 /// Whether the connection that produced `e` should be replaced (a cluster connection
-/// also when its slot map proved stale).
+/// also when its slot map proved stale). A `READONLY` reply means the server was
+/// demoted to a replica: through Sentinel (or a DNS name that moves with the primary,
+/// as managed services do) a new connection reaches the new primary; to a fixed
+/// address it costs one reconnect.
 pub(crate) fn breaks_connection(e: &RedisError) -> bool {
     is_protocol_error(e)
         || e.is_io_error()
@@ -111,5 +116,5 @@ pub(crate) fn breaks_connection(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || e.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(e.code(), Some("MOVED" | "ASK"))
+        || matches!(e.code(), Some("MOVED" | "ASK" | "READONLY"))
 }

@@ -92,6 +92,8 @@ mod http;
 mod lease;
 mod partitions;
 mod publisher;
+#[cfg(feature = "sentinel")]
+mod sentinel;
 mod trim;
 
 pub use consumer::{
@@ -112,6 +114,8 @@ pub use partitions::{
 pub use publisher::{
     DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig, RedisPublisher,
 };
+#[cfg(feature = "sentinel")]
+pub use sentinel::SentinelConfig;
 pub use trim::{TrimReport, trim_acknowledged};
 
 /// The redis crate, for the types this API names.
