@@ -118,3 +118,39 @@ pub(crate) fn breaks_connection(e: &RedisError) -> bool {
         || e.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(e.code(), Some("MOVED" | "ASK" | "READONLY"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(bytes: &[u8]) -> RedisError {
+        redis::parse_redis_value(bytes)
+            .and_then(redis::Value::extract_error)
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn a_demoted_primary_is_an_outage_and_a_reason_to_reconnect() {
+        let readonly = reply(b"-READONLY You can't write against a read only replica.\r\n");
+        assert_eq!(readonly.code(), Some("READONLY"));
+        assert!(is_outage(&readonly));
+        assert!(
+            breaks_connection(&readonly),
+            "a new connection finds the new primary"
+        );
+        let wrongtype =
+            reply(b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n");
+        assert!(!is_outage(&wrongtype));
+        assert!(!breaks_connection(&wrongtype));
+    }
+
+    #[test]
+    fn sentinel_knowing_no_primary_is_an_outage() {
+        let e = RedisError::from((
+            redis::ErrorKind::MasterNameNotFoundBySentinel,
+            "Master with given name not found in sentinel",
+        ));
+        assert!(is_outage(&e));
+        assert!(Error::from(e).is_outage());
+    }
+}

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use fixtures::*;
-use outbox_core::{MemoryDb, OutageBackoff, Relay, RelayConfig, Status};
+use outbox_core::{MemoryDb, OutageBackoff, Publisher, Relay, RelayConfig, Status};
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::redis::{self, AsyncConnectionConfig, Value};
 use outbox_redis::{Consumer, Durability, PublisherConfig, RedisPublisher, SentinelConfig};
@@ -46,6 +46,12 @@ struct Deployment {
 
 impl Deployment {
     fn start() -> Self {
+        Self::start_with("")
+    }
+
+    /// [`start`](Self::start), with `primary_conf` added to the first primary's
+    /// configuration.
+    fn start_with(primary_conf: &str) -> Self {
         let dir = std::env::temp_dir().join(unique("outbox-redis-sentinel"));
         std::fs::create_dir_all(&dir).unwrap();
         let ports = [
@@ -59,8 +65,8 @@ impl Deployment {
             sentinel_ports: Vec::new(),
             sentinels: Vec::new(),
         };
-        d.start_data(0, None);
-        d.start_data(1, Some(ports[0]));
+        d.start_data(0, None, primary_conf);
+        d.start_data(1, Some(ports[0]), "");
         d.wait_replica_synced(ports[1], ports[0]);
         // Each sentinel is told its peers and the replica up front (with fixed ids), as a
         // deployment's saved sentinel configs do, instead of discovering them through
@@ -128,8 +134,8 @@ impl Deployment {
 
     /// Starts data server `i` (0 or 1) on its port: empty, a replica of `primary` if
     /// given. Both know the user the replicas authenticate as, so either can be the
-    /// primary of the other.
-    fn start_data(&mut self, i: usize, primary: Option<u16>) {
+    /// primary of the other. `extra` is added to the configuration.
+    fn start_data(&mut self, i: usize, primary: Option<u16>, extra: &str) {
         let port = self.data_ports[i];
         let dir = self.dir.display();
         let mut conf = format!(
@@ -138,7 +144,7 @@ impl Deployment {
              user default on nopass ~* &* +@all\n\
              user {REPL_USER} on >{REPL_PASS} ~* &* +@all\n\
              masteruser {REPL_USER}\nmasterauth {REPL_PASS}\n\
-             repl-diskless-sync-delay 0\n"
+             repl-diskless-sync-delay 0\n{extra}\n"
         );
         if let Some(primary) = primary {
             conf.push_str(&format!("replicaof 127.0.0.1 {primary}\n"));
@@ -475,7 +481,7 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
     let promoted_after = killed_at.elapsed();
     // The old primary comes back empty, as a replica of the new one (Sentinel would turn
     // it into one too, but only after it has reported itself a primary for 8 s or more).
-    d.start_data(0, Some(new));
+    d.start_data(0, Some(new), "");
     d.wait_replica_synced(old, new);
 
     let rejoined_after = killed_at.elapsed();
@@ -623,4 +629,93 @@ async fn failover_with_replicas_durability_loses_nothing() {
     // skipped, never applied twice; the copies the old primary took died with it.
     assert!(report.stream_entries >= report.emitted, "{report:?}");
     assert!(report.duplicates >= 100, "{report:?}");
+}
+
+/// A failover announced on `+switch-master` moves the publisher and the consumer to the
+/// new primary even while the old one still takes writes (here it cannot be demoted:
+/// its `REPLICAOF` is disabled, as for a primary cut off from the sentinels but not
+/// from the clients). Without the announcement they would write to and read from the
+/// old primary, whose writes are lost once it is demoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
+    let d = Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"");
+    let [old, new] = d.data_ports;
+    let prefix = unique_prefix("sentinel-switch");
+    let group = unique("g");
+    let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER).unwrap();
+    let publisher = RedisPublisher::sentinel(sentinel.clone())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
+        .unwrap();
+    let stream = publisher.stream_for("order.paid");
+    let db = MemoryDb::new(Applied::new());
+    let consumer: Consumer<MemoryDb<Applied>> = Consumer::builder_sentinel(sentinel, &group)
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(db.clone())
+        .with_config(fast_config(&prefix))
+        .build()
+        .unwrap();
+    let running = Running::start(&consumer);
+
+    let outcomes = publisher.publish(&stored([paid(0)])).await.unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    eventually("the first message applied", || {
+        db.read(|a| a.contains_key("order-0"))
+    })
+    .await;
+    // Both the publisher's and the consumer's watchers listen on the first sentinel.
+    until("the watchers to subscribe to +switch-master", || async {
+        // Sentinels have no PUBSUB command: count the subscribed clients.
+        let clients: String = query(d.sentinel_ports[0], redis::cmd("CLIENT").arg("LIST"))
+            .await
+            .unwrap();
+        clients.lines().filter(|l| l.contains(" sub=1 ")).count() >= 2
+    })
+    .await;
+    d.wait_replica_synced(new, old);
+    let _: Value = query(
+        d.sentinel_ports[0],
+        redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER),
+    )
+    .await
+    .unwrap();
+    until("the first sentinel to name the new primary", || async {
+        d.primary_port() == Some(new)
+    })
+    .await;
+
+    // Publish until a message lands on the new primary (the announcement reaches the
+    // watcher a moment after the sentinel switched), and the consumer applies it.
+    let mut n = 0;
+    until("a publish to land on the new primary", || {
+        n += 1;
+        let publisher = &publisher;
+        let stream = &stream;
+        async move {
+            let Ok(outcomes) = publisher.publish(&stored([paid(n)])).await else {
+                return false;
+            };
+            assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+            let reply: StreamRangeReply =
+                query(new, redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
+                    .await
+                    .unwrap();
+            reply
+                .ids
+                .iter()
+                .any(|e| field(e, "msg_id") == format!("order-{n}:OrderPaid"))
+        }
+    })
+    .await;
+    let landed = format!("order-{n}");
+    eventually("the consumer to apply it from the new primary", || {
+        db.read(|a| a.contains_key(&landed))
+    })
+    .await;
+    // The old primary still takes writes: the announcement moved them, not an error.
+    let role: String = query(old, redis::cmd("INFO").arg("replication"))
+        .await
+        .unwrap();
+    assert!(role.contains("role:master"), "{role}");
+    running.stop().await;
 }
