@@ -199,6 +199,14 @@ impl Deployment {
                 && info.contains(&format!("master_port:{primary}"))
                 && info.contains("master_link_status:up")
         });
+        // A replica just synced gets the command stream only after its first REPLCONF
+        // ACK (up to a second later): until then the primary buffers for it, and a kill
+        // loses what it took meanwhile. Wait for a write to come through.
+        let marker = unique("outbox-test:synced");
+        self.wait(&format!("a write on {primary} to reach {replica}"), || {
+            sync_query::<()>(primary, redis::cmd("SET").arg(&marker).arg(1)).is_ok()
+                && sync_query::<bool>(replica, redis::cmd("EXISTS").arg(&marker)).unwrap_or(false)
+        });
     }
 
     /// The primary's port as the first sentinel reports it.
