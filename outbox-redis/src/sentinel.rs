@@ -63,7 +63,11 @@ pub struct SentinelConfig {
     /// the primary can be found while some are down.
     pub sentinels: Vec<ConnectionInfo>,
     /// The name under which the sentinels monitor the primary (`mymaster` in Redis's
-    /// sample configuration).
+    /// sample configuration). A name the sentinels do not know looks like a failover
+    /// in progress (Sentinel reports no healthy primary under it either way): an outage,
+    /// logged and retried, not a configuration error. Addresses that are not sentinels
+    /// are one ([`Error::is_config`](crate::Error::is_config), from
+    /// [`RedisPublisher::check`](crate::RedisPublisher::check) or the first command).
     pub master_name: String,
     /// How to connect to the primary once a sentinel named it: its username and
     /// password, database and TLS (default: no credentials, database 0, plain TCP).
@@ -240,9 +244,14 @@ impl SentinelShared {
         if !self.config.watch_failovers {
             return;
         }
+        // Connections are opened on a Tokio runtime; without one there is nothing to
+        // spawn on, and errors and `READONLY` replies still move the connections.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let mut watcher = self.watcher.lock().unwrap_or_else(|e| e.into_inner());
         if watcher.is_none() {
-            let task = tokio::spawn(watch(
+            let task = runtime.spawn(watch(
                 Arc::downgrade(self),
                 self.config.sentinels.clone(),
                 self.config.master_name.clone(),

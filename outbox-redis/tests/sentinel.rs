@@ -727,3 +727,30 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     assert!(role.contains("role:master"), "{role}");
     running.stop().await;
 }
+
+/// Addresses that are not sentinels (here the shared Redis, a plain server) are a
+/// configuration error at the first connection; sentinels that are down are an outage;
+/// neither hangs.
+#[tokio::test]
+async fn wrong_or_unreachable_sentinels_are_reported_not_waited_on() {
+    let not_sentinels = SentinelConfig::new([redis_url()], MASTER).unwrap();
+    let e = RedisPublisher::sentinel(not_sentinels)
+        .unwrap()
+        .check()
+        .await
+        .unwrap_err();
+    assert!(e.is_config(), "{}", outbox_core::error_chain(&e));
+    assert!(!e.is_outage(), "{}", outbox_core::error_chain(&e));
+
+    let down = format!("redis://127.0.0.1:{}", outbox_tests::ports::free_port());
+    let publisher = RedisPublisher::sentinel(SentinelConfig::new([down], MASTER).unwrap())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_connect_timeout(Duration::from_secs(1)))
+        .unwrap();
+    let started = Instant::now();
+    let e = publisher.check().await.unwrap_err();
+    assert!(e.is_outage(), "{}", outbox_core::error_chain(&e));
+    assert!(started.elapsed() < STEP, "{:?}", started.elapsed());
+    let e = publisher.publish(&stored([paid(1)])).await.unwrap_err();
+    assert!(e.is_outage(), "{e}");
+}
