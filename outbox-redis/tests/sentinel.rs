@@ -267,6 +267,12 @@ impl Drop for Deployment {
     }
 }
 
+/// Runs the blocking `f` (a server's start, a poll with `std::thread::sleep`) without
+/// holding up the runtime's other tasks: the relay and the consumer keep running.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
 /// One command on a fresh connection to `127.0.0.1:port`, with short timeouts.
 fn sync_query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
@@ -340,7 +346,7 @@ struct Report {
 /// primary (it rejoins as a replica), emit more, then drain and compare.
 async fn failover_run(durability: Durability, partition: bool) -> Report {
     let started = Instant::now();
-    let mut d = Deployment::start();
+    let mut d = blocking(Deployment::start);
     let deployed = started.elapsed();
     let prefix = unique_prefix("sentinel");
     let group = unique("g");
@@ -452,7 +458,7 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
             primary >= backlog_from + 100 && replica >= primary
         })
         .await;
-        d.cut_replication();
+        blocking(|| d.cut_replication());
         let at_cut: StreamRangeReply =
             query(old, redis::cmd("XRANGE").arg(&stream).arg("-").arg("+"))
                 .await
@@ -480,17 +486,19 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
             last_delivered(new, &stream, &group).await,
         ));
     }
-    d.kill(0);
+    blocking(|| d.kill(0));
     let killed_at = Instant::now();
     until("Sentinel to promote the replica", || async {
-        d.primary_port() == Some(new)
+        blocking(|| d.primary_port()) == Some(new)
     })
     .await;
     let promoted_after = killed_at.elapsed();
     // The old primary comes back empty, as a replica of the new one (Sentinel would turn
     // it into one too, but only after it has reported itself a primary for 8 s or more).
-    d.start_data(0, Some(new), "");
-    d.wait_replica_synced(old, new);
+    blocking(|| {
+        d.start_data(0, Some(new), "");
+        d.wait_replica_synced(old, new);
+    });
 
     let rejoined_after = killed_at.elapsed();
     let at_rejoin = emitted.load(Ordering::SeqCst);
@@ -646,7 +654,9 @@ async fn failover_with_replicas_durability_loses_nothing() {
 /// old primary, whose writes are lost once it is demoted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
-    let d = Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"");
+    let d = blocking(|| {
+        Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"")
+    });
     let [old, new] = d.data_ports;
     let prefix = unique_prefix("sentinel-switch");
     let group = unique("g");
@@ -680,7 +690,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
         clients.lines().filter(|l| l.contains(" sub=1 ")).count() >= 2
     })
     .await;
-    d.wait_replica_synced(new, old);
+    blocking(|| d.wait_replica_synced(new, old));
     let _: Value = query(
         d.sentinel_ports[0],
         redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER),
@@ -688,7 +698,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     .await
     .unwrap();
     until("the first sentinel to name the new primary", || async {
-        d.primary_port() == Some(new)
+        blocking(|| d.primary_port()) == Some(new)
     })
     .await;
 
