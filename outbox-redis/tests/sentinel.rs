@@ -334,6 +334,9 @@ struct Report {
     sent_but_gone: usize,
     /// Messages the consumer never applied: lost end to end.
     never_applied: usize,
+    /// Messages never applied by a second group that starts reading only after the
+    /// failover (a group that was behind): what a failover loses for such a consumer.
+    never_applied_late: usize,
     /// Deliveries the consumer skipped by msg_id.
     duplicates: u64,
     /// Entries on the final stream (re-published copies included).
@@ -582,10 +585,37 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
         );
     }
 
+    // A group that had read nothing before the failover gets everything that is left on
+    // the stream, each message once, and nothing else.
+    let late_db = MemoryDb::new(Applied::new());
+    let late_group = unique("late");
+    let late: Consumer<MemoryDb<Applied>> = Consumer::builder_sentinel(
+        SentinelConfig::new(d.sentinel_urls(), MASTER).unwrap(),
+        &late_group,
+    )
+    .handle::<OrderPaid, _>(Recorder::ok())
+    .idempotency(late_db.clone())
+    .with_config(fast_config(&prefix))
+    .build()
+    .unwrap();
+    let late_running = Running::start(&late);
+    until(
+        "the late group to apply every entry on the stream",
+        || async { late_db.read(|a| a.len()) == on_stream_set.len() },
+    )
+    .await;
+    late_running.stop().await;
+    let late_counts: BTreeMap<String, u32> = late_db.read(Clone::clone);
+    assert!(late_counts.values().all(|n| *n == 1), "{late_counts:?}");
+    let never_applied_late = (0..total)
+        .filter(|n| !late_counts.contains_key(&format!("order-{n}")))
+        .count();
+
     let report = Report {
         emitted: total,
         sent_but_gone,
         never_applied,
+        never_applied_late,
         duplicates: consumer.stats().duplicates,
         stream_entries: stream_ids.len(),
     };
@@ -611,6 +641,10 @@ async fn failover_with_reply_durability_stalls_nothing_and_applies_once() {
     let report = failover_run(Durability::Reply, false).await;
     // Whatever is lost is lost on the stream; nothing on it is left unapplied.
     assert!(report.never_applied <= report.sent_but_gone, "{report:?}");
+    assert_eq!(
+        report.never_applied_late, report.sent_but_gone,
+        "{report:?}"
+    );
 }
 
 /// The default durability, the replication link cut just before the primary dies:
@@ -622,6 +656,11 @@ async fn failover_with_reply_durability_loses_what_the_replica_missed() {
     assert!(
         report.sent_but_gone >= 30,
         "the 30+ entries taken after the cut should be lost: {report:?}"
+    );
+    // A group that had not read them before the kill never gets them.
+    assert_eq!(
+        report.never_applied_late, report.sent_but_gone,
+        "{report:?}"
     );
 }
 
@@ -641,6 +680,7 @@ async fn failover_with_replicas_durability_loses_nothing() {
     .await;
     assert_eq!(report.sent_but_gone, 0, "{report:?}");
     assert_eq!(report.never_applied, 0, "{report:?}");
+    assert_eq!(report.never_applied_late, 0, "{report:?}");
     // Copies on the final stream (a WAIT that timed out after its XADD was taken) are
     // skipped, never applied twice; the copies the old primary took died with it.
     assert!(report.stream_entries >= report.emitted, "{report:?}");
