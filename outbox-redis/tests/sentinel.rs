@@ -14,8 +14,6 @@
 mod fixtures;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -25,260 +23,17 @@ use outbox_core::{MemoryDb, OutageBackoff, Publisher, Relay, RelayConfig, Status
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::redis::{self, AsyncConnectionConfig, Value};
 use outbox_redis::{Consumer, Durability, PublisherConfig, RedisPublisher, SentinelConfig};
+use outbox_tests::ScratchSentinel as Deployment;
 
-const MASTER: &str = "mymaster";
-const REPL_USER: &str = "repl";
-const REPL_PASS: &str = "repl-pass";
+const MASTER: &str = Deployment::MASTER;
 
 /// How long any one step may take before the test fails: generous, for a busy machine.
 const STEP: Duration = Duration::from_secs(30);
-
-/// One primary, one replica and three sentinels in a temporary directory. Dropping it
-/// kills every server and removes the directory.
-struct Deployment {
-    dir: PathBuf,
-    /// Data servers by port: the primary first, then the replica.
-    data_ports: [u16; 2],
-    data: [Option<Child>; 2],
-    sentinel_ports: Vec<u16>,
-    sentinels: Vec<Child>,
-}
-
-impl Deployment {
-    fn start() -> Self {
-        Self::start_with("")
-    }
-
-    /// [`start`](Self::start), with `primary_conf` added to the first primary's
-    /// configuration.
-    fn start_with(primary_conf: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique("outbox-redis-sentinel"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ports = [
-            outbox_tests::ports::free_port(),
-            outbox_tests::ports::free_port(),
-        ];
-        let mut d = Self {
-            dir,
-            data_ports: ports,
-            data: [None, None],
-            sentinel_ports: Vec::new(),
-            sentinels: Vec::new(),
-        };
-        d.start_data(0, None, primary_conf);
-        d.start_data(1, Some(ports[0]), "");
-        d.wait_replica_synced(ports[1], ports[0]);
-        // Each sentinel is told its peers and the replica up front (with fixed ids), as a
-        // deployment's saved sentinel configs do, instead of discovering them through
-        // hello messages every 2 s and INFO every 10 s: the test starts at once.
-        let sentinel_ports: Vec<u16> = (0..3).map(|_| outbox_tests::ports::free_port()).collect();
-        let id = |i: usize| format!("{:040x}", i + 1);
-        for (i, &port) in sentinel_ports.iter().enumerate() {
-            let conf = d.dir.join(format!("sentinel-{port}.conf"));
-            let mut text = format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel-{port}.log\n\
-                 sentinel myid {myid}\n\
-                 sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
-                 sentinel down-after-milliseconds {MASTER} 1000\n\
-                 sentinel failover-timeout {MASTER} 3000\n\
-                 sentinel parallel-syncs {MASTER} 1\n\
-                 sentinel known-replica {MASTER} 127.0.0.1 {replica}\n",
-                dir = d.dir.display(),
-                myid = id(i),
-                primary = ports[0],
-                replica = ports[1],
-            );
-            for (j, &peer) in sentinel_ports.iter().enumerate() {
-                if j != i {
-                    text.push_str(&format!(
-                        "sentinel known-sentinel {MASTER} 127.0.0.1 {peer} {}\n",
-                        id(j)
-                    ));
-                }
-            }
-            std::fs::write(&conf, text).unwrap();
-            let child = Command::new("redis-server")
-                .arg(&conf)
-                .arg("--sentinel")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed to run the sentinel tests");
-            d.sentinel_ports.push(port);
-            d.sentinels.push(child);
-        }
-        // Failover needs each sentinel to know the replica and the two other sentinels
-        // (a majority elects the leader); they learn both within a few seconds.
-        for &port in &d.sentinel_ports.clone() {
-            d.wait(
-                &format!("sentinel {port} to know the replica and its peers"),
-                || {
-                    let master = sync_query(port, redis::cmd("SENTINEL").arg("MASTER").arg(MASTER));
-                    let Ok(fields) = master.map(|v: Vec<String>| v) else {
-                        return false;
-                    };
-                    let get = |name: &str| {
-                        fields
-                            .chunks(2)
-                            .find(|kv| kv[0] == name)
-                            .map(|kv| kv[1].clone())
-                    };
-                    get("num-slaves").as_deref() == Some("1")
-                        && get("num-other-sentinels").as_deref() == Some("2")
-                },
-            );
-        }
-        d
-    }
-
-    /// Starts data server `i` (0 or 1) on its port: empty, a replica of `primary` if
-    /// given. Both know the user the replicas authenticate as, so either can be the
-    /// primary of the other. `extra` is added to the configuration.
-    fn start_data(&mut self, i: usize, primary: Option<u16>, extra: &str) {
-        let port = self.data_ports[i];
-        let dir = self.dir.display();
-        let mut conf = format!(
-            "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/redis-{port}.log\n\
-             dbfilename dump-{port}.rdb\nsave \"\"\nappendonly no\n\
-             user default on nopass ~* &* +@all\n\
-             user {REPL_USER} on >{REPL_PASS} ~* &* +@all\n\
-             masteruser {REPL_USER}\nmasterauth {REPL_PASS}\n\
-             repl-diskless-sync-delay 0\n{extra}\n"
-        );
-        if let Some(primary) = primary {
-            conf.push_str(&format!("replicaof 127.0.0.1 {primary}\n"));
-        }
-        let path = self.dir.join(format!("redis-{port}.conf"));
-        std::fs::write(&path, conf).unwrap();
-        let child = Command::new("redis-server")
-            .arg(&path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed to run the sentinel tests");
-        self.data[i] = Some(child);
-        self.wait(&format!("redis-server {port} to answer"), || {
-            sync_query::<String>(port, &redis::cmd("PING")).is_ok()
-        });
-    }
-
-    /// SIGKILL of data server `i`.
-    fn kill(&mut self, i: usize) {
-        if let Some(mut child) = self.data[i].take() {
-            child.kill().unwrap();
-            child.wait().unwrap();
-        }
-    }
-
-    /// Cuts the replication link: the primary refuses the replica's user and drops its
-    /// connection, so the replica stays behind while the primary takes writes (a
-    /// network partition between the two, as far as replication goes).
-    fn cut_replication(&self) {
-        let primary = self.data_ports[0];
-        sync_query::<()>(
-            primary,
-            redis::cmd("ACL").arg("SETUSER").arg(REPL_USER).arg("off"),
-        )
-        .unwrap();
-        sync_query::<Value>(
-            primary,
-            redis::cmd("CLIENT").arg("KILL").arg("USER").arg(REPL_USER),
-        )
-        .unwrap();
-    }
-
-    fn wait_replica_synced(&self, replica: u16, primary: u16) {
-        self.wait(&format!("{replica} to replicate {primary}"), || {
-            let Ok(info) = sync_query::<String>(replica, redis::cmd("INFO").arg("replication"))
-            else {
-                return false;
-            };
-            info.contains("role:slave")
-                && info.contains(&format!("master_port:{primary}"))
-                && info.contains("master_link_status:up")
-        });
-        // A replica just synced gets the command stream only after its first REPLCONF
-        // ACK (up to a second later): until then the primary buffers for it, and a kill
-        // loses what it took meanwhile. Wait for a write to come through.
-        let marker = unique("outbox-test:synced");
-        self.wait(&format!("a write on {primary} to reach {replica}"), || {
-            sync_query::<()>(primary, redis::cmd("SET").arg(&marker).arg(1)).is_ok()
-                && sync_query::<bool>(replica, redis::cmd("EXISTS").arg(&marker)).unwrap_or(false)
-        });
-    }
-
-    /// The primary's port as the first sentinel reports it.
-    fn primary_port(&self) -> Option<u16> {
-        let (_, port): (String, u16) = sync_query(
-            self.sentinel_ports[0],
-            redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(MASTER),
-        )
-        .ok()?;
-        Some(port)
-    }
-
-    fn sentinel_urls(&self) -> Vec<String> {
-        (self.sentinel_ports.iter())
-            .map(|p| format!("redis://127.0.0.1:{p}"))
-            .collect()
-    }
-
-    /// Polls `cond` until it holds; fails after [`STEP`] with the servers' logs.
-    fn wait(&self, what: &str, cond: impl FnMut() -> bool) {
-        outbox_tests::wait_until_explained(STEP, cond, || {
-            format!("waiting for {what}\n{}", self.logs())
-        });
-    }
-
-    fn logs(&self) -> String {
-        let mut out = String::new();
-        for entry in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.extension().is_some_and(|e| e == "log") {
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(15).collect();
-                out.push_str(&format!("--- {}\n", path.display()));
-                for line in tail.into_iter().rev() {
-                    out.push_str(line);
-                    out.push('\n');
-                }
-            }
-        }
-        out
-    }
-}
-
-impl Drop for Deployment {
-    fn drop(&mut self) {
-        for child in self
-            .data
-            .iter_mut()
-            .flatten()
-            .chain(self.sentinels.iter_mut())
-        {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Runs the blocking `f` (a server's start, a poll with `std::thread::sleep`) without
 /// holding up the runtime's other tasks: the relay and the consumer keep running.
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
-}
-
-/// One command on a fresh connection to `127.0.0.1:port`, with short timeouts.
-fn sync_query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
-    let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
-    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
-    cmd.query(&mut conn)
 }
 
 async fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
@@ -444,7 +199,7 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
     })
     .await;
 
-    let [old, new] = d.data_ports;
+    let [old, new] = d.data_ports();
     let mut moved_back = None;
     if partition {
         // A backlog of 100 entries that the replica has but the consumer has not read,
@@ -697,7 +452,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     let d = blocking(|| {
         Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"")
     });
-    let [old, new] = d.data_ports;
+    let [old, new] = d.data_ports();
     let prefix = unique_prefix("sentinel-switch");
     let group = unique("g");
     let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER).unwrap();
@@ -724,7 +479,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     // Both the publisher's and the consumer's watchers listen on the first sentinel.
     until("the watchers to subscribe to +switch-master", || async {
         // Sentinels have no PUBSUB command: count the subscribed clients.
-        let clients: String = query(d.sentinel_ports[0], redis::cmd("CLIENT").arg("LIST"))
+        let clients: String = query(d.sentinel_port(0), redis::cmd("CLIENT").arg("LIST"))
             .await
             .unwrap();
         clients.lines().filter(|l| l.contains(" sub=1 ")).count() >= 2
@@ -732,7 +487,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     .await;
     blocking(|| d.wait_replica_synced(new, old));
     let _: Value = query(
-        d.sentinel_ports[0],
+        d.sentinel_port(0),
         redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER),
     )
     .await
