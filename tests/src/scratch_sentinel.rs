@@ -232,7 +232,7 @@ impl ScratchSentinel {
             .collect()
     }
 
-    /// Polls `cond` until it holds; fails after [`STEP`] with the servers' logs.
+    /// Polls `cond` until it holds; fails after 30 s with the servers' logs.
     pub fn wait(&self, what: &str, cond: impl FnMut() -> bool) {
         wait_until_explained(STEP, cond, || {
             format!("waiting for {what}\n{}", self.logs())
