@@ -333,4 +333,18 @@ mod tests {
         let e = SentinelConfig::new(["not a url"], "mymaster").unwrap_err();
         assert!(e.is_config(), "{e}");
     }
+
+    #[test]
+    fn debug_output_hides_the_passwords() {
+        let master = SentinelNodeConnectionInfo::default().set_redis_connection_info(
+            redis::RedisConnectionInfo::default().set_password("master-secret"),
+        );
+        let config = SentinelConfig::new(["redis://:sentinel-secret@127.0.0.1:1"], "mymaster")
+            .unwrap()
+            .with_master_connection(master);
+        let publisher = crate::RedisPublisher::sentinel(config.clone()).unwrap();
+        for shown in [format!("{config:?}"), format!("{publisher:?}")] {
+            assert!(!shown.contains("secret"), "{shown}");
+        }
+    }
 }
