@@ -19,6 +19,10 @@ pub(crate) enum Target {
     Single(Client),
     #[cfg(feature = "cluster")]
     Cluster(Vec<redis::ConnectionInfo>),
+    /// The primary that Redis Sentinel names; one server at a time, so streams are
+    /// named as on [`Single`](Self::Single).
+    #[cfg(feature = "sentinel")]
+    Sentinel(std::sync::Arc<crate::sentinel::SentinelShared>),
 }
 
 impl std::fmt::Debug for Target {
@@ -33,6 +37,8 @@ impl std::fmt::Debug for Target {
                 .debug_tuple("Cluster")
                 .field(&nodes.iter().map(|n| n.addr()).collect::<Vec<_>>())
                 .finish(),
+            #[cfg(feature = "sentinel")]
+            Self::Sentinel(shared) => f.debug_tuple("Sentinel").field(shared).finish(),
         }
     }
 }
@@ -57,11 +63,20 @@ impl Target {
         Ok(Self::Cluster(nodes))
     }
 
+    /// The primary that the sentinels of `config` name; the config is checked, nothing
+    /// connects.
+    #[cfg(feature = "sentinel")]
+    pub(crate) fn sentinel(config: crate::SentinelConfig) -> Result<Self> {
+        crate::sentinel::SentinelShared::new(config).map(Self::Sentinel)
+    }
+
     pub(crate) fn is_cluster(&self) -> bool {
         match self {
             Self::Single(_) => false,
             #[cfg(feature = "cluster")]
             Self::Cluster(_) => true,
+            #[cfg(feature = "sentinel")]
+            Self::Sentinel(_) => false,
         }
     }
 
@@ -86,6 +101,14 @@ impl Target {
                     .response_timeout(response_timeout)
                     .build()?,
             ),
+            #[cfg(feature = "sentinel")]
+            Self::Sentinel(shared) => Kind::Sentinel {
+                shared: std::sync::Arc::clone(shared),
+                config: AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(connect_timeout))
+                    .set_response_timeout(Some(response_timeout)),
+                connect_timeout,
+            },
         };
         Ok(Connector {
             kind,
@@ -300,15 +323,26 @@ enum Kind {
     },
     #[cfg(feature = "cluster")]
     Cluster(redis::cluster::ClusterClient),
+    #[cfg(feature = "sentinel")]
+    Sentinel {
+        shared: std::sync::Arc<crate::sentinel::SentinelShared>,
+        config: AsyncConnectionConfig,
+        connect_timeout: Duration,
+    },
 }
 
 /// A lazily opened connection (multiplexed, or a cluster connection) that is replaced
 /// after a connection-level error. Opening it never blocks construction, so a publisher
 /// or consumer can be built while Redis is down; the first command reports the outage
 /// instead.
+///
+/// Through Sentinel, opening it asks the sentinels for the primary; the connection is
+/// also replaced after a `READONLY` reply (see [`breaks_connection`]) and, when a
+/// sentinel announces a failover, at its next use (the failover epoch it was opened in
+/// is kept beside it).
 pub(crate) struct Connector {
     kind: Kind,
-    cached: tokio::sync::Mutex<Option<Conn>>,
+    cached: tokio::sync::Mutex<Option<(Conn, u64)>>,
 }
 
 impl std::fmt::Debug for Connector {
@@ -318,6 +352,8 @@ impl std::fmt::Debug for Connector {
             Kind::Single { client, .. } => s.field("server", client.get_connection_info().addr()),
             #[cfg(feature = "cluster")]
             Kind::Cluster(_) => s.field("server", &"cluster"),
+            #[cfg(feature = "sentinel")]
+            Kind::Sentinel { shared, .. } => s.field("sentinel master", &shared.master_name()),
         };
         s.finish_non_exhaustive()
     }
@@ -327,20 +363,41 @@ impl Connector {
     /// The connection, opened if there is none.
     pub(crate) async fn get(&self) -> RedisResult<Conn> {
         let mut cached = self.cached.lock().await;
-        if let Some(conn) = &*cached {
+        if let Some((conn, epoch)) = &*cached
+            && *epoch == self.epoch()
+        {
             return Ok(conn.clone());
         }
-        let conn = match &self.kind {
-            Kind::Single { client, config } => Conn::Single(
-                client
-                    .get_multiplexed_async_connection_with_config(config)
-                    .await?,
+        *cached = None;
+        let (conn, epoch) = match &self.kind {
+            Kind::Single { client, config } => (
+                Conn::Single(
+                    client
+                        .get_multiplexed_async_connection_with_config(config)
+                        .await?,
+                ),
+                0,
             ),
             #[cfg(feature = "cluster")]
-            Kind::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+            Kind::Cluster(client) => (Conn::Cluster(client.get_async_connection().await?), 0),
+            #[cfg(feature = "sentinel")]
+            Kind::Sentinel {
+                shared,
+                config,
+                connect_timeout,
+            } => shared.connect(config, *connect_timeout).await?,
         };
-        *cached = Some(conn.clone());
+        *cached = Some((conn.clone(), epoch));
         Ok(conn)
+    }
+
+    /// The failover epoch of the deployment: always 0 but through Sentinel.
+    fn epoch(&self) -> u64 {
+        match &self.kind {
+            #[cfg(feature = "sentinel")]
+            Kind::Sentinel { shared, .. } => shared.epoch(),
+            _ => 0,
+        }
     }
 
     /// Forgets the connection if `e` means it is broken (or, on a cluster, that its slot

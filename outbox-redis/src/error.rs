@@ -97,11 +97,16 @@ pub(crate) fn is_outage(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || e.kind() == redis::ErrorKind::AuthenticationFailed
+        // Sentinel knows no healthy primary right now (a failover is under way).
+        || e.kind() == redis::ErrorKind::MasterNameNotFoundBySentinel
         || e.code().is_some_and(|c| OUTAGE_CODES.contains(&c))
 }
 
 /// Whether the connection that produced `e` should be replaced (a cluster connection
-/// also when its slot map proved stale).
+/// also when its slot map proved stale). A `READONLY` reply means the server was
+/// demoted to a replica: through Sentinel (or a DNS name that moves with the primary,
+/// as managed services do) a new connection reaches the new primary; to a fixed
+/// address it costs one reconnect.
 pub(crate) fn breaks_connection(e: &RedisError) -> bool {
     is_protocol_error(e)
         || e.is_io_error()
@@ -111,5 +116,41 @@ pub(crate) fn breaks_connection(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
         || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || e.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(e.code(), Some("MOVED" | "ASK"))
+        || matches!(e.code(), Some("MOVED" | "ASK" | "READONLY"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(bytes: &[u8]) -> RedisError {
+        redis::parse_redis_value(bytes)
+            .and_then(redis::Value::extract_error)
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn a_demoted_primary_is_an_outage_and_a_reason_to_reconnect() {
+        let readonly = reply(b"-READONLY You can't write against a read only replica.\r\n");
+        assert_eq!(readonly.code(), Some("READONLY"));
+        assert!(is_outage(&readonly));
+        assert!(
+            breaks_connection(&readonly),
+            "a new connection finds the new primary"
+        );
+        let wrongtype =
+            reply(b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n");
+        assert!(!is_outage(&wrongtype));
+        assert!(!breaks_connection(&wrongtype));
+    }
+
+    #[test]
+    fn sentinel_knowing_no_primary_is_an_outage() {
+        let e = RedisError::from((
+            redis::ErrorKind::MasterNameNotFoundBySentinel,
+            "Master with given name not found in sentinel",
+        ));
+        assert!(is_outage(&e));
+        assert!(Error::from(e).is_outage());
+    }
 }

@@ -70,6 +70,29 @@
 //! The tests start a real three-master cluster (`redis-server --cluster-enabled yes`,
 //! `redis-cli --cluster create`) and run the publisher and consumers against it.
 //!
+//! ## Redis Sentinel
+//!
+//! With the `sentinel` feature, `RedisPublisher::sentinel(config)` and
+//! `Consumer::builder_sentinel(config, group)` find the primary through Redis Sentinel:
+//! `config` is a `SentinelConfig` (the sentinels' URLs and the name they monitor the
+//! primary under, plus the primary's credentials if it has any). Streams are named as on
+//! one server. redis-rs's `SentinelClient` looks the primary up (and checks that it calls
+//! itself one); this crate keeps the connection and replaces it, asking the sentinels
+//! again, after a connection error or timeout, after a `READONLY` reply (the server was
+//! demoted), and at its next use after a sentinel announces a failover on
+//! `+switch-master` (one subscriber per publisher or consumer, moving to the next
+//! sentinel if its own goes away). During the failover itself every command is an
+//! outage, backed off as any other.
+//!
+//! Replication is asynchronous: with the default [`Durability::Reply`] a failover can
+//! lose entries the old primary acknowledged; [`Durability::Replicas`] keeps a row NEW
+//! until a replica has its entry. After a failover the promoted replica's consumer group
+//! can lag behind the old primary's (a last-delivered id further back, entries pending
+//! that were acked): consumers get those entries again and skip them by `msg_id`. The
+//! repository's `RELIABILITY.md` gives the figures of the failover tests.
+//!
+//! `SentinelConfig` shows an example.
+//!
 //! ## Metrics
 //!
 //! Through the [`metrics`](https://docs.rs/metrics) facade, labelled by `group` and
@@ -92,6 +115,8 @@ mod http;
 mod lease;
 mod partitions;
 mod publisher;
+#[cfg(feature = "sentinel")]
+mod sentinel;
 mod trim;
 
 pub use consumer::{
@@ -112,6 +137,8 @@ pub use partitions::{
 pub use publisher::{
     DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig, RedisPublisher,
 };
+#[cfg(feature = "sentinel")]
+pub use sentinel::SentinelConfig;
 pub use trim::{TrimReport, trim_acknowledged};
 
 /// The redis crate, for the types this API names.

@@ -9,6 +9,7 @@ pub mod ports;
 pub mod redis_keys;
 pub mod scratch_postgres;
 pub mod scratch_redis;
+pub mod scratch_sentinel;
 pub mod secrets;
 pub mod services;
 pub mod wait;
@@ -19,6 +20,7 @@ pub use names::{unique, unique_prefix};
 pub use redis_keys::delete_redis_keys;
 pub use scratch_postgres::ScratchPostgres;
 pub use scratch_redis::{PasswordRedis, ScratchRedis};
+pub use scratch_sentinel::ScratchSentinel;
 pub use secrets::assert_hidden;
 pub use services::{database_url, mysql_url, redis_url};
 pub use wait::{

@@ -25,7 +25,7 @@ pub struct NoInbox;
 /// [`build`](Self::build), which checks it all. `C` is the handlers' connection type,
 /// which must be the store's [`Inbox::Conn`] (or [`AsyncInbox::Conn`]).
 pub struct ConsumerBuilder<C, I = NoInbox> {
-    target: RedisResult<Target>,
+    target: Result<Target>,
     group: String,
     dispatcher: Dispatcher<C>,
     error: Option<outbox_core::Error>,
@@ -358,7 +358,7 @@ impl Consumer<NoInbox, ()> {
         redis: impl IntoConnectionInfo,
         group: impl Into<String>,
     ) -> ConsumerBuilder<C, NoInbox> {
-        Self::builder_on(Target::single(redis), group.into())
+        Self::builder_on(Target::single(redis).map_err(Error::from), group.into())
     }
 
     /// Starts building a consumer of group `group` on the Redis Cluster reachable through
@@ -406,11 +406,63 @@ impl Consumer<NoInbox, ()> {
         nodes: impl IntoIterator<Item = T>,
         group: impl Into<String>,
     ) -> ConsumerBuilder<C, NoInbox> {
-        Self::builder_on(Target::cluster(nodes), group.into())
+        Self::builder_on(Target::cluster(nodes).map_err(Error::from), group.into())
+    }
+
+    /// Starts building a consumer of group `group` on the primary that Redis Sentinel
+    /// names (feature `sentinel`). It reads the streams a
+    /// [`RedisPublisher::sentinel`](crate::RedisPublisher::sentinel) (or a publisher on
+    /// the primary itself) writes, named as on one server.
+    ///
+    /// Every connection of the consumer asks the sentinels for the primary when it
+    /// opens, and opens again after a connection error, a `READONLY` reply or a failover
+    /// announced on `+switch-master` (see [`SentinelConfig`](crate::SentinelConfig)).
+    /// After a failover the promoted replica's group may lag behind the old primary's:
+    /// entries already handled can be delivered again (a last-delivered id that moved
+    /// back, pending entries acked on the old primary only); the idempotency store skips
+    /// them by `msg_id` and counts them as duplicates, and they are acked again.
+    ///
+    /// ```no_run
+    /// use outbox_core::{Delivery, Handler, HandlerError, MemoryDb, MemoryTx, OutboxEvent, Relay};
+    /// use outbox_redis::{Consumer, RedisPublisher, SentinelConfig};
+    ///
+    /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
+    /// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
+    ///
+    /// struct AwardPoints;
+    /// impl Handler<OrderPaid> for AwardPoints {
+    ///     type Conn = MemoryTx<i64>;
+    ///     fn handle(&self, e: OrderPaid, tx: &mut Self::Conn, _: &Delivery) -> Result<(), HandlerError> {
+    ///         *tx.data() += e.amount_cents / 100;
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// # tokio::runtime::Runtime::new()?.block_on(async {
+    /// let sentinels = ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"];
+    /// let primary = SentinelConfig::new(sentinels, "mymaster")?;
+    ///
+    /// let relay = Relay::new(MemoryDb::new(()), RedisPublisher::sentinel(primary.clone())?);
+    /// relay.run_once().await?;
+    ///
+    /// let consumer = Consumer::builder_sentinel(primary, "points")
+    ///     .handle::<OrderPaid, _>(AwardPoints)
+    ///     .idempotency(MemoryDb::new(0_i64))
+    ///     .build()?;
+    /// consumer.run_until(std::future::pending()).await?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(()) })?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(feature = "sentinel")]
+    pub fn builder_sentinel<C: 'static>(
+        config: crate::SentinelConfig,
+        group: impl Into<String>,
+    ) -> ConsumerBuilder<C, NoInbox> {
+        Self::builder_on(Target::sentinel(config), group.into())
     }
 
     fn builder_on<C: 'static>(
-        target: RedisResult<Target>,
+        target: Result<Target>,
         group: String,
     ) -> ConsumerBuilder<C, NoInbox> {
         ConsumerBuilder {

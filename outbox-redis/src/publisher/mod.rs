@@ -102,6 +102,21 @@ impl RedisPublisher {
         Self::on(Target::cluster(nodes)?)
     }
 
+    /// A publisher to the primary that Redis Sentinel names (feature `sentinel`), with
+    /// the default [`PublisherConfig`]. It asks the sentinels for the primary at the
+    /// first publish and again after a connection error, a `READONLY` reply or a
+    /// failover announced on `+switch-master`; see [`SentinelConfig`](crate::SentinelConfig)
+    /// for an example. Streams are named as on one server (`outbox:order.paid`).
+    ///
+    /// Replication is asynchronous: an entry Redis acknowledged can be lost when its
+    /// primary dies before a replica that is then promoted received it. Choose
+    /// [`Durability::Replicas`] to have a row marked SENT only once a replica has the
+    /// entry (see "What SENT means" at [`PublisherConfig`]).
+    #[cfg(feature = "sentinel")]
+    pub fn sentinel(config: crate::SentinelConfig) -> Result<Self> {
+        Self::on(Target::sentinel(config)?)
+    }
+
     fn on(target: Target) -> Result<Self> {
         let config = PublisherConfig::default();
         Ok(Self {
