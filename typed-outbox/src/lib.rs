@@ -54,6 +54,7 @@
 //! | `async-postgres`, `async-mysql` | no | emit and the inbox on diesel-async connections |
 //! | `redis` | no | [`redis`]: the Redis Streams publisher and the consumer runner |
 //! | `redis-cluster` | no | Redis Cluster for both |
+//! | `redis-sentinel` | no | Redis Sentinel for both, failovers followed |
 //! | `http` | no | a consumer's `/healthz` and `/readyz` as an axum `Router` |
 //! | `opentelemetry` | no | W3C trace context from emit through the relay to the handler |
 //! | `memory` | no | in-memory database and broker for unit tests without services (a dev-dependency's feature) |
