@@ -129,8 +129,13 @@ pub(crate) trait Backend: Connection + Sized {
 
     /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
     /// of their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
-    /// excepted.
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
+    /// excepted. `floor`: no row below this id is NEW ([`__claim`](Self::__claim)).
+    fn __claim_per_key(
+        &mut self,
+        limit: usize,
+        held: &[i64],
+        _floor: i64,
+    ) -> Result<Vec<StoredMessage>> {
         let rows = self.load_records(&Self::__claim_per_key_sql(limit, held), None)?;
         claimed(self, rows)
     }
@@ -214,7 +219,10 @@ pub(crate) trait Backend: Connection + Sized {
     /// `held`: the ids of a batch the relay has in hand (a claim ahead), else empty.
     /// They are locked by that batch's transaction, so the claim skips them anyway; a
     /// backend may leave them out of its walk before it tries their locks.
-    fn __claim(&mut self, limit: usize, _held: &[i64]) -> Result<Vec<StoredMessage>> {
+    ///
+    /// `floor`: an id below which no row is NEW or can become visible as NEW (0: none
+    /// known). A backend may start its walk there (PostgreSQL, `ClaimFloor`).
+    fn __claim(&mut self, limit: usize, _held: &[i64], _floor: i64) -> Result<Vec<StoredMessage>> {
         let rows = self.load_records(&Self::__claim_sql(limit), None)?;
         claimed(self, rows)
     }

@@ -416,6 +416,7 @@ impl Backend for MysqlConnection {
         &mut self,
         limit: usize,
         held: &[i64],
+        _floor: i64,
     ) -> Result<Vec<outbox_core::StoredMessage>> {
         let rows: Vec<super::RecordRow> =
             diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;

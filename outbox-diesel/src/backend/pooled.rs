@@ -47,8 +47,13 @@ where
     fn __key_probe_sql(ids: &[i64]) -> String {
         C::__key_probe_sql(ids)
     }
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
-        (**self).__claim_per_key(limit, held)
+    fn __claim_per_key(
+        &mut self,
+        limit: usize,
+        held: &[i64],
+        floor: i64,
+    ) -> Result<Vec<StoredMessage>> {
+        (**self).__claim_per_key(limit, held, floor)
     }
     fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         (**self).__insert_consumed(group, msg_id)
@@ -78,8 +83,8 @@ where
     fn __claim_sql(limit: usize) -> String {
         C::__claim_sql(limit)
     }
-    fn __claim(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
-        (**self).__claim(limit, held)
+    fn __claim(&mut self, limit: usize, held: &[i64], floor: i64) -> Result<Vec<StoredMessage>> {
+        (**self).__claim(limit, held, floor)
     }
     fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
         (**self).__mark_sent(ids)

@@ -105,6 +105,8 @@ pub(crate) struct LockedClaim {
     pub(crate) order: ClaimOrder,
     /// How long the server keeps a claim's transaction that sits idle.
     pub(crate) stall: Duration,
+    /// No row below this id is NEW (PostgreSQL's `ClaimFloor`; 0 elsewhere).
+    pub(crate) floor: i64,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -113,6 +115,7 @@ impl Default for LockedClaim {
         Self {
             order: ClaimOrder::default(),
             stall: DEFAULT_STALL_TIMEOUT,
+            floor: 0,
         }
     }
 }
@@ -177,8 +180,8 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
             }
             let claimed = first(c).and_then(|noted| {
                 let rows = match how.order {
-                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held),
-                    ClaimOrder::Unordered => c.__claim(limit, &held),
+                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held, how.floor),
+                    ClaimOrder::Unordered => c.__claim(limit, &held, how.floor),
                 };
                 Ok((rows?, noted))
             });

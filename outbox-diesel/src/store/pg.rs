@@ -1,5 +1,6 @@
 //! PostgreSQL: the relay store, whose idle wait is woken by `NOTIFY` (see `listen`).
 
+mod floor;
 mod listen;
 mod maintenance;
 
@@ -12,6 +13,7 @@ use diesel::sql_types::{BigInt, Bool, Double};
 use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
+use self::floor::ClaimFloor;
 use self::listen::{Horizon, Listener};
 use self::maintenance::Maintenance;
 use crate::backend::Backend as _;
@@ -99,6 +101,16 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// `keepalives_interval=5` and `keepalives_count=3` to a URL that sets none of them;
 /// for a pool you build yourself, put them in its URL.
 ///
+/// # The claim's floor
+///
+/// A claim's walk starts at the floor ([`claim_floor`](Self::claim_floor)), an id below
+/// which no row is NEW, past the dead index entries of the rows marked SENT since the
+/// last vacuum. That keeps the claim fast while a long transaction holds vacuum back.
+/// About once a second the store raises the floor, but only over ids whose
+/// transactions have all ended: a late commit of a lower id is never skipped. A row made
+/// NEW again below it (a redrive, a hand-written `UPDATE`) is found when the floor is
+/// next computed from 0, at most 30 s later.
+///
 /// # The table's statistics
 ///
 /// The claim's plan does not depend on the `outbox` table's statistics (it runs as
@@ -123,6 +135,7 @@ pub struct PgRelayStore {
     seen: Arc<Seen>,
     stats: Arc<StatsCheck>,
     maintenance: Arc<Maintenance>,
+    floor: Arc<ClaimFloor>,
 }
 
 /// What the last claims saw, for the due check before parking.
@@ -147,6 +160,7 @@ impl PgRelayStore {
             seen: Arc::default(),
             stats: Arc::default(),
             maintenance: Arc::default(),
+            floor: Arc::default(),
         }
     }
 
@@ -227,6 +241,12 @@ impl PgRelayStore {
     pub fn channel(&self) -> &str {
         &self.channel
     }
+
+    /// The id this store's claims start their walk at: no row below it is NEW (0 until
+    /// its first steps settle; see [the claim's floor](Self#the-claims-floor)).
+    pub fn claim_floor(&self) -> i64 {
+        self.floor.get()
+    }
 }
 
 impl RelayStore for PgRelayStore {
@@ -261,14 +281,24 @@ impl RelayStore for PgRelayStore {
             }
         }
         let (pool, held) = (self.pool.clone(), held.to_vec());
-        let (batch, horizon) = LockedBatch::claim(pool, limit, self.claim, held, move |c| {
-            if idle {
-                newest_due(c)
+        let how = LockedClaim {
+            floor: self.floor.get(),
+            ..self.claim
+        };
+        let step = self.floor.step();
+        let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
+            let stepped = step.and_then(|step| step.run(c));
+            let horizon = if idle {
+                newest_due(c)?
             } else {
-                Ok(Horizon::default())
-            }
+                Horizon::default()
+            };
+            Ok((horizon, stepped))
         })
         .await?;
+        if let Some(stepped) = stepped {
+            self.floor.finish(stepped);
+        }
         let empty = batch.messages().is_empty();
         if !empty && let Some(listener) = &self.listener {
             // Back to work after a wait that timed out: emits stop notifying.

@@ -292,8 +292,8 @@ impl RelayStore for SqliteRelayStore {
             // connections' deferred transactions while the relay has nothing to do.
             let mut conn = pool.get()?;
             match order {
-                ClaimOrder::PerKey => conn.__claim_per_key(limit, &[]),
-                ClaimOrder::Unordered => conn.__claim(limit, &[]),
+                ClaimOrder::PerKey => conn.__claim_per_key(limit, &[], 0),
+                ClaimOrder::Unordered => conn.__claim(limit, &[], 0),
             }
         })
         .await?;

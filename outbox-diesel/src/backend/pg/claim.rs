@@ -121,7 +121,7 @@ pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL j
 ///
 /// A claim ahead leaves the rows of the batch in hand (`held`) out of `b` too: the
 /// relay publishes them first. (A constant list: PostgreSQL hashes it.)
-pub(super) fn per_key_claim_sql(limit: usize, held: &[i64]) -> String {
+pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: i64) -> String {
     let not_held = if held.is_empty() {
         String::new()
     } else {
@@ -132,18 +132,30 @@ pub(super) fn per_key_claim_sql(limit: usize, held: &[i64]) -> String {
            FROM outbox w WHERE w.status = 0 AND w.retries > 0 AND w.next_retry_at > now() \
            ORDER BY w.msg_key, w.id), \
          l AS MATERIALIZED (SELECT {columns} FROM outbox o \
-           WHERE status = 0 AND next_retry_at <= now() \
+           WHERE status = 0 AND next_retry_at <= now(){from_o} \
            AND (NOT EXISTS (SELECT FROM r) OR NOT EXISTS (SELECT 1 FROM outbox w \
              WHERE w.status = 0 AND w.retries > 0 AND w.msg_key = o.msg_key AND w.id < o.id \
              AND w.next_retry_at > now() OFFSET 0)) \
            ORDER BY id LIMIT {limit} FOR UPDATE SKIP LOCKED), \
          b AS MATERIALIZED (SELECT p.msg_key, min(p.id) AS first_out FROM outbox p \
-           WHERE p.status = 0 AND p.id < (SELECT max(id) FROM l) \
+           WHERE p.status = 0 AND p.id < (SELECT max(id) FROM l){from_p} \
            AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key) \
          SELECT l.* FROM l WHERE NOT EXISTS \
            (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id)",
         columns = ClaimRow::COLUMNS,
+        from_o = from(floor, "o"),
+        from_p = from(floor, "p"),
     )
+}
+
+/// ` AND t.id >= floor`: the claim's walk starts at the floor (`ClaimFloor`), past the
+/// dead index entries below it; nothing for 0.
+fn from(floor: i64, table: &str) -> String {
+    if floor > 0 {
+        format!(" AND {table}.id >= {floor}")
+    } else {
+        String::new()
+    }
 }
 
 /// Runs [`per_key_claim_sql`] and puts the kept rows in id order.
@@ -151,8 +163,10 @@ pub(super) fn claim_per_key(
     conn: &mut PgConnection,
     limit: usize,
     held: &[i64],
+    floor: i64,
 ) -> Result<Vec<StoredMessage>> {
-    let mut rows: Vec<ClaimRow> = diesel::sql_query(per_key_claim_sql(limit, held)).load(conn)?;
+    let mut rows: Vec<ClaimRow> =
+        diesel::sql_query(per_key_claim_sql(limit, held, floor)).load(conn)?;
     rows.sort_unstable_by_key(ClaimRow::id);
     crate::backend::claimed(conn, rows)
 }
@@ -168,11 +182,12 @@ pub(super) fn claim_per_key(
 /// then the holder's transaction lock): the claim ahead walks past all of them, since
 /// the batch in hand is the front of the backlog. The filter leaves out exactly those
 /// rows and no other, so a row below them that is due (a retry) is claimed as before.
-pub(super) fn claim_sql(limit: usize, held: bool) -> String {
+pub(super) fn claim_sql(limit: usize, held: bool, floor: i64) -> String {
     format!(
-        "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){} \
+        "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){}{} \
          ORDER BY o.id LIMIT {limit} FOR UPDATE SKIP LOCKED",
         ClaimRow::COLUMNS,
+        from(floor, "o"),
         if held { " AND o.id <> ALL($1)" } else { "" },
     )
 }
@@ -182,8 +197,9 @@ pub(super) fn claim(
     conn: &mut PgConnection,
     limit: usize,
     held: &[i64],
+    floor: i64,
 ) -> Result<Vec<StoredMessage>> {
-    let query = diesel::sql_query(claim_sql(limit, !held.is_empty()));
+    let query = diesel::sql_query(claim_sql(limit, !held.is_empty(), floor));
     let rows: Vec<ClaimRow> = if held.is_empty() {
         query.load(conn)?
     } else {

@@ -181,19 +181,24 @@ impl Backend for PgConnection {
     }
 
     fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
-        per_key_claim_sql(limit, held)
+        per_key_claim_sql(limit, held, 0)
     }
 
-    fn __claim_per_key(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
-        claim_per_key(self, limit, held)
+    fn __claim_per_key(
+        &mut self,
+        limit: usize,
+        held: &[i64],
+        floor: i64,
+    ) -> Result<Vec<StoredMessage>> {
+        claim_per_key(self, limit, held, floor)
     }
 
     fn __claim_sql(limit: usize) -> String {
-        claim_sql(limit, false)
+        claim_sql(limit, false, 0)
     }
 
-    fn __claim(&mut self, limit: usize, held: &[i64]) -> Result<Vec<StoredMessage>> {
-        claim(self, limit, held)
+    fn __claim(&mut self, limit: usize, held: &[i64], floor: i64) -> Result<Vec<StoredMessage>> {
+        claim(self, limit, held, floor)
     }
 
     fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {

@@ -1,0 +1,191 @@
+//! The PostgreSQL claim's floor (`PgRelayStore::claim_floor`), on both layouts: it
+//! rises over the rows sent while a read-only transaction holds the xmin horizon back
+//! (what it is for), never past a row whose transaction is still open (a late commit is
+//! claimed), and a row made NEW again below it is claimed once the floor is computed
+//! from 0 again.
+
+mod fixtures;
+
+use std::time::{Duration, Instant};
+
+use diesel::connection::{AnsiTransactionManager, TransactionManager as _};
+use diesel::{Connection as _, PgConnection};
+use fixtures::{Backend, Pg, PgParted, exec, runtime};
+use outbox_core::{ClaimedBatch as _, OutboxEvent, RelayBatchOutcome, RelayStore as _};
+use outbox_diesel::{Emit as _, PgRelayStore};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+struct Moved {
+    #[outbox(id)]
+    n: u32,
+}
+
+fn emit(c: &mut PgConnection, ns: std::ops::Range<u32>) {
+    c.transaction(|c| c.emit_all(ns.map(|n| Moved { n })))
+        .unwrap();
+}
+
+fn id_of(c: &mut PgConnection, n: u32) -> i64 {
+    Pg::scalar(
+        c,
+        &format!("SELECT id AS n FROM outbox WHERE msg_id = '{n}:Moved'"),
+    )
+}
+
+/// Claims and marks SENT whatever is due, once; the msg_ids sent.
+async fn send_due(store: &PgRelayStore) -> Vec<String> {
+    let batch = store.claim(1000).await.unwrap();
+    let ids: Vec<i64> = batch.messages().iter().map(|m| m.id).collect();
+    let names = batch
+        .messages()
+        .iter()
+        .map(|m| m.envelope.msg_id.to_string())
+        .collect();
+    batch
+        .complete(RelayBatchOutcome {
+            sent: ids,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    names
+}
+
+/// Claims every few hundred ms until `done(floor, sent so far)`, or panics after `within`.
+async fn claim_until(
+    store: &PgRelayStore,
+    within: Duration,
+    mut done: impl FnMut(i64, &[String]) -> bool,
+) -> Vec<String> {
+    let deadline = Instant::now() + within;
+    let mut sent = Vec::new();
+    loop {
+        sent.extend(send_due(store).await);
+        if done(store.claim_floor(), &sent) {
+            return sent;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not reached in {within:?}: floor {}, sent {sent:?}",
+            store.claim_floor()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The horizon held back by a read-only `REPEATABLE READ` transaction (as `pg_dump`):
+/// the floor rises over every row sent, and the claims still find the next rows.
+fn the_floor_rises_while_a_reader_holds_the_horizon_back<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    let mut reader = B::connect(&db);
+    exec(
+        &mut reader,
+        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox",
+    );
+    emit(&mut c, 0..50);
+    let last = id_of(&mut c, 49);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        claim_until(&store, Duration::from_secs(20), |floor, sent| {
+            sent.len() == 50 && floor > last
+        })
+        .await;
+        emit(&mut c, 50..60);
+        let sent = claim_until(&store, Duration::from_secs(10), |_, sent| sent.len() == 10).await;
+        assert!(sent.iter().all(|m| m.ends_with(":Moved")), "{sent:?}");
+    });
+    exec(&mut reader, "COMMIT");
+}
+
+/// A transaction that emitted a row and is still open holds the floor at or below that
+/// row's id however many later rows are sent; once it commits, its row is claimed.
+fn a_late_commit_below_the_sent_rows_is_claimed<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    let mut late = B::connect(&db);
+    AnsiTransactionManager::begin_transaction(&mut late).unwrap();
+    late.emit(Moved { n: 1000 }).unwrap();
+    let late_id = Pg::scalar(
+        &mut late,
+        "SELECT id AS n FROM outbox WHERE msg_id = '1000:Moved'",
+    );
+    emit(&mut c, 0..20);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        claim_until(&store, Duration::from_secs(10), |_, sent| sent.len() == 20).await;
+        // Steps every second: give it several to pass the late row, were it wrong.
+        let until = Instant::now() + Duration::from_secs(4);
+        while Instant::now() < until {
+            assert!(send_due(&store).await.is_empty());
+            assert!(
+                store.claim_floor() <= late_id,
+                "the floor {} passed the open transaction's row {late_id}",
+                store.claim_floor()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        AnsiTransactionManager::commit_transaction(&mut late).unwrap();
+        let sent = claim_until(&store, Duration::from_secs(10), |_, sent| !sent.is_empty()).await;
+        assert_eq!(sent, ["1000:Moved"]);
+    });
+}
+
+/// A sent row made NEW again by hand, below a floor that has passed it, is claimed once
+/// the floor is computed from 0 again (within 30 s, `RESET_EVERY`).
+fn a_row_made_new_below_the_floor_is_claimed_after_the_reset<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    emit(&mut c, 0..10);
+    let first = id_of(&mut c, 0);
+    let last = id_of(&mut c, 9);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        claim_until(&store, Duration::from_secs(20), |floor, sent| {
+            sent.len() == 10 && floor > last
+        })
+        .await;
+        exec(
+            &mut c,
+            &format!("UPDATE outbox SET status = 0, sent_at = NULL WHERE id = {first}"),
+        );
+        let sent = claim_until(&store, Duration::from_secs(45), |_, sent| !sent.is_empty()).await;
+        assert_eq!(sent, ["0:Moved"]);
+        assert!(store.claim_floor() <= last + 1);
+    });
+}
+
+#[test]
+fn pg_the_floor_rises_while_a_reader_holds_the_horizon_back() {
+    the_floor_rises_while_a_reader_holds_the_horizon_back::<Pg>();
+}
+
+#[test]
+fn pg_partitioned_the_floor_rises_while_a_reader_holds_the_horizon_back() {
+    the_floor_rises_while_a_reader_holds_the_horizon_back::<PgParted>();
+}
+
+#[test]
+fn pg_a_late_commit_below_the_sent_rows_is_claimed() {
+    a_late_commit_below_the_sent_rows_is_claimed::<Pg>();
+}
+
+#[test]
+fn pg_partitioned_a_late_commit_below_the_sent_rows_is_claimed() {
+    a_late_commit_below_the_sent_rows_is_claimed::<PgParted>();
+}
+
+#[test]
+fn pg_a_row_made_new_below_the_floor_is_claimed_after_the_reset() {
+    a_row_made_new_below_the_floor_is_claimed_after_the_reset::<Pg>();
+}
