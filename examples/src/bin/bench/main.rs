@@ -59,10 +59,10 @@ struct Args {
     #[arg(long)]
     rounds: Option<usize>,
     /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
-    /// async-emit, plots, scale, day. Without it, every part but scale (a drain with the
-    /// horizon held back and the claim against 50M rows: about half an hour) and day (a
-    /// compressed day of partitions: about three minutes), which run by default only
-    /// with --tiny.
+    /// async-emit, plots, scale (= horizon, a drain with the horizon held back, and size,
+    /// the claim against 50M rows), day. Without it, every part but scale (about half an
+    /// hour) and day (a compressed day of partitions: about three minutes), which run by
+    /// default only with --tiny.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these figures of the consumer part, by their place in its list (from 0; e.g.
@@ -84,7 +84,7 @@ struct Args {
 
 impl Args {
     fn runs(&self, part: &str) -> bool {
-        let by_default = !matches!(part, "scale" | "day") || self.tiny;
+        let by_default = !matches!(part, "scale" | "horizon" | "size" | "day") || self.tiny;
         (self.only.is_empty() && by_default) || self.only.iter().any(|p| p == part)
     }
 }
@@ -391,8 +391,17 @@ async fn main() -> Result<(), BoxError> {
         bench.cleanup();
         result?;
     }
-    if args.runs("scale") {
-        scale::part(&sizes, &svc, &args.out, &mut figures).await?;
+    let (horizon, size) = (args.runs("horizon"), args.runs("size"));
+    if args.runs("scale") || horizon || size {
+        let all = args.runs("scale");
+        scale::part(
+            &sizes,
+            &svc,
+            &args.out,
+            &mut figures,
+            (all || horizon, all || size),
+        )
+        .await?;
     }
     if args.runs("day") {
         day::part(&sizes.day, &svc, &args.out, &mut figures).await?;

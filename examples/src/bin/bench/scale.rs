@@ -22,17 +22,22 @@ const NEW_ROWS: usize = 10_000;
 /// Claims timed at each size.
 const CLAIMS: usize = 40;
 
+/// `horizon`: the held-back drains; `size`: the claim against the table's size.
 pub(crate) async fn part(
     sizes: &Sizes,
     svc: &Service,
     out: &Path,
     figures: &mut Vec<Figure>,
+    (horizon, size): (bool, bool),
 ) -> Result<(), BoxError> {
-    for (name, partitioned) in LAYOUTS {
+    for (name, partitioned) in LAYOUTS.into_iter().filter(|_| horizon) {
         let bench = RelayBench::with_layout(svc, partitioned).await?;
         let result = held_horizon(sizes, &bench, name, partitioned, figures).await;
         bench.cleanup().await;
         result?;
+    }
+    if !size {
+        return Ok(());
     }
     let mut series = Vec::new();
     for (name, partitioned) in LAYOUTS {

@@ -143,14 +143,14 @@ pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: i64) -> Strin
          SELECT l.* FROM l WHERE NOT EXISTS \
            (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id)",
         columns = ClaimRow::COLUMNS,
-        from_o = from(floor, "o"),
-        from_p = from(floor, "p"),
+        from_o = from_floor(floor, "o"),
+        from_p = from_floor(floor, "p"),
     )
 }
 
 /// ` AND t.id >= floor`: the claim's walk starts at the floor (`ClaimFloor`), past the
 /// dead index entries below it; nothing for 0.
-fn from(floor: i64, table: &str) -> String {
+fn from_floor(floor: i64, table: &str) -> String {
     if floor > 0 {
         format!(" AND {table}.id >= {floor}")
     } else {
@@ -187,7 +187,7 @@ pub(super) fn claim_sql(limit: usize, held: bool, floor: i64) -> String {
         "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){}{} \
          ORDER BY o.id LIMIT {limit} FOR UPDATE SKIP LOCKED",
         ClaimRow::COLUMNS,
-        from(floor, "o"),
+        from_floor(floor, "o"),
         if held { " AND o.id <> ALL($1)" } else { "" },
     )
 }
@@ -262,6 +262,16 @@ mod tests {
              AND id = ANY('{7,12}'::int8[]); COMMIT"
         );
         assert_eq!(mark_sent_and_commit_sql(&[]), "COMMIT");
+    }
+
+    #[test]
+    fn the_claims_start_at_the_floor() {
+        assert!(claim_sql(100, false, 42).contains("now() AND o.id >= 42 ORDER BY"));
+        let per_key = per_key_claim_sql(100, &[], 42);
+        assert!(per_key.contains("o.id >= 42"), "{per_key}");
+        assert!(per_key.contains("FROM l) AND p.id >= 42"), "{per_key}");
+        assert!(!claim_sql(100, false, 0).contains(">="));
+        assert!(!per_key_claim_sql(100, &[], 0).contains("id >="));
     }
 
     #[test]

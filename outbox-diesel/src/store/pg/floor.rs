@@ -41,7 +41,9 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 
 use crate::Result;
 
-/// Time between two steps.
+/// Time between two steps. Reading `pg_locks` takes every lock-manager partition's lock
+/// for a moment: once a second per relay is nothing, and 250 ms measured no better
+/// (BENCHMARKS.md, "Scale").
 const STEP_EVERY: Duration = Duration::from_secs(1);
 /// Time between two computations of the floor from 0.
 pub(super) const RESET_EVERY: Duration = Duration::from_secs(30);
