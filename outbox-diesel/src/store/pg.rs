@@ -106,8 +106,9 @@ use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 /// A claim's walk starts at the floor ([`claim_floor`](Self::claim_floor)), an id below
 /// which no row is NEW, past the dead index entries of the rows marked SENT since the
 /// last vacuum. That keeps the claim fast while a long transaction holds vacuum back.
-/// About once a second the store raises the floor, but only over ids whose
-/// transactions have all ended: a late commit of a lower id is never skipped. A row made
+/// About once a second the store raises the floor, but only over ids whose writing
+/// transactions have all ended: a late commit of a lower id is never skipped, and a
+/// read-only transaction (a report, `pg_dump`) does not hold the floor. A row made
 /// NEW again below it (a redrive, a hand-written `UPDATE`) is found when the floor is
 /// next computed from 0, at most 30 s later.
 ///
