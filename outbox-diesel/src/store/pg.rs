@@ -286,11 +286,11 @@ impl RelayStore for PgRelayStore {
             floor: self.floor.get(),
             ..self.claim
         };
-        let step = self.floor.step();
+        let (step, floor) = (self.floor.step(), how.floor);
         let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
             let stepped = step.and_then(|step| step.run(c));
             let horizon = if idle {
-                newest_due(c)?
+                newest_due(c, floor)?
             } else {
                 Horizon::default()
             };
@@ -509,17 +509,19 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
     Ok(true)
 }
 
-/// The id of the newest due NEW row (0 if none; one backward step on `outbox_pending`),
-/// and the transactions the statement could not see (see [`Horizon`]).
+/// The id of the newest due NEW row at or above the claim's floor (0 if none; a backward
+/// walk on `outbox_pending` that stops at the floor), and the transactions the statement
+/// could not see (see [`Horizon`]).
 /// `txid_current_snapshot()` is the statement's own snapshot, the one its subquery read.
-fn newest_due(conn: &mut PgConnection) -> Result<Horizon> {
+fn newest_due(conn: &mut PgConnection, floor: i64) -> Result<Horizon> {
     Ok(diesel::sql_query(
         "SELECT COALESCE((SELECT id FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-         ORDER BY id DESC LIMIT 1), 0) AS id, \
+         AND id >= $1 ORDER BY id DESC LIMIT 1), 0) AS id, \
          txid_snapshot_xmin(s) % 4294967296 AS xmin, txid_snapshot_xmax(s) % 4294967296 AS xmax, \
          ARRAY(SELECT x % 4294967296 FROM txid_snapshot_xip(s) x) AS xip \
          FROM txid_current_snapshot() s",
     )
+    .bind::<BigInt, _>(floor)
     .get_result(conn)?)
 }
 
