@@ -64,11 +64,12 @@ fn the_pages_and_the_api_show_backlog_dead_letters_and_groups() {
     assert_eq!(overview["published"].as_array().map(Vec::len), Some(15));
     assert_eq!(overview["relays"]["tracked"], true);
     let seen = overview["relays"]["seen"].as_array().expect("relays seen");
-    assert_eq!(seen.len(), 1, "{overview}");
+    // Every relay parked on this database is listed: the other tests' relays too, which
+    // share the database (each in a schema of its own).
     assert!(
-        seen[0]
+        seen.iter().any(|r| r
             .as_str()
-            .is_some_and(|r| r.contains("relay-1 (parked, last statement at")),
+            .is_some_and(|r| r.contains("relay-1 (parked, last statement at"))),
         "{overview}"
     );
     let (status, page) = server.get("/");
