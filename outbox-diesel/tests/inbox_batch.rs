@@ -237,7 +237,7 @@ fn an_ignored_failed_statement_fails_only_its_message<B: Backend>() {
     let outcomes = d.consume_batch(&s.inbox, "g1", &batch).unwrap();
     let k = kinds(&outcomes);
     let (applied, dedup, bob, _) = state::<B>(&s.db, "g1");
-    if B::NAME == "PostgreSQL" {
+    if B::NAME.starts_with("PostgreSQL") {
         // The failed statement aborted the transaction; only rolling back to the
         // message's savepoint saves the others.
         assert!(k[1].contains("could not be kept"), "{k:?}");
@@ -271,7 +271,7 @@ fn single_mode_never_acks_writes_that_did_not_commit<B: Backend>() {
     );
 
     let ignored = d.consume(&s.inbox, "g1", &credit("b", How::IgnoredBadSql));
-    if B::NAME == "PostgreSQL" {
+    if B::NAME.starts_with("PostgreSQL") {
         assert!(
             ignored.as_ref().is_err_and(|e| outbox_core::error_chain(e)
                 .to_string()
@@ -490,7 +490,7 @@ fn failures_at_either_end_of_a_batch_fail_only_their_message<B: Backend>() {
     assert_eq!(k[..2], ["Handler(refused)", "Applied"]);
     let redelivered = [credit("a", How::Ok), credit("c", How::Ok)];
     let outcomes = d.consume_batch(&s.inbox, "g1", &redelivered).unwrap();
-    if B::NAME == "PostgreSQL" {
+    if B::NAME.starts_with("PostgreSQL") {
         assert!(k[2].contains("could not be kept"), "{k:?}");
         assert_eq!(kinds(&outcomes), ["Applied", "Applied"]);
     } else {
