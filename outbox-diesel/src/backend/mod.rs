@@ -237,14 +237,15 @@ pub(crate) trait Backend: Connection + Sized {
         if !outcome.sent.is_empty() {
             self.__mark_sent(&outcome.sent)?;
         }
-        for (id, at, error) in &outcome.retry {
+        for retry in &outcome.retry {
             let sql = format!(
                 "UPDATE outbox SET retries = retries + 1, next_retry_at = {}, last_error = {} \
-                 WHERE status = 0 AND id = {id}",
-                (d.later)(retry_delay_us(*at)),
+                 WHERE status = 0 AND id = {}",
+                (d.later)(retry_delay_us(retry.next_retry_at)),
                 d.ph,
+                retry.id,
             );
-            self.run_sql(&sql, Some(truncate(error)))?;
+            self.run_sql(&sql, Some(truncate(&retry.error)))?;
         }
         if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
             self.run_sql(durable, None)?;
