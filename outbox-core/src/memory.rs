@@ -479,11 +479,11 @@ impl<S: Send + 'static> ClaimedBatch for MemoryBatch<S> {
                 row.status = Status::Sent;
             }
         }
-        for (id, at, error) in outcome.retry {
-            if let Some(row) = state.rows.get_mut(&id) {
+        for retry in outcome.retry {
+            if let Some(row) = state.rows.get_mut(&retry.id) {
                 row.retries += 1;
-                row.next_retry_at = at;
-                row.last_error = Some(error);
+                row.next_retry_at = retry.next_retry_at;
+                row.last_error = Some(retry.error);
             }
         }
         for (id, error) in outcome.dead {

@@ -7,7 +7,7 @@ use tracing::Instrument as _;
 
 use crate::{
     ClaimedBatch, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind, Rejected,
-    RelayBatchOutcome, RelayStore, RetryDecision, RetryPolicy,
+    RelayBatchOutcome, RelayStore, RetryDecision, RetryPolicy, RetryRow,
 };
 
 /// Relay settings. `Default` gives batches of 500, a 1 s poll and the default
@@ -234,21 +234,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// of their key are released untouched: `claimed - sent - retried - dead` of the
     /// report.
     pub async fn run_once(&self) -> Result<BatchReport, Error> {
-        let started = Instant::now();
-        let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
-        let report = self.batch().instrument(span).await;
-        if let Ok(r) = &report
-            && r.claimed > 0
-        {
-            metrics::histogram!("outbox_relay_batch_seconds")
-                .record(started.elapsed().as_secs_f64());
-        }
-        report
-    }
-
-    async fn batch(&self) -> Result<BatchReport, Error> {
-        let batch = self.store.claim(self.config.batch_size).await?;
-        self.finish(batch).await
+        observed(async {
+            let batch = self.store.claim(self.config.batch_size).await?;
+            self.finish(batch).await
+        })
+        .await
     }
 
     /// One batch of [`run_until`](Self::run_until): the batch claimed ahead by the last
@@ -263,10 +253,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         ahead: &mut Option<S::Batch>,
         lookahead: &mut Lookahead,
     ) -> Result<BatchReport, Error> {
-        let started = Instant::now();
-        let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
         let limit = self.config.batch_size;
-        let report = async {
+        observed(async {
             let batch = match ahead.take() {
                 Some(batch) => batch,
                 None => self.store.claim(limit).await?,
@@ -289,16 +277,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 *ahead = Some(next);
             }
             Ok(report)
-        }
-        .instrument(span)
-        .await;
-        if let Ok(r) = &report
-            && r.claimed > 0
-        {
-            metrics::histogram!("outbox_relay_batch_seconds")
-                .record(started.elapsed().as_secs_f64());
-        }
-        report
+        })
+        .await
     }
 
     /// Publishes a claimed batch and completes it.
@@ -312,8 +292,8 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let _traces = crate::trace::publish_spans(batch.messages());
         // On an outage in the first wave `batch` is dropped here, which releases every
         // row untouched.
-        let (results, interrupted) = self.publish_in_waves(batch.messages()).await?;
-        let outcome = self.outcome(batch.messages(), results);
+        let Waves { fates, interrupted } = self.publish_in_waves(batch.messages()).await?;
+        let outcome = self.outcome(batch.messages(), fates);
         let report = BatchReport {
             claimed,
             sent: outcome.sent.len(),
@@ -349,16 +329,13 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// a key in order across retries at the price of one more round trip, paid only by
     /// batches that hold a retry followed by a message of the same key.
     ///
-    /// Returns one entry per message (`None`: not published) and the error that
-    /// interrupted the batch after something was published, if any: what was published
-    /// is recorded first. A message the broker did not take for a fault of its own or of
+    /// Returns what became of each message and the error that interrupted the batch
+    /// after something was published, if any ([`Waves`]): what was published is
+    /// recorded first. A message the broker did not take for a fault of its own or of
     /// the topic ([`RejectKind::Unavailable`], [`RejectKind::Topic`]) ends the waves with
     /// such an error. A whole call that fails in the first wave is returned as is.
-    async fn publish_in_waves(
-        &self,
-        messages: &[crate::StoredMessage],
-    ) -> Result<(Vec<Option<Result<(), Rejected>>>, Option<Error>), Error> {
-        let mut results: Vec<Option<Result<(), Rejected>>> = vec![None; messages.len()];
+    async fn publish_in_waves(&self, messages: &[crate::StoredMessage]) -> Result<Waves, Error> {
+        let mut fates = vec![Fate::Unpublished; messages.len()];
         let mut pending: Vec<usize> = (0..messages.len()).collect();
         let mut rejected_keys: HashSet<&str> = HashSet::new();
         let mut first = true;
@@ -403,7 +380,7 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             }) {
                 Ok(r) => r,
                 Err(e) if first => return Err(e),
-                Err(e) => return Ok((results, Some(e))),
+                Err(e) => return Ok(Waves::interrupted(fates, e)),
             };
             let mut failed_here: HashSet<&str> = HashSet::new();
             let mut halted = Halted::default();
@@ -423,32 +400,32 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                     }
                     Ok(()) => {}
                 }
-                results[i] = Some(result);
+                fates[i] = Fate::from(result);
             }
             if let Some(e) = halted.into_error(wave.len()) {
                 // The broker or a topic is at fault: what it took is recorded, the rest
                 // (including later waves) stays NEW, and the relay backs off.
-                return Ok((results, Some(e)));
+                return Ok(Waves::interrupted(fates, e));
             }
             pending = later;
             first = false;
         }
-        Ok((results, None))
+        Ok(Waves {
+            fates,
+            interrupted: None,
+        })
     }
 
-    fn outcome(
-        &self,
-        messages: &[crate::StoredMessage],
-        results: Vec<Option<Result<(), Rejected>>>,
-    ) -> RelayBatchOutcome {
+    fn outcome(&self, messages: &[crate::StoredMessage], fates: Vec<Fate>) -> RelayBatchOutcome {
         let mut outcome = RelayBatchOutcome::default();
-        for (m, result) in messages.iter().zip(results) {
-            let Some(result) = result else {
-                continue; // not published: released untouched
-            };
-            let Err(rejected) = result else {
-                outcome.sent.push(m.id);
-                continue;
+        for (m, fate) in messages.iter().zip(fates) {
+            let rejected = match fate {
+                Fate::Unpublished => continue, // released untouched
+                Fate::Taken => {
+                    outcome.sent.push(m.id);
+                    continue;
+                }
+                Fate::Rejected(rejected) => rejected,
             };
             if !rejected.spends_retry() {
                 continue; // the broker's or the topic's fault: released untouched
@@ -459,7 +436,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                     // Capped so that every backend's timestamp column can hold it.
                     let delay = delay.min(LONGEST_DELAY);
                     let at = Utc::now() + chrono::Duration::from_std(delay).unwrap_or_default();
-                    outcome.retry.push((m.id, at, rejected.reason));
+                    outcome.retry.push(RetryRow {
+                        id: m.id,
+                        next_retry_at: at,
+                        error: rejected.reason,
+                    });
                 }
                 RetryDecision::Dead => {
                     tracing::warn!(msg_id = %m.envelope.msg_id, failures, reason = %rejected.reason, "message dead-lettered");
@@ -553,6 +534,65 @@ const LONGEST_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 enum Idle {
     Poll,
     Outage(Duration),
+}
+
+/// Runs one batch (`run`) in the `outbox.relay.batch` span, whose `claimed` field
+/// [`Relay::finish`] records, and records `outbox_relay_batch_seconds` for a batch that
+/// claimed rows and did not fail: what [`Relay::run_once`] and [`Relay::run_ahead`]
+/// share.
+async fn observed(
+    run: impl Future<Output = Result<BatchReport, Error>>,
+) -> Result<BatchReport, Error> {
+    let started = Instant::now();
+    let span = tracing::debug_span!("outbox.relay.batch", claimed = tracing::field::Empty);
+    let report = run.instrument(span).await;
+    if let Ok(r) = &report
+        && r.claimed > 0
+    {
+        metrics::histogram!("outbox_relay_batch_seconds").record(started.elapsed().as_secs_f64());
+    }
+    report
+}
+
+/// What [`Relay::publish_in_waves`] did with a batch.
+struct Waves {
+    /// What became of each message, in the batch's order.
+    fates: Vec<Fate>,
+    /// The error that ended the waves after the broker had taken part of the batch:
+    /// the relay records what it took, then backs off with this error.
+    interrupted: Option<Error>,
+}
+
+impl Waves {
+    /// Waves ended by `error`, with what they did until then.
+    fn interrupted(fates: Vec<Fate>, error: Error) -> Self {
+        Self {
+            fates,
+            interrupted: Some(error),
+        }
+    }
+}
+
+/// What became of one message of a batch published in waves.
+#[derive(Debug, Clone)]
+enum Fate {
+    /// Not published: an earlier message of its key was rejected, or the waves ended
+    /// before its own. Its row is released untouched.
+    Unpublished,
+    /// The broker took it: its row is marked SENT.
+    Taken,
+    /// The broker did not take it: a retry is spent if the fault is the message's own
+    /// ([`Rejected::spends_retry`]), else its row is released untouched.
+    Rejected(Rejected),
+}
+
+impl From<Result<(), Rejected>> for Fate {
+    fn from(published: Result<(), Rejected>) -> Self {
+        match published {
+            Ok(()) => Self::Taken,
+            Err(rejected) => Self::Rejected(rejected),
+        }
+    }
 }
 
 /// When [`Relay::run_ahead`] claims ahead. A claim ahead that comes back nearly empty

@@ -11,10 +11,22 @@ use crate::{Error, StoredMessage};
 pub struct RelayBatchOutcome {
     /// Row ids published: mark SENT.
     pub sent: Vec<i64>,
-    /// Rows that failed and will be retried: `retries + 1`, this `next_retry_at`, this error.
-    pub retry: Vec<(i64, DateTime<Utc>, String)>,
+    /// Rows that failed and will be retried: `retries + 1`, and the row's
+    /// `next_retry_at` and error.
+    pub retry: Vec<RetryRow>,
     /// Rows that failed for the last time: `retries + 1`, DEAD, this error.
     pub dead: Vec<(i64, String)>,
+}
+
+/// A row of a [`RelayBatchOutcome`] that failed and will be retried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryRow {
+    /// The row's id.
+    pub id: i64,
+    /// When the row is due again (its `next_retry_at`).
+    pub next_retry_at: DateTime<Utc>,
+    /// Why it failed, stored as its `last_error`.
+    pub error: String,
 }
 
 impl RelayBatchOutcome {

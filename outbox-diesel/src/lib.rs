@@ -96,9 +96,10 @@ pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
 pub use ops::{
-    OutboxRecord, OutboxRow, TopicCounts, UnreadableRecord, backlog, dead_letters, find_message,
-    find_row, list_messages, list_rows, purge_consumed, purge_dead, purge_sent, redrive,
-    redrive_all, topic_counts,
+    OutboxRecord, OutboxRow, ParkedRelay, PublishedMinute, TopicCounts, UnreadableRecord, backlog,
+    dead_letters, find_message, find_row, list_messages, list_rows, parked_relays,
+    published_per_minute, purge_consumed, purge_dead, purge_sent, redrive, redrive_all,
+    topic_counts,
 };
 #[cfg(feature = "postgres")]
 pub use partition::{

@@ -74,6 +74,89 @@ pub fn topic_counts<C: OutboxConnection>(conn: &mut C) -> Result<Vec<TopicCounts
     Ok(counts)
 }
 
+/// One minute of publishing, as [`published_per_minute`] returns it.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct PublishedMinute {
+    /// How many minutes ago it began, by the database clock (0: the current minute).
+    pub minutes_ago: u32,
+    /// Messages published (marked SENT) in it.
+    pub published: u64,
+    /// Their mean commit→publish latency (`sent_at - created_at`) in seconds; `None`
+    /// when none was published. Negative only if the clocks that stamped the two
+    /// columns disagree.
+    pub avg_latency_seconds: Option<f64>,
+}
+
+/// Messages published in each of the last `minutes` minutes, oldest first, empty minutes
+/// included (so the result has `minutes` entries). Reads the SENT rows of that window
+/// (one `GROUP BY` over `sent_at`), so its cost grows with the publish rate, not with
+/// the table; SENT rows already purged are not counted.
+///
+/// ```no_run
+/// use diesel::Connection as _;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut conn = diesel::PgConnection::establish("postgres://localhost/app")?;
+/// for m in outbox_diesel::published_per_minute(&mut conn, 15)? {
+///     println!("{} min ago: {} published", m.minutes_ago, m.published);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub fn published_per_minute<C: OutboxConnection>(
+    conn: &mut C,
+    minutes: u32,
+) -> Result<Vec<PublishedMinute>> {
+    let rows = conn.minute_rows(minutes)?;
+    Ok((0..minutes)
+        .rev()
+        .map(|ago| {
+            let row = rows.iter().find(|r| r.minutes_ago == i64::from(ago));
+            PublishedMinute {
+                minutes_ago: ago,
+                published: row.map_or(0, |r| u64::try_from(r.n).unwrap_or_default()),
+                avg_latency_seconds: row.and_then(|r| r.latency),
+            }
+        })
+        .collect())
+}
+
+/// A relay parked on PostgreSQL, waiting for work, as [`parked_relays`] returns it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParkedRelay {
+    /// The process id of its LISTEN session.
+    pub pid: i32,
+    /// The session's client address; `None` over a Unix socket.
+    pub client_addr: Option<String>,
+    /// The session's `application_name`, if set.
+    pub application_name: Option<String>,
+    /// When the session last changed state (`pg_stat_activity.state_change`, in
+    /// PostgreSQL's text form and the session's time zone).
+    pub state_change: Option<String>,
+}
+
+/// The relays parked now on this database, in pid order: the sessions holding a
+/// [wake-up lock](crate::wake_lock_key) exclusively, which a PostgreSQL relay takes on
+/// its LISTEN session while it waits for work (a relay at work holds none, so it is
+/// not listed). `None` on MySQL and SQLite, where relays park without such a lock.
+///
+/// Reads `pg_locks` and `pg_stat_activity`; a role that may not see other roles'
+/// sessions (without `pg_read_all_stats`) sees only its own.
+pub fn parked_relays<C: OutboxConnection>(conn: &mut C) -> Result<Option<Vec<ParkedRelay>>> {
+    Ok(conn.parked_relay_rows()?.map(|rows| {
+        rows.into_iter()
+            .map(|r| ParkedRelay {
+                pid: r.pid,
+                client_addr: r.client_addr,
+                application_name: r.application_name,
+                state_change: r.state_change,
+            })
+            .collect()
+    }))
+}
+
 /// An outbox row whose stored fields do not decode into an [`OutboxRecord`], as stored,
 /// with the reason.
 ///

@@ -521,6 +521,33 @@ fn operations_queries<B: Backend>() {
         dead: vec![(ids[2], "poison".into())],
     });
 
+    // The two rows just sent, in the last minute (or the one before, across a minute).
+    let minutes = outbox_diesel::published_per_minute(&mut conn, 15).unwrap();
+    let ago: Vec<u32> = minutes.iter().map(|m| m.minutes_ago).collect();
+    assert_eq!(
+        ago,
+        (0..15).rev().collect::<Vec<_>>(),
+        "oldest first, every minute"
+    );
+    assert_eq!(minutes.iter().map(|m| m.published).sum::<u64>(), 2);
+    assert!(
+        minutes[13..]
+            .iter()
+            .any(|m| m.published > 0 && m.avg_latency_seconds.is_some()),
+        "{minutes:?}"
+    );
+    assert!(
+        minutes[..13]
+            .iter()
+            .all(|m| m.published == 0 && m.avg_latency_seconds.is_none())
+    );
+    let parked = outbox_diesel::parked_relays(&mut conn).unwrap();
+    assert_eq!(
+        parked.is_some(),
+        B::NAME.starts_with("PostgreSQL"),
+        "{parked:?}"
+    );
+
     let dead: Vec<_> = outbox_diesel::dead_letters(&mut conn, 0, 10)
         .unwrap()
         .into_iter()

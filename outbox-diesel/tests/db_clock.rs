@@ -13,7 +13,7 @@ use diesel::connection::SimpleConnection as _;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use diesel::{Connection as _, MysqlConnection, PgConnection};
 use fixtures::{Backend, Lite, My, Pg, exec, runtime};
-use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
+use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore, RetryRow};
 use outbox_diesel::{Emit as _, MysqlRelayStore, PgRelayStore};
 use serde::{Deserialize, Serialize};
 
@@ -35,7 +35,11 @@ async fn retry_in_delay<S: RelayStore>(store: &S) {
     let at = Utc::now() + chrono::Duration::from_std(DELAY).unwrap();
     batch
         .complete(RelayBatchOutcome {
-            retry: vec![(id, at, "rejected".into())],
+            retry: vec![RetryRow {
+                id,
+                next_retry_at: at,
+                error: "rejected".into(),
+            }],
             ..RelayBatchOutcome::default()
         })
         .await

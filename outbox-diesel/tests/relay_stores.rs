@@ -573,7 +573,11 @@ fn pg_a_batch_with_dead_letters_commits_durably() {
     outbox_diesel::__private::begin_claim(&mut c, Duration::ZERO).unwrap();
     let outcome = RelayBatchOutcome {
         sent: vec![one],
-        retry: vec![(two, chrono::Utc::now(), "try again".into())],
+        retry: vec![outbox_core::RetryRow {
+            id: two,
+            next_retry_at: chrono::Utc::now(),
+            error: "try again".into(),
+        }],
         ..Default::default()
     };
     outbox_diesel::__private::complete(&mut c, &outcome).unwrap();

@@ -82,6 +82,38 @@ fn two_parked_relays_are_both_woken_by_one_emit() {
     });
 }
 
+/// `parked_relays` lists the sessions holding a wake-up lock, as a parked relay's LISTEN
+/// session does, with their `application_name`, and no longer once the lock is released.
+/// (MySQL and SQLite relays are not tracked: `None`, in `backends.rs`.) The tests share
+/// a database and park on channels of their own, so only this test's session is looked at.
+#[test]
+fn parked_relays_lists_the_sessions_holding_the_wake_up_lock() {
+    let db = Pg::create();
+    let mut conn = Pg::connect(&db);
+    let name = format!("relay-{}", std::process::id());
+    let mut parked_here = || -> Vec<outbox_diesel::ParkedRelay> {
+        let parked = outbox_diesel::parked_relays(&mut conn)
+            .unwrap()
+            .expect("tracked");
+        parked
+            .into_iter()
+            .filter(|r| r.application_name.as_deref() == Some(name.as_str()))
+            .collect()
+    };
+    assert_eq!(parked_here(), []);
+    let mut relay = Pg::connect(&db);
+    exec(&mut relay, &format!("SET application_name = '{name}'"));
+    fixtures::park_as_a_relay(&mut relay, &db);
+    let parked = parked_here();
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    assert!(
+        parked[0].pid > 0 && parked[0].state_change.is_some(),
+        "{parked:?}"
+    );
+    fixtures::unpark(&mut relay);
+    assert_eq!(parked_here(), []);
+}
+
 /// A relay about to park waits for the emitting transactions in flight: a row emitted
 /// while no relay was parked (so without a NOTIFY) and committed after the relay's first
 /// look is found by its look after it takes the lock, not left to its poll.

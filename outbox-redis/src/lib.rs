@@ -121,7 +121,7 @@ mod trim;
 
 pub use consumer::{
     AfterDeadLetter, AsyncStore, Consumer, ConsumerBuilder, ConsumerConfig, ConsumerHealth,
-    ConsumerStats, ConsumerStore, NoInbox, OrderedConfig, StartFrom, StoreFuture, StoreRun,
+    ConsumerStats, ConsumerStore, NoInbox, OrderedConfig, StartFrom,
 };
 pub use dead_letters::{
     DeadLetter, GroupConsumer, GroupInfo, blocked_keys, consumer_groups, dead_letter, dead_letters,

@@ -7,19 +7,17 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
-use diesel::RunQueryDsl as _;
-use diesel::sql_types::{BigInt, Double, Nullable, Text};
 use outbox_diesel::OutboxRow;
 use outbox_redis::redis::aio::MultiplexedConnection;
 use outbox_redis::redis::{self, AsyncConnectionConfig};
 use serde::{Deserialize, Serialize};
 
 use super::App;
-use crate::backend::{BackendKind, Conn, redact, with_conn};
+use crate::backend::{Conn, redact, with_conn};
 use crate::output::RowJson;
 
 /// Minutes of history the publish chart covers.
-pub(crate) const CHART_MINUTES: i64 = 15;
+pub(crate) const CHART_MINUTES: u32 = 15;
 /// The most dead letters of one source read to filter and page (the newest are shown
 /// first; past this many the list says it is cut).
 const SCAN_LIMIT: usize = 5000;
@@ -159,58 +157,13 @@ pub(crate) struct Relays {
     pub(crate) seen: Vec<String>,
 }
 
-#[derive(diesel::QueryableByName)]
-struct MinuteRow {
-    #[diesel(sql_type = BigInt)]
-    minutes_ago: i64,
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-    #[diesel(sql_type = Nullable<Double>)]
-    latency: Option<f64>,
-}
-
-#[derive(diesel::QueryableByName)]
-struct RelayRow {
-    #[diesel(sql_type = Text)]
-    relay: String,
-    #[diesel(sql_type = Text)]
-    since: String,
-}
-
-/// SENT rows of the last minutes per minute, with their mean latency, per backend.
-fn minutes_sql(kind: BackendKind) -> String {
-    let m = CHART_MINUTES;
-    match kind {
-        BackendKind::Postgres => format!(
-            "SELECT floor(extract(epoch FROM now() - sent_at) / 60)::bigint AS minutes_ago, \
-             COUNT(*) AS n, avg(extract(epoch FROM sent_at - created_at))::float8 AS latency \
-             FROM outbox WHERE status = 1 AND sent_at > now() - interval '{m} minutes' \
-             GROUP BY 1"
-        ),
-        BackendKind::Mysql => format!(
-            "SELECT CAST(FLOOR(TIMESTAMPDIFF(MICROSECOND, sent_at, UTC_TIMESTAMP(6)) / 60000000) \
-             AS SIGNED) AS minutes_ago, COUNT(*) AS n, \
-             CAST(AVG(TIMESTAMPDIFF(MICROSECOND, created_at, sent_at)) / 1000000 AS DOUBLE) \
-             AS latency FROM outbox WHERE status = 1 \
-             AND sent_at > UTC_TIMESTAMP(6) - INTERVAL {m} MINUTE GROUP BY minutes_ago"
-        ),
-        BackendKind::Sqlite => format!(
-            "SELECT CAST((julianday('now') - julianday(sent_at)) * 1440 AS INTEGER) AS minutes_ago, \
-             COUNT(*) AS n, AVG((julianday(sent_at) - julianday(created_at)) * 86400.0) AS latency \
-             FROM outbox WHERE status = 1 \
-             AND sent_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-{m} minutes') \
-             GROUP BY minutes_ago"
-        ),
-    }
-}
-
 /// Reads the overview (blocking).
 pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
     let mut conn = app.db.connect(false)?;
     let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     let topics = with_conn!(&mut conn, c => outbox_diesel::topic_counts(c))?;
-    let sql = minutes_sql(app.db.kind);
-    let rows: Vec<MinuteRow> = with_conn!(&mut conn, c => diesel::sql_query(&sql).load(c))?;
+    let minutes =
+        with_conn!(&mut conn, c => outbox_diesel::published_per_minute(c, CHART_MINUTES))?;
     Ok(Overview {
         database: app.db.display(),
         redis: app.redis_display.clone(),
@@ -218,26 +171,20 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         oldest_due_age_seconds: backlog.oldest_due_age.map(|d| d.as_secs_f64()),
         dead: backlog.dead,
         topics: topics.into_iter().map(TopicCounts::from).collect(),
-        published: minutes(&rows),
+        published: minutes.into_iter().map(Minute::from).collect(),
         relays: relays(app, &mut conn)?,
     })
 }
 
-/// Every minute of the chart, empty ones included.
-fn minutes(rows: &[MinuteRow]) -> Vec<Minute> {
-    (0..CHART_MINUTES)
-        .rev()
-        .map(|ago| {
-            let row = rows.iter().find(|r| r.minutes_ago == ago);
-            let published = row.map_or(0, |r| u64::try_from(r.n).unwrap_or_default());
-            Minute {
-                minutes_ago: ago,
-                published,
-                per_second: published as f64 / 60.0,
-                avg_latency_seconds: row.and_then(|r| r.latency),
-            }
-        })
-        .collect()
+impl From<outbox_diesel::PublishedMinute> for Minute {
+    fn from(m: outbox_diesel::PublishedMinute) -> Self {
+        Self {
+            minutes_ago: i64::from(m.minutes_ago),
+            published: m.published,
+            per_second: m.published as f64 / 60.0,
+            avg_latency_seconds: m.avg_latency_seconds,
+        }
+    }
 }
 
 /// PostgreSQL: the relays parked now (the sessions holding a wake-up lock,
@@ -246,26 +193,13 @@ fn minutes(rows: &[MinuteRow]) -> Vec<Minute> {
 fn relays(app: &App, conn: &mut Conn) -> Result<Relays, Failure> {
     match conn {
         Conn::Pg(c) => {
-            let (class, _) = outbox_diesel::wake_lock_key("");
-            let rows: Vec<RelayRow> = diesel::sql_query(format!(
-                "SELECT concat_ws(' ', 'pid', a.pid, 'from', coalesce(host(a.client_addr), 'local'), \
-                   nullif(a.application_name, '')) AS relay, a.state_change::text AS since \
-                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-                 WHERE l.locktype = 'advisory' AND l.classid = {class} AND l.objsubid = 2 \
-                   AND l.mode = 'ExclusiveLock' AND l.granted \
-                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-                 ORDER BY a.pid"
-            ))
-            .load(c)?;
+            let parked = outbox_diesel::parked_relays(c)?.unwrap_or_default();
             Ok(Relays {
                 tracked: true,
                 note: "relays parked now, waiting for work (their LISTEN sessions, holding the \
                        wake-up lock; a relay at work holds none)"
                     .into(),
-                seen: rows
-                    .into_iter()
-                    .map(|r| format!("{} (parked, last statement at {})", r.relay, r.since))
-                    .collect(),
+                seen: parked.iter().map(parked_line).collect(),
             })
         }
         Conn::Sqlite(_) => {
@@ -294,6 +228,22 @@ fn relays(app: &App, conn: &mut Conn) -> Result<Relays, Failure> {
             seen: Vec::new(),
         }),
     }
+}
+
+/// A parked relay as the overview lists it: `pid 42 from 10.0.0.7 relay-a (parked, last
+/// statement at …)`.
+fn parked_line(r: &outbox_diesel::ParkedRelay) -> String {
+    let mut line = format!(
+        "pid {} from {}",
+        r.pid,
+        r.client_addr.as_deref().unwrap_or("local")
+    );
+    if let Some(name) = &r.application_name {
+        line.push(' ');
+        line.push_str(name);
+    }
+    let since = r.state_change.as_deref().unwrap_or_default();
+    format!("{line} (parked, last statement at {since})")
 }
 
 /// The dead-letter list's filters and page, from the query string.

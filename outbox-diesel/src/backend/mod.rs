@@ -31,7 +31,9 @@ pub(crate) mod sqlite;
 pub(crate) use record::ClaimRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
-pub(crate) use record::{BacklogRow, RecordRow, TopicRow, VersionRow, claimed};
+pub(crate) use record::{
+    BacklogRow, MinuteRow, ParkedRow, RecordRow, TopicRow, VersionRow, claimed,
+};
 #[cfg(feature = "postgres")]
 pub(crate) use row::push_before_headers;
 pub(crate) use row::{Row, check_group, chunks, push_values};
@@ -66,6 +68,10 @@ pub(crate) struct Dialect {
     /// Run before rows are marked DEAD in a claim's transaction, where its commit must
     /// be durable.
     pub(crate) durable_dead: Option<&'static str>,
+    /// SENT rows of the last `n` minutes by the minute they were sent in
+    /// (`minutes_ago`, 0 the current one), with their mean commit→publish latency:
+    /// [`MinuteRow`]s.
+    pub(crate) published_minutes: fn(u32) -> String,
 }
 
 /// What `OutboxConnection` does, per backend. Crate-private and a supertrait of the
@@ -100,6 +106,16 @@ pub(crate) trait Backend: Connection + Sized {
 
     /// Runs [`TOPICS_SQL`].
     fn topic_rows(&mut self) -> QueryResult<Vec<TopicRow>>;
+
+    /// Runs [`Dialect::published_minutes`].
+    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<MinuteRow>>;
+
+    /// The sessions holding a relay's [wake-up lock](crate::wake_lock_key) exclusively
+    /// (relays parked on LISTEN), in pid order; `None` where relays park without one
+    /// (every backend but PostgreSQL).
+    fn parked_relay_rows(&mut self) -> QueryResult<Option<Vec<ParkedRow>>> {
+        Ok(None)
+    }
 
     /// Inserts envelopes (validated by the caller: sizes, in-batch duplicates).
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()>;
@@ -245,14 +261,15 @@ pub(crate) trait Backend: Connection + Sized {
         if !outcome.sent.is_empty() {
             self.__mark_sent(&outcome.sent)?;
         }
-        for (id, at, error) in &outcome.retry {
+        for retry in &outcome.retry {
             let sql = format!(
                 "UPDATE outbox SET retries = retries + 1, next_retry_at = {}, last_error = {} \
-                 WHERE status = 0 AND id = {id}",
-                (d.later)(retry_delay_us(*at)),
+                 WHERE status = 0 AND id = {}",
+                (d.later)(retry_delay_us(retry.next_retry_at)),
                 d.ph,
+                retry.id,
             );
-            self.run_sql(&sql, Some(truncate(error)))?;
+            self.run_sql(&sql, Some(truncate(&retry.error)))?;
         }
         if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
             self.run_sql(durable, None)?;

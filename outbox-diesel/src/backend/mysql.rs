@@ -35,6 +35,15 @@ pub(super) const DIALECT: Dialect = Dialect {
         format!("DELETE FROM {table} WHERE {filter} ORDER BY {order} LIMIT {n}")
     },
     durable_dead: None,
+    published_minutes: |m| {
+        format!(
+            "SELECT CAST(FLOOR(TIMESTAMPDIFF(MICROSECOND, sent_at, UTC_TIMESTAMP(6)) / 60000000) \
+             AS SIGNED) AS minutes_ago, COUNT(*) AS n, \
+             CAST(AVG(TIMESTAMPDIFF(MICROSECOND, created_at, sent_at)) / 1000000 AS DOUBLE) \
+             AS latency FROM outbox WHERE status = 1 \
+             AND sent_at > UTC_TIMESTAMP(6) - INTERVAL {m} MINUTE GROUP BY minutes_ago"
+        )
+    },
 };
 
 /// SQL that is true when two `msg_key` expressions are the same key, byte for byte, as
@@ -316,6 +325,10 @@ impl Backend for MysqlConnection {
 
     fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
         super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
+    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
+        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
     }
 
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {

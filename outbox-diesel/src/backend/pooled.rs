@@ -32,6 +32,12 @@ where
     fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
         (**self).topic_rows()
     }
+    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
+        (**self).minute_rows(minutes)
+    }
+    fn parked_relay_rows(&mut self) -> QueryResult<Option<Vec<super::ParkedRow>>> {
+        (**self).parked_relay_rows()
+    }
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         (**self).__insert(options, envelopes)
     }

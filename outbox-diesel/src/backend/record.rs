@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
+use diesel::sql_types::{BigInt, Double, Integer, Nullable, SmallInt, Text};
 use outbox_core::{Envelope, Headers, MsgId, Status, StoredMessage};
 
 use super::Backend;
@@ -293,6 +293,30 @@ pub(crate) struct TopicRow {
     pub(crate) status: i16,
     #[diesel(sql_type = BigInt)]
     pub(crate) n: i64,
+}
+
+/// One minute of [`Dialect::published_minutes`](super::Dialect::published_minutes).
+#[derive(QueryableByName)]
+pub(crate) struct MinuteRow {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) minutes_ago: i64,
+    #[diesel(sql_type = BigInt)]
+    pub(crate) n: i64,
+    #[diesel(sql_type = Nullable<Double>)]
+    pub(crate) latency: Option<f64>,
+}
+
+/// One session of [`Backend::parked_relay_rows`](super::Backend::parked_relay_rows).
+#[derive(QueryableByName)]
+pub(crate) struct ParkedRow {
+    #[diesel(sql_type = Integer)]
+    pub(crate) pid: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) client_addr: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) application_name: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) state_change: Option<String>,
 }
 
 #[derive(QueryableByName)]

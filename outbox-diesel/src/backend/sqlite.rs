@@ -78,6 +78,15 @@ pub(super) const DIALECT: Dialect = Dialect {
         )
     },
     durable_dead: None,
+    published_minutes: |m| {
+        format!(
+            "SELECT CAST((julianday('now') - julianday(sent_at)) * 1440 AS INTEGER) AS minutes_ago, \
+             COUNT(*) AS n, AVG((julianday(sent_at) - julianday(created_at)) * 86400.0) AS latency \
+             FROM outbox WHERE status = 1 \
+             AND sent_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-{m} minutes') \
+             GROUP BY minutes_ago"
+        )
+    },
 };
 
 /// One row: `INSERT .. ON CONFLICT (msg_id) DO NOTHING` (0 rows on a duplicate), cached.
@@ -187,6 +196,10 @@ impl Backend for SqliteConnection {
 
     fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
         super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
+    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
+        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
     }
 
     fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::ConsumerStore;
+use super::store::StoreRun;
 use outbox_core::{Delivery, InboxBatchOutcomes, Processed};
 use tracing::Instrument as _;
 
@@ -198,14 +199,14 @@ where
             deliveries,
         );
         match run.await {
-            Ok(Ok(outcomes)) => Ok(outcomes),
-            Ok(Err(e)) => Err(BatchFailed {
+            StoreRun::Done(outcomes) => Ok(outcomes),
+            StoreRun::Failed(e) => Err(BatchFailed {
                 outage: e.is_outage(),
                 conflict: e.is_transient(),
                 reason: outbox_core::error_chain(&e).to_string(),
             }),
             // Handler panics are caught per message; this is the store's own panic.
-            Err(crash) => Err(BatchFailed {
+            StoreRun::Crashed(crash) => Err(BatchFailed {
                 conflict: false,
                 reason: format!("batch {crash}"),
                 outage: false,

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::ConsumerStore;
+use super::store::StoreRun;
 use outbox_core::Processed;
 use redis::RedisResult;
 
@@ -35,17 +36,17 @@ where
             .applied_before(inner.group.clone(), envelope.msg_id, reason.clone())
             .await;
         match applied {
-            Ok(Ok(Processed::Duplicate)) => {
+            StoreRun::Done(Processed::Duplicate) => {
                 tracing::debug!("applied before; only its acknowledgement was lost");
                 self.count(Count::Duplicate, Some(&job.stream));
                 self.ack(job).await
             }
-            Ok(Err(e)) if e.is_outage() => {
+            StoreRun::Failed(e) if e.is_outage() => {
                 self.failed(job, &outbox_core::error_chain(&e).to_string(), true)
                     .await
             }
             // Asking met a conflict: nothing is known yet; ask again at the next claim.
-            Ok(Err(e)) if e.is_transient() => {
+            StoreRun::Failed(e) if e.is_transient() => {
                 self.count(Count::Conflict, Some(&job.stream));
                 Outcome::Pending { outage: false }
             }

@@ -48,7 +48,7 @@ pub use builder::{ConsumerBuilder, NoInbox};
 pub use config::{AfterDeadLetter, ConsumerConfig, OrderedConfig, StartFrom};
 pub use health::ConsumerHealth;
 pub use stats::ConsumerStats;
-pub use store::{AsyncStore, ConsumerStore, StoreFuture, StoreRun};
+pub use store::{AsyncStore, ConsumerStore};
 
 use ack::AckQueue;
 pub(crate) use dead_letter::DEAD_LETTER_FIELDS;

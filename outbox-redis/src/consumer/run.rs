@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::ConsumerStore;
+use super::store::Transactions;
 use redis::{RedisError, RedisResult};
 use tokio::sync::{Mutex, Semaphore};
 use tokio::task::{JoinError, JoinSet};
@@ -157,7 +158,7 @@ where
         // pooled connection would time out and look like a store outage.
         let transactions = config
             .max_in_flight
-            .min(ConsumerStore::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
+            .min(Transactions::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         let task_limit = config.max_in_flight.saturating_mul(2);
         let read_at = (transactions / 2).max(1);

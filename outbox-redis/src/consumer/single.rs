@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::ConsumerStore;
+use super::store::StoreRun;
 use outbox_core::{Delivery, Prepared, Processed};
 use tracing::Instrument as _;
 
@@ -165,13 +166,13 @@ where
                 .await
         };
         match run {
-            Ok(Ok(processed)) => Attempt::Processed(processed),
-            Ok(Err(e)) => Attempt::Failed {
+            StoreRun::Done(processed) => Attempt::Processed(processed),
+            StoreRun::Failed(e) => Attempt::Failed {
                 outage: e.is_outage(),
                 conflict: e.is_transient(),
                 reason: outbox_core::error_chain(&e).to_string(),
             },
-            Err(crash) => Attempt::Failed {
+            StoreRun::Crashed(crash) => Attempt::Failed {
                 conflict: false,
                 reason: format!("handler {crash}"),
                 outage: false,

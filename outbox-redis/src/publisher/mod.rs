@@ -445,7 +445,7 @@ impl Publisher for RedisPublisher {
         self.check_durability(&mut conn).await?;
         self.record_partitions(&mut conn).await?;
 
-        let mut outcomes: Vec<Option<Result<(), Rejected>>> = vec![None; batch.len()];
+        let mut outcomes = Answers::new(batch.len());
         // A part stops at its first pipeline that fails; the rest of it is not sent.
         let mut stopped: Vec<Option<String>> = vec![None; parts.len()];
         let mut timed_out = false;
@@ -473,7 +473,7 @@ impl Publisher for RedisPublisher {
                             {
                                 halt.get_or_insert_with(|| r.reason.clone());
                             }
-                            outcomes[i] = Some(outcome);
+                            outcomes.set(i, outcome);
                         }
                         stopped[p] = halt;
                     }
@@ -486,7 +486,7 @@ impl Publisher for RedisPublisher {
                         self.conn.check(&e).await;
                         let reason = e.to_string();
                         for &i in part {
-                            outcomes[i] = Some(Err(Rejected::unavailable(reason.clone())));
+                            outcomes.set(i, Err(Rejected::unavailable(reason.clone())));
                         }
                         stopped[p] = Some(reason);
                     }
@@ -501,18 +501,15 @@ impl Publisher for RedisPublisher {
             let Some(reason) = reason else { continue };
             for (part, _) in &parts[p] {
                 for &i in part {
-                    outcomes[i].get_or_insert_with(|| {
-                        Err(Rejected::unavailable(format!(
+                    outcomes.unanswered(i, || {
+                        Rejected::unavailable(format!(
                             "not sent: an earlier pipeline failed: {reason}"
-                        )))
+                        ))
                     });
                 }
             }
         }
-        let outcomes: PublishOutcomes = outcomes
-            .into_iter()
-            .map(|o| o.expect("every message is in one pipeline"))
-            .collect();
+        let outcomes = outcomes.into_outcomes();
         // Nothing taken and nothing of the messages' or topics' own: an outage of the
         // whole call, as the relay has always been told.
         if let Some(Err(first)) = outcomes.first()
@@ -523,6 +520,41 @@ impl Publisher for RedisPublisher {
             return Err(outbox_core::Error::broker_unavailable(first.reason.clone()));
         }
         Ok(outcomes)
+    }
+}
+
+/// The outcomes of one call's messages, as its pipelines are answered: each message's
+/// is set by the reply of its pipeline, or, for a pipeline not sent after an earlier
+/// one of its part failed, as not sent.
+struct Answers {
+    /// Per message of the call: `None` while its pipeline is unanswered.
+    outcomes: Vec<Option<Result<(), Rejected>>>,
+}
+
+impl Answers {
+    /// `n` messages, none answered.
+    fn new(n: usize) -> Self {
+        Self {
+            outcomes: vec![None; n],
+        }
+    }
+
+    /// Message `i`'s outcome, from its pipeline's reply.
+    fn set(&mut self, i: usize, outcome: Result<(), Rejected>) {
+        self.outcomes[i] = Some(outcome);
+    }
+
+    /// Message `i` rejected with `rejected()` unless its pipeline was answered.
+    fn unanswered(&mut self, i: usize, rejected: impl FnOnce() -> Rejected) {
+        self.outcomes[i].get_or_insert_with(|| Err(rejected()));
+    }
+
+    /// Every message's outcome, in the call's order.
+    fn into_outcomes(self) -> PublishOutcomes {
+        self.outcomes
+            .into_iter()
+            .map(|o| o.expect("every message is in one pipeline"))
+            .collect()
     }
 }
 

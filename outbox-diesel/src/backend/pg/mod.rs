@@ -65,6 +65,14 @@ pub(super) const DIALECT: Dialect = Dialect {
     // (`on` where the server is set to `remote_apply` still waits for the synchronous
     // standbys' flush, which is what a failover needs.)
     durable_dead: Some("SET LOCAL synchronous_commit = on"),
+    published_minutes: |m| {
+        format!(
+            "SELECT floor(extract(epoch FROM now() - sent_at) / 60)::bigint AS minutes_ago, \
+             COUNT(*) AS n, avg(extract(epoch FROM sent_at - created_at))::float8 AS latency \
+             FROM outbox WHERE status = 1 AND sent_at > now() - interval '{m} minutes' \
+             GROUP BY 1"
+        )
+    },
 };
 
 mod claim;
@@ -109,6 +117,27 @@ impl Backend for PgConnection {
 
     fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
         super::load_rows(self, super::TOPICS_SQL, None)
+    }
+
+    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
+        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
+    }
+
+    fn parked_relay_rows(&mut self) -> QueryResult<Option<Vec<super::ParkedRow>>> {
+        // A LISTEN session holds its channel's wake-up lock exclusively (class and
+        // `objsubid = 2`, the two-key form) while it is parked; the key is the channel's.
+        let (class, _) = crate::wake_lock_key("");
+        let sql = format!(
+            "SELECT a.pid, host(a.client_addr) AS client_addr, \
+               nullif(a.application_name, '') AS application_name, \
+               a.state_change::text AS state_change \
+             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.classid = {class} AND l.objsubid = 2 \
+               AND l.mode = 'ExclusiveLock' AND l.granted \
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             ORDER BY a.pid"
+        );
+        super::load_rows(self, &sql, None).map(Some)
     }
 
     fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {

@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::ConsumerStore;
+use crate::consumer::store::Transactions;
 use redis::RedisResult;
 use tokio::task::{JoinError, JoinHandle, JoinSet};
 use tracing::Instrument as _;
@@ -179,7 +180,7 @@ where
         let config = &consumer.inner.config;
         let task_limit = config
             .max_in_flight
-            .min(ConsumerStore::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
+            .min(Transactions::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         let per_task = config.batch_size.unwrap_or(1);
         let now = Instant::now();
