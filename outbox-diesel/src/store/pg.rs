@@ -282,11 +282,11 @@ impl RelayStore for PgRelayStore {
             }
         }
         let (pool, held) = (self.pool.clone(), held.to_vec());
+        let (floor, step) = self.floor.for_claim();
         let how = LockedClaim {
-            floor: self.floor.get(),
+            floor,
             ..self.claim
         };
-        let (step, floor) = (self.floor.step(), how.floor);
         let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
             let stepped = step.and_then(|step| step.run(c));
             let horizon = if idle {

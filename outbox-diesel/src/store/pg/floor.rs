@@ -108,19 +108,21 @@ impl ClaimFloor {
         self.lock().floor
     }
 
-    /// The step to run now, if one is due.
-    pub(super) fn step(&self) -> Option<Step> {
+    /// The floor for a claim starting now, and the step to run in it if one is due (one
+    /// look at the state per claim).
+    pub(super) fn for_claim(&self) -> (i64, Option<Step>) {
         let mut s = self.lock();
         let now = Instant::now();
         if now < s.next_step {
-            return None;
+            return (s.floor, None);
         }
         s.next_step = now + STEP_EVERY;
-        Some(Step {
+        let step = Step {
             floor: s.floor,
             pending: s.pending.clone(),
             reset: now >= s.next_reset,
-        })
+        };
+        (s.floor, Some(step))
     }
 
     /// Takes what a step found.
