@@ -28,7 +28,7 @@ use outbox_tests::ScratchSentinel as Deployment;
 const MASTER: &str = Deployment::MASTER;
 
 /// How long any one step may take before the test fails: generous, for a busy machine.
-const STEP: Duration = Duration::from_secs(30);
+const STEP: Duration = Duration::from_secs(60);
 
 /// Runs the blocking `f` (a server's start, a poll with `std::thread::sleep`) without
 /// holding up the runtime's other tasks: the relay and the consumer keep running.
