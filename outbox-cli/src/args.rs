@@ -274,8 +274,8 @@ pub(crate) struct RelayArgs {
     /// faster, for consumers that do not need order.
     #[arg(long, value_enum, default_value_t = Order::PerKey, value_name = "ORDER")]
     pub(crate) order: Order,
-    /// Database connections in the relay's pool, 1 to 64. The pool opens them all at
-    /// start (a huge value used to abort the process allocating its slots).
+    /// Database connections in the relay's pool, 1 to 64 (the pool opens them all at
+    /// start).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=MAX_POOL_SIZE), value_name = "N")]
     pub(crate) pool_size: u32,
     /// Run `outbox migrate` before starting.

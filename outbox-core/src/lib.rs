@@ -52,7 +52,7 @@ pub use partition::{MAX_PARTITIONS, Partitions, partition_of};
 pub use publish::{PublishOutcomes, Publisher, RejectKind, Rejected};
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};
-pub use store::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore, RetryRow};
+pub use store::{Backlog, ClaimedBatch, DeadRow, RelayBatchOutcome, RelayStore, RetryRow};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct or an enum with named fields.
 ///

@@ -10,9 +10,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 
 use crate::{
-    AsyncInbox, Backlog, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Error, HandlerError,
-    Inbox, InboxBatchOutcomes, MsgId, OutboxEvent, Processed, PublishOutcomes, Publisher, Rejected,
-    RelayBatchOutcome, RelayStore, Status, StoredMessage, TxFuture,
+    AsyncInbox, Backlog, ClaimedBatch, DEFAULT_MAX_PAYLOAD_BYTES, DeadRow, Envelope, Error,
+    HandlerError, Inbox, InboxBatchOutcomes, MsgId, OutboxEvent, Processed, PublishOutcomes,
+    Publisher, Rejected, RelayBatchOutcome, RelayStore, Status, StoredMessage, TxFuture,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -486,7 +486,7 @@ impl<S: Send + 'static> ClaimedBatch for MemoryBatch<S> {
                 row.last_error = Some(retry.error);
             }
         }
-        for (id, error) in outcome.dead {
+        for DeadRow { id, error } in outcome.dead {
             if let Some(row) = state.rows.get_mut(&id) {
                 row.retries += 1;
                 row.status = Status::Dead;

@@ -6,7 +6,7 @@ use chrono::Utc;
 use tracing::Instrument as _;
 
 use crate::{
-    ClaimedBatch, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind, Rejected,
+    ClaimedBatch, DeadRow, Error, InvalidConfig, OutageBackoff, Publisher, RejectKind, Rejected,
     RelayBatchOutcome, RelayStore, RetryDecision, RetryPolicy, RetryRow,
 };
 
@@ -444,7 +444,10 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 }
                 RetryDecision::Dead => {
                     tracing::warn!(msg_id = %m.envelope.msg_id, failures, reason = %rejected.reason, "message dead-lettered");
-                    outcome.dead.push((m.id, rejected.reason));
+                    outcome.dead.push(DeadRow {
+                        id: m.id,
+                        error: rejected.reason,
+                    });
                 }
             }
         }

@@ -14,8 +14,8 @@ pub struct RelayBatchOutcome {
     /// Rows that failed and will be retried: `retries + 1`, and the row's
     /// `next_retry_at` and error.
     pub retry: Vec<RetryRow>,
-    /// Rows that failed for the last time: `retries + 1`, DEAD, this error.
-    pub dead: Vec<(i64, String)>,
+    /// Rows that failed for the last time: `retries + 1`, DEAD, and the error.
+    pub dead: Vec<DeadRow>,
 }
 
 /// A row of a [`RelayBatchOutcome`] that failed and will be retried.
@@ -25,6 +25,15 @@ pub struct RetryRow {
     pub id: i64,
     /// When the row is due again (its `next_retry_at`).
     pub next_retry_at: DateTime<Utc>,
+    /// Why it failed, stored as its `last_error`.
+    pub error: String,
+}
+
+/// A row of a [`RelayBatchOutcome`] that failed for the last time: it becomes DEAD.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadRow {
+    /// The row's id.
+    pub id: i64,
     /// Why it failed, stored as its `last_error`.
     pub error: String,
 }

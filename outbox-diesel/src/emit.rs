@@ -10,9 +10,8 @@ use crate::{OutboxConnection, Result};
 /// Whether [`Emit`] on PostgreSQL wakes a relay with `NOTIFY` (delivered at commit).
 /// Ignored on MySQL and SQLite, whose relays poll.
 ///
-/// `NOTIFY` serializes committing transactions: a peer that notified on every insert
-/// lost 31% of its emit throughput at 8 connections. So the default notifies only while a
-/// relay is actually parked waiting for work.
+/// `NOTIFY` serializes committing transactions (BENCHMARKS.md measures what that costs),
+/// so the default notifies only while a relay is actually parked waiting for work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Notify {
@@ -21,19 +20,14 @@ pub enum Notify {
     /// Notify on every emit of one event (`emit`, or `emit_all` of one event), a duplicate
     /// too, and on every `emit_all` of several that inserted a row (even when a later
     /// duplicate took the rows back). PostgreSQL folds the NOTIFYs of one transaction into
-    /// one. In BENCHMARKS.md's bench at 8 emitting connections on 2 cores: about half the
-    /// throughput of a hand-written insert of the same row (0.75 of its CPU per
-    /// transaction), since every committing transaction takes the database's NOTIFY lock
-    /// in turn.
+    /// one. Every committing transaction takes the database's NOTIFY lock in turn, which
+    /// caps the emit throughput of many connections.
     Always,
     /// Notify only while a relay is parked waiting for work (it holds the channel's
     /// [wake-up lock](wake_lock_key)), checked inside the INSERT statement itself: no
     /// extra round trip. While relays are busy an emit pays only that check, a shared
-    /// try of the lock (2–3 µs of server CPU per transaction in BENCHMARKS.md's
-    /// measurements, at most 1.5 % of a one-row transaction); while one is parked, each
-    /// emitting transaction also sends a NOTIFY (about 11 µs in the bench, 14 µs in a
-    /// slower hour's profile; most of it the signal that wakes the relay's session),
-    /// which is what delivers its row at once. An emit of one event that is a duplicate
+    /// try of the lock; while one is parked, each emitting transaction also sends a
+    /// NOTIFY, which is what delivers its row at once. An emit of one event that is a duplicate
     /// may wake a parked relay too, as may an `emit_all` whose rows a later duplicate
     /// took back (it finds nothing new and parks again).
     #[default]

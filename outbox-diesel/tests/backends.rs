@@ -11,7 +11,7 @@ use diesel::Connection;
 use diesel::connection::SimpleConnection as _;
 use fixtures::{Backend, Lite, My, Pg, PgParted, exec, runtime};
 use outbox_core::{
-    ClaimedBatch, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed, Relay,
+    ClaimedBatch, DeadRow, HandlerError, Inbox, MemoryBroker, MsgId, OutboxEvent, Processed, Relay,
     RelayBatchOutcome, RelayConfig, RelayStore, RetryPolicy, Status,
 };
 use outbox_diesel::{DieselInbox, Emit, EmitOptions, Error, OutboxConnection};
@@ -518,7 +518,10 @@ fn operations_queries<B: Backend>() {
     claim_complete(RelayBatchOutcome {
         sent: vec![ids[0], ids[1]],
         retry: vec![],
-        dead: vec![(ids[2], "poison".into())],
+        dead: vec![DeadRow {
+            id: ids[2],
+            error: "poison".into(),
+        }],
     });
 
     // The two rows just sent, in the last minute (or the one before, across a minute).
@@ -581,7 +584,10 @@ fn operations_queries<B: Backend>() {
     claim_complete(RelayBatchOutcome {
         sent: vec![],
         retry: vec![],
-        dead: vec![(ids[2], "poison".into())],
+        dead: vec![DeadRow {
+            id: ids[2],
+            error: "poison".into(),
+        }],
     });
     assert_eq!(outbox_diesel::purge_dead(&mut conn, &[ids[2]]).unwrap(), 1);
 

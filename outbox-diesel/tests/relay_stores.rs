@@ -10,7 +10,7 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, Transact
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, PgConnection, RunQueryDsl as _};
 use fixtures::{Backend, Lite, My, Pg, exec, mariadb_plan, pg_plan, runtime};
-use outbox_core::{ClaimedBatch, OutboxEvent, RelayBatchOutcome, RelayStore};
+use outbox_core::{ClaimedBatch, DeadRow, OutboxEvent, RelayBatchOutcome, RelayStore};
 use outbox_diesel::{Emit, EmitOptions, Notify, SqliteRelayStore};
 use outbox_tests::plans::{TableAccess, mariadb_table_accesses, pg_rows_removed_by_filter};
 use serde::{Deserialize, Serialize};
@@ -583,7 +583,10 @@ fn pg_a_batch_with_dead_letters_commits_durably() {
     outbox_diesel::__private::complete(&mut c, &outcome).unwrap();
     assert_eq!(pg_setting(&mut c, "synchronous_commit"), "off");
     let outcome = RelayBatchOutcome {
-        dead: vec![(three, "poison".into())],
+        dead: vec![DeadRow {
+            id: three,
+            error: "poison".into(),
+        }],
         ..Default::default()
     };
     outbox_diesel::__private::complete(&mut c, &outcome).unwrap();

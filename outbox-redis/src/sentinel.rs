@@ -63,21 +63,16 @@ pub struct SentinelConfig {
     /// the primary can be found while some are down.
     pub sentinels: Vec<ConnectionInfo>,
     /// The name under which the sentinels monitor the primary (`mymaster` in Redis's
-    /// sample configuration). A name the sentinels do not know looks like a failover
-    /// in progress (Sentinel reports no healthy primary under it either way): an outage,
-    /// logged and retried, not a configuration error. Addresses that are not sentinels
-    /// are one ([`Error::is_config`](crate::Error::is_config), from
-    /// [`RedisPublisher::check`](crate::RedisPublisher::check) or the first command).
+    /// sample configuration). A name they do not know is an outage, retried (it looks
+    /// like a failover in progress); addresses that are not sentinels are a
+    /// [configuration error](crate::Error::is_config).
     pub master_name: String,
     /// How to connect to the primary once a sentinel named it: its username and
     /// password, database and TLS (default: no credentials, database 0, plain TCP).
     pub master: SentinelNodeConnectionInfo,
-    /// Whether to subscribe to a sentinel's `+switch-master` channel and reconnect as
-    /// soon as it announces a failover of [`master_name`](Self::master_name) (default
-    /// `true`). Without it, a connection moves to the new primary at its first error
-    /// or `READONLY` reply; with it, also when the old primary is still reachable and
-    /// answers reads (a blocking `XREADGROUP` on a demoted primary would otherwise
-    /// wait for entries that are now written elsewhere).
+    /// Reconnect as soon as a sentinel announces a failover on `+switch-master`
+    /// (default `true`); without it a connection moves at its first error or `READONLY`
+    /// reply, and a blocking read on a demoted primary that still answers waits in vain.
     pub watch_failovers: bool,
 }
 

@@ -274,13 +274,14 @@ pub(crate) trait Backend: Connection + Sized {
         if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
             self.run_sql(durable, None)?;
         }
-        for (id, error) in &outcome.dead {
+        for dead in &outcome.dead {
+            let id = dead.id;
             let sql = format!(
                 "UPDATE outbox SET retries = retries + 1, status = 2, last_error = {} \
                  WHERE status = 0 AND id = {id}",
                 d.ph
             );
-            self.run_sql(&sql, Some(truncate(error)))?;
+            self.run_sql(&sql, Some(truncate(&dead.error)))?;
         }
         Ok(())
     }

@@ -270,7 +270,10 @@ pub(crate) fn claimed<C: Backend, R: ClaimedRow>(
             Ok(message) => messages.push(message),
             Err(Error::CorruptRow { id, reason }) => {
                 tracing::error!(id, %reason, "unreadable outbox row dead-lettered");
-                dead.push((id, format!("unreadable row: {reason}")));
+                dead.push(outbox_core::DeadRow {
+                    id,
+                    error: format!("unreadable row: {reason}"),
+                });
             }
             Err(e) => return Err(e),
         }

@@ -59,30 +59,13 @@ pub struct ConsumerConfig {
     /// Most entries read per stream and call (default 64). In batch mode a read takes up
     /// to [`batch_size`](Self::batch_size) entries per free batch instead.
     pub read_count: usize,
-    /// Most messages processed at once (default 16); with a database inbox, at most the
-    /// pool's size is useful. In batch mode: most batches (transactions) at once. Up to
-    /// as many entries again (batches in batch mode) are read ahead and wait for a free
-    /// slot, so that the next message is at hand when one finishes. In single mode on a
-    /// blocking inbox, each of these transactions runs on a worker of its own (a tokio
-    /// blocking thread for the run's lifetime, as many as the pool's size allows): a
-    /// runtime built with `max_blocking_threads` must leave room beyond them for the
-    /// rest of the process's `spawn_blocking` work (DNS lookups when reconnecting to
-    /// Redis go through it).
+    /// Most messages processed at once (default 16; with a database inbox, at most the
+    /// pool's size is useful), batches in batch mode; as many again are read ahead. See
+    /// [threads](crate::Consumer#threads).
     pub max_in_flight: usize,
-    /// Opt-in batch mode (default `None`: one transaction per message). With `Some(n)`,
-    /// the entries of one read are split into batches of at most `n` messages, and each
-    /// batch is one transaction of the idempotency store with a savepoint per message
-    /// ([`Inbox::process_batch`](outbox_core::Inbox::process_batch)); the applied and duplicate entries are acknowledged
-    /// after the commit, with one `XACK` per stream. Batches are formed per key (the
-    /// entry's `key` field): the keys are hashed into `max_in_flight` lanes, one
-    /// transaction runs per lane at a time, so that the batches running side by side
-    /// share no key; within a batch the keys come in byte order, so that consumers
-    /// whose batches share keys lock their rows in the same order and do not deadlock
-    /// (see [`Consumer`](crate::Consumer)). A failing or panicking handler rolls
-    /// back only its own message, which stays pending and is retried and dead-lettered
-    /// as in single mode. A store failure fails the whole batch as an outage (nothing
-    /// committed; delivery counts are set back). `Some(100)` is a good start; a larger
-    /// batch holds its transaction's locks longer.
+    /// Opt-in [batch mode](crate::Consumer#batch-mode) (default `None`: one transaction
+    /// per message): at most `n` messages per transaction, a savepoint each. `Some(100)`
+    /// is a good start; a larger batch holds its transaction's locks longer.
     pub batch_size: Option<usize>,
     /// How long an entry stays unacknowledged before it is claimed again and retried
     /// (default 30 s). This is also how long a crashed consumer's entries wait. Keep it
@@ -91,19 +74,14 @@ pub struct ConsumerConfig {
     /// How often pending entries are looked for with `XAUTOCLAIM` (default 5 s); at
     /// most once per read, so a long [`block`](Self::block) spaces claims out too.
     pub claim_interval: Duration,
-    /// Deliveries after which a failing message is dead-lettered (default 5). The handler
-    /// runs at most this many times; its error on the last one is the recorded reason.
-    /// An entry claimed with a higher delivery count (its consumers crashed or stalled
-    /// while handling it) is dead-lettered without running the handler again.
+    /// Deliveries after which a failing message is dead-lettered (default 5); an entry
+    /// claimed with a higher count (its consumers crashed while handling it) is
+    /// dead-lettered without running the handler again.
     pub max_deliveries: u64,
     /// Appended to a stream's name to name its dead-letter stream (default `:dead`).
     pub dead_letter_suffix: String,
-    /// Most entries a dead-letter stream keeps (default `Some(100_000)`): each
-    /// dead-letter `XADD` carries `MAXLEN n`, so the oldest dead letters are removed
-    /// once there are `n`. The bound is exact, not `~`: dead letters are rare, so the
-    /// cost of exact trimming does not matter, and the stream never holds more than `n`.
-    /// `None` keeps every dead letter (the stream then grows until someone deletes
-    /// from it). Must be at least 1.
+    /// Most entries a dead-letter stream keeps (default `Some(100_000)`), an exact
+    /// `MAXLEN` on each dead-letter `XADD`; `None` keeps every one. At least 1.
     pub dead_letter_max_len: Option<usize>,
     /// Acknowledge and count entries whose event type has no handler, instead of
     /// dead-lettering them (default `false`). Useful when several consumer groups share
@@ -113,41 +91,23 @@ pub struct ConsumerConfig {
     pub connect_timeout: Duration,
     /// Response timeout of every command except the blocking read (default 5 s).
     pub response_timeout: Duration,
-    /// Opt-in periodic trimming (default `None`): with `Some(interval)`,
-    /// [`run_until`](crate::Consumer::run_until) calls
-    /// [`trim_acknowledged`](crate::Consumer::trim_acknowledged) on this consumer's streams
-    /// about every `interval` (at most once per read, like claims), removing the entries
-    /// every group has acknowledged. A failed trim is logged and counted as a Redis
-    /// error and never stops the consumer. Running `outbox trim` periodically, or
-    /// [`trim_acknowledged`](crate::trim_acknowledged) from a task of your own, does
-    /// the same from outside. Dead-letter streams are bounded by
-    /// [`dead_letter_max_len`](Self::dead_letter_max_len) instead.
+    /// Opt-in periodic [`trim_acknowledged`](crate::Consumer::trim_acknowledged) of this
+    /// consumer's streams (default `None`); a failed trim is logged and counted, never
+    /// fatal. `outbox trim` does the same from outside.
     pub trim_interval: Option<Duration>,
     /// Partition counts that override what the handled event types declare
-    /// ([`OutboxEvent::PARTITIONS`](outbox_core::OutboxEvent::PARTITIONS), from
-    /// `#[outbox(partitions = N)]`; default: none, each topic as its type declares). A
-    /// topic published to `P > 1` partition streams (`<prefix><topic>:0` ..
-    /// `<prefix><topic>:<P-1>`) must be read with the same count: the consumer then
-    /// reads, and creates its group on, all `P` streams. Set it with
-    /// [`with_partitions`](Self::with_partitions); every topic listed must be one of the
-    /// consumer's handled topics.
+    /// ([`OutboxEvent::PARTITIONS`](outbox_core::OutboxEvent::PARTITIONS)); must match
+    /// the publisher's. Set with [`with_partitions`](Self::with_partitions).
     pub partitions: BTreeMap<String, Partitions>,
-    /// Opt-in ordered mode (default `None`: any consumer of the group may take any
-    /// entry, as Redis consumer groups do). With `Some(..)`, each stream of the
-    /// consumer's topics (each partition of a partitioned topic) is read by one consumer
-    /// of the group at a time, the holder of its lease, and the entries of one key are
-    /// handled one after another in stream order; see [`OrderedConfig`] and
-    /// docs/partitions.md ("Ordered consumers"). Applies to every topic of this
-    /// consumer. On a Redis Cluster, a read that found nothing is followed by a 50 ms
-    /// pause instead of a blocking wait (one `XREAD BLOCK` cannot span slots).
+    /// Opt-in [ordered mode](crate::Consumer#partitioned-topics-and-ordered-mode)
+    /// (default `None`): one consumer of the group per stream at a time, the entries of
+    /// a key in stream order. See [`OrderedConfig`].
     pub ordered: Option<OrderedConfig>,
     /// Pauses after Redis or the idempotency store fails as a whole.
     pub outage_backoff: OutageBackoff,
-    /// How long [`run_until`](crate::Consumer::run_until) waits, after its shutdown signal, for
-    /// the messages in flight to finish (default 20 s, inside Kubernetes's default 30 s
-    /// grace period). Those still running then are abandoned: they stay pending and
-    /// another consumer claims them after [`min_idle`](Self::min_idle); a transaction
-    /// that commits anyway makes that redelivery a duplicate.
+    /// How long [`run_until`](crate::Consumer::run_until) waits after its shutdown signal
+    /// for the messages in flight (default 20 s); those still running stay pending and
+    /// are claimed again after [`min_idle`](Self::min_idle).
     pub shutdown_timeout: Duration,
 }
 

@@ -177,6 +177,18 @@ fn millis(d: Duration) -> u64 {
 /// never published again. Choose [`Durability::Aof`] (Redis 7.2 or later, AOF on) or
 /// [`Durability::Replicas`] to have the relay wait for the AOF fsync or for replicas
 /// before it marks a row SENT, at the cost of that wait on every pipeline.
+///
+/// # Pipelines
+///
+/// A batch goes to Redis as pipelines of at most
+/// [`max_pipeline_bytes`](Self::max_pipeline_bytes), one after the other, in order (a
+/// larger message goes alone). A pipeline that misses its
+/// [`response_timeout`](Self::response_timeout) is an outage: what earlier pipelines of
+/// the batch published is recorded, the rest is published again later, and the
+/// publisher halves its pipelines (down to one message each), growing them back after
+/// calls without a timeout, so a slow link cannot make a batch time out on every
+/// attempt. A message that cannot reach Redis alone within the timeout stays an outage
+/// (logged, never dead-lettered): set the timeout above what your largest message takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PublisherConfig {
@@ -185,45 +197,25 @@ pub struct PublisherConfig {
     /// braces, as a hash tag (`outbox:{order.paid}`), and the prefix must not contain
     /// `{` or `}`.
     pub stream_prefix: String,
-    /// Approximate cap on each stream's length, applied by every XADD as
-    /// `MAXLEN ~ n` (default `None`: no trimming on publish).
-    ///
-    /// MAXLEN trims by count whether or not consumers have read the entries; prefer
-    /// [`trim_acknowledged`](crate::trim_acknowledged), which never removes pending work,
-    /// and keep this only as a safety bound well above any expected backlog. From 1 to
-    /// `i64::MAX` (Redis's limit).
+    /// `MAXLEN ~ n` on every XADD (default `None`), which trims read or not: a safety
+    /// bound well above any backlog; [`trim_acknowledged`](crate::trim_acknowledged)
+    /// never removes pending work. From 1 to `i64::MAX`.
     pub max_len: Option<usize>,
     /// How long opening a connection may take (default 2 s).
     pub connect_timeout: Duration,
-    /// How long one pipeline may wait for its replies (default 5 s), sending included.
-    /// A timeout is an outage: what earlier pipelines of the batch published is
-    /// recorded, the rest is published again later, and the next pipelines are made
-    /// smaller (see [`max_pipeline_bytes`](Self::max_pipeline_bytes)). Set it above the
-    /// time one of your largest messages takes to reach Redis: a message that cannot
-    /// make it alone within the timeout stays an outage (logged, never dead-lettered).
+    /// How long one pipeline may wait for its replies, sending included (default 5 s);
+    /// see [pipelines](Self#pipelines).
     pub response_timeout: Duration,
     /// The most bytes of entries one pipeline carries (default
-    /// [`DEFAULT_MAX_PIPELINE_BYTES`], 8 MiB); a larger batch is sent as several
-    /// pipelines, one after the other, in order. A message larger than this still goes,
-    /// in a pipeline of its own.
-    ///
-    /// This keeps a round trip well within [`response_timeout`](Self::response_timeout)
-    /// (500 messages of 1 MiB in one pipeline would not be) and bounds the memory of a
-    /// batch in flight. After a timeout the publisher halves its pipelines (down to one
-    /// message each) and grows them back, up to this cap, after calls without one, so a
-    /// slow link cannot make a batch time out on every attempt.
+    /// [`DEFAULT_MAX_PIPELINE_BYTES`], 8 MiB), which bounds a round trip and the memory
+    /// of a batch in flight; see [pipelines](Self#pipelines).
     pub max_pipeline_bytes: usize,
     /// What a row waits for before it is SENT (default [`Durability::Reply`]; see
     /// "What SENT means" above).
     pub durability: Durability,
-    /// The topics spread over several partition streams, with their counts (default
-    /// none: every topic has one stream). A message of a topic listed here goes to
-    /// `<prefix><topic>:<p>` (`<prefix>{<topic>:<p>}` on a cluster), where `p` is
-    /// [`outbox_core::partition_of`] its ordering key; a topic listed with
-    /// [`Partitions::ONE`], or not listed, keeps its one stream `<prefix><topic>`. The
-    /// publisher records each listed topic's count in the hash `<prefix>partitions` so
-    /// that consumers can check theirs. Every relay of a deployment must be given the
-    /// same counts; see `docs/partitions.md` for changing one on a live system.
+    /// Topics spread over partition streams `<prefix><topic>:<p>` by
+    /// [`outbox_core::partition_of`] their ordering key (default none); every relay must
+    /// be given the same counts. See [`with_partitions`](Self::with_partitions).
     pub partitions: BTreeMap<String, Partitions>,
 }
 
@@ -285,7 +277,10 @@ impl PublisherConfig {
     }
 
     /// Sets the partition count of `topic` in [`partitions`](Self::partitions), keeping
-    /// the other topics'.
+    /// the other topics'. Its messages go to `<prefix><topic>:<p>` (`<prefix>{<topic>:<p>}`
+    /// on a cluster); a topic with [`Partitions::ONE`], or not listed, keeps its one
+    /// stream. The publisher records each count in the hash `<prefix>partitions`, where
+    /// consumers check theirs; docs/partitions.md says how to change one on a live system.
     ///
     /// ```
     /// use outbox_core::Partitions;

@@ -4,25 +4,16 @@
 //! # Why an advisory lock
 //!
 //! A `WhenRelayIdle` emit must know, inside its INSERT, whether some relay is parked.
-//! Relays used to announce it with a row each in `outbox_relay_idle`, which every emit
-//! scanned: a scan's set-up per statement (relation lock, `heap_beginscan`, an `lseek`)
-//! was about 3 % of the server at 8 emitting connections. Now a parked relay holds the
-//! channel's [wake-up lock](crate::wake_lock_key) exclusively on its LISTEN session, and
-//! the emit tries it shared (a lock-manager call, no table): the try fails while a relay
-//! holds it or queues for it, and then the row notifies. The emit's shared lock lasts to
-//! its commit, so a relay taking the lock first waits for the transactions that emitted
-//! without a NOTIFY, and its due check after that sees their rows: the window of the
-//! table's marks (an emit before the mark committing after the relay's due check went
-//! unannounced until the next poll) is closed, but for the cases at the end of this
-//! section. A session that ends (a crashed relay, a cut connection) releases the lock
-//! with it; a stopped relay's idle session is ended by the server
-//! ([`PARKED_IDLE_SLACK`]).
-//!
-//! Every emit's try goes to one lock of the shared lock table (advisory locks have no
-//! fast path), where the `EXISTS` took a fast-path relation lock: measured faster at 8
-//! connections on 2 cores (emit / hand-written insert 0.89-0.91 -> 0.93-0.95, same
-//! hour); not measured with many more connections, where that lock's partition could
-//! be contended (wait event `LockManager`).
+//! A parked relay holds the channel's [wake-up lock](crate::wake_lock_key) exclusively
+//! on its LISTEN session, and the emit tries it shared (a lock-manager call, no table
+//! scan): the try fails while a relay holds it or queues for it, and then the row
+//! notifies. The emit's shared lock lasts to its commit, so a relay taking the lock
+//! first waits for the transactions that emitted without a NOTIFY, and its due check
+//! after that sees their rows, but for the cases at the end of this section. A session
+//! that ends (a crashed relay, a cut connection) releases the lock with it; a stopped
+//! relay's idle session is ended by the server ([`PARKED_IDLE_SLACK`]). Every emit's try
+//! goes to one lock of the shared lock table (advisory locks have no fast path): with
+//! very many emitting connections, watch for the wait event `LockManager`.
 //!
 //! The lock is taken in slices of [`LOCK_SLICE`]: a session hears of a notification
 //! only between statements, so a relay must not sit in one long lock wait. One relay
@@ -228,8 +219,9 @@ impl Listener {
         )
         .await;
         match parked {
-            Ok(Ok(Some(standing))) => self.standing.store(standing, Ordering::SeqCst),
-            Ok(Ok(None)) => {}
+            Ok(Ok(Parked::Holding)) => self.standing.store(true, Ordering::SeqCst),
+            Ok(Ok(Parked::Released)) => self.standing.store(false, Ordering::SeqCst),
+            Ok(Ok(Parked::Due)) => {}
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "outbox LISTEN connection failed; polling until it is back");
                 state.failing = true;
@@ -369,15 +361,13 @@ impl Live {
     }
 
     /// Looks for due work beyond `seen`, takes the wake-up lock (unless a timed-out wait
-    /// left it held), looks again, then waits for a notification or `deadline`. Whether
-    /// the lock is left held (it timed out), or `None` if it went back to work without
-    /// taking it.
+    /// left it held), looks again, then waits for a notification or `deadline`.
     async fn park(
         self: &Arc<Self>,
         timeout: Duration,
         deadline: Instant,
         seen: &Horizon,
-    ) -> Result<Option<bool>, Lost> {
+    ) -> Result<Parked, Lost> {
         // The last wait's release goes first, or it would end the hold below.
         let releasing = self
             .releasing
@@ -390,10 +380,9 @@ impl Live {
         // Rows committed since the claim: back to work without the lock. Taking it first
         // and looking after (as below) would announce an idle relay on every turn of a
         // relay that keeps up with its emitters, and every emit meanwhile would pay for a
-        // NOTIFY (which serialises commits); measured at 8 emitting connections, 0.74 of
-        // a hand-written insert's rate with that churn.
+        // NOTIFY (which serialises commits: BENCHMARKS.md, the emit rows).
         if self.due(seen, false).await? {
-            return Ok(None);
+            return Ok(Parked::Due);
         }
         // Older notifications are stale: the relay has claimed since they were sent.
         let before = self.events.received.load(Ordering::SeqCst);
@@ -443,7 +432,11 @@ impl Live {
         // until a claim returns rows ([`Listener::busy`]).
         let standing = !woke && idle_limit.is_some() && self.held.load(Ordering::SeqCst);
         hold.armed = !standing;
-        Ok(Some(standing))
+        Ok(if standing {
+            Parked::Holding
+        } else {
+            Parked::Released
+        })
     }
 
     /// Whether due NEW rows above `seen` are committed, or with `late`, also the rows
@@ -505,6 +498,19 @@ impl Live {
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(releasing);
     }
+}
+
+/// How a park ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Parked {
+    /// Due rows were committed since the claim: back to work without taking the lock.
+    Due,
+    /// Woken by a notification or due rows (or timed out where the hold cannot stand):
+    /// the lock is released.
+    Released,
+    /// Timed out holding the lock: it stays held, so that an idle relay re-parks without
+    /// churn, until a claim returns rows ([`Listener::busy`]).
+    Holding,
 }
 
 /// Why a park ended without its connection.
