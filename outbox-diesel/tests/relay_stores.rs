@@ -469,7 +469,10 @@ async fn pg_relay_turn(store: &outbox_diesel::PgRelayStore, c: &mut PgConnection
     let mut sent = ids(&batch);
     assert_eq!(sent.len(), 2);
     let dead = match mixed {
-        true => vec![(sent.pop().unwrap(), "poison".to_owned())],
+        true => vec![DeadRow {
+            id: sent.pop().unwrap(),
+            error: "poison".to_owned(),
+        }],
         false => Vec::new(),
     };
     batch
