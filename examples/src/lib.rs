@@ -3,9 +3,7 @@
 use outbox_core::OutboxEvent;
 use serde::{Deserialize, Serialize};
 
-pub mod chaos;
 pub mod memory;
-pub mod ordered;
 pub mod scenario;
 pub mod services;
 pub mod sql;

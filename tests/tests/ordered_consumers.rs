@@ -1,6 +1,6 @@
 //! Ordered consumers as processes, against the real Redis and PostgreSQL: 3 consumers
 //! over 8 partitions, 200 keys, each event carrying its key's sequence number, applied by
-//! `outbox_examples::ordered::ApplyInOrder`, which checks in its inbox transaction that
+//! `outbox_harness::ordered::ApplyInOrder`, which checks in its inbox transaction that
 //! each follows its key's last one and records every violation. Mid-run one consumer is
 //! killed (`SIGKILL`), one is stopped (`SIGSTOP`) for longer than the lease TTL and then
 //! resumed, and one is added; about one first delivery in ten fails or panics. Every
@@ -21,8 +21,8 @@ use diesel::connection::SimpleConnection as _;
 use diesel::prelude::*;
 use diesel::sql_types::BigInt;
 use outbox_core::{Envelope, Partitions, partition_of};
-use outbox_examples::chaos::Tick;
-use outbox_examples::ordered::{Args, POSTGRES_SETUP, run_until_signal};
+use outbox_harness::chaos::Tick;
+use outbox_harness::ordered::{Args, POSTGRES_SETUP, run_until_signal};
 use outbox_redis::entry_fields;
 use outbox_tests::{Isolated, redis_url, unique, unique_prefix, wait_until_explained};
 

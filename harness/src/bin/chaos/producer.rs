@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use diesel::{Connection as _, MysqlConnection, PgConnection};
-use outbox_examples::chaos::{ChaosDb, key_name};
+use outbox_harness::chaos::{ChaosDb, key_name};
 
 use crate::db::Conn;
 use crate::{Backend, BoxError};

@@ -1,4 +1,4 @@
-//! Run with: cargo build --release -p typed-outbox-cli -p outbox-examples --bins && target/release/chaos --seed 1 --events 5000 --duration 120s [--backend mysql]
+//! Run with: cargo build --release -p typed-outbox-cli -p outbox-harness --bins && target/release/chaos --seed 1 --events 5000 --duration 120s [--backend mysql]
 //!
 //! The chaos run: the outbox's guarantees checked the way an operator meets faults, with
 //! real processes, real kills and real restarts.
@@ -78,7 +78,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use outbox_core::OutboxEvent as _;
-use outbox_examples::chaos::Tick;
+use outbox_harness::chaos::Tick;
 
 use crate::db::Database;
 use crate::db_restart::DbRestart;
@@ -267,7 +267,7 @@ impl Config {
             if !bin.is_file() {
                 return Err(format!(
                     "{} not found: build it with the same profile, e.g. \
-                     `cargo build --release -p typed-outbox-cli -p outbox-examples --bins`",
+                     `cargo build --release -p typed-outbox-cli -p outbox-harness --bins`",
                     bin.display()
                 )
                 .into());

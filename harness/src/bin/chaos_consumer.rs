@@ -1,6 +1,6 @@
-//! Run with: cargo run -p outbox-examples --bin chaos_consumer -- --backend postgres --database-url URL --redis-url URL --stream-prefix PREFIX
+//! Run with: cargo run -p outbox-harness --bin chaos_consumer -- --backend postgres --database-url URL --redis-url URL --stream-prefix PREFIX
 //!
-//! The consumer process of the chaos run (`bin/chaos.rs` starts several of them): a
+//! The consumer process of the chaos run (`bin/chaos/` starts several of them): a
 //! [`Consumer`] with the default [`ConsumerConfig`] (only
 //! the stream prefix is set, and with `--partitions` / `--ordered` the partitions and
 //! ordered mode), a diesel inbox (with `--async-inbox` the async inbox on diesel-async),
@@ -17,7 +17,7 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use diesel::{MysqlConnection, PgConnection};
 use outbox_core::{OutboxEvent as _, Partitions};
 use outbox_diesel::{AsyncPgInbox, DieselInbox, OutboxConnection};
-use outbox_examples::chaos::{ApplyTick, ApplyTickAsync, ChaosDb, Tick};
+use outbox_harness::chaos::{ApplyTick, ApplyTickAsync, ChaosDb, Tick};
 use outbox_redis::{Consumer, ConsumerConfig, ConsumerStore, OrderedConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;

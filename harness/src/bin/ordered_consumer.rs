@@ -1,14 +1,14 @@
-//! Run with: cargo run -p outbox-examples --bin ordered_consumer -- --database-url URL --redis-url URL --stream-prefix PREFIX --partitions 8
+//! Run with: cargo run -p outbox-harness --bin ordered_consumer -- --database-url URL --redis-url URL --stream-prefix PREFIX --partitions 8
 //!
 //! An ordered consumer process of `chaos.tick` over its partition streams (see
-//! `outbox_examples::ordered`): it applies each key's ticks in sequence order in its
+//! `outbox_harness::ordered`): it applies each key's ticks in sequence order in its
 //! PostgreSQL inbox transaction and records any violation. It stops on SIGTERM or
 //! SIGINT, finishing the messages in hand and releasing its leases, then exits with 0.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use outbox_examples::ordered::{Args, run_until_signal};
+use outbox_harness::ordered::{Args, run_until_signal};
 
 fn main() -> ExitCode {
     let args = Args::parse();

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use outbox_examples::chaos::{HandlerFault, handler_fault, parse_msg_id};
+use outbox_harness::chaos::{HandlerFault, handler_fault, parse_msg_id};
 
 use crate::db::Contents;
 

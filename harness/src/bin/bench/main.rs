@@ -1,4 +1,4 @@
-//! Run with: cargo run --release -p outbox-examples --bin bench
+//! Run with: cargo run --release -p outbox-harness --bin bench
 //!
 //! Every figure of BENCHMARKS.md against its baseline, measured in the same run with the
 //! rounds alternating (baseline first in one round, last in the next), on PostgreSQL

@@ -11,7 +11,7 @@
 //! follow it (`breaks`): the order at the handler, which ordered consumers promise. The
 //! key's row lock serializes its applications, so the count is in commit order.
 //!
-//! `bin/chaos.rs` runs the whole experiment; `bin/chaos_consumer.rs` is the consumer
+//! `bin/chaos/` runs the whole experiment; `bin/chaos_consumer.rs` is the consumer
 //! process it starts.
 
 use diesel::prelude::*;

@@ -5,7 +5,7 @@ use diesel::connection::SimpleConnection as _;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, SmallInt, Text};
 use diesel::{MysqlConnection, PgConnection};
-use outbox_examples::chaos::{self, ChaosDb as _, chaos_keys, chaos_log, chaos_sums};
+use outbox_harness::chaos::{self, ChaosDb as _, chaos_keys, chaos_log, chaos_sums};
 
 use crate::{Backend, BoxError};
 
