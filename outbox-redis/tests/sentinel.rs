@@ -533,6 +533,102 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
     running.stop().await;
 }
 
+/// A primary demoted under live connections answers their writes with `READONLY`. Here
+/// it is demoted by hand, behind the sentinels' back (a failover by Sentinel would also
+/// kill its clients' connections), with the `+switch-master` watcher off: the refused
+/// writes are outages, and the publisher and the consumer keep asking Sentinel until it
+/// names the new primary, then the message is applied there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
+    let d = blocking(Deployment::start);
+    let [old, new] = d.data_ports();
+    let prefix = unique_prefix("sentinel-readonly");
+    let group = unique("g");
+    let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER)
+        .unwrap()
+        .with_watch_failovers(false);
+    let publisher = RedisPublisher::sentinel(sentinel.clone())
+        .unwrap()
+        .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
+        .unwrap();
+    let stream = publisher.stream_for("order.paid");
+    let db = MemoryDb::new(Applied::new());
+    let consumer: Consumer<MemoryDb<Applied>> = Consumer::builder_sentinel(sentinel, &group)
+        .handle::<OrderPaid, _>(Recorder::ok())
+        .idempotency(db.clone())
+        .with_config(fast_config(&prefix))
+        .build()
+        .unwrap();
+    let running = Running::start(&consumer);
+
+    let outcomes = publisher.publish(&stored([paid(0)])).await.unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    eventually("the first message applied", || {
+        db.read(|a| a.contains_key("order-0"))
+    })
+    .await;
+    blocking(|| d.wait_replica_synced(new, old));
+    let _: Value = query(new, redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
+        .await
+        .unwrap();
+    let _: Value = query(old, redis::cmd("REPLICAOF").arg("127.0.0.1").arg(new))
+        .await
+        .unwrap();
+    until(
+        "the old primary to be demoted (its writes answer READONLY)",
+        || async {
+            let write: redis::RedisResult<Value> =
+                query(old, redis::cmd("SET").arg(unique("probe")).arg(1)).await;
+            write.is_err_and(|e| e.code() == Some("READONLY"))
+        },
+    )
+    .await;
+
+    // The publisher's connection still reaches the old primary: its writes there are
+    // refused with READONLY (outages, spending no retry) until Sentinel, seeing its
+    // primary report itself a replica, fails over to the new one.
+    let mut n = 0;
+    let refused = AtomicUsize::new(0);
+    until("a publish to land on the new primary", || {
+        n += 1;
+        let (publisher, stream, refused) = (&publisher, &stream, &refused);
+        async move {
+            let outcomes = match publisher.publish(&stored([paid(n)])).await {
+                Ok(outcomes) => outcomes,
+                Err(e) => {
+                    let chain = outbox_core::error_chain(&e).to_string();
+                    assert!(e.is_outage(), "{chain}");
+                    // redis-rs names the reply's kind `ReadOnly`.
+                    if chain.to_ascii_uppercase().contains("READONLY") {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return false;
+                }
+            };
+            assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+            let reply: StreamRangeReply =
+                query(new, redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
+                    .await
+                    .unwrap();
+            reply
+                .ids
+                .iter()
+                .any(|e| field(e, "msg_id") == format!("order-{n}:OrderPaid"))
+        }
+    })
+    .await;
+    assert!(
+        refused.load(Ordering::Relaxed) >= 1,
+        "no write was refused with READONLY"
+    );
+    let landed = format!("order-{n}");
+    eventually("the consumer to apply it from the new primary", || {
+        db.read(|a| a.contains_key(&landed))
+    })
+    .await;
+    running.stop().await;
+}
+
 /// Addresses that are not sentinels (here the shared Redis, a plain server) are a
 /// configuration error at the first connection; sentinels that are down are an outage;
 /// neither hangs.
