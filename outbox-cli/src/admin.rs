@@ -31,8 +31,8 @@ use crate::error::CliError;
 /// default (`timeoutSeconds: 1`); an answer within that is a 503 the kubelet can read,
 /// rather than a timeout it cannot tell from a hung process.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(800);
-/// How often the histograms' old samples are dropped (the exporter's own listener did
-/// this by itself; a recorder installed without it needs the upkeep from its owner).
+/// How often the histograms' old samples are dropped: a recorder installed without the
+/// exporter's own listener needs this upkeep from its owner.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What the handlers share.

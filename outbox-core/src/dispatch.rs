@@ -341,37 +341,31 @@ impl<C: 'static> Dispatcher<C> {
     }
 
     /// Registers the step that turns a payload of `E`'s schema version `from` into
-    /// version `from + 1`, for a handler of `E` (at version
-    /// [`E::SCHEMA_VERSION`](OutboxEvent::SCHEMA_VERSION), `#[outbox(version = N)]`) to
-    /// receive messages written by producers still at an older version.
+    /// version `from + 1`, so that a handler of `E` (at
+    /// [`E::SCHEMA_VERSION`](OutboxEvent::SCHEMA_VERSION), `#[outbox(version = N)]`)
+    /// receives the messages of producers still at an older version.
     ///
-    /// Before decoding a payload of version `v` older than `E`'s, the dispatcher applies
-    /// the steps from `v`, `v + 1`, .. up to `E`'s version in turn, each on the JSON the
-    /// one before made, then decodes the result. A version without a step is taken as
-    /// compatible (a field added with `#[serde(default)]` needs none): its payload goes
-    /// on unchanged. A payload at `E`'s version, or older with no step on its way, is
-    /// decoded straight from its text, as without upgrades. The handler's
-    /// [`Delivery::envelope`] stays the message as it arrived.
+    /// A payload of version `v` below `E`'s goes through the steps from `v`, `v + 1`, ..
+    /// in turn, each on the JSON the one before made, and is then decoded; a version
+    /// without a step is taken as compatible and passed on unchanged (a field added with
+    /// `#[serde(default)]` needs none). The handler's [`Delivery::envelope`] stays the
+    /// message as it arrived. A payload newer than `E`
+    /// ([`Error::UnsupportedSchemaVersion`]) and one a step fails or panics on
+    /// ([`Error::Upgrade`]) are refused before decoding and are poison
+    /// ([`Error::is_poison`]): a consumer dead-letters them at once.
     ///
-    /// A payload newer than `E` is refused before decoding
-    /// ([`Error::UnsupportedSchemaVersion`], "produced by a newer service (v4 > v3)"),
-    /// and a step that fails or panics refuses its payload ([`Error::Upgrade`]); both
-    /// are poison ([`Error::is_poison`]), dead-lettered at once by a consumer.
-    ///
-    /// Steps belong to the consumer, not to the event type, because they are how this
-    /// service reads other services' older messages: they may need its settings (a
-    /// default currency), and they sit next to the handler they serve. Steps may be
-    /// registered before or after the handler. Fails if `from` is 0 or not below `E`'s
-    /// version, or if a step from `from` is already registered for one of `E`'s event
-    /// types.
+    /// Steps belong to the consuming service, not to the event type (they may need its
+    /// settings), and may be registered before or after the handler. Fails if `from` is
+    /// 0 or not below `E`'s version, or if a step from `from` is already registered for
+    /// one of `E`'s event types.
     ///
     /// ```
     /// use outbox_core::{Delivery, Dispatcher, Envelope, Handler, HandlerError, MemoryDb,
     ///                   MemoryTx, OutboxEvent, Processed};
     /// use serde_json::{Value, json};
     ///
-    /// // Version 1 was `{order_id, cents}`; version 2 renamed `cents` to `amount_cents`;
-    /// // version 3 added `currency`.
+    /// // Version 1: `{order_id, cents}`; version 2: `cents` renamed to `amount_cents`;
+    /// // version 3: `currency` added.
     /// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
     /// #[outbox(version = 3)]
     /// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64, currency: String }
@@ -394,7 +388,7 @@ impl<C: 'static> Dispatcher<C> {
     ///         Ok(v)
     ///     })?
     ///     .upgrade::<OrderPaid>(2, |mut v: Value| {
-    ///         v["currency"] = json!("EUR"); // every order was in euros before v3
+    ///         v["currency"] = json!("EUR"); // orders before v3 are in euros
     ///         Ok(v)
     ///     })?;
     ///
@@ -561,7 +555,11 @@ impl<C: 'static> Dispatcher<C> {
         I: AsyncInbox<Conn = C>,
         C: Send,
     {
-        let (mut outcomes, mut runs, msg_ids) = self.prepare_all(deliveries);
+        let PreparedBatch {
+            mut outcomes,
+            mut runs,
+            msg_ids,
+        } = self.prepare_all(deliveries);
         if runs.is_empty() {
             return Ok(outcomes.into_iter().flatten().collect());
         }
@@ -580,18 +578,8 @@ impl<C: 'static> Dispatcher<C> {
         merge_outcomes(&mut outcomes, processed, msg_ids.len())
     }
 
-    /// Prepares each delivery of a batch: `(outcomes, runs, msg_ids)`, where an outcome
-    /// is `None` for a prepared delivery (its outcome comes from the store) and the
-    /// delivery's error otherwise.
-    #[allow(clippy::type_complexity)] // three parallel lists, named at the call sites
-    fn prepare_all<'d>(
-        &self,
-        deliveries: &'d [Delivery],
-    ) -> (
-        Vec<Option<Result<Processed, Error>>>,
-        Vec<(&'d Delivery, Option<Prepared<C>>)>,
-        Vec<crate::MsgId>,
-    ) {
+    /// Prepares each delivery of a batch ([`PreparedBatch`]).
+    fn prepare_all<'d>(&self, deliveries: &'d [Delivery]) -> PreparedBatch<'d, C> {
         let mut outcomes = Vec::with_capacity(deliveries.len());
         let mut runs = Vec::new();
         let mut msg_ids = Vec::new();
@@ -605,7 +593,11 @@ impl<C: 'static> Dispatcher<C> {
                 Err(e) => outcomes.push(Some(Err(e))),
             }
         }
-        (outcomes, runs, msg_ids)
+        PreparedBatch {
+            outcomes,
+            runs,
+            msg_ids,
+        }
     }
 
     /// Decodes and applies one delivery exactly once in effect for `group`: the dedup row
@@ -629,14 +621,12 @@ impl<C: 'static> Dispatcher<C> {
     /// [`Inbox::process_batch`]: with a store that has savepoints, one transaction for
     /// the batch and a savepoint per message.
     ///
-    /// Each delivery is prepared first ([`prepare`](Self::prepare)): an unknown type or
-    /// an undecodable payload is that delivery's error ([`Error::is_poison`]) and never
-    /// reaches the store. A handler that fails or panics rolls back only its own message
-    /// (a panic is caught and reported as [`Error::Handler`] with the panic's message);
-    /// the others commit together.
-    ///
-    /// The result has one outcome per delivery, in order; a message's transient conflict
-    /// is its [`Error::Transient`]. The outer `Err` is the store's failure as a whole, or
+    /// Returns one outcome per delivery, in order. A delivery that does not
+    /// [`prepare`](Self::prepare) (an unknown type, an undecodable payload) gets that
+    /// error ([`Error::is_poison`]) and never reaches the store; a handler that fails or
+    /// panics (reported as [`Error::Handler`]) rolls back only its own message, and a
+    /// message's transient conflict is its [`Error::Transient`]; the others commit
+    /// together. The outer `Err` is the store's failure as a whole, or
     /// [`Error::TransientBatch`] when a conflict rolled back the whole transaction (see
     /// [`Inbox::process_batch`]): nothing is known to have committed.
     ///
@@ -685,7 +675,11 @@ impl<C: 'static> Dispatcher<C> {
     where
         I: Inbox<Conn = C>,
     {
-        let (mut outcomes, mut runs, msg_ids) = self.prepare_all(deliveries);
+        let PreparedBatch {
+            mut outcomes,
+            mut runs,
+            msg_ids,
+        } = self.prepare_all(deliveries);
         if runs.is_empty() {
             return Ok(outcomes.into_iter().flatten().collect());
         }
@@ -698,6 +692,17 @@ impl<C: 'static> Dispatcher<C> {
         })?;
         merge_outcomes(&mut outcomes, processed, msg_ids.len())
     }
+}
+
+/// A batch of deliveries as [`Dispatcher::prepare_all`] prepared it.
+struct PreparedBatch<'d, C> {
+    /// One per delivery, in order: `None` for a prepared delivery (its outcome comes
+    /// from the store), the delivery's error otherwise.
+    outcomes: Vec<Option<Result<Processed, Error>>>,
+    /// The prepared deliveries, in order; each `Prepared` is taken by its handler's run.
+    runs: Vec<(&'d Delivery, Option<Prepared<C>>)>,
+    /// The msg_ids of `runs`, in the same order, for the store.
+    msg_ids: Vec<crate::MsgId>,
 }
 
 /// The outcomes of a batch in delivery order: those decided before the store

@@ -15,7 +15,7 @@ use crate::{InvalidConfig, OutboxEvent};
 pub const MAX_PARTITIONS: u32 = 1024;
 
 /// A validated partition count: `1..=`[`MAX_PARTITIONS`]. One partition is an
-/// unpartitioned topic (one stream, named as before partitions existed).
+/// unpartitioned topic: one stream, named `<prefix><topic>` with no partition suffix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Partitions(NonZeroU32);
 

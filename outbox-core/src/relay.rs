@@ -118,78 +118,7 @@ pub struct BatchReport {
     pub dead: usize,
 }
 
-/// Moves committed outbox rows to a broker: claim a batch, publish it, mark SENT or
-/// record the failures, commit.
-///
-/// # Order per key and many instances
-///
-/// The relay publishes each batch in the order the store claimed it (id order). Which
-/// rows a batch may hold is the store's business: the diesel stores claim in per-key
-/// order by default (`ClaimOrder::PerKey` in `outbox-diesel`): a message whose key has
-/// an older unpublished message, held by another relay instance or waiting for its
-/// retry time, stays out of the batch, while other keys go on. So several instances
-/// may run side by side and a key still reaches the stream in id order across retries.
-/// The unordered mode (plain `SKIP LOCKED`) is faster and promises no order.
-///
-/// Within one batch the engine adds one guard: a message being retried (it was
-/// rejected before) is published in its own round trip ahead of the later messages of
-/// its key, which are published only if it succeeds and otherwise stay NEW, untouched.
-/// Batches without retries cost one round trip as before.
-///
-/// What no relay can undo: when the broker rejects a message that is tried for the
-/// *first* time, later messages of its key that were pipelined in the same call are
-/// already on the stream. They are marked SENT (publishing them again would add
-/// duplicates and restore nothing), the rejected message is retried later, and the key
-/// is out of order; the relay logs it and counts `outbox_relay_key_order_broken_total`.
-/// Publishing one message per key per round trip would prevent it, at the cost of the
-/// hot keys' throughput, for a case that is rare (a broker refuses single entries for
-/// causes like a wrongly typed stream key, which then refuses every later entry of that
-/// stream too). Outages are not affected: a failed call marks nothing.
-///
-/// # Claiming ahead
-///
-/// [`run_until`](Relay::run_until) claims the next batch while it publishes a full one,
-/// when the store allows it ([`RelayStore::claims_ahead`]: the PostgreSQL and MySQL
-/// stores, whose claims skip rows locked by another claim). The batch claimed ahead is
-/// published after the current one is completed, so a relay still publishes in id
-/// order. With per-key claims the claim ahead treats the current batch as published
-/// ([`RelayStore::claim_after`]), and the batch claimed ahead is released unclaimed if
-/// a row of the current one stays NEW (a retry), so that no key is overtaken. A relay
-/// then holds two pooled connections while it is behind. A claim ahead
-/// that comes back nearly empty (the backlog ends, or its rows wait behind the batch
-/// in hand, as with a few hot keys) pauses claiming ahead for a few batches.
-/// [`run_once`](Relay::run_once) always claims one batch.
-///
-/// # Faults that hit part of a batch
-///
-/// A broker may take part of a call and then fail: run out of memory, time out after
-/// some of its round trips, refuse one topic. The publisher then reports what it took
-/// and what it did not ([`Rejected`] with a [`RejectKind`]), and the relay marks what was
-/// taken SENT (publishing it again would add duplicates after later messages of its
-/// key), leaves the rest NEW with its retries untouched, and backs off as after any
-/// outage. Only [`RejectKind::Message`] spends a retry. A topic the broker refuses as a
-/// whole ([`RejectKind::Topic`], such as a Redis key of another type at the stream's
-/// name) also logs an error and counts `outbox_relay_topic_errors_total` (label
-/// `topic`), since it lasts until an operator fixes it; the other topics of each batch
-/// go on meanwhile.
-///
-/// ```
-/// # #[cfg(feature = "memory")] {
-/// use outbox_core::{MemoryBroker, MemoryDb, OutboxEvent, Relay};
-///
-/// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
-/// struct OrderPaid { #[outbox(id)] order_id: String }
-///
-/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
-/// let db = MemoryDb::new(());
-/// db.transaction(|tx| tx.emit(OrderPaid { order_id: "order-42".into() }))?;
-/// let broker = MemoryBroker::new();
-/// let relay = Relay::new(db.clone(), broker.clone());
-/// assert_eq!(relay.run_once().await?.sent, 1);
-/// assert_eq!(broker.published("order.paid")[0].msg_id.as_str(), "order-42:OrderPaid");
-/// # Ok::<_, outbox_core::Error>(()) }).unwrap();
-/// # }
-/// ```
+#[doc = include_str!("../docs/relay.md")]
 #[derive(Debug, Clone)]
 pub struct Relay<S, P> {
     store: S,

@@ -94,9 +94,8 @@ pub trait RelayStore: Send + Sync {
     /// (retried, held back) would otherwise be overtaken by a later row of its key.
     ///
     /// Without it, a relay that claims ahead in per-key order would find the later rows
-    /// of every key in its current batch held back behind its own batch: with 500 rows
-    /// over 1,000 keys, about two in five. The default claims as
-    /// [`claim`](Self::claim) does (always safe, never faster).
+    /// of every key in its current batch held back behind its own batch. The default
+    /// claims as [`claim`](Self::claim) does (always safe, never faster).
     fn claim_after(
         &self,
         limit: usize,

@@ -56,68 +56,7 @@ pub(crate) trait AsyncInboxConnection: AsyncConnection + Send + 'static {
     fn transaction_open(&mut self) -> impl Future<Output = Result<bool>> + Send;
 }
 
-/// The consumer's idempotency store on diesel-async, over a deadpool pool of
-/// diesel-async connections: the contract, statements and checks of
-/// [`DieselInbox`](crate::DieselInbox), awaited ([`outbox_core::AsyncInbox`]), so a
-/// consumer holds no blocking thread per message. Handlers
-/// ([`AsyncTxHandler`](outbox_core::AsyncTxHandler)) get the transaction's
-/// `&mut AsyncPgConnection` or `&mut AsyncMysqlConnection`.
-///
-/// Per message: a pooled connection, `BEGIN`, the dedup insert (0 rows: a duplicate, the
-/// handler does not run), the handler, then the checks of the blocking inbox before
-/// `COMMIT`. A handler that returned `Ok` is not reported `Applied` when its writes
-/// cannot be kept: a nested transaction of its own still open, a failed statement it
-/// ignored (PostgreSQL would turn the `COMMIT` into a silent rollback: a `SELECT 1` sent
-/// with the `COMMIT` finds out first), or a deadlock it swallowed on MySQL/MariaDB, which have
-/// then ended the transaction themselves ([`outbox_core::Error::Transient`]). A handler
-/// error that carries a deadlock, serialization failure or lock wait timeout
-/// ([`is_transient`]) is `Transient` too; any other handler error is
-/// [`outbox_core::Error::Handler`]; a failure of the store itself (the pool, a lost
-/// connection, the commit) is an outage.
-///
-/// [`AsyncInbox::process_batch`] runs the batch in one transaction with a `SAVEPOINT` per
-/// message, as [`DieselInbox`](crate::DieselInbox) does, with the same outcomes.
-///
-/// A handler's panic, or a dropped future, leaves the connection inside its transaction;
-/// diesel-async's pools never hand such a connection out again, and the server rolls the
-/// transaction back when it closes. [`Dispatcher::consume_async`](outbox_core::Dispatcher::consume_async)
-/// (which the consumer runner uses) catches the panic inside the transaction first, so
-/// the inbox rolls back as for an error.
-///
-/// Use the alias of your backend: [`AsyncPgInbox`](crate::AsyncPgInbox),
-/// [`AsyncMysqlInbox`](crate::AsyncMysqlInbox).
-///
-/// ```no_run
-/// # #[cfg(feature = "async-postgres")]
-/// # async fn run(delivery: outbox_core::Delivery) -> Result<(), Box<dyn std::error::Error>> {
-/// use diesel_async::{AsyncPgConnection, SimpleAsyncConnection as _};
-/// use outbox_core::{AsyncTxHandler, Delivery, Dispatcher, HandlerError, OutboxEvent, Processed};
-/// use outbox_diesel::AsyncPgInbox;
-///
-/// #[derive(serde::Serialize, serde::Deserialize, OutboxEvent)]
-/// struct OrderPaid { #[outbox(id)] order_id: String, amount_cents: i64 }
-///
-/// struct AwardPoints;
-/// impl AsyncTxHandler<OrderPaid> for AwardPoints {
-///     type Conn = AsyncPgConnection;
-///     async fn handle(&self, e: OrderPaid, conn: &mut AsyncPgConnection, _: &Delivery) -> Result<(), HandlerError> {
-///         let sql = format!("UPDATE points SET n = n + {} WHERE id = 1", e.amount_cents / 100);
-///         conn.batch_execute(&sql).await?;
-///         Ok(())
-///     }
-/// }
-///
-/// let inbox = AsyncPgInbox::connect("postgres://postgres@127.0.0.1:5432/test", 8)?;
-/// let mut dispatcher = Dispatcher::new();
-/// dispatcher.register_tx::<OrderPaid, _>(AwardPoints)?;
-/// assert_eq!(dispatcher.consume_async(&inbox, "points", &delivery).await?, Processed::Applied);
-/// # Ok(())
-/// # }
-/// # #[cfg(feature = "async-postgres")]
-/// # fn main() { let _ = run; }
-/// # #[cfg(not(feature = "async-postgres"))]
-/// # fn main() {}
-/// ```
+#[doc = include_str!("../docs/async_diesel_inbox.md")]
 #[allow(private_bounds)] // the crate-private `AsyncInboxConnection` is the seal
 pub struct AsyncDieselInbox<C: AsyncInboxConnection> {
     pool: C::Pool,

@@ -11,90 +11,7 @@ use crate::backend::check_group;
 use crate::error::has_transient_cause;
 use crate::{Error, OutboxConnection, is_transient};
 
-/// The consumer's idempotency store over a pool: records `(consumer_group, msg_id)` in
-/// `consumed_msg` in the same transaction as the handler's writes.
-///
-/// The dedup insert cannot fail on a duplicate (PostgreSQL and SQLite
-/// `ON CONFLICT DO NOTHING`, MySQL `INSERT IGNORE`): "0 rows" means already consumed, and
-/// the handler is not run. Otherwise the handler runs with the transaction's connection
-/// (`&mut PgConnection` and so on), and its error rolls back the dedup row with its
-/// writes. A panicking handler unwinds through here; its connection is discarded by the
-/// pool, which rolls the transaction back.
-///
-/// # Batches
-///
-/// [`Inbox::process_batch`] (the consumer's opt-in batch mode) runs many messages in one
-/// transaction with a `SAVEPOINT` per message, through diesel's nested transactions:
-/// per message, savepoint → dedup insert → handler → `RELEASE`, or `ROLLBACK TO
-/// SAVEPOINT` when the handler fails, which discards that message's writes and dedup row
-/// and nothing else. One `COMMIT` ends the batch. A store error (a failed dedup insert,
-/// savepoint or commit; a lost connection) fails the whole batch and commits nothing.
-///
-/// On PostgreSQL the dedup rows of the whole batch go in first, in one statement
-/// (`INSERT .. SELECT unnest(..) ON CONFLICT DO NOTHING RETURNING msg_id`, in msg_id
-/// order so that two consumers' batches lock them in the same order), and a message's
-/// `RELEASE` travels with the next one's `SAVEPOINT` (the last one's with the
-/// `COMMIT`): a message costs its handler's statements plus one round trip, where the
-/// steps above cost three more. A failed message's dedup row, inserted outside its
-/// savepoint, is deleted after the rollback to it, so that it is redelivered as before;
-/// a duplicate runs no statement at all. A transient conflict in that first statement
-/// is the batch's ([`TransientBatch`](outbox_core::Error::TransientBatch)): the consumer
-/// runs its messages again one by one.
-///
-/// A handler that returns `Ok` with a transaction of its own still open, or whose writes
-/// cannot be released (PostgreSQL after a failed statement the handler ignored), fails
-/// as its own message; its savepoint is rolled back.
-///
-/// # Transient conflicts
-///
-/// A deadlock, a serialization failure or a lock wait that gave up ([`is_transient`])
-/// in a handler's error (returned with `?`, or wrapped in an error whose `source()`
-/// chain holds it) or in the dedup insert is [`outbox_core::Error::Transient`], not a
-/// handler failure and not an outage: nothing of the message committed, and the
-/// consumer retries it soon without counting the attempt against its delivery limit.
-/// In batch mode it is that message's outcome when its savepoint could be rolled back
-/// (PostgreSQL; a MySQL lock wait timeout), and the others commit.
-///
-/// MySQL and MariaDB roll back the whole transaction on a deadlock, savepoints included,
-/// and run whatever follows in autocommit mode. The inbox asks the server whether its
-/// transaction is still open after every handler that did not end cleanly (and, in
-/// single mode, after every handler, one round trip): if it is not, the message (single
-/// mode) is [`Transient`](outbox_core::Error::Transient) and the batch
-/// [`TransientBatch`](outbox_core::Error::TransientBatch) — nothing of it committed, and
-/// nothing is reported `Applied`. A handler should return such an error rather than go
-/// on: on MySQL and MariaDB the statements it runs after the deadlock are outside the
-/// transaction, each committed on its own, and run again on the retry. On PostgreSQL a
-/// handler that goes on after a failed statement fails as its own message (the cause
-/// cannot be told afterwards, so it is a handler failure).
-///
-/// # A stalled consumer
-///
-/// A consumer process that stops between its dedup insert and its commit (SIGSTOP, a
-/// paused VM) keeps the dedup row's lock. After `min_idle` another consumer claims the
-/// entry, and its own dedup insert waits for that lock: on MariaDB for
-/// `innodb_lock_wait_timeout` (50 s by default) and then a transient conflict, on
-/// PostgreSQL for as long as the stopped session lives. Give the inbox pool's sessions a
-/// bound, e.g. `?options=-c%20idle_in_transaction_session_timeout%3D60s` in the
-/// PostgreSQL URL (keep it above your slowest handler): the server then ends the stopped
-/// transaction and the waiting one goes on. The consumer's own shutdown is bounded
-/// either way (`ConsumerConfig::shutdown_timeout` in `outbox-redis`).
-///
-/// A panic in the closure given to `process_batch` unwinds through it: the connection,
-/// still inside the batch's transaction, is discarded by the pool, so the whole batch
-/// rolls back. [`Dispatcher::consume_batch`](outbox_core::Dispatcher::consume_batch),
-/// which the consumer runner uses, catches each handler's panic first and reports it as
-/// that message's error, so a panicking handler costs only its own savepoint.
-///
-/// Use the alias of your backend: [`PgInbox`](crate::PgInbox),
-/// [`MysqlInbox`](crate::MysqlInbox), [`SqliteInbox`](crate::SqliteInbox).
-///
-/// Speed: each message checks a connection out of the pool, and r2d2's default
-/// `test_on_check_out(true)` adds a `SELECT 1` round trip to every one of them.
-/// `Pool::builder().test_on_check_out(false)` removes that round trip, at the price of
-/// not testing idle connections before use (keep `idle_timeout` / `max_lifetime` short
-/// if your database drops connections); [`DieselInbox::connect`] builds such a pool. A failed transaction is never
-/// acknowledged, so the message is retried either way. For many messages per transaction see the
-/// consumer's batch mode ([`Inbox::process_batch`]).
+#[doc = include_str!("../docs/diesel_inbox.md")]
 pub struct DieselInbox<C: R2D2Connection + 'static> {
     pool: Pool<ConnectionManager<C>>,
 }
@@ -121,7 +38,7 @@ impl<C: R2D2Connection + 'static> DieselInbox<C> {
 
     /// An inbox over a new pool of `max_size` connections to `database_url`, built for
     /// the consumer: connections are not tested on check-out (r2d2's default `SELECT 1`
-    /// before each transaction, see "Speed" above), and idle ones are closed after 10
+    /// before each transaction, see [Speed](Self#speed)), and idle ones are closed after 10
     /// minutes, before servers and proxies usually drop them. A connection the server
     /// has dropped all the same fails its message's transaction, which is not
     /// acknowledged and runs again; the pool discards the connection.

@@ -20,14 +20,7 @@
 //! crashed instance's locks go with its connection, so its rows are claimed again by
 //! the others without an operator (only its batch in flight may be published twice).
 //! By default the claim keeps messages that share a key in id order across instances and
-//! retries ([`ClaimOrder::PerKey`]): a message whose key has an older unpublished
-//! message, held by another instance or waiting for its retry, waits, and other keys go
-//! on. It costs index probes on the NEW rows by `(msg_key, id)`, in the claim's own
-//! statement on PostgreSQL and a second statement on MySQL/MariaDB;
-//! [`ClaimOrder::Unordered`] (plain `SKIP LOCKED`) is the faster opt-in when order does
-//! not matter. Id order is commit order for a key only when writes to one key are
-//! serialized (see [`ClaimOrder`]). [`SqliteRelayStore`] runs one relay per database; its
-//! per-key mode holds a key back only behind a retry.
+//! retries ([`ClaimOrder`], [order per key](outbox_core::Relay#order-per-key)).
 //!
 //! ## SQLite
 //!

@@ -30,7 +30,10 @@ const SWITCH_MASTER: &str = "+switch-master";
 /// [`watch_failovers`](Self::watch_failovers), on by default). Between a primary's
 /// death and the promotion of a replica (Sentinel's `down-after-milliseconds` plus the
 /// failover itself) every command fails as an outage: the relay backs off without
-/// spending retries and the consumer waits, as for any Redis outage.
+/// spending retries and the consumer waits, as for any Redis outage. A master name the
+/// sentinels do not know is such an outage too, retried (it looks like a failover in
+/// progress); addresses that are not sentinels are a
+/// [configuration error](crate::Error::is_config).
 ///
 /// Streams are named as on a single server (`outbox:order.paid`), since the data
 /// lives on one primary at a time; a publisher built with
@@ -63,9 +66,7 @@ pub struct SentinelConfig {
     /// the primary can be found while some are down.
     pub sentinels: Vec<ConnectionInfo>,
     /// The name under which the sentinels monitor the primary (`mymaster` in Redis's
-    /// sample configuration). A name they do not know is an outage, retried (it looks
-    /// like a failover in progress); addresses that are not sentinels are a
-    /// [configuration error](crate::Error::is_config).
+    /// sample configuration); one they do not know is an outage ([`SentinelConfig`]).
     pub master_name: String,
     /// How to connect to the primary once a sentinel named it: its username and
     /// password, database and TLS (default: no credentials, database 0, plain TCP).

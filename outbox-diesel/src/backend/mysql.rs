@@ -380,9 +380,9 @@ impl Backend for MysqlConnection {
     /// of `L`, the first NEW row outside it.
     ///
     /// The unordered claim, forced onto `outbox_claim` too: on statistics taken before a
-    /// burst (or none yet: a fresh table), MariaDB walked the primary key through every
-    /// SENT row or read and sorted the whole backlog (670 ms per claim at 150,000 NEW
-    /// rows) until InnoDB recalculated them; the index walk reads about `limit` rows
+    /// burst (or none yet: a fresh table), MariaDB walks the primary key through every
+    /// SENT row or reads and sorts the whole backlog until InnoDB recalculates them
+    /// (BENCHMARKS.md, "Claim plans"); the index walk reads about `limit` rows
     /// whatever the statistics say.
     fn __claim_sql(limit: usize) -> String {
         format!(

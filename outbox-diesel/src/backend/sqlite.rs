@@ -238,12 +238,12 @@ fn same_key(a: &str, b: &str) -> String {
 /// lock the due NEW rows in id order whose key's head is due (`L`), then return the rows
 /// of `L` that no NEW row outside `L` precedes within their key, in id order.
 ///
-/// `g` is materialized so that each key is probed once: inlined, PostgreSQL evaluated
-/// the probe once per row of `L` (a hot key of 500 rows: 250,000 index entries, 91 ms
-/// instead of 10 ms).
+/// `g` is materialized so that each key is probed once: inlined, PostgreSQL evaluates
+/// the probe once per row of `L` (a hot key of 500 rows: 250,000 index entries;
+/// BENCHMARKS.md, "Claim plans").
 ///
 /// `in_l` tests `id` for membership in `L`: on PostgreSQL `= ANY(ARRAY(..))`, which
-/// reads the rows by primary key (a plain `IN (SELECT ..)` was planned as a hash semi
+/// reads the rows by primary key (a plain `IN (SELECT ..)` is planned as a hash semi
 /// join over a scan of the whole table).
 fn per_key_claim_sql(d: &Dialect, limit: usize, in_l: &str) -> String {
     format!(

@@ -37,50 +37,21 @@ where
 
 /// Which rows a relay store's claim may hand to the relay.
 ///
-/// # Per key (the default)
+/// [`PerKey`](Self::PerKey), the default, keeps messages that share a key (by default
+/// the msg_id's business key) in id order, across retries and any number of relays, by
+/// the stateless rule of [order per key](outbox_core::Relay#order-per-key): a row whose
+/// key has an older NEW row outside the batch (held by another relay, or waiting for its
+/// retry) stays NEW, and other keys go on. A dead-lettered message does not hold back its
+/// key. Rows held back by another relay stay locked by this claim until it completes. The
+/// cost is index probes on the NEW rows by `(msg_key, id)`: in the claim's own statement
+/// on PostgreSQL and SQLite, in a second statement of its transaction on MySQL/MariaDB.
 ///
-/// Messages that share a key (by default the msg_id's business key) reach the broker in
-/// id order, also across retries and with any number of relay instances, by a stateless
-/// rule (ARCHITECTURE.md, "Order per key"):
+/// [`Unordered`](Self::Unordered) is plain `SKIP LOCKED` in id order: faster, but a later
+/// message of a key may overtake one that is retrying or that another relay is
+/// publishing.
 ///
-/// 1. lock a batch `L`: due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`,
-///    skipping keys whose oldest NEW row waits for its retry time;
-/// 2. keep a row `o` of `L` only if no NEW row outside `L` has `o`'s key and a smaller
-///    id: a row locked by another relay, or waiting for its retry, holds back the later
-///    rows of its key (one probe per key of `L` on the index of NEW rows by
-///    `(msg_key, id)`);
-/// 3. hand the kept rows to the relay in id order; the others stay NEW and are
-///    released at commit.
-///
-/// A hot key is not capped at one message per batch: all of its rows in `L` go out in
-/// one batch when nothing older holds them back. The cost over [`Unordered`](Self::Unordered):
-/// on PostgreSQL, in the same statement, a second walk of the id range the claim
-/// covered (which finds the NEW rows the batch does not hold) and a look at the small
-/// index of rows waiting for a retry (`outbox_retrying`): about 1.6 times the unordered
-/// claim's time; on SQLite, in the same statement, and on MySQL/MariaDB, in a second
-/// statement of the claim's transaction, one index lookup per candidate row and one per
-/// key of the batch. Rows held back by another relay are locked by this
-/// claim until it completes, so they are skipped by third relays meanwhile.
-///
-/// Caveat: id order is commit order for a key only when writes to one key are
-/// serialized, as they are when the business updates the aggregate's row before it
-/// emits (the usual case). Two transactions that emit for the same key concurrently
-/// get ids in insert order but may commit in the other order; the relay may then
-/// publish the later id first, if it claims between the two commits. A dead-lettered
-/// message no longer holds back its key.
-///
-/// Within a batch, see [`outbox_core::Relay`] for what happens when the broker rejects
-/// one message and accepts a later one of the same key.
-///
-/// # Unordered
-///
-/// Plain `SKIP LOCKED` in id order: each relay publishes its batch in id order, but a
-/// later message of a key may overtake one that is retrying or that another instance
-/// is publishing at the same time. Faster when order does not matter.
-///
-/// SQLite runs one relay per database, so its unordered claim is in id order except
-/// across retries; the per-key mode there only holds back the later messages of a key
-/// whose older message waits for its retry.
+/// SQLite runs one relay per database, so there the per-key mode only holds back the
+/// later messages of a key whose older message waits for its retry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ClaimOrder {

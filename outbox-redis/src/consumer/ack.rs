@@ -12,9 +12,9 @@ use crate::conn::{by_slot, query_all};
 /// The acknowledgements of one [`run_until`](Consumer::run_until): work whose
 /// transaction committed queues its entries here and is done; a task sends what has
 /// queued meanwhile as one `XACK` per stream ([`Consumer::flush_acks`]). An ack
-/// still follows its commit, but no longer holds up the next message: at one message in
-/// flight the `XACK` round trip overlaps the next transaction, and under load many
-/// entries share one `XACK`.
+/// follows its commit without holding up the next message: at one message in flight
+/// the `XACK` round trip overlaps the next transaction, and under load many entries
+/// share one `XACK`.
 #[derive(Clone)]
 pub(super) struct AckQueue {
     pub(super) queue: tokio::sync::mpsc::UnboundedSender<(Arc<str>, String)>,

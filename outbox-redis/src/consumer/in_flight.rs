@@ -78,7 +78,7 @@ where
     /// flight for longer than that, without counting a delivery. So neither another
     /// consumer nor this one's own `XAUTOCLAIM` takes over a slow handler's entry and
     /// runs it a second time concurrently; if this process stalls or dies, the refreshes
-    /// stop and the entries are claimed after `min_idle`, as before.
+    /// stop and the entries are claimed after `min_idle`.
     pub(super) async fn keep_in_flight_alive(self, in_flight: InFlight) {
         let every = self.inner.config.min_idle / 3;
         loop {

@@ -124,9 +124,9 @@ struct Run<I, C> {
     /// away.
     task_limit: usize,
     /// The least room worth a read: half the transactions at once (at least one). A busy
-    /// consumer that read as soon as one task ended took one or two entries per
-    /// `XREADGROUP` (5,748 reads for 10,000 messages at 8 in flight); waiting until a few
-    /// are free reads them together, while the entries still waiting keep every
+    /// consumer that reads as soon as one task ends takes one or two entries per
+    /// `XREADGROUP` (BENCHMARKS.md, "Consumer single mode at 8 in flight"); waiting until
+    /// a few are free reads them together, while the entries still waiting keep every
     /// transaction slot busy.
     read_at: usize,
     tasks: JoinSet<Done>,

@@ -2,20 +2,18 @@
 //! at once, each taking the next entry from a queue and processing it to the end on its
 //! own blocking thread.
 //!
-//! A task per message, with a `spawn_blocking` hop there and back for its transaction,
-//! cost the consumer about 115 µs of CPU and 3.5 thread switches per message more than a
-//! plain SQL loop on as many connections: the task's spawn and its wait for a permit,
-//! the wake of a blocking thread and the wake back, the run loop woken for each task
-//! that ended. A worker that is busy takes the next entry without being woken; one that
-//! waits is woken once; the run loop is woken once per read's worth of room
-//! ([`WorkQueue::done`]). The acknowledgements still go through the run's ack queue,
-//! which many entries finished together share.
+//! Why workers: a task per message, with a `spawn_blocking` hop there and back for its
+//! transaction, would pay for each message a spawn, a wait for a permit, the wake of a
+//! blocking thread and the wake back, and a wake of the run loop (BENCHMARKS.md,
+//! "Single mode at 8 in flight: long-lived workers"). A worker that is busy takes the
+//! next entry without being woken; one that waits is woken once; the run loop is woken
+//! once per read's worth of room ([`WorkQueue::done`]). The acknowledgements go through
+//! the run's ack queue, which many entries finished together share.
 //!
-//! What stays the same: a worker runs the message's whole path
-//! ([`process_one`](Consumer::process_one)), the transaction on its own thread (where a
-//! blocking handler and an async handler driven by the runtime both run as they did on
-//! a blocking thread of their own), the rare Redis commands (dead letters, delivery
-//! counts) and pauses awaited there too ([`block_on`]).
+//! A worker runs the message's whole path ([`process_one`](Consumer::process_one)) on
+//! its own thread: the transaction (a blocking handler directly, an async handler
+//! driven by the runtime from there), and the rare Redis commands (dead letters,
+//! delivery counts) and pauses, awaited there too ([`block_on`]).
 
 use std::collections::VecDeque;
 use std::future::Future;

@@ -192,10 +192,9 @@ fn millis(d: Duration) -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PublisherConfig {
-    /// Prepended to the topic to name its stream (default [`DEFAULT_STREAM_PREFIX`]).
-    /// Consumers must use the same prefix. On a cluster the topic is then wrapped in
-    /// braces, as a hash tag (`outbox:{order.paid}`), and the prefix must not contain
-    /// `{` or `}`.
+    /// Prepended to the topic to name its stream (default [`DEFAULT_STREAM_PREFIX`]);
+    /// consumers must use the same. Without `{` or `}` on a cluster, where the topic is
+    /// a hash tag ([Redis Cluster](crate#redis-cluster)).
     pub stream_prefix: String,
     /// `MAXLEN ~ n` on every XADD (default `None`), which trims read or not: a safety
     /// bound well above any backlog; [`trim_acknowledged`](crate::trim_acknowledged)

@@ -19,51 +19,7 @@ mod config;
 
 pub use config::{DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig};
 
-/// Publishes outbox batches to Redis Streams: one stream per topic, pipelined `XADD`s.
-/// Implements [`outbox_core::Publisher`], so it plugs into [`outbox_core::Relay`].
-///
-/// Each message becomes one entry (`XADD <prefix><topic> * ...`) with the fields listed
-/// at [`ENTRY_FIELDS`](crate::ENTRY_FIELDS). A batch goes in one pipeline, or in several
-/// in order when it holds more than
-/// [`max_pipeline_bytes`](PublisherConfig::max_pipeline_bytes). (Sending a pipeline in
-/// slices, so that Redis works on the first while the rest are encoded, was tried and
-/// taken back: a slice waiting for room in the connection's queue can be overtaken by
-/// the next one, which would break key order and let the durability wait go before
-/// writes it must cover.) A pipeline is not a
-/// transaction: every command succeeds or fails on its own, and the relay gets one
-/// result per message:
-///
-/// - taken: `Ok`, the row becomes SENT (after the [`Durability`] wait, if any);
-/// - the server cannot take writes right now (`OOM`, `LOADING`, `READONLY`, `BUSY`,
-///   `MASTERDOWN`, ..., a timeout, a lost connection, a durability wait not met):
-///   [`Rejected::unavailable`] for that message and every later one of the batch, which
-///   are not sent. They stay NEW without spending a retry, what was taken before is
-///   SENT, and the relay backs off. A call in which nothing was taken fails as a whole,
-///   as [`BrokerUnavailable`](outbox_core::Error::BrokerUnavailable);
-/// - the stream itself refuses entries (`WRONGTYPE`: its key holds another type; or
-///   its last possible id is used up): [`Rejected::topic`]; its messages wait, spending
-///   no retry, while the relay logs an error and backs off until an operator fixes the
-///   key;
-/// - any other error reply: [`Rejected::new`], the message's own failure, which spends
-///   a retry.
-///
-/// On a Redis Cluster (`RedisPublisher::cluster`, feature `cluster`) the streams are
-/// hash-tagged (`<prefix>{<topic>}`, `<prefix>{<topic>:<p>}`), the batch is split per hash
-/// slot (per topic or partition, in practice) and each part goes in its own pipelines, the parts side by side: a batch
-/// costs one round trip to each node it touches, concurrently. A part that fails leaves
-/// its messages NEW as above while the other parts' are recorded.
-///
-/// A topic given a partition count in [`PublisherConfig::partitions`] is spread over
-/// that many streams: a message goes to the partition of its ordering key
-/// ([`stream_for_key`](Self::stream_for_key)), so a key's messages share one stream and
-/// keep there the order the relay publishes them in. On the first publish (and the
-/// first after each outage, in case Redis lost its data) the publisher records the
-/// counts it was given in the hash `<prefix>partitions` (one `HSET`), where consumers
-/// and `outbox streams` read them; a key of another type there
-/// stops the relay with [`outbox_core::Error::Config`].
-///
-/// The connection is opened on the first publish and replaced after a connection
-/// error, so building a publisher never fails because Redis is down.
+#[doc = include_str!("../../docs/publisher.md")]
 #[derive(Debug)]
 pub struct RedisPublisher {
     /// Kept to open the connection again when [`with_config`](Self::with_config) changes
@@ -461,6 +417,9 @@ impl Publisher for RedisPublisher {
                 .iter()
                 .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
                 .collect();
+            // Each pipeline goes whole, never in slices: a slice waiting for room in the
+            // connection's queue could be overtaken by the next one, which would break key
+            // order and let the durability wait go before writes it must cover.
             let results = query_all(&mut conn, pipes).await;
             for (&p, result) in live.iter().zip(results) {
                 let (part, bytes) = &parts[p][round];

@@ -44,9 +44,9 @@ pub(super) fn begin_claim_sql(stall: Duration) -> String {
 /// (and streamed) in order, so a later batch's marks never survive an earlier one's.
 /// Marking a row DEAD is the exception: it frees the row's key for the next message, so
 /// a batch with dead letters commits durably ([`DIALECT`]'s `durable_dead`). What it
-/// saves is the flush on the relay's path: on a disk whose flush takes 3 ms, a relay
-/// woken at 1,000 messages/s spent most of its time waiting for its previous batch's
-/// commit (commit → XADD p50 3.8 ms, measured). Emits and the consumers' deduplication
+/// saves is the flush on the relay's path: a relay woken by a steady stream of emits
+/// would otherwise spend most of its time waiting for its previous batch's commit
+/// (BENCHMARKS.md, "Figures behind the API's defaults"). Emits and the consumers' deduplication
 /// are the users' own transactions, untouched: their commits stay as durable as the
 /// server is set up to make them.
 pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
@@ -56,9 +56,8 @@ pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
 /// A claim is a walk of `outbox_pending` in id order that stops after `LIMIT` rows. The
 /// planner picks that walk only while it knows the backlog is large: on a table without
 /// statistics (never analyzed: autovacuum off, or a fresh table in its first minute) it
-/// guesses a few hundred NEW rows and reads them all with a bitmap scan, then sorts them
-/// (measured at 150,000 NEW rows: 267 ms per 500-row per-key claim, 194 ms unordered,
-/// against 4.6 ms once analyzed). No claim needs a sort: every ordered step is an index
+/// guesses a few hundred NEW rows and reads them all with a bitmap scan, then sorts them,
+/// a cost that grows with the backlog (BENCHMARKS.md, "Claim plans"). No claim needs a sort: every ordered step is an index
 /// walk (`l` and the unordered claim on `outbox_pending`, `r` on `outbox_retrying`) and
 /// the relay orders the final rows itself. So `enable_sort = off` leaves the planner
 /// only the walks, whatever it believes about the row counts; the settings that would
@@ -66,23 +65,22 @@ pub(crate) const COMMIT_SETTINGS: &str = "SET LOCAL synchronous_commit = off";
 /// hash anti join over `r`.
 ///
 /// `enable_nestloop = off`: the one join left, the per-key claim's last step (a row of
-/// `l` against the keys of `b`), is then a hash anti join. On statistics that promised
-/// few rows it was a nested loop comparing every row of `l` with every row of `b`
-/// (250,000 comparisons, 22 ms of a 41 ms claim at 500 rows).
+/// `l` against the keys of `b`), is then a hash anti join. On statistics that promise
+/// few rows the planner would pick a nested loop comparing every row of `l` with every
+/// row of `b` (BENCHMARKS.md, "Claim plans").
 ///
 /// `enable_seqscan = off`: the statements that record the batch (SENT by
 /// `id = ANY(..)`, a retry, DEAD) find their rows by primary key. `MarkSent` is a
 /// prepared statement, whose generic plan PostgreSQL keeps until the table's statistics
-/// change: planned while the table was empty (a fresh table, before autovacuum's first
-/// analyze), it was a sequential scan, and stayed one as the table grew (measured at
-/// 1,000 messages/s on a new table: 2,479 scans reading 3.9 million rows in 8 s, the
-/// primary key never used, commit → XADD p50 about 3 ms). The mark of a batch sent in
+/// change: planned while the table is empty (a fresh table, before autovacuum's first
+/// analyze), it is a sequential scan, and stays one as the table grows (BENCHMARKS.md,
+/// "Claim plans"). The mark of a batch sent in
 /// full ([`mark_sent_and_commit_sql`]) is planned for each batch, on whatever the
 /// statistics say then: an empty table's as well.
 ///
-/// `jit = off`: a claim is a short walk, which JIT compilation (tens to hundreds of ms)
-/// never pays back; and should a sort ever be unavoidable, its disabled cost (10^10)
-/// would pass `jit_above_cost` and compile the plan (+389 ms measured).
+/// `jit = off`: a claim is a short walk, which JIT compilation never pays back; and
+/// should a sort ever be unavoidable, its disabled cost (10^10) would pass
+/// `jit_above_cost` and compile the plan (BENCHMARKS.md, "Claim plans").
 pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL jit = off; \
      SET LOCAL enable_nestloop = off; SET LOCAL enable_seqscan = off";
 
@@ -95,27 +93,25 @@ pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL j
 ///   of the LIMIT (progress only: the next step decides order);
 /// - `l`: the due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`; while any key
 ///   waits (`r` is not empty, looked at once per claim), each candidate is probed on
-///   `outbox_retrying` for a waiting row of its key before it. (An anti join over `r`
-///   became a nested loop comparing every candidate with every row of `r`: 241 ms per
-///   claim with 500 keys waiting for a retry, as after a Redis outage, against 8–12 ms
-///   now; a hashed `NOT IN (SELECT msg_key FROM r)` in front of the probe fell back to
-///   re-reading `r` per candidate when the statistics promised a large `r`. 1.1 ms
-///   either way with none waiting.)
+///   `outbox_retrying` for a waiting row of its key before it. (The planner turns an
+///   anti join over `r` into a nested loop comparing every candidate with every row of
+///   `r`, slow when many keys wait for a retry, as after a Redis outage; a hashed `NOT
+///   IN (SELECT msg_key FROM r)` in front of the probe falls back to re-reading `r` per
+///   candidate when the statistics promise a large `r`. BENCHMARKS.md, "Claim plans".)
 /// - `b`: the NEW rows below `l`'s last id that `l` does not hold (held by another relay,
 ///   or waiting for a retry), with the first id of each key: one walk of the range the
 ///   lock step walked, on `outbox_pending`;
 /// - a row of `l` goes out only if no row of `b` with its key comes before it.
 ///
-/// This replaced two index probes per row (a head probe per candidate, a gap probe per
-/// key): measured on 100,000 NEW rows over 1,000 keys, 500 rows per claim, 2.7 ms
-/// instead of 6.5 ms, the unordered claim taking 1.7 ms.
+/// The two walks cost less than a head probe per candidate and a gap probe per key
+/// (BENCHMARKS.md, "Claim plans").
 ///
 /// The plan must not depend on the table's statistics (see [`PLAN_SETTINGS`], under
 /// which the claim runs): `r` is a `DISTINCT ON` in `(msg_key, id)` order, which only an
 /// index on `(msg_key, id)` gives without a sort, and `outbox_retrying` is the smallest
 /// one and needs no filter on `retries`. (As `GROUP BY msg_key`, on statistics taken
-/// while every row was SENT, the planner walked the whole backlog on `outbox_pending`
-/// instead: 46-58 ms per claim at 150,000 NEW rows.) The statement has no final
+/// while every row is SENT, the planner walks the whole backlog on `outbox_pending`
+/// instead; BENCHMARKS.md, "Claim plans".) The statement has no final
 /// `ORDER BY`: the relay sorts the kept rows by id ([`claim_per_key`]), which leaves no
 /// sort in the plan.
 ///
@@ -181,7 +177,7 @@ pub(super) fn claim_per_key(
 /// anyway, but only after a heap fetch and two lock-manager calls each (the tuple lock,
 /// then the holder's transaction lock): the claim ahead walks past all of them, since
 /// the batch in hand is the front of the backlog. The filter leaves out exactly those
-/// rows and no other, so a row below them that is due (a retry) is claimed as before.
+/// rows and no other, so a row below them that is due (a retry) is still claimed.
 pub(super) fn claim_sql(limit: usize, held: bool, floor: i64) -> String {
     format!(
         "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){}{} \

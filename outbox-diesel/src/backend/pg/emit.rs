@@ -21,10 +21,9 @@ pub(super) const INSERT_HEAD: &str = "INSERT INTO outbox \
 /// "0 rows" instead of an error, which on PostgreSQL would abort the caller's
 /// transaction. With NOTIFY, the [wake-up expression](Mode::push_wake) (an empty text)
 /// is prepended to the headers in the `VALUES` list: one plain statement, without the CTE
-/// of [`Insert`] (at 8 connections on 2 cores the CTE cost the default `WhenRelayIdle`
-/// about 10% of its throughput) and without a `RETURNING` list (a result row per
-/// execution: about 8% more CPU per emitting transaction than none at 8 connections, in
-/// interleaved pgbench runs; the same check in the `VALUES` list: 0–3.5%). The price: the
+/// of [`Insert`] and without a `RETURNING` list (a result row per execution), each of
+/// which costs an emitting transaction more CPU than the expression in `VALUES`
+/// (BENCHMARKS.md, "The emit's statement"). The price: the
 /// expression runs before the conflict check, so a duplicate may wake a parked relay
 /// too (it finds nothing new and parks again).
 pub(super) struct PlainInsert<'a, M> {
@@ -107,10 +106,9 @@ impl Mode for Always {
 }
 /// A shared try of the channel's [wake-up lock](crate::wake_lock_key): it fails only while a relay
 /// holds the lock exclusively (it is parked) or waits for it (it is about to park), and
-/// then the emit notifies. A lock-manager call, no table: the `EXISTS` on
-/// `outbox_relay_idle` it replaced set up a scan per statement (relation lock,
-/// `heap_beginscan`, an `lseek` for the size), about 3 % of the server at 8 emitting
-/// connections. Held to the end of the emitting transaction, so that a relay about to
+/// then the emit notifies. A lock-manager call, no table: an `EXISTS` on a table of
+/// parked relays would set up a scan per statement (relation lock, `heap_beginscan`, an
+/// `lseek` for the size; BENCHMARKS.md, "The emit's statement"). Held to the end of the emitting transaction, so that a relay about to
 /// park waits for the transactions that emitted without a NOTIFY before it looks for
 /// due rows (see `store::pg::listen`).
 impl Mode for WhenIdle {

@@ -5,8 +5,8 @@
 //! the index's own pruning remove it once no snapshot can see the old row version.
 //! While a transaction holds the xmin horizon back (a long report, `pg_dump`, a lagging
 //! replication slot), nothing is removed, and every claim walks all of them from the
-//! start of the index: a quarter of the drain rate, measured (SCALING.md). With a floor
-//! the walk skips them.
+//! start of the index, which slows the drain several times over (BENCHMARKS.md,
+//! "Scale"; SCALING.md). With a floor the walk skips them.
 //!
 //! A floor read off committed rows alone would be wrong: a transaction that drew a
 //! lower id may commit after the floor passed it, and its row would never be claimed.
@@ -42,8 +42,8 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use crate::Result;
 
 /// Time between two steps. Reading `pg_locks` takes every lock-manager partition's lock
-/// for a moment: once a second per relay is nothing, and 250 ms measured no better
-/// (BENCHMARKS.md, "Scale").
+/// for a moment: once a second per relay is nothing, and a shorter step drains no
+/// faster (BENCHMARKS.md, "Scale").
 const STEP_EVERY: Duration = Duration::from_secs(1);
 /// Time between two computations of the floor from 0.
 pub(super) const RESET_EVERY: Duration = Duration::from_secs(30);

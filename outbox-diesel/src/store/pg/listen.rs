@@ -110,8 +110,9 @@ pub(super) struct Horizon {
 
 /// The LISTEN session's settings. `enable_seqscan = off`: PostgreSQL keeps a prepared
 /// statement's generic plan until the table's statistics change, and [`DUE_SQL`]'s,
-/// planned on a fresh table (before autovacuum's first analyze), was a sequential scan
-/// that stayed one as the table grew (measured: one scan of the whole table per park).
+/// planned on a fresh table (before autovacuum's first analyze), is a sequential scan
+/// that stays one as the table grows: a scan of the whole table per park
+/// (BENCHMARKS.md, "Claim plans").
 /// `enable_bitmapscan = off`: [`DUE_OR_LATE_SQL`]'s walk of the newest NEW rows must be
 /// a backward index scan that stops after 1,000, not a bitmap scan of every NEW row up
 /// to its id, sorted. `jit = off`: as for the claim, a short index walk never pays a
