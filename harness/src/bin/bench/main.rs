@@ -41,6 +41,7 @@ mod plot;
 mod relay;
 mod scale;
 mod stats;
+mod stream;
 
 use consumer::{ConsumerBench, Load, Mode};
 use emit::{EmitBench, Way};
@@ -60,9 +61,10 @@ struct Args {
     rounds: Option<usize>,
     /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
     /// async-emit, plots, scale (= horizon, a drain with the horizon held back, and size,
-    /// the claim against 50M rows), day. Without it, every part but scale (about half an
-    /// hour) and day (a compressed day of partitions: about three minutes), which run by
-    /// default only with --tiny.
+    /// the claim against 50M rows), day, stream (Redis memory per stream entry and what
+    /// the trim leaves). Without it, every part but scale (about half an hour), day (a
+    /// compressed day of partitions: about three minutes) and stream (absolute figures,
+    /// no baseline), which run by default only with --tiny.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Only these figures of the consumer part, by their place in its list (from 0; e.g.
@@ -80,11 +82,16 @@ struct Args {
     /// default: the published figures are taken as users run PostgreSQL.
     #[arg(long)]
     async_commit: bool,
+    /// The claim against the table's size (`size`) stops at this many rows (the sizes
+    /// below it, then this one) instead of 50M.
+    #[arg(long)]
+    max_rows: Option<usize>,
 }
 
 impl Args {
     fn runs(&self, part: &str) -> bool {
-        let by_default = !matches!(part, "scale" | "horizon" | "size" | "day") || self.tiny;
+        let by_default =
+            !matches!(part, "scale" | "horizon" | "size" | "day" | "stream") || self.tiny;
         (self.only.is_empty() && by_default) || self.only.iter().any(|p| p == part)
     }
 }
@@ -106,6 +113,8 @@ struct Sizes {
     scale_rows: Vec<usize>,
     /// The compressed day (`day`).
     day: day::DaySize,
+    /// Stream memory and the trim (`stream`).
+    stream: stream::StreamSize,
 }
 
 impl Sizes {
@@ -128,6 +137,11 @@ impl Sizes {
                     duration: Duration::from_secs(6),
                     interval: Duration::from_secs(2),
                 },
+                stream: stream::StreamSize {
+                    entries: 2_000,
+                    large_entries: 400,
+                    kept: 20,
+                },
             }
         } else {
             Self {
@@ -147,10 +161,19 @@ impl Sizes {
                     duration: Duration::from_secs(150),
                     interval: Duration::from_secs(10),
                 },
+                stream: stream::StreamSize {
+                    entries: 100_000,
+                    large_entries: 20_000,
+                    kept: 1_000,
+                },
             }
         };
         if let Some(rounds) = args.rounds {
             sizes.rounds = rounds.max(1);
+        }
+        if let Some(max) = args.max_rows {
+            sizes.scale_rows.retain(|&rows| rows < max);
+            sizes.scale_rows.push(max);
         }
         sizes
     }
@@ -405,6 +428,9 @@ async fn main() -> Result<(), BoxError> {
     }
     if args.runs("day") {
         day::part(&sizes.day, &svc, &args.out, &mut figures).await?;
+    }
+    if args.runs("stream") {
+        stream::part(&sizes.stream, &svc, &mut figures).await?;
     }
     let table = stats::table(&figures, !args.tiny);
     let load_after = machine::load();

@@ -17,10 +17,15 @@ use crate::{BoxError, Service, Sizes, order, plot, progress, stats};
 
 const LAYOUTS: [(&str, bool); 2] = [("unpartitioned", false), ("partitioned", true)];
 
-/// NEW rows the claims of the size sweep find on top of the SENT ones.
+/// NEW rows the claims of the size sweep find: the newest rows of the table, as in
+/// production, where every row below them was sent before.
 const NEW_ROWS: usize = 10_000;
 /// Claims timed at each size.
 const CLAIMS: usize = 40;
+/// Rows inserted NEW per statement while the table grows.
+const INSERT_CHUNK: usize = 500_000;
+/// Rows marked SENT per transaction while the table grows.
+const MARK_CHUNK: usize = 50_000;
 
 /// `horizon`: the held-back drains; `size`: the claim against the table's size.
 pub(crate) async fn part(
@@ -42,7 +47,7 @@ pub(crate) async fn part(
     let mut series = Vec::new();
     for (name, partitioned) in LAYOUTS {
         let bench = RelayBench::with_layout(svc, partitioned).await?;
-        let result = claim_vs_size(sizes, &bench, name, figures).await;
+        let result = claim_vs_size(sizes, &bench, name, partitioned, figures).await;
         bench.cleanup().await;
         series.push(plot::Series {
             name: name.into(),
@@ -128,25 +133,82 @@ fn hold_horizon(url: &str) -> Result<PgConnection, BoxError> {
 }
 
 /// Claim time (p50 of [`CLAIMS`] per-key claims of 100 rows, each rolled back) as the
-/// table grows to each of `scale_rows` rows, [`NEW_ROWS`] of them NEW; `(rows, ms)` points.
+/// table grows to each of `scale_rows` rows, the newest [`NEW_ROWS`] of them NEW; `(rows,
+/// ms)` points.
+///
+/// The table grows as production's does: rows inserted NEW (the emit's columns and
+/// defaults), then marked SENT by id in the relay's statement and plan settings, one
+/// transaction per [`MARK_CHUNK`] rows. Every row thus enters `outbox_pending` and leaves
+/// it, leaving a dead index entry and a dead heap tuple until (auto)vacuum, which runs
+/// as it is set up to (nothing here vacuums). On the partitioned layout the rows' times
+/// spread over the retention (the partitions it keeps behind the current one, made here
+/// as maintenance would have made them day by day), oldest first, the NEW rows now: the
+/// claim walks every partition a production table has (behind, current, ahead).
+///
+/// Before the timed claims the relay's store claims (rolled back) until its floor has
+/// reached the first NEW row, as a relay running all along would have it.
 async fn claim_vs_size(
     sizes: &Sizes,
     bench: &RelayBench,
     layout: &str,
+    partitioned: bool,
     figures: &mut Vec<Figure>,
 ) -> Result<Vec<(f64, f64)>, BoxError> {
     println!("scale: claim time against table size, {layout}");
     bench.fill(NEW_ROWS, 1000)?;
+    let oldest = if partitioned {
+        past_partitions(bench)?
+    } else {
+        "now() - interval '7 days'".to_owned()
+    };
     let url = bench.url().to_owned();
     let store = tokio::task::spawn_blocking(move || PgRelayStore::connect(&url, 2)).await??;
-    let (mut rows, mut points) = (NEW_ROWS, Vec::new());
+    let (mut rows, mut sent_to, mut points) = (NEW_ROWS, 0_i64, Vec::new());
     for &size in &sizes.scale_rows {
+        let start = rows;
         while rows < size {
-            let to = size.min(rows + 5_000_000);
-            add_sent(bench, rows, to)?;
+            let to = size.min(rows + INSERT_CHUNK);
+            add_new(bench, (start, rows, to, size), &oldest)?;
             rows = to;
+            let last = bench.scalar("SELECT max(id) AS n FROM outbox")?;
+            let upto = last - NEW_ROWS as i64;
+            while sent_to < upto {
+                let next = upto.min(sent_to + MARK_CHUNK as i64);
+                bench.exec(&format!(
+                    "BEGIN; SET LOCAL enable_seqscan = off; \
+                     UPDATE outbox SET status = 1, sent_at = now() \
+                     WHERE status = 0 AND id > {sent_to} AND id <= {next}; COMMIT"
+                ))?;
+                sent_to = next;
+            }
         }
         bench.exec("ANALYZE outbox")?;
+        let first_new = bench.scalar("SELECT min(id) AS n FROM outbox WHERE status = 0")?;
+        // The walk a floor of 0 makes (a relay's first claim, its floor's recomputation
+        // every 30 s): every dead entry of `outbox_pending` not yet vacuumed.
+        // Under the claim's plan settings: an index walk, whatever the statistics say.
+        bench.exec("BEGIN; SET LOCAL enable_sort = off; SET LOCAL enable_seqscan = off")?;
+        let started = Instant::now();
+        let walked =
+            bench.scalar("SELECT id AS n FROM outbox WHERE status = 0 ORDER BY id LIMIT 1");
+        let walk = started.elapsed().as_secs_f64() * 1e6;
+        bench.exec("COMMIT")?;
+        walked?;
+        let warm_until = Instant::now() + Duration::from_secs(10);
+        while store.claim_floor() < first_new && Instant::now() < warm_until {
+            drop(store.claim(100).await?);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let dead = bench.scalar(
+            "SELECT COALESCE(sum(n_dead_tup), 0)::bigint AS n FROM pg_stat_user_tables \
+             WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
+        )?;
+        let vacuums = bench.scalar(
+            "SELECT COALESCE(sum(autovacuum_count), 0)::bigint AS n FROM pg_stat_user_tables \
+             WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
+        )?;
+        let parts = bench
+            .scalar("SELECT count(*) AS n FROM pg_inherits WHERE inhparent = 'outbox'::regclass")?;
         let mut times = Vec::with_capacity(CLAIMS);
         for _ in 0..CLAIMS {
             let started = Instant::now();
@@ -155,10 +217,27 @@ async fn claim_vs_size(
             drop(batch);
         }
         let p50 = stats::median(&times);
+        times.sort_by(f64::total_cmp);
+        let p99 = times[(times.len() * 99).div_ceil(100) - 1];
         progress(
             &format!("{layout}, {rows} rows: claim p50 (µs)"),
             p50 * 1000.0,
             "µs",
+        );
+        progress(
+            &format!("{layout}, {rows} rows: claim p99 (µs)"),
+            p99 * 1000.0,
+            "µs",
+        );
+        progress(
+            &format!("{layout}, {rows} rows: walk from id 0 (µs)"),
+            walk,
+            "µs",
+        );
+        println!(
+            "  {layout}, {rows} rows: {parts} partitions, {dead} dead tuples at the claims, \
+             {vacuums} autovacuums so far, floor {} (first NEW row {first_new})",
+            store.claim_floor()
         );
         points.push((rows as f64, p50));
     }
@@ -175,13 +254,57 @@ async fn claim_vs_size(
     Ok(points)
 }
 
-/// SENT rows `from + 1 ..= to` (ids above the NEW ones), small payloads: what the claim
-/// must not walk. Without triggers, as [`RelayBench::fill`].
-fn add_sent(bench: &RelayBench, from: usize, to: usize) -> Result<(), BoxError> {
+/// The partitions the retention keeps behind the current one (migrate_partitioned makes
+/// the current one and those ahead), made as maintenance makes a partition; the start
+/// of the oldest, as SQL.
+fn past_partitions(bench: &RelayBench) -> Result<String, BoxError> {
+    let oldest = bench.scalar(
+        "SELECT ((floor(extract(epoch FROM now()) / interval_secs) \
+                 - ceil(retention_secs::numeric / interval_secs)) * interval_secs)::bigint AS n \
+         FROM outbox_partitioning",
+    )?;
     bench.exec(&format!(
-        "SET session_replication_role = replica; INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status, sent_at) \
+        "DO $$ DECLARE s timestamptz := to_timestamp({oldest}); step interval; n text; \
+         BEGIN \
+           SELECT make_interval(secs => interval_secs) INTO step FROM outbox_partitioning; \
+           WHILE s + step <= now() LOOP \
+             n := 'outbox_p' || to_char(s AT TIME ZONE 'UTC', 'YYYYMMDD\"t\"HH24MISS'); \
+             EXECUTE format('CREATE TABLE %I (LIKE outbox INCLUDING DEFAULTS)', n); \
+             EXECUTE format('CREATE UNIQUE INDEX %I ON %I (id)', n || '_id', n); \
+             EXECUTE format('CREATE UNIQUE INDEX %I ON %I (msg_id)', n || '_msg_id', n); \
+             EXECUTE format('ALTER TABLE outbox ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)', \
+                            n, s, s + step); \
+             s := s + step; \
+           END LOOP; \
+         END $$"
+    ))?;
+    Ok(format!("to_timestamp({oldest})"))
+}
+
+/// Rows `from + 1 ..= to` of the step that grows the table from `start` to `size` rows,
+/// inserted NEW with the emit's columns (defaults for the rest) and small payloads. Their
+/// times rise with their ids from `oldest` to now over the step; the step's last
+/// [`NEW_ROWS`] rows are now.
+///
+/// Without triggers, as [`RelayBench::fill`]: the partitioned layout's msg_id trigger
+/// only reads (a probe of each past partition's msg_id index) and takes a transaction
+/// lock on the msg_id's hash, and returns the row unchanged when the msg_id is new, which
+/// each is here. The rows and every index end up as with it; with it, a chunk would need
+/// one lock per row, more than the server's lock table holds.
+fn add_new(
+    bench: &RelayBench,
+    (start, from, to, size): (usize, usize, usize, usize),
+    oldest: &str,
+) -> Result<(), BoxError> {
+    let (span, recent) = ((size - start) as f64, size - NEW_ROWS.min(size));
+    bench.exec(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, created_at) \
          SELECT 's-' || g || ':AccountTransferred', 'account.transferred', 'AccountTransferred', \
-                'k' || (g % 1000), '{{\"amount\": 1}}', 1, now() \
+                'k' || (g % 1000), \
+                jsonb_build_object('transfer_id', 's-' || g, 'from', 'alice', 'to', 'bob', 'amount', g), \
+                CASE WHEN g > {recent} THEN now() \
+                     ELSE now() - (now() - {oldest}) * (({size} - g) / {span}::float8) END \
          FROM generate_series({}, {to}) g; RESET session_replication_role",
         from + 1
     ))
