@@ -71,6 +71,16 @@ diesel::table! {
 }
 
 diesel::table! {
+    /// The producers' committed transactions, one row each, written in the transaction:
+    /// whether one whose COMMIT was cut off committed after all, whatever retention left
+    /// of its outbox rows.
+    chaos_txs (tx) {
+        /// The transaction's id.
+        tx -> BigInt,
+    }
+}
+
+diesel::table! {
     /// One row per application (no unique key, on purpose).
     chaos_log (id) {
         /// Row id.
@@ -91,6 +101,7 @@ pub const POSTGRES_SETUP: &str = "
                              last_seq BIGINT NOT NULL DEFAULT 0, breaks BIGINT NOT NULL DEFAULT 0);
     CREATE TABLE chaos_log (id BIGSERIAL PRIMARY KEY, msg_id VARCHAR(64) NOT NULL,
                             k VARCHAR(32) NOT NULL, seq BIGINT NOT NULL);
+    CREATE TABLE chaos_txs (tx BIGINT PRIMARY KEY);
 ";
 
 /// The chaos tables on MySQL / MariaDB.
@@ -100,6 +111,7 @@ pub const MYSQL_SETUP: &str = "
                              last_seq BIGINT NOT NULL DEFAULT 0, breaks BIGINT NOT NULL DEFAULT 0);
     CREATE TABLE chaos_log (id BIGINT AUTO_INCREMENT PRIMARY KEY, msg_id VARCHAR(64) NOT NULL,
                             k VARCHAR(32) NOT NULL, seq BIGINT NOT NULL);
+    CREATE TABLE chaos_txs (tx BIGINT PRIMARY KEY);
 ";
 
 /// The name of key number `i`.
@@ -116,6 +128,10 @@ pub trait ChaosDb: Connection {
     fn emit_next(&mut self, key: &str, tx: u64) -> Result<Tick, outbox_diesel::Error>;
     /// Applies `tick` (the handler's writes).
     fn apply(&mut self, tick: &Tick, msg_id: &str) -> QueryResult<()>;
+    /// Records producer transaction `tx` in `chaos_txs` (inside it).
+    fn record_tx(&mut self, tx: u64) -> QueryResult<()>;
+    /// Whether producer transaction `tx` committed (its `chaos_txs` row exists).
+    fn tx_committed(&mut self, tx: u64) -> QueryResult<bool>;
 }
 
 /// The handler's writes for `tick`, run by `$run` on each statement (`q`): the blocking
@@ -178,6 +194,18 @@ macro_rules! impl_chaos_db {
 
             fn apply(&mut self, tick: &Tick, msg_id: &str) -> QueryResult<()> {
                 apply_tick!(tick, msg_id, |q| q.execute(self))
+            }
+
+            fn record_tx(&mut self, tx: u64) -> QueryResult<()> {
+                diesel::insert_into(chaos_txs::table)
+                    .values(chaos_txs::tx.eq(tx as i64))
+                    .execute(self)
+                    .map(drop)
+            }
+
+            fn tx_committed(&mut self, tx: u64) -> QueryResult<bool> {
+                let n: i64 = chaos_txs::table.find(tx as i64).count().get_result(self)?;
+                Ok(n > 0)
             }
         }
     )*};

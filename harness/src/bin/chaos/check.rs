@@ -2,7 +2,8 @@
 
 use std::collections::{HashMap, HashSet};
 
-use outbox_harness::chaos::{HandlerFault, handler_fault, parse_msg_id};
+use outbox_core::OutboxEvent as _;
+use outbox_harness::chaos::{HandlerFault, Tick, handler_fault, parse_msg_id};
 
 use crate::db::Contents;
 
@@ -32,7 +33,9 @@ pub(crate) struct Findings {
     /// Traces of rolled-back transactions: outbox rows, stream entries, applications,
     /// dedup records.
     pub(crate) rolled_back_seen: u64,
-    /// Committed messages without an outbox row.
+    /// Committed messages (by the keys' counters) the producers did not log as committed.
+    pub(crate) unlogged: u64,
+    /// Committed messages without an outbox row (where retention drops none).
     pub(crate) outbox_missing: u64,
     /// Outbox rows still NEW.
     pub(crate) outbox_new: u64,
@@ -71,6 +74,7 @@ impl Findings {
             + self.handler_order_breaks
             + self.not_on_stream
             + self.rolled_back_seen
+            + self.unlogged
             + self.outbox_missing
             + self.outbox_new
             + self.outbox_dead
@@ -80,11 +84,18 @@ impl Findings {
 }
 
 /// Checks the run's end state: the database `db`, the stream's entries `stream`
-/// (`(entry id, msg_id)` in stream order), the producers' rolled-back transactions.
+/// (`(entry id, msg_id)` in stream order), the producers' rolled-back transactions and
+/// their log of committed events (`logged`). With `outbox_complete` every committed
+/// message must still have its outbox row; without (`--partitioned`: retention drops
+/// partitions of sent rows) the rows left are checked, the rest stands on the log, the
+/// stream and the applications: a message whose row went while NEW is never applied
+/// (`lost`).
 pub(crate) fn check(
     db: &Contents,
     stream: &[(String, String)],
     rolled_back: &HashSet<u64>,
+    logged: &[Tick],
+    outbox_complete: bool,
     fault_one_in: u64,
 ) -> Findings {
     let mut f = Findings::default();
@@ -92,12 +103,49 @@ pub(crate) fn check(
         db.committed.iter().map(|(k, n)| (k.as_str(), *n)).collect();
     f.committed = committed.values().map(|&n| n as u64).sum();
     // A committed message is (key, seq) with 1 <= seq <= n; its transaction is known from
-    // its outbox row.
+    // the producers' log.
     let is_committed =
         |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
 
-    // Outbox rows.
+    // The producers' log.
     let mut tx_of: HashMap<(String, i64), u64> = HashMap::new();
+    for tick in logged {
+        let msg_id = tick
+            .msg_id()
+            .map(|id| id.as_str().to_owned())
+            .unwrap_or_default();
+        if rolled_back.contains(&tick.tx) {
+            f.strangers += 1;
+            f.note(format!("{msg_id} is logged both committed and rolled back"));
+            continue;
+        }
+        if !is_committed(&tick.key, tick.seq)
+            || tx_of
+                .insert((tick.key.clone(), tick.seq), tick.tx)
+                .is_some()
+        {
+            f.strangers += 1;
+            f.note(format!(
+                "logged {msg_id} is beyond its key's committed sequence, or logged twice"
+            ));
+            continue;
+        }
+        match handler_fault(&msg_id, fault_one_in) {
+            Some(HandlerFault::Fail) => f.planned_fail += 1,
+            Some(HandlerFault::Panic) => f.planned_panic += 1,
+            None => {}
+        }
+    }
+    f.unlogged = f.committed.saturating_sub(tx_of.len() as u64);
+    if f.unlogged > 0 {
+        f.note(format!(
+            "{} committed messages are not in the producers' log",
+            f.unlogged
+        ));
+    }
+
+    // Outbox rows: each one a logged message, once.
+    let mut rows: HashSet<(&str, i64)> = HashSet::new();
     for (msg_id, status) in &db.outbox {
         let Some((key, seq, tx)) = parse_msg_id(msg_id) else {
             f.strangers += 1;
@@ -111,10 +159,10 @@ pub(crate) fn check(
             ));
             continue;
         }
-        if !is_committed(key, seq) || tx_of.insert((key.to_owned(), seq), tx).is_some() {
+        if tx_of.get(&(key.to_owned(), seq)) != Some(&tx) || !rows.insert((key, seq)) {
             f.strangers += 1;
             f.note(format!(
-                "outbox row {msg_id} is beyond its key's committed sequence"
+                "outbox row {msg_id} is no committed message, or a second row of one"
             ));
         }
         match status {
@@ -125,18 +173,15 @@ pub(crate) fn check(
             }
             _ => {}
         }
-        match handler_fault(msg_id, fault_one_in) {
-            Some(HandlerFault::Fail) => f.planned_fail += 1,
-            Some(HandlerFault::Panic) => f.planned_panic += 1,
-            None => {}
-        }
     }
-    f.outbox_missing = f.committed.saturating_sub(tx_of.len() as u64);
-    if f.outbox_missing > 0 {
-        f.note(format!(
-            "{} committed messages have no outbox row",
-            f.outbox_missing
-        ));
+    if outbox_complete {
+        f.outbox_missing = (tx_of.len() as u64).saturating_sub(rows.len() as u64);
+        if f.outbox_missing > 0 {
+            f.note(format!(
+                "{} committed messages have no outbox row",
+                f.outbox_missing
+            ));
+        }
     }
     // A msg_id is committed if its (key, seq) is and its transaction is the one that
     // committed that position.
@@ -271,6 +316,18 @@ mod tests {
         }
     }
 
+    /// The producers' log of [`contents`]' committed messages.
+    fn logged() -> Vec<Tick> {
+        [("k0", 1, 5), ("k0", 2, 6), ("k1", 1, 6)]
+            .into_iter()
+            .map(|(key, seq, tx)| Tick {
+                key: key.into(),
+                seq,
+                tx,
+            })
+            .collect()
+    }
+
     fn stream(ids: &[&str]) -> Vec<(String, String)> {
         ids.iter()
             .enumerate()
@@ -282,9 +339,38 @@ mod tests {
     fn a_clean_run_passes_and_duplicates_on_the_stream_are_allowed() {
         let db = contents(&["k0/1/5:Tick", "k1/1/6:Tick", "k0/2/6:Tick"]);
         let s = stream(&["k0/1/5:Tick", "k0/2/6:Tick", "k0/1/5:Tick", "k1/1/6:Tick"]);
-        let f = check(&db, &s, &HashSet::from([7]), 0);
+        let f = check(&db, &s, &HashSet::from([7]), &logged(), true, 0);
         assert!(!f.failed(), "{f:?}");
         assert_eq!((f.committed, f.on_stream, f.stream_duplicates), (3, 3, 1));
+    }
+
+    #[test]
+    fn rows_gone_with_their_partition_stand_on_the_log_and_a_new_one_is_lost() {
+        // Retention dropped the rows of k0/1 and k0/2 after they were applied.
+        let mut db = contents(&["k0/1/5:Tick", "k1/1/6:Tick", "k0/2/6:Tick"]);
+        db.outbox.drain(..2);
+        let s = stream(&["k0/1/5:Tick", "k0/2/6:Tick", "k1/1/6:Tick"]);
+        let f = check(&db, &s, &HashSet::new(), &logged(), false, 0);
+        assert!(!f.failed(), "{f:?}");
+        // Where nothing is dropped, a missing row is a defect.
+        let f = check(&db, &s, &HashSet::new(), &logged(), true, 0);
+        assert_eq!(f.outbox_missing, 2);
+        assert!(f.failed());
+        // A partition dropped while it held the NEW row of k0/2: never published, never
+        // applied.
+        let mut gone = contents(&["k0/1/5:Tick", "k1/1/6:Tick"]);
+        gone.outbox.remove(1);
+        let s = stream(&["k0/1/5:Tick", "k1/1/6:Tick"]);
+        let f = check(&gone, &s, &HashSet::new(), &logged(), false, 0);
+        assert_eq!((f.lost, f.not_on_stream), (1, 1), "{:?}", f.notes);
+        assert!(f.failed());
+        // A committed position the producers did not log.
+        let mut short = logged();
+        short.pop();
+        let db = contents(&["k0/1/5:Tick", "k1/1/6:Tick", "k0/2/6:Tick"]);
+        let f = check(&db, &s, &HashSet::new(), &short, false, 0);
+        assert_eq!(f.unlogged, 1);
+        assert!(f.failed());
     }
 
     #[test]
@@ -293,7 +379,7 @@ mod tests {
         let mut db = contents(&["k0/1/5:Tick", "k0/1/5:Tick", "k1/1/6:Tick", "k1/1/7:Tick"]);
         db.outbox.push(("k1/1/7:Tick".into(), 1));
         let s = stream(&["k0/2/6:Tick", "k0/1/5:Tick", "k1/1/7:Tick"]);
-        let f = check(&db, &s, &HashSet::from([7]), 0);
+        let f = check(&db, &s, &HashSet::from([7]), &logged(), true, 0);
         assert_eq!(f.double_applied, 1);
         assert_eq!(f.lost, 1);
         assert_eq!(f.order_breaks, 2, "{:?}", f.notes);

@@ -1,6 +1,9 @@
 //! The run's own database: created, handed out to each process under a name the fault
 //! injector can find its sessions by, queried for the checks, dropped.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant, SystemTime};
+
 use diesel::connection::SimpleConnection as _;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, SmallInt, Text};
@@ -45,6 +48,25 @@ struct Count {
     n: i64,
 }
 
+/// `--partitioned`: partitions of 5 s, so that the relays make new ones all through the
+/// run.
+pub(crate) const PARTITION_INTERVAL: Duration = Duration::from_secs(5);
+/// `--partitioned`: partitions made ahead (100 s). A maintenance run holds the maintenance
+/// lock while its `DETACH .. CONCURRENTLY` waits for the transactions on the table (up to
+/// 30 s a step), and a SIGSTOPped relay or consumer keeps its transaction open for up to
+/// 40 s, two of them overlapping longer; meanwhile no other relay makes partitions. The
+/// margin covers that: an emit whose time had no partition would fail its transaction.
+pub(crate) const PARTITION_PREMAKE: u32 = 20;
+/// `--partitioned`: partitions dropped 60 s after their range ends, so that the relays
+/// detach and drop them under the faults. It is the dedup window of both tables: the
+/// producers never emit a msg_id twice (each names its transaction), but a consumer sees a
+/// message again long after applying it, and `consumed_msg` must still refuse it then: an
+/// entry whose `XACK` failed (Redis down, connections killed, the consumer killed or
+/// stopped) is claimed by another consumer once idle 30 s (`min_idle`, claims every 5 s),
+/// and a relay stopped (up to 40 s) between its `XADD` and its commit, its session then
+/// killed, has the other relay publish the message again. 60 s is past both with room.
+pub(crate) const PARTITION_RETENTION: Duration = Duration::from_secs(60);
+
 /// What the database holds at the end of a run.
 pub(crate) struct Contents {
     /// Committed messages per key (the key's last sequence number).
@@ -70,6 +92,25 @@ pub(crate) struct Database {
     /// MariaDB users created for the processes (dropped with the database).
     users: Vec<String>,
     created: bool,
+    /// `--partitioned`: every partition seen attached, by table.
+    seen: BTreeSet<(&'static str, String)>,
+    last_sample: Option<Instant>,
+    /// `--partitioned`: the least time, in seconds, the newest partition of a table was
+    /// seen to end ahead of the clock.
+    pub(crate) min_margin: Option<f64>,
+    /// The harness's session for the samples and the maintenance lock's holder.
+    probe: Option<PgConnection>,
+}
+
+/// `--partitioned`: what became of the partitions at the end of a run.
+#[derive(Debug, Default)]
+pub(crate) struct PartitionsEnd {
+    /// Partitions seen attached during the run and gone at its end (detached and
+    /// dropped), by table.
+    pub(crate) dropped: BTreeMap<&'static str, usize>,
+    /// Partitions detached but still there (a maintenance run killed between its
+    /// `DETACH` and its `DROP`, not yet cleaned up by the next one).
+    pub(crate) detached_left: Vec<String>,
 }
 
 impl Database {
@@ -88,19 +129,23 @@ impl Database {
             name: name.to_owned(),
             users: Vec::new(),
             created: false,
+            seen: BTreeSet::new(),
+            last_sample: None,
+            min_margin: None,
+            probe: None,
         };
         db.admin(&format!("CREATE DATABASE {name}"))?;
         db.created = true;
         let mut conn = db.connect("chaos-setup")?;
         match &mut conn {
-            // Partitions of 5 s, made by the relays all through the run (6 ahead: 30 s, more
-            // than any one fault keeps a relay down); kept past the run for the checks,
-            // which read every row.
+            // Partitions of 5 s, made and dropped by the relays all through the run (see
+            // `PARTITION_*`): the checks rely on the producers' log and the consumers'
+            // applications, not on the rows, which retention takes.
             Conn::Pg(c) if partitioned => {
                 let policy = outbox_diesel::PartitionPolicy::default()
-                    .with_interval(std::time::Duration::from_secs(5))
-                    .with_premake(6)
-                    .with_retention(std::time::Duration::from_secs(86_400));
+                    .with_interval(PARTITION_INTERVAL)
+                    .with_premake(PARTITION_PREMAKE)
+                    .with_retention(PARTITION_RETENTION);
                 outbox_diesel::migrate_partitioned(c, &policy)?;
             }
             _ => with_conn!(&mut conn, c => outbox_diesel::migrate(c))?,
@@ -211,6 +256,113 @@ impl Database {
         Ok(killed)
     }
 
+    /// The harness's probe session (opened again after an error).
+    fn probe(&mut self) -> Result<&mut PgConnection, BoxError> {
+        if self.probe.is_none() {
+            self.probe = Some(PgConnection::establish(&self.harness_url("chaos-check"))?);
+        }
+        Ok(self.probe.as_mut().expect("just opened"))
+    }
+
+    /// `--partitioned`: notes the partitions attached now, and how far ahead of the clock
+    /// each table's newest one ends; at most once a second unless `force`d. A failure
+    /// (the database down) is only reported when `force`d.
+    pub(crate) fn sample_partitions(&mut self, force: bool) -> Result<(), BoxError> {
+        if self.backend != Backend::Postgres
+            || (!force
+                && self
+                    .last_sample
+                    .is_some_and(|t| t.elapsed() < Duration::from_secs(1)))
+        {
+            return Ok(());
+        }
+        self.last_sample = Some(Instant::now());
+        let sampled = self.probe().and_then(|c| Ok(outbox_diesel::partitions(c)?));
+        let parts = match sampled {
+            Ok(parts) => parts,
+            Err(e) => {
+                self.probe = None;
+                return if force { Err(e) } else { Ok(()) };
+            }
+        };
+        let now_ms = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)?
+            .as_millis() as i64;
+        let mut newest: BTreeMap<&'static str, i64> = BTreeMap::new();
+        for p in parts {
+            if let Some(to) = p.to {
+                let end = newest.entry(p.table).or_insert(i64::MIN);
+                *end = (*end).max(to.timestamp_millis());
+            }
+            self.seen.insert((p.table, p.name));
+        }
+        for end in newest.into_values() {
+            let margin = (end - now_ms) as f64 / 1000.0;
+            self.min_margin = Some(self.min_margin.map_or(margin, |m| m.min(margin)));
+        }
+        Ok(())
+    }
+
+    /// `--partitioned`, at the end (no relay running): the partitions seen during the run
+    /// that are gone, and those detached but left.
+    pub(crate) fn partitions_end(&mut self) -> Result<PartitionsEnd, BoxError> {
+        self.sample_partitions(true)?;
+        let attached: BTreeSet<String> = {
+            let c = self.probe()?;
+            outbox_diesel::partitions(c)?
+                .into_iter()
+                .map(|p| p.name)
+                .collect()
+        };
+        let existing: Vec<MsgIdRow> = diesel::sql_query(
+            "SELECT relname::text AS msg_id FROM pg_class \
+             WHERE relkind IN ('r', 'p') AND relname ~ '^(outbox|consumed_msg)_p[0-9]{8}t[0-9]{6}$'",
+        )
+        .load(self.probe()?)?;
+        let existing: BTreeSet<String> = existing.into_iter().map(|r| r.msg_id).collect();
+        let mut end = PartitionsEnd::default();
+        for (table, name) in &self.seen {
+            let dropped = end.dropped.entry(table).or_default();
+            if !existing.contains(name) {
+                *dropped += 1;
+            }
+        }
+        end.detached_left = existing.difference(&attached).cloned().collect();
+        // Closed: its server process names the run's database, which the check for
+        // leftovers looks for.
+        self.probe = None;
+        Ok(end)
+    }
+
+    /// The process holding the partition maintenance lock now (one relay's maintenance
+    /// run, see `outbox_diesel::maintain_partitions`), and what its session runs.
+    pub(crate) fn maintaining(&mut self) -> Result<Option<(String, String)>, BoxError> {
+        #[derive(QueryableByName)]
+        struct Holder {
+            #[diesel(sql_type = Text)]
+            name: String,
+            #[diesel(sql_type = Text)]
+            query: String,
+        }
+        let found: Result<Vec<Holder>, BoxError> = self.probe().and_then(|c| {
+            Ok(diesel::sql_query(
+                "SELECT a.application_name::text AS name, \
+                 coalesce(a.state, '') || ': ' || left(coalesce(a.query, ''), 120) AS query \
+                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 1869968486::oid \
+                 AND a.datname = current_database() AND a.pid <> pg_backend_pid()",
+            )
+            .load(c)?)
+        });
+        match found {
+            Ok(rows) => Ok(rows.into_iter().next().map(|h| (h.name, h.query))),
+            Err(e) => {
+                self.probe = None;
+                Err(e)
+            }
+        }
+    }
+
     /// Committed messages, distinct messages applied, and NEW outbox rows, so far.
     pub(crate) fn progress(&self) -> Result<(i64, i64, i64), BoxError> {
         let mut conn = self.connect("chaos-check")?;
@@ -264,6 +416,7 @@ impl Database {
 
     /// Drops the database (and the MariaDB users), ending its sessions first.
     pub(crate) fn drop_all(&mut self) -> Result<(), BoxError> {
+        self.probe = None;
         if !std::mem::take(&mut self.created) {
             return Ok(());
         }

@@ -42,6 +42,16 @@
 //! same checks under the same process faults. `--batch N` runs the consumers in batch
 //! mode (up to N messages per transaction).
 //!
+//! `--partitioned` puts `outbox` and `consumed_msg` on the partitioned layout
+//! (docs/table-partitions.md): partitions of 5 s, made and, 60 s after their range ends,
+//! detached and dropped by the relays themselves under the faults (`db.rs`). The checks
+//! then stand on the producers' log of committed events and the consumers' applications,
+//! not on the outbox rows: a partition dropped with a NEW row in it shows as `lost`. It
+//! adds the `maint_kill` fault (SIGKILL of the relay holding the maintenance lock, in the
+//! middle of its run), counts the partitions the relays dropped (`partitions_dropped`) and
+//! fails if they dropped none of either table. `--ci` gives it 120 s of faults, so that
+//! drops begin halfway through them.
+//!
 //! `--db-restart` adds the `db_restart` fault (see `db_restart.rs`): the run's database
 //! lives on a private server the run starts itself (PostgreSQL: `initdb` on a free port;
 //! MariaDB: `mariadb-install-db` and a `mariadbd` of its own), crashed once while
@@ -53,7 +63,8 @@
 //! of a commit the crash cut off. Nothing else happens during the fault.
 //!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
-//! kind, two Redis outages, the last 12–20 s), under two minutes in all.
+//! kind, two Redis outages, the last 12–20 s), under two minutes in all (120 s of faults
+//! with `--partitioned`).
 //!
 //! The `outbox` and `chaos_consumer` binaries are taken from the directory of this one
 //! (build them together, as above) unless `--outbox-bin` / `--consumer-bin` say otherwise. Logs of every
@@ -151,7 +162,8 @@ struct Args {
     #[arg(long)]
     async_inbox: bool,
     /// The outbox tables on PostgreSQL partitioned by time (`migrate_partitioned`), with
-    /// partitions of 5 s so that the relays make new ones all through the run.
+    /// partitions of 5 s so that the relays make new ones all through the run, and drop
+    /// them 60 s after their range ends; adds the `maint_kill` fault.
     #[arg(long)]
     partitioned: bool,
     /// Consumers in batch mode: up to N messages per transaction.
@@ -244,7 +256,13 @@ impl Config {
         let events = a.events.unwrap_or(if a.ci { 2000 } else { 5000 });
         let duration = a
             .duration
-            .unwrap_or(Duration::from_secs(if a.ci { 60 } else { 120 }));
+            // Partitions are dropped 60 s after they end: at CI size the partitioned run
+            // lasts 120 s, so that the relays drop them under the faults.
+            .unwrap_or(Duration::from_secs(if a.ci && !a.partitioned {
+                60
+            } else {
+                120
+            }));
         let faults_per_kind = a.faults_per_kind.unwrap_or(if a.ci { 5 } else { 10 });
         // An outage lasts 10.5 s on average; keep Redis up 40% of the time.
         let fit = (duration.as_secs_f64() * 0.6 / 10.5) as usize;
@@ -464,6 +482,9 @@ struct Plan {
     /// (settling, the outage, the resume, the SIGTERMs); the plan's later times move by
     /// as much, so nothing else happens during it.
     db_restart: Option<(Duration, Duration)>,
+    /// `--partitioned`: when to SIGKILL the relay found running partition maintenance
+    /// (each waits for one to hold the maintenance lock).
+    maint_kills: Vec<Duration>,
 }
 
 impl Plan {
@@ -532,10 +553,25 @@ impl Plan {
                 Some((Duration::from_secs_f64(at), len))
             }
         };
+        // Drawn last, so that the other faults are those of the run without. From when
+        // the first partitions expire (60 s and a partition or two after the start) on,
+        // so that some of the runs killed are detaching.
+        let mut maint_kills: Vec<Duration> = if c.partitioned {
+            let from = (db::PARTITION_RETENTION + 2 * db::PARTITION_INTERVAL)
+                .as_secs_f64()
+                .min(before * 0.5);
+            (0..c.faults_per_kind)
+                .map(|_| Duration::from_secs_f64(from + rng.f64() * (before - from).max(0.0)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        maint_kills.sort();
         Ok(Self {
             faults,
             outages,
             db_restart,
+            maint_kills,
         })
     }
 }
@@ -557,6 +593,8 @@ struct Tally {
     redis_down: Duration,
     /// `--db-restart`: what the fault found.
     db: Option<DbRestart>,
+    /// `--partitioned`: maintenance runs SIGKILLed in a `DETACH` or a `DROP`.
+    maint_kills_retiring: u64,
 }
 
 impl Tally {
@@ -754,6 +792,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         produced.resolved_committed += part.resolved_committed;
         produced.resolved_rolled_back += part.resolved_rolled_back;
         produced.rolled_back.extend(part.rolled_back);
+        produced.committed.extend(part.committed);
     }
     let (mut tally, last_fault_end) = result?;
 
@@ -783,12 +822,28 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         dead_letters += redis.len(&format!("{stream}:dead"))?;
     }
     let contents = world.db.as_mut().expect("created").contents(GROUP)?;
+    // What retention did: partitions seen during the run and gone at its end.
+    let partitions_end = if c.partitioned {
+        Some(world.db.as_mut().expect("created").partitions_end()?)
+    } else {
+        None
+    };
     let rolled_back: HashSet<u64> = produced.rolled_back.iter().copied().collect();
-    let mut findings = check::check(&contents, &entries, &rolled_back, c.fault_one_in);
+    // The outbox rows are all there unless retention took some.
+    let mut findings = check::check(
+        &contents,
+        &entries,
+        &rolled_back,
+        &produced.committed,
+        !c.partitioned,
+        c.fault_one_in,
+    );
     if c.ordered {
         findings.handler_order_breaks = u64::try_from(contents.handler_order_breaks)?;
     }
     let (seen_fail, seen_panic) = handler_faults_in_logs(&world.procs);
+    let (kept, steps_failed) = maintenance_in_logs(&world.procs);
+    let min_margin = world.db.as_ref().and_then(|d| d.min_margin);
     tally.faults.insert("handler_fail", seen_fail as u64);
     tally.faults.insert("handler_panic", seen_panic as u64);
 
@@ -814,8 +869,15 @@ fn run(c: &Config) -> Result<bool, BoxError> {
 
     let db_failed = tally.db.as_ref().is_some_and(DbRestart::failed)
         || (c.db_restart.is_some() && tally.db.is_none());
+    // Retention must have worked: partitions of both tables dropped during the run.
+    let none_dropped = partitions_end.as_ref().is_some_and(|p| {
+        ["outbox", "consumed_msg"]
+            .iter()
+            .any(|t| p.dropped.get(t).copied().unwrap_or(0) == 0)
+    });
     let failed = findings.failed()
         || db_failed
+        || none_dropped
         || drained_after.is_none()
         || !tally.unexpected_exits.is_empty()
         || !tally.bad_terms.is_empty()
@@ -838,6 +900,20 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     }
     for l in &leftovers {
         eprintln!("chaos: left behind: {l}");
+    }
+    if let Some(p) = &partitions_end {
+        eprintln!(
+            "chaos: partitions dropped: {:?}; detached and left: {:?}; least margin ahead: \
+             {:.1} s; expired partitions kept by a relay (NEW or DEAD rows): {kept}; \
+             maintenance steps failed (retried): {steps_failed}; maint_kills in a DETACH or DROP: {}",
+            p.dropped,
+            p.detached_left,
+            min_margin.unwrap_or(f64::NAN),
+            tally.maint_kills_retiring,
+        );
+        if none_dropped {
+            eprintln!("chaos: the relays dropped no partition of a table: retention did not work");
+        }
     }
     let faults: Vec<String> = tally
         .faults
@@ -886,7 +962,7 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     println!(
         "chaos seed={} backend={} events={} partitions={}{}{}{}{} faults: {} | lost={} double_applied={} \
          order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
-         dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={}{} \
+         dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={}{}{} \
          drain={} | {}",
         c.seed,
         c.backend.name(),
@@ -917,6 +993,11 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         tally.unexpected_exits.len(),
         tally.bad_terms.len(),
         leftovers.len() + pids.len(),
+        // Only with --partitioned: both tables' partitions the relays dropped.
+        partitions_end.as_ref().map_or(String::new(), |p| format!(
+            " partitions_dropped={}",
+            p.dropped.values().sum::<usize>()
+        )),
         db_line,
         drained_after.map_or("timeout".to_owned(), |d| format!("{:.1}s", d.as_secs_f64())),
         if failed { "FAIL" } else { "PASS" },
@@ -937,6 +1018,7 @@ fn chaos_phase(
     let start = Instant::now();
     let mut faults = plan.faults.iter().copied().peekable();
     let mut outages = plan.outages.iter().copied().peekable();
+    let mut maint_kills = plan.maint_kills.iter().copied().peekable();
     let mut redis_back_at: Option<Instant> = None;
     let mut down_since = start;
     let mut db_restart = plan.db_restart;
@@ -994,12 +1076,42 @@ fn chaos_phase(
                 }
             }
         }
+        // Waits 10 s for a run that detaches or drops, then takes any.
+        let maint_due = maint_kills.peek().copied().filter(|&at| t >= at);
+        if let Some(at) = maint_due
+            && maint_kill(
+                world,
+                &mut tally,
+                rng,
+                now,
+                t >= at + Duration::from_secs(10),
+            )
+        {
+            maint_kills.next();
+        }
         for p in &mut world.procs {
             if let Some(e) = p.poll(now, true)? {
                 tally.event(e);
             }
         }
-        std::thread::sleep(Duration::from_millis(50));
+        if c.partitioned {
+            world
+                .db
+                .as_mut()
+                .expect("created")
+                .sample_partitions(false)?;
+        }
+        // A maintenance run is short: looked for more often.
+        std::thread::sleep(Duration::from_millis(if maint_due.is_some() {
+            10
+        } else {
+            50
+        }));
+    }
+    let left = maint_kills.count();
+    if left > 0 {
+        // Not a failure: no relay maintains while Redis is down, and the runs are short.
+        eprintln!("chaos: {left} maint_kill faults found no maintenance run before the end");
     }
     let left = faults.count();
     if left > 0 {
@@ -1048,6 +1160,44 @@ fn chaos_phase(
         }
     }
     Ok((tally, last))
+}
+
+/// The `maint_kill` fault: SIGKILLs the relay holding the partition maintenance lock, if
+/// one does now and runs (restarted 0.5–3 s later), at any step of its run or only while
+/// it detaches or drops a partition; whether it did.
+fn maint_kill(
+    world: &mut World,
+    tally: &mut Tally,
+    rng: &mut fastrand::Rng,
+    now: Instant,
+    any_step: bool,
+) -> bool {
+    // The database may be down or busy: try again at the next turn.
+    let Ok(Some((name, query))) = world.db.as_mut().expect("created").maintaining() else {
+        return false;
+    };
+    let retiring = query.starts_with("active")
+        && (query.contains("DETACH PARTITION") || query.contains("DROP TABLE"));
+    if !(any_step || retiring) {
+        return false;
+    }
+    let Some(p) = world
+        .procs
+        .iter_mut()
+        .find(|p| p.name == name && p.role == Role::Relay && p.is_running())
+    else {
+        return false;
+    };
+    if let Err(e) = p.sigkill(now + Duration::from_secs_f64(0.5 + rng.f64() * 2.5)) {
+        tally.injection_errors.push(format!("maint_kill: {e}"));
+        return true;
+    }
+    tally.fault("maint_kill", Some(Role::Relay));
+    if retiring {
+        tally.maint_kills_retiring += 1;
+    }
+    eprintln!("chaos: maint_kill: {name} SIGKILLed in its maintenance run ({query})");
+    true
 }
 
 /// Injects `fault` on a random target; `Ok(None)` if there is none right now.
@@ -1111,6 +1261,9 @@ fn drain(c: &Config, world: &mut World, tally: &mut Tally) -> Result<Option<Inst
             }
         }
         let db = world.db.as_mut().expect("created");
+        if c.partitioned {
+            db.sample_partitions(false)?;
+        }
         let (committed, applied, new) = db.progress()?;
         if applied >= committed && new == 0 {
             return Ok(Some(now));
@@ -1169,6 +1322,32 @@ fn handler_faults_in_logs(procs: &[Proc]) -> (usize, usize) {
         }
     }
     (fail.len(), panic.len())
+}
+
+/// `--partitioned`: the expired partitions the relays kept for their NEW or DEAD rows
+/// (distinct), and the maintenance steps that failed, as the relays' logs tell.
+fn maintenance_in_logs(procs: &[Proc]) -> (usize, usize) {
+    let mut kept = HashSet::new();
+    let mut failed = 0;
+    for p in procs.iter().filter(|p| p.role == Role::Relay) {
+        let Ok(text) = std::fs::read_to_string(p.log_path()) else {
+            continue;
+        };
+        for line in text.lines() {
+            if line.contains("expired partition kept") {
+                let name = line
+                    .split("partition=")
+                    .nth(1)
+                    .and_then(|r| r.split([' ', ',', '}', '"']).next());
+                kept.insert(name.unwrap_or(line).to_owned());
+            } else if line.contains("partition maintenance step failed")
+                || line.contains("partition maintenance failed")
+            {
+                failed += 1;
+            }
+        }
+    }
+    (kept.len(), failed)
 }
 
 /// A loopback port that was free a moment ago.

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use diesel::{Connection as _, MysqlConnection, PgConnection};
-use outbox_harness::chaos::{ChaosDb, key_name};
+use outbox_harness::chaos::{ChaosDb, Tick, key_name};
 
 use crate::db::Conn;
 use crate::{Backend, BoxError};
@@ -17,6 +17,9 @@ use crate::{Backend, BoxError};
 pub(crate) struct Produced {
     /// Events committed.
     pub(crate) events: u64,
+    /// The producers' log: every committed event (what the checks hold the stream and
+    /// the applications against; the outbox rows go with their partitions).
+    pub(crate) committed: Vec<Tick>,
     /// Transactions committed.
     pub(crate) txs: u64,
     /// Transactions rolled back on purpose, by id.
@@ -99,37 +102,35 @@ struct Producer {
     url: String,
 }
 
-#[derive(diesel::QueryableByName)]
-struct Count {
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    n: i64,
-}
-
-/// One producer transaction: the next `Tick` of each of `keys`, rolled back if `doomed`.
-fn transact<C: ChaosDb>(c: &mut C, keys: &[String], tx: u64, doomed: bool) -> Result<(), TxError> {
+/// One producer transaction: the next `Tick` of each of `keys`, rolled back if `doomed`;
+/// the ticks it emitted go to `ticks`.
+fn transact<C: ChaosDb>(
+    c: &mut C,
+    keys: &[String],
+    tx: u64,
+    doomed: bool,
+    ticks: &mut Vec<Tick>,
+) -> Result<(), TxError> {
+    ticks.clear();
     c.transaction(|c| {
         for k in keys {
-            c.emit_next(k, tx)?;
+            ticks.push(c.emit_next(k, tx)?);
         }
         if doomed {
             return Err(TxError::Rollback);
         }
+        c.record_tx(tx)?;
         Ok(())
     })
 }
 
-/// Whether transaction `tx` committed: its msg_ids (`{key}/{seq}/{tx}:Tick`) name it, and
-/// its outbox rows exist exactly if it did.
+/// Whether transaction `tx` committed: its `chaos_txs` row exists exactly if it did (its
+/// outbox rows may be gone with their partition).
 fn committed(conn: &mut Conn, tx: u64) -> Result<bool, diesel::result::Error> {
-    use diesel::RunQueryDsl as _;
-    let q = diesel::sql_query(format!(
-        "SELECT COUNT(*) AS n FROM outbox WHERE msg_id LIKE '%/{tx}:Tick'"
-    ));
-    let rows: Vec<Count> = match conn {
-        Conn::Pg(c) => q.load(c)?,
-        Conn::My(c) => q.load(c)?,
-    };
-    Ok(rows.first().is_some_and(|r| r.n > 0))
+    match conn {
+        Conn::Pg(c) => c.tx_committed(tx),
+        Conn::My(c) => c.tx_committed(tx),
+    }
 }
 
 impl Producer {
@@ -152,7 +153,8 @@ impl Producer {
         // crashed around it): looked up once a connection works again, so that the
         // counts stay exact. (Its numbers were taken in the transaction itself, so the
         // next one never reuses them: nothing is emitted again.)
-        let mut unresolved: Option<(u64, u64)> = None;
+        let mut unresolved: Option<(u64, Vec<Tick>)> = None;
+        let mut ticks = Vec::new();
         while out.events < self.share && !self.stop.load(Ordering::Relaxed) {
             let c = match conn.as_mut() {
                 Some(c) => c,
@@ -175,20 +177,21 @@ impl Producer {
                     }
                 },
             };
-            if let Some((tx, size)) = unresolved {
+            if let Some((tx, ticks)) = unresolved.take() {
                 match committed(c, tx) {
                     Ok(true) => {
-                        out.events += size;
+                        out.events += ticks.len() as u64;
                         out.txs += 1;
                         out.resolved_committed += 1;
+                        out.committed.extend(ticks);
                     }
                     Ok(false) => out.resolved_rolled_back += 1,
                     Err(_) => {
+                        unresolved = Some((tx, ticks));
                         conn = None;
                         continue;
                     }
                 }
-                unresolved = None;
                 continue;
             }
             let due = started + Duration::from_secs_f64(out.events as f64 / per_sec);
@@ -208,13 +211,14 @@ impl Producer {
                 .collect();
             keys.sort();
             let result = match c {
-                Conn::Pg(c) => transact(c, &keys, tx, doomed),
-                Conn::My(c) => transact(c, &keys, tx, doomed),
+                Conn::Pg(c) => transact(c, &keys, tx, doomed, &mut ticks),
+                Conn::My(c) => transact(c, &keys, tx, doomed, &mut ticks),
             };
             match result {
                 Ok(()) => {
                     out.events += size;
                     out.txs += 1;
+                    out.committed.append(&mut ticks);
                     failures_in_a_row = 0;
                 }
                 Err(TxError::Rollback) => {
@@ -238,7 +242,7 @@ impl Producer {
                         out.rolled_back.push(tx);
                         out.rolled_back_events += size;
                     } else {
-                        unresolved = Some((tx, size));
+                        unresolved = Some((tx, std::mem::take(&mut ticks)));
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }
