@@ -326,14 +326,27 @@ fn maintain(conn: &mut PgConnection, lock: &str) -> Result<PartitionReport> {
         });
     }
     let mut report = PartitionReport::default();
+    // Every table's partitions ahead first (after the leftovers that may hold their
+    // names): a DETACH below may wait for old transactions (up to DETACH_TIMEOUT), and an
+    // insert whose time has no partition fails.
     let kept = TABLES
         .iter()
-        .try_for_each(|table| maintain_table(conn, table, &policy, &mut report));
+        .try_for_each(|table| {
+            drop_orphans(conn, table, &mut report)?;
+            let now = db_clock(conn)?;
+            create_ahead(conn, table, &policy, now, &mut report)
+        })
+        .and_then(|()| {
+            TABLES
+                .iter()
+                .try_for_each(|table| retire(conn, table, &policy, &mut report))
+        });
     let _ = advisory_lock(conn, MAINTENANCE_UNLOCK);
     kept.map(|()| report)
 }
 
-fn maintain_table(
+/// Finishes interrupted detaches, drops leftovers and the expired partitions of `table`.
+fn retire(
     conn: &mut PgConnection,
     table: &Table,
     policy: &PartitionPolicy,
@@ -350,7 +363,6 @@ fn maintain_table(
     }
     drop_orphans(conn, table, report)?;
     let now = db_clock(conn)?;
-    create_ahead(conn, table, policy, now, report)?;
     drop_expired(conn, table, policy, now, report)
 }
 

@@ -258,6 +258,52 @@ fn maintenance_drops_expired_partitions_but_never_new_or_dead_rows() {
     assert_eq!(Pg::scalar(&mut c, "SELECT count(*) AS n FROM outbox"), 0);
 }
 
+/// A detach that waits for an old transaction still reading the expired partition does
+/// not hold up the partitions ahead: maintenance makes every table's first, so emits and
+/// inbox inserts find their partition while the detach waits.
+#[test]
+fn partitions_ahead_are_made_before_a_detach_waits() {
+    let (db, mut c) = partitioned(&seconds(2, 1));
+    c.transaction(|c| c.emit(paid("old")).map(drop)).unwrap();
+    exec(&mut c, "UPDATE outbox SET status = 1, sent_at = now()");
+    let old = partition_of(&mut c, &msg("old"));
+    let mut reader = Pg::connect(&db);
+    exec(&mut reader, "BEGIN; SELECT count(*) FROM outbox");
+    // Past the partitions made ahead (2 of a second), and the old one expired.
+    std::thread::sleep(Duration::from_millis(3100));
+    let mut m = Pg::connect(&db);
+    let maintenance = std::thread::spawn(move || outbox_diesel::maintain_partitions(&mut m));
+
+    let inbox = DieselInbox::<PgConnection>::new(Pg::pool(&db, 1));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let id = format!("late-{n}");
+        let emitted = c.transaction(|c| c.emit(paid(&id)).map(drop));
+        let consumed = emitted.is_ok()
+            && inbox
+                .process("g", &MsgId::new(msg(&id)).unwrap(), |_| Ok(()))
+                .is_ok();
+        if consumed {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no partition for now while the detach waits: {emitted:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !maintenance.is_finished(),
+        "the detach was not waiting for the reader"
+    );
+    exec(&mut reader, "COMMIT");
+    let report = maintenance.join().unwrap().unwrap();
+    assert!(report.dropped.contains(&old), "{report:?}");
+    assert_eq!(report.failed, [], "{report:?}");
+}
+
 /// A partition detached by a run that ended before dropping it (its process killed) is
 /// dropped by the next run; one that holds a NEW row is left alone and reported.
 #[test]
