@@ -41,10 +41,12 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 
 use crate::Result;
 
-/// Time between two steps. Reading `pg_locks` takes every lock-manager partition's lock
-/// for a moment: once a second per relay is nothing, and a shorter step drains no
-/// faster (BENCHMARKS.md, "Scale").
-const STEP_EVERY: Duration = Duration::from_secs(1);
+/// Time between two steps. The floor lags one to two steps behind the rows marked SENT,
+/// and while the horizon is held back a claim walks every dead entry of that lag: a short
+/// step keeps it to a tenth of a second's rows (BENCHMARKS.md, "Scale"). Reading
+/// `pg_locks` takes every lock-manager partition's lock for a moment (a fraction of a
+/// millisecond), and only a relay that is claiming steps.
+const STEP_EVERY: Duration = Duration::from_millis(100);
 /// Time between two computations of the floor from 0.
 pub(super) const RESET_EVERY: Duration = Duration::from_secs(30);
 
