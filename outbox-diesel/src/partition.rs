@@ -296,8 +296,8 @@ pub fn partitions(conn: &mut PgConnection) -> Result<Vec<Partition>> {
     Ok(all)
 }
 
-/// Keeps the partitioned tables: finishes an interrupted detach, creates the current
-/// partition and the policy's `premake` after it, and detaches (`CONCURRENTLY`, so emits
+/// Keeps the partitioned tables: creates the current partition and the policy's `premake`
+/// after it (first, for every table), finishes an interrupted detach, and detaches (`CONCURRENTLY`, so emits
 /// and claims never wait) and drops every partition whose range ended `retention` ago,
 /// unless it still holds NEW or DEAD rows (those are never removed: it is kept, and
 /// reported, until they are sent, re-driven or purged). Rows are never deleted.

@@ -281,16 +281,17 @@ fn partitions_ahead_are_made_before_a_detach_waits() {
         n += 1;
         let id = format!("late-{n}");
         let emitted = c.transaction(|c| c.emit(paid(&id)).map(drop));
-        let consumed = emitted.is_ok()
-            && inbox
+        let consumed = emitted.as_ref().map(|()| {
+            inbox
                 .process("g", &MsgId::new(msg(&id)).unwrap(), |_| Ok(()))
-                .is_ok();
-        if consumed {
+                .map(drop)
+        });
+        if matches!(consumed, Ok(Ok(()))) {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "no partition for now while the detach waits: {emitted:?}"
+            "no partition for now while the detach waits: emit {emitted:?}, inbox {consumed:?}"
         );
         std::thread::sleep(Duration::from_millis(50));
     }

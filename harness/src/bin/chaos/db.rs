@@ -57,15 +57,17 @@ pub(crate) const PARTITION_INTERVAL: Duration = Duration::from_secs(5);
 /// 40 s, two of them overlapping longer; meanwhile no other relay makes partitions. The
 /// margin covers that: an emit whose time had no partition would fail its transaction.
 pub(crate) const PARTITION_PREMAKE: u32 = 20;
-/// `--partitioned`: partitions dropped 60 s after their range ends, so that the relays
+/// `--partitioned`: partitions dropped 90 s after their range ends, so that the relays
 /// detach and drop them under the faults. It is the dedup window of both tables: the
 /// producers never emit a msg_id twice (each names its transaction), but a consumer sees a
 /// message again long after applying it, and `consumed_msg` must still refuse it then: an
 /// entry whose `XACK` failed (Redis down, connections killed, the consumer killed or
 /// stopped) is claimed by another consumer once idle 30 s (`min_idle`, claims every 5 s),
 /// and a relay stopped (up to 40 s) between its `XADD` and its commit, its session then
-/// killed, has the other relay publish the message again. 60 s is past both with room.
-pub(crate) const PARTITION_RETENTION: Duration = Duration::from_secs(60);
+/// killed, has the other relay publish the message again. The longest is a message
+/// applied whose `XACK` fails, claimed by another consumer some 35 s later, which is then
+/// SIGSTOPped for up to 40 s before its dedup insert: 75 s. 90 s is past it.
+pub(crate) const PARTITION_RETENTION: Duration = Duration::from_secs(90);
 
 /// What the database holds at the end of a run.
 pub(crate) struct Contents {
@@ -336,18 +338,21 @@ impl Database {
 
     /// The process holding the partition maintenance lock now (one relay's maintenance
     /// run, see `outbox_diesel::maintain_partitions`), and what its session runs.
-    pub(crate) fn maintaining(&mut self) -> Result<Option<(String, String)>, BoxError> {
+    pub(crate) fn maintaining(&mut self) -> Result<Option<(String, String, f64)>, BoxError> {
         #[derive(QueryableByName)]
         struct Holder {
             #[diesel(sql_type = Text)]
             name: String,
             #[diesel(sql_type = Text)]
             query: String,
+            #[diesel(sql_type = diesel::sql_types::Double)]
+            age: f64,
         }
         let found: Result<Vec<Holder>, BoxError> = self.probe().and_then(|c| {
             Ok(diesel::sql_query(
                 "SELECT a.application_name::text AS name, \
-                 coalesce(a.state, '') || ': ' || left(coalesce(a.query, ''), 120) AS query \
+                 coalesce(a.state, '') || ': ' || left(coalesce(a.query, ''), 120) AS query, \
+                 extract(epoch FROM clock_timestamp() - a.backend_start)::float8 AS age \
                  FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
                  WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 1869968486::oid \
                  AND a.datname = current_database() AND a.pid <> pg_backend_pid()",
@@ -355,7 +360,7 @@ impl Database {
             .load(c)?)
         });
         match found {
-            Ok(rows) => Ok(rows.into_iter().next().map(|h| (h.name, h.query))),
+            Ok(rows) => Ok(rows.into_iter().next().map(|h| (h.name, h.query, h.age))),
             Err(e) => {
                 self.probe = None;
                 Err(e)

@@ -43,14 +43,14 @@
 //! mode (up to N messages per transaction).
 //!
 //! `--partitioned` puts `outbox` and `consumed_msg` on the partitioned layout
-//! (docs/table-partitions.md): partitions of 5 s, made and, 60 s after their range ends,
+//! (docs/table-partitions.md): partitions of 5 s, made and, 90 s after their range ends,
 //! detached and dropped by the relays themselves under the faults (`db.rs`). The checks
 //! then stand on the producers' log of committed events and the consumers' applications,
 //! not on the outbox rows: a partition dropped with a NEW row in it shows as `lost`. It
 //! adds the `maint_kill` fault (SIGKILL of the relay holding the maintenance lock, in the
 //! middle of its run), counts the partitions the relays dropped (`partitions_dropped`) and
-//! fails if they dropped none of either table. `--ci` gives it 120 s of faults, so that
-//! drops begin halfway through them.
+//! fails if they dropped none of either table, or if the partitions made ahead ran out.
+//! `--ci` gives it 150 s of faults, so that drops begin some 95 s into them.
 //!
 //! `--db-restart` adds the `db_restart` fault (see `db_restart.rs`): the run's database
 //! lives on a private server the run starts itself (PostgreSQL: `initdb` on a free port;
@@ -163,7 +163,7 @@ struct Args {
     async_inbox: bool,
     /// The outbox tables on PostgreSQL partitioned by time (`migrate_partitioned`), with
     /// partitions of 5 s so that the relays make new ones all through the run, and drop
-    /// them 60 s after their range ends; adds the `maint_kill` fault.
+    /// them 90 s after their range ends; adds the `maint_kill` fault.
     #[arg(long)]
     partitioned: bool,
     /// Consumers in batch mode: up to N messages per transaction.
@@ -256,12 +256,12 @@ impl Config {
         let events = a.events.unwrap_or(if a.ci { 2000 } else { 5000 });
         let duration = a
             .duration
-            // Partitions are dropped 60 s after they end: at CI size the partitioned run
-            // lasts 120 s, so that the relays drop them under the faults.
-            .unwrap_or(Duration::from_secs(if a.ci && !a.partitioned {
-                60
-            } else {
-                120
+            // Partitions are dropped 90 s after they end: at CI size the partitioned run
+            // lasts 150 s, so that the relays drop them under the faults.
+            .unwrap_or(Duration::from_secs(match (a.ci, a.partitioned) {
+                (true, false) => 60,
+                (true, true) => 150,
+                (false, _) => 120,
             }));
         let faults_per_kind = a.faults_per_kind.unwrap_or(if a.ci { 5 } else { 10 });
         // An outage lasts 10.5 s on average; keep Redis up 40% of the time.
@@ -554,7 +554,7 @@ impl Plan {
             }
         };
         // Drawn last, so that the other faults are those of the run without. From when
-        // the first partitions expire (60 s and a partition or two after the start) on,
+        // the first partitions expire (90 s and a partition or two after the start) on,
         // so that some of the runs killed are detaching.
         let mut maint_kills: Vec<Duration> = if c.partitioned {
             let from = (db::PARTITION_RETENTION + 2 * db::PARTITION_INTERVAL)
@@ -875,9 +875,12 @@ fn run(c: &Config) -> Result<bool, BoxError> {
             .iter()
             .any(|t| p.dropped.get(t).copied().unwrap_or(0) == 0)
     });
+    // An emit whose time has no partition fails: the margin ahead must never run out.
+    let ran_out = min_margin.is_some_and(|m| m <= 0.0);
     let failed = findings.failed()
         || db_failed
         || none_dropped
+        || ran_out
         || drained_after.is_none()
         || !tally.unexpected_exits.is_empty()
         || !tally.bad_terms.is_empty()
@@ -913,6 +916,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         );
         if none_dropped {
             eprintln!("chaos: the relays dropped no partition of a table: retention did not work");
+        }
+        if ran_out {
+            eprintln!("chaos: the partitions made ahead ran out: emits had no partition");
         }
     }
     let faults: Vec<String> = tally
@@ -1173,7 +1179,8 @@ fn maint_kill(
     any_step: bool,
 ) -> bool {
     // The database may be down or busy: try again at the next turn.
-    let Ok(Some((name, query))) = world.db.as_mut().expect("created").maintaining() else {
+    let Ok(Some((name, query, session_age))) = world.db.as_mut().expect("created").maintaining()
+    else {
         return false;
     };
     let retiring = query.starts_with("active")
@@ -1188,6 +1195,11 @@ fn maint_kill(
     else {
         return false;
     };
+    // A session older than the process is its killed predecessor's, still finishing its
+    // statement on the server (a SIGKILLed client's session ends at its next read).
+    if session_age > p.started.elapsed().as_secs_f64() + 0.5 {
+        return false;
+    }
     if let Err(e) = p.sigkill(now + Duration::from_secs_f64(0.5 + rng.f64() * 2.5)) {
         tally.injection_errors.push(format!("maint_kill: {e}"));
         return true;

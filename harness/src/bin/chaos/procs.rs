@@ -83,6 +83,8 @@ pub(crate) struct Proc {
     child: Option<Child>,
     pub(crate) state: State,
     starts: u32,
+    /// When it was last started.
+    pub(crate) started: Instant,
     /// The loopback port of its HTTP probes (the relay's `--admin-addr`, the consumer's
     /// `/healthz` and `/readyz`).
     pub(crate) admin_port: u16,
@@ -106,6 +108,7 @@ impl Proc {
             child: None,
             state: State::Down(Instant::now()),
             starts: 0,
+            started: Instant::now(),
             admin_port,
         }
     }
@@ -116,6 +119,7 @@ impl Proc {
 
     pub(crate) fn start(&mut self) -> std::io::Result<()> {
         self.starts += 1;
+        self.started = Instant::now();
         let mut log = OpenOptions::new()
             .create(true)
             .append(true)
