@@ -354,9 +354,21 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
     .build()
     .unwrap();
     let late_running = Running::start(&late);
+    // Progress printed as it changes: shown with the output of a failed run.
+    let seen = AtomicUsize::new(usize::MAX);
     until(
         "the late group to apply every entry on the stream",
-        || async { late_db.read(|a| a.len()) == on_stream_set.len() },
+        || async {
+            let n = late_db.read(|a| a.len());
+            if seen.swap(n, Ordering::Relaxed) != n {
+                println!(
+                    "late group: {n} of {} applied ({:?})",
+                    on_stream_set.len(),
+                    late.stats()
+                );
+            }
+            n >= on_stream_set.len()
+        },
     )
     .await;
     late_running.stop().await;
@@ -442,6 +454,50 @@ async fn failover_with_replicas_durability_loses_nothing() {
     assert!(report.duplicates >= 100, "{report:?}");
 }
 
+/// A publisher and a running consumer, both through the deployment's sentinels, once the
+/// first message (`order-0`) is applied.
+struct Through {
+    publisher: RedisPublisher,
+    stream: String,
+    db: MemoryDb<Applied>,
+    running: Running,
+}
+
+impl Through {
+    async fn sentinel(d: &Deployment, tag: &str, watch_failovers: bool) -> Self {
+        let prefix = unique_prefix(tag);
+        let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER)
+            .unwrap()
+            .with_watch_failovers(watch_failovers);
+        let publisher = RedisPublisher::sentinel(sentinel.clone())
+            .unwrap()
+            .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
+            .unwrap();
+        let stream = publisher.stream_for("order.paid");
+        let db = MemoryDb::new(Applied::new());
+        let consumer: Consumer<MemoryDb<Applied>> =
+            Consumer::builder_sentinel(sentinel, unique("g"))
+                .handle::<OrderPaid, _>(Recorder::ok())
+                .idempotency(db.clone())
+                .with_config(fast_config(&prefix))
+                .build()
+                .unwrap();
+        let running = Running::start(&consumer);
+        let outcomes = publisher.publish(&stored([paid(0)])).await.unwrap();
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+        eventually("the first message applied", || {
+            db.read(|a| a.contains_key("order-0"))
+        })
+        .await;
+        Self {
+            publisher,
+            stream,
+            db,
+            running,
+        }
+    }
+}
+
 /// A failover announced on `+switch-master` moves the publisher and the consumer to the
 /// new primary even while the old one still takes writes (here it cannot be demoted:
 /// its `REPLICAOF` is disabled, as for a primary cut off from the sentinels but not
@@ -453,29 +509,12 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
         Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"")
     });
     let [old, new] = d.data_ports();
-    let prefix = unique_prefix("sentinel-switch");
-    let group = unique("g");
-    let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER).unwrap();
-    let publisher = RedisPublisher::sentinel(sentinel.clone())
-        .unwrap()
-        .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
-        .unwrap();
-    let stream = publisher.stream_for("order.paid");
-    let db = MemoryDb::new(Applied::new());
-    let consumer: Consumer<MemoryDb<Applied>> = Consumer::builder_sentinel(sentinel, &group)
-        .handle::<OrderPaid, _>(Recorder::ok())
-        .idempotency(db.clone())
-        .with_config(fast_config(&prefix))
-        .build()
-        .unwrap();
-    let running = Running::start(&consumer);
-
-    let outcomes = publisher.publish(&stored([paid(0)])).await.unwrap();
-    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
-    eventually("the first message applied", || {
-        db.read(|a| a.contains_key("order-0"))
-    })
-    .await;
+    let Through {
+        publisher,
+        stream,
+        db,
+        running,
+    } = Through::sentinel(&d, "sentinel-switch", true).await;
     // Both the publisher's and the consumer's watchers listen on the first sentinel.
     until("the watchers to subscribe to +switch-master", || async {
         // Sentinels have no PUBSUB command: count the subscribed clients.
@@ -542,31 +581,12 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
 async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
     let d = blocking(Deployment::start);
     let [old, new] = d.data_ports();
-    let prefix = unique_prefix("sentinel-readonly");
-    let group = unique("g");
-    let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER)
-        .unwrap()
-        .with_watch_failovers(false);
-    let publisher = RedisPublisher::sentinel(sentinel.clone())
-        .unwrap()
-        .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
-        .unwrap();
-    let stream = publisher.stream_for("order.paid");
-    let db = MemoryDb::new(Applied::new());
-    let consumer: Consumer<MemoryDb<Applied>> = Consumer::builder_sentinel(sentinel, &group)
-        .handle::<OrderPaid, _>(Recorder::ok())
-        .idempotency(db.clone())
-        .with_config(fast_config(&prefix))
-        .build()
-        .unwrap();
-    let running = Running::start(&consumer);
-
-    let outcomes = publisher.publish(&stored([paid(0)])).await.unwrap();
-    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
-    eventually("the first message applied", || {
-        db.read(|a| a.contains_key("order-0"))
-    })
-    .await;
+    let Through {
+        publisher,
+        stream,
+        db,
+        running,
+    } = Through::sentinel(&d, "sentinel-readonly", false).await;
     blocking(|| d.wait_replica_synced(new, old));
     let _: Value = query(new, redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
         .await
