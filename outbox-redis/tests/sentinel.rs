@@ -354,19 +354,24 @@ async fn failover_run(durability: Durability, partition: bool) -> Report {
     .build()
     .unwrap();
     let late_running = Running::start(&late);
-    // Progress printed as it changes: shown with the output of a failed run.
-    let seen = AtomicUsize::new(usize::MAX);
+    // Progress and health, printed when the count changes and every 100 polls (about 2 s):
+    // shown with the output of a failed run.
+    let (seen, polls) = (AtomicUsize::new(usize::MAX), AtomicUsize::new(0));
     until(
         "the late group to apply every entry on the stream",
         || async {
             let n = late_db.read(|a| a.len());
-            if seen.swap(n, Ordering::Relaxed) != n {
+            let periodic = polls.fetch_add(1, Ordering::Relaxed) % 100 == 0;
+            if seen.swap(n, Ordering::Relaxed) != n || periodic {
                 println!(
-                    "late group: {n} of {} applied ({:?})",
+                    "late group: {n} of {} applied ({:?}; {:?})",
                     on_stream_set.len(),
-                    late.stats()
+                    late.stats(),
+                    late.health()
                 );
             }
+            // A run that ended (an error it does not retry) would only show as a timeout.
+            assert!(!late_running.task.is_finished(), "the late group stopped");
             n >= on_stream_set.len()
         },
     )
