@@ -501,6 +501,42 @@ impl Through {
             running,
         }
     }
+
+    /// Publishes one message after another until one lands on the server at `port`, then
+    /// waits for the consumer to apply it. Each failed publish goes to `failed`.
+    async fn publish_until_applied_from(&self, port: u16, failed: impl Fn(&outbox_core::Error)) {
+        let mut n = 0;
+        until("a publish to land on the new primary", || {
+            n += 1;
+            let failed = &failed;
+            async move {
+                let outcomes = match self.publisher.publish(&stored([paid(n)])).await {
+                    Ok(outcomes) => outcomes,
+                    Err(e) => {
+                        failed(&e);
+                        return false;
+                    }
+                };
+                assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+                let reply: StreamRangeReply = query(
+                    port,
+                    redis::cmd("XRANGE").arg(&self.stream).arg("-").arg("+"),
+                )
+                .await
+                .unwrap();
+                reply
+                    .ids
+                    .iter()
+                    .any(|e| field(e, "msg_id") == format!("order-{n}:OrderPaid"))
+            }
+        })
+        .await;
+        let landed = format!("order-{n}");
+        eventually("the consumer to apply it from the new primary", || {
+            self.db.read(|a| a.contains_key(&landed))
+        })
+        .await;
+    }
 }
 
 /// A failover announced on `+switch-master` moves the publisher and the consumer to the
@@ -514,12 +550,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
         Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"")
     });
     let [old, new] = d.data_ports();
-    let Through {
-        publisher,
-        stream,
-        db,
-        running,
-    } = Through::sentinel(&d, "sentinel-switch", true).await;
+    let through = Through::sentinel(&d, "sentinel-switch", true).await;
     // Both the publisher's and the consumer's watchers listen on the first sentinel.
     until("the watchers to subscribe to +switch-master", || async {
         // Sentinels have no PUBSUB command: count the subscribed clients.
@@ -543,38 +574,13 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
 
     // Publish until a message lands on the new primary (the announcement reaches the
     // watcher a moment after the sentinel switched), and the consumer applies it.
-    let mut n = 0;
-    until("a publish to land on the new primary", || {
-        n += 1;
-        let publisher = &publisher;
-        let stream = &stream;
-        async move {
-            let Ok(outcomes) = publisher.publish(&stored([paid(n)])).await else {
-                return false;
-            };
-            assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
-            let reply: StreamRangeReply =
-                query(new, redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
-                    .await
-                    .unwrap();
-            reply
-                .ids
-                .iter()
-                .any(|e| field(e, "msg_id") == format!("order-{n}:OrderPaid"))
-        }
-    })
-    .await;
-    let landed = format!("order-{n}");
-    eventually("the consumer to apply it from the new primary", || {
-        db.read(|a| a.contains_key(&landed))
-    })
-    .await;
+    through.publish_until_applied_from(new, |_| {}).await;
     // The old primary still takes writes: the announcement moved them, not an error.
     let role: String = query(old, redis::cmd("INFO").arg("replication"))
         .await
         .unwrap();
     assert!(role.contains("role:master"), "{role}");
-    running.stop().await;
+    through.running.stop().await;
 }
 
 /// A primary demoted under live connections answers their writes with `READONLY`. Here
@@ -586,12 +592,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
 async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
     let d = blocking(Deployment::start);
     let [old, new] = d.data_ports();
-    let Through {
-        publisher,
-        stream,
-        db,
-        running,
-    } = Through::sentinel(&d, "sentinel-readonly", false).await;
+    let through = Through::sentinel(&d, "sentinel-readonly", false).await;
     blocking(|| d.wait_replica_synced(new, old));
     let _: Value = query(new, redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
         .await
@@ -612,46 +613,22 @@ async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
     // The publisher's connection still reaches the old primary: its writes there are
     // refused with READONLY (outages, spending no retry) until Sentinel, seeing its
     // primary report itself a replica, fails over to the new one.
-    let mut n = 0;
     let refused = AtomicUsize::new(0);
-    until("a publish to land on the new primary", || {
-        n += 1;
-        let (publisher, stream, refused) = (&publisher, &stream, &refused);
-        async move {
-            let outcomes = match publisher.publish(&stored([paid(n)])).await {
-                Ok(outcomes) => outcomes,
-                Err(e) => {
-                    let chain = outbox_core::error_chain(&e).to_string();
-                    assert!(e.is_outage(), "{chain}");
-                    // redis-rs names the reply's kind `ReadOnly`.
-                    if chain.to_ascii_uppercase().contains("READONLY") {
-                        refused.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return false;
-                }
-            };
-            assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
-            let reply: StreamRangeReply =
-                query(new, redis::cmd("XRANGE").arg(stream).arg("-").arg("+"))
-                    .await
-                    .unwrap();
-            reply
-                .ids
-                .iter()
-                .any(|e| field(e, "msg_id") == format!("order-{n}:OrderPaid"))
-        }
-    })
-    .await;
+    through
+        .publish_until_applied_from(new, |e| {
+            let chain = outbox_core::error_chain(e).to_string();
+            assert!(e.is_outage(), "{chain}");
+            // redis-rs names the reply's kind `ReadOnly`.
+            if chain.to_ascii_uppercase().contains("READONLY") {
+                refused.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .await;
     assert!(
         refused.load(Ordering::Relaxed) >= 1,
         "no write was refused with READONLY"
     );
-    let landed = format!("order-{n}");
-    eventually("the consumer to apply it from the new primary", || {
-        db.read(|a| a.contains_key(&landed))
-    })
-    .await;
-    running.stop().await;
+    through.running.stop().await;
 }
 
 /// Addresses that are not sentinels (here the shared Redis, a plain server) are a

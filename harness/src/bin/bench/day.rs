@@ -15,7 +15,7 @@ use outbox_diesel::{Emit as _, PartitionPolicy, PgRelayStore};
 use outbox_examples::AccountTransferred;
 
 use crate::relay::{RelayBench, Sink, TimingPublisher};
-use crate::stats::{Figure, Target};
+use crate::stats::{self, Figure, Target};
 use crate::{BoxError, Service, plot};
 
 /// The compressed day's shape.
@@ -97,9 +97,9 @@ async fn run(size: &DaySize, bench: &RelayBench) -> Result<Vec<Sample>, BoxError
     loop {
         tokio::time::sleep(EVERY).await;
         let emitting = emitters.iter().any(|e| !e.is_finished());
-        let claim_p99_ms = p99(std::mem::take(&mut *claims.lock().unwrap()));
+        let claim_p99_ms = stats::p99(&std::mem::take(&mut *claims.lock().unwrap()));
         let lags = lags_since(&committed, &published);
-        let sample = sample(bench, started, claim_p99_ms, p99(lags))?;
+        let sample = sample(bench, started, claim_p99_ms, stats::p99(&lags))?;
         println!(
             "  {:>5.0} s  {:>7.1} MB  dead {:>7}  partitions {:>3}  NEW {:>6}  claim p99 {:>6.1} ms  commit→XADD p99 {:>6.1} ms",
             sample.at,
@@ -190,14 +190,6 @@ fn sample(
         claim_p99_ms,
         lag_p99_ms,
     })
-}
-
-fn p99(mut values: Vec<f64>) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    values[(values.len() * 99 / 100).min(values.len() - 1)]
 }
 
 /// The table's size stays bounded (its largest after the first drop against its largest

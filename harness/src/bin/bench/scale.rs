@@ -216,9 +216,7 @@ async fn claim_vs_size(
             times.push(started.elapsed().as_secs_f64() * 1000.0);
             drop(batch);
         }
-        let p50 = stats::median(&times);
-        times.sort_by(f64::total_cmp);
-        let p99 = times[(times.len() * 99).div_ceil(100) - 1];
+        let (p50, p99) = (stats::median(&times), stats::p99(&times));
         progress(
             &format!("{layout}, {rows} rows: claim p50 (µs)"),
             p50 * 1000.0,

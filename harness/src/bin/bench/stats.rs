@@ -107,6 +107,16 @@ pub(crate) fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// The 99th percentile (0 for no values).
+pub(crate) fn p99(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
 fn trim(x: f64) -> String {
     let s = format!("{x:.2}");
     s.trim_end_matches('0').trim_end_matches('.').to_owned()

@@ -279,14 +279,18 @@ impl Database {
             return Ok(());
         }
         self.last_sample = Some(Instant::now());
-        let sampled = self.probe().and_then(|c| Ok(outbox_diesel::partitions(c)?));
-        let parts = match sampled {
-            Ok(parts) => parts,
+        match self.probe().and_then(|c| Ok(outbox_diesel::partitions(c)?)) {
+            Ok(parts) => self.note(parts),
             Err(e) => {
                 self.probe = None;
-                return if force { Err(e) } else { Ok(()) };
+                if force { Err(e) } else { Ok(()) }
             }
-        };
+        }
+    }
+
+    /// Notes `parts`, attached now: each one seen, and how far ahead each table's newest
+    /// ends.
+    fn note(&mut self, parts: Vec<outbox_diesel::Partition>) -> Result<(), BoxError> {
         let now_ms = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)?
             .as_millis() as i64;
@@ -308,20 +312,20 @@ impl Database {
     /// `--partitioned`, at the end (no relay running): the partitions seen during the run
     /// that are gone, and those detached but left.
     pub(crate) fn partitions_end(&mut self) -> Result<PartitionsEnd, BoxError> {
-        self.sample_partitions(true)?;
-        let attached: BTreeSet<String> = {
-            let c = self.probe()?;
-            outbox_diesel::partitions(c)?
-                .into_iter()
-                .map(|p| p.name)
-                .collect()
-        };
-        let existing: Vec<MsgIdRow> = diesel::sql_query(
-            "SELECT relname::text AS msg_id FROM pg_class \
+        #[derive(QueryableByName)]
+        struct Table {
+            #[diesel(sql_type = Text)]
+            name: String,
+        }
+        let parts = outbox_diesel::partitions(self.probe()?)?;
+        let attached: BTreeSet<String> = parts.iter().map(|p| p.name.clone()).collect();
+        self.note(parts)?;
+        let existing: Vec<Table> = diesel::sql_query(
+            "SELECT relname::text AS name FROM pg_class \
              WHERE relkind IN ('r', 'p') AND relname ~ '^(outbox|consumed_msg)_p[0-9]{8}t[0-9]{6}$'",
         )
         .load(self.probe()?)?;
-        let existing: BTreeSet<String> = existing.into_iter().map(|r| r.msg_id).collect();
+        let existing: BTreeSet<String> = existing.into_iter().map(|r| r.name).collect();
         let mut end = PartitionsEnd::default();
         for (table, name) in &self.seen {
             let dropped = end.dropped.entry(table).or_default();

@@ -15,8 +15,6 @@ use crate::{Backend, BoxError};
 /// What the producers did.
 #[derive(Debug, Default)]
 pub(crate) struct Produced {
-    /// Events committed.
-    pub(crate) events: u64,
     /// The producers' log: every committed event (what the checks hold the stream and
     /// the applications against; the outbox rows go with their partitions).
     pub(crate) committed: Vec<Tick>,
@@ -32,6 +30,13 @@ pub(crate) struct Produced {
     /// all, or not.
     pub(crate) resolved_committed: u64,
     pub(crate) resolved_rolled_back: u64,
+}
+
+impl Produced {
+    /// Events committed.
+    fn events(&self) -> u64 {
+        self.committed.len() as u64
+    }
 }
 
 pub(crate) struct Settings {
@@ -155,7 +160,7 @@ impl Producer {
         // next one never reuses them: nothing is emitted again.)
         let mut unresolved: Option<(u64, Vec<Tick>)> = None;
         let mut ticks = Vec::new();
-        while out.events < self.share && !self.stop.load(Ordering::Relaxed) {
+        while out.events() < self.share && !self.stop.load(Ordering::Relaxed) {
             let c = match conn.as_mut() {
                 Some(c) => c,
                 None => match self.connect() {
@@ -180,7 +185,6 @@ impl Producer {
             if let Some((tx, ticks)) = unresolved.take() {
                 match committed(c, tx) {
                     Ok(true) => {
-                        out.events += ticks.len() as u64;
                         out.txs += 1;
                         out.resolved_committed += 1;
                         out.committed.extend(ticks);
@@ -194,13 +198,13 @@ impl Producer {
                 }
                 continue;
             }
-            let due = started + Duration::from_secs_f64(out.events as f64 / per_sec);
+            let due = started + Duration::from_secs_f64(out.events() as f64 / per_sec);
             let now = Instant::now();
             if now < due {
                 std::thread::sleep((due - now).min(Duration::from_millis(100)));
                 continue;
             }
-            let size = self.rng.u64(1..=10).min(self.share - out.events);
+            let size = self.rng.u64(1..=10).min(self.share - out.events());
             let doomed = self.rng.u8(0..10) == 0;
             // Transaction ids are unique per thread and run: (thread + 1) << 40 | n.
             let tx = ((self.id + 1) << 40) | n;
@@ -216,7 +220,6 @@ impl Producer {
             };
             match result {
                 Ok(()) => {
-                    out.events += size;
                     out.txs += 1;
                     out.committed.append(&mut ticks);
                     failures_in_a_row = 0;
