@@ -52,12 +52,22 @@ impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
 impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// Routes the event types of `E` to `handler`. Registering one event type twice is
     /// reported by [`build`](Self::build).
-    pub fn handle<E, H>(mut self, handler: H) -> Self
+    pub fn handle<E, H>(self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: Handler<E, Conn = C>,
     {
-        if let Err(e) = self.dispatcher.register::<E, H>(handler) {
+        self.route::<E>(|d| d.register::<E, H>(handler))
+    }
+
+    /// The one path of every registration: `register` routes `E`'s types in the
+    /// dispatcher, and the streams to read follow `E`'s topics and partition count, so
+    /// that no way of registering a handler reads other streams than the relay writes.
+    fn route<E: OutboxEvent>(
+        mut self,
+        register: impl FnOnce(&mut Dispatcher<C>) -> std::result::Result<(), outbox_core::Error>,
+    ) -> Self {
+        if let Err(e) = register(&mut self.dispatcher) {
             self.error.get_or_insert(e);
         }
         self.declare::<E>();
@@ -90,32 +100,25 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// an effect outside the database, awaited inside the dedup transaction, whose
     /// guarantee is at-least-once (see the trait). A type handled twice is reported by
     /// [`build`](ConsumerBuilder::build).
-    pub fn handle_async<E, H>(mut self, handler: H) -> Self
+    pub fn handle_async<E, H>(self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: outbox_core::AsyncHandler<E>,
     {
-        if let Err(e) = self.dispatcher.register_async::<E, H>(handler) {
-            self.error.get_or_insert(e);
-        }
-        self.declare::<E>();
-        self
+        self.route::<E>(|d| d.register_async::<E, H>(handler))
     }
 
     /// Routes the event types of `E` to an [`AsyncTxHandler`]: awaited inside the dedup
     /// transaction with its connection, for a consumer on an [`AsyncInbox`]
     /// ([`idempotency_async`](Self::idempotency_async)). A type handled twice is reported
     /// by [`build`](ConsumerBuilder::build).
-    pub fn handle_tx<E, H>(mut self, handler: H) -> Self
+    pub fn handle_tx<E, H>(self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: AsyncTxHandler<E, Conn = C>,
         C: Send,
     {
-        if let Err(e) = self.dispatcher.register_tx::<E, H>(handler) {
-            self.error.get_or_insert(e);
-        }
-        self
+        self.route::<E>(|d| d.register_tx::<E, H>(handler))
     }
 
     /// Registers the step that upgrades a payload of `E`'s schema version `from` to
