@@ -13,7 +13,7 @@ use redis::streams::{
 
 use crate::Result;
 use crate::consumer::DEAD_LETTER_FIELDS;
-use crate::entry::value_bytes;
+use crate::entry::{REDRIVE_GROUP_FIELD, value_bytes};
 
 /// An entry of a dead-letter stream: why the consumer gave up, and the original entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,14 +102,16 @@ where
     Ok(reply.ids.first().map(DeadLetter::from_entry))
 }
 
-/// Puts a dead letter back on its stream: its original fields are added as a new entry
-/// (`XADD`) and the dead letter deleted (`XDEL`), in one transaction. Returns `false`
-/// if it was not there (redriven or purged already).
+/// Puts a dead letter back on its stream for the group that gave up on it: its original
+/// fields are added as a new entry (`XADD`), with [`REDRIVE_GROUP_FIELD`] naming that
+/// group, and the dead letter deleted (`XDEL`), in one transaction. Returns `false` if it
+/// was not there (redriven or purged already).
 ///
-/// A stream entry cannot be delivered to one group only: every group of the stream
-/// reads the new entry. Groups that applied the message already skip it by its msg_id
-/// (their [`Inbox`](outbox_core::Inbox)), so in effect it goes back to the group that
-/// gave up.
+/// Every group of the stream reads the new entry, but only the group named applies it:
+/// the others acknowledge it without running a handler or asking their inbox, so a
+/// group that applied the message long ago, its dedup row purged since, does not apply
+/// it again. A dead letter that names no stream or no group is refused
+/// ([`Error::MalformedEntry`](crate::Error::MalformedEntry)).
 pub async fn redrive_dead_letter<C>(conn: &mut C, dead_stream: &str, id: &str) -> Result<bool>
 where
     C: ConnectionLike + Send,
@@ -117,18 +119,23 @@ where
     let Some(dead) = dead_letter(conn, dead_stream, id).await? else {
         return Ok(false);
     };
-    if dead.stream.is_empty() {
+    if dead.stream.is_empty() || dead.group.is_empty() {
         return Err(crate::Error::MalformedEntry(format!(
-            "dead letter {id} of {dead_stream} names no stream"
+            "dead letter {id} of {dead_stream} names no stream or no group"
         )));
     }
     let mut pipe = redis::pipe();
     pipe.atomic();
     let xadd = pipe.cmd("XADD").arg(&dead.stream).arg("*");
-    for (field, value) in &dead.fields {
+    // A dead letter of an entry redriven before carries the field already.
+    let original = dead
+        .fields
+        .iter()
+        .filter(|(f, _)| *f != REDRIVE_GROUP_FIELD);
+    for (field, value) in original {
         xadd.arg(field).arg(value.as_slice());
     }
-    xadd.ignore();
+    xadd.arg(REDRIVE_GROUP_FIELD).arg(&dead.group).ignore();
     pipe.cmd("XDEL").arg(dead_stream).arg(id).ignore();
     pipe.query_async::<()>(conn).await?;
     Ok(true)

@@ -30,6 +30,19 @@ pub const ENTRY_FIELDS: [&str; 8] = [
     "created_at",
 ];
 
+/// The field a redrive ([`redrive_dead_letter`](crate::redrive_dead_letter)) adds to the
+/// entry it puts back on the stream: the consumer group that gave up on it. Every other
+/// group acknowledges such an entry without running a handler or asking its inbox, so a
+/// message it applied long ago (its dedup row purged since) is not applied again.
+pub const REDRIVE_GROUP_FIELD: &str = "redrive_group";
+
+/// The group a redriven entry is for, when that is not `group`: the entry is then
+/// another group's alone (see [`REDRIVE_GROUP_FIELD`]).
+pub(crate) fn redriven_for_another(fields: &HashMap<String, Value>, group: &str) -> Option<String> {
+    let target = value_bytes(fields.get(REDRIVE_GROUP_FIELD)?);
+    (target != group.as_bytes()).then(|| String::from_utf8_lossy(&target).into_owned())
+}
+
 /// The field/value pairs of the stream entry that carries `envelope`, in
 /// [`ENTRY_FIELDS`] order. The payload and the other text fields are borrowed: the relay
 /// writes them to Redis without copying them first.
@@ -208,7 +221,6 @@ pub fn envelope_from_fields(
     })
 }
 
-/// A field value as bytes, for copying an entry verbatim.
 /// The headers of a stream entry's fields, if it has a well-formed `headers` field. The
 /// consumer reads them before the entry is decoded, for the trace its span joins.
 #[cfg(feature = "opentelemetry")]
@@ -217,6 +229,7 @@ pub(crate) fn headers_of(fields: &HashMap<String, Value>) -> Option<Headers> {
     serde_json::from_str(&headers).ok()
 }
 
+/// A field value as bytes, for copying an entry verbatim.
 pub(crate) fn value_bytes(v: &Value) -> Vec<u8> {
     redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_else(|_| format!("{v:?}").into_bytes())
 }

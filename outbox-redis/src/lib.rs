@@ -33,8 +33,9 @@
 //! Through the [`metrics`](https://docs.rs/metrics) facade, labelled by `group` and
 //! `stream`: `outbox_consumer_consumed_total`, `outbox_consumer_duplicates_total`,
 //! `outbox_consumer_failures_total`, `outbox_consumer_dead_lettered_total`,
-//! `outbox_consumer_ignored_total`, `outbox_consumer_reclaimed_total`,
-//! `outbox_consumer_conflicts_total`, `outbox_consumer_redis_errors_total`; and, unlabelled, `outbox_redis_publish_rejected_total`,
+//! `outbox_consumer_ignored_total`, `outbox_consumer_redrives_for_others_total`,
+//! `outbox_consumer_reclaimed_total`, `outbox_consumer_conflicts_total`,
+//! `outbox_consumer_redis_errors_total`; and, unlabelled, `outbox_redis_publish_rejected_total`,
 //! `outbox_redis_publish_timeouts_total` and `outbox_redis_durability_unmet_total`. The
 //! same counts are available as [`Consumer::stats`]. Each message is handled in an
 //! `outbox.consume` tracing span.
@@ -62,7 +63,7 @@ pub use dead_letters::{
     DeadLetter, GroupConsumer, GroupInfo, blocked_keys, consumer_groups, dead_letter, dead_letters,
     purge_dead_letter, redrive_dead_letter, unblock_key,
 };
-pub use entry::{ENTRY_FIELDS, entry_fields, envelope_from_fields};
+pub use entry::{ENTRY_FIELDS, REDRIVE_GROUP_FIELD, entry_fields, envelope_from_fields};
 pub use error::{Error, Result};
 #[cfg(feature = "http")]
 pub use http::health_router;

@@ -633,7 +633,8 @@ pub(crate) struct Done {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub(crate) enum Action {
-    /// Outbox rows back to NEW; consumer dead letters back on their stream.
+    /// Outbox rows back to NEW; consumer dead letters back on their stream, for the
+    /// group that gave up on them.
     Redrive,
     /// Delete them.
     Purge,

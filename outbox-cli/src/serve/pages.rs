@@ -52,7 +52,8 @@ fn layout(title: &str, body: Markup) -> Markup {
     }
 }
 
-fn page(status: StatusCode, title: &str, body: Markup) -> Response {
+/// A page of the layout with this status.
+pub(super) fn page(status: StatusCode, title: &str, body: Markup) -> Response {
     (status, Html(layout(title, body).into_string())).into_response()
 }
 
@@ -431,7 +432,7 @@ pub(super) async fn confirm(State(app): State<Arc<App>>, RawQuery(query): RawQue
     }
     let what = match action {
         Action::Redrive => {
-            "Redrive: outbox rows go back to NEW (retries reset, due now); consumer dead letters go back on their stream."
+            "Redrive: outbox rows go back to NEW (retries reset, due now); consumer dead letters go back on their stream for the group that gave up on them alone (the stream's other groups acknowledge them without applying them)."
         }
         Action::Purge => "Purge: these dead letters are deleted for good.",
     };
@@ -512,7 +513,7 @@ async fn act(app: Arc<App>, action: Action, body: &[u8]) -> Response {
                 StatusCode::OK,
                 "Done",
                 html! {
-                    p.ok #done { (verb) " " (done.outbox) " outbox message(s) and " (done.consumers) " consumer dead letter(s)." }
+                    p.ok #done { (verb) " " (done.outbox) " outbox message(s) and " (done.consumers) " consumer dead letter(s), each for the group that gave up on it." }
                     @if done.skipped > 0 { p { (done.skipped) " selected were gone already or not DEAD: left alone." } }
                     p { a href="/dead" { "Back to the dead letters" } }
                 },

@@ -7,10 +7,9 @@ use super::store::StoreRun;
 use outbox_core::{Delivery, InboxBatchOutcomes, Processed};
 use tracing::Instrument as _;
 
+use super::screen::Screened;
 use super::stats::Count;
 use super::{Consumer, Done, Job, Outcome};
-use crate::conn::topic_of;
-use crate::entry::envelope_from_fields;
 
 /// A batch whose store transaction failed as a whole.
 struct BatchFailed {
@@ -20,21 +19,12 @@ struct BatchFailed {
     conflict: bool,
 }
 
-/// What the checks before the store decided for an entry in batch mode.
-enum Screened {
-    Deliver(Delivery),
-    Ignore,
-    DeadLetter(String),
-    /// Delivered past the limit without an outcome: see `Consumer::over_limit`.
-    OverLimit,
-}
-
 impl<I, C> Consumer<I, C>
 where
     I: ConsumerStore<Conn = C>,
     C: 'static,
 {
-    /// Processes a batch of entries to the end: the checks of single mode per entry,
+    /// Processes a batch of entries to the end: the checks of [`screen`](Self::screen) per entry,
     /// then one store transaction for the rest, then one `XACK` per stream.
     pub(super) async fn process_batch(self, jobs: Vec<Job>) -> Done {
         let outcomes = self.process_batch_outcomes(&jobs).await;
@@ -77,10 +67,7 @@ where
                     runs.push(i);
                     deliveries.push(delivery);
                 }
-                Screened::Ignore => {
-                    self.count(Count::Ignored, Some(&job.stream));
-                    acks.push(i);
-                }
+                Screened::Acknowledge => acks.push(i),
                 Screened::DeadLetter(reason) => ended[i] = self.dead_letter(job, &reason).await,
                 Screened::OverLimit => ended[i] = self.over_limit(job).await,
             }
@@ -157,33 +144,6 @@ where
             }
         }
         ended
-    }
-
-    /// The checks before the store, as in single mode: the delivery limit, the entry's
-    /// fields, a handler for its type. Decoding is left to the dispatcher.
-    fn screen(&self, job: &Job) -> Screened {
-        let inner = &self.inner;
-        if job.delivery_count > inner.config.max_deliveries {
-            return Screened::OverLimit;
-        }
-        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
-        let envelope = match envelope_from_fields(&job.entry.map, topic) {
-            Ok(envelope) => envelope,
-            Err(e) => return Screened::DeadLetter(outbox_core::error_chain(&e).to_string()),
-        };
-        if !inner.dispatcher.handles(&envelope.event_type) {
-            if inner.config.ignore_unknown_types {
-                tracing::debug!(event_type = %envelope.event_type, "no handler for this event type; acknowledged");
-                return Screened::Ignore;
-            }
-            let e = outbox_core::Error::UnknownEventType(envelope.event_type);
-            return Screened::DeadLetter(e.to_string());
-        }
-        Screened::Deliver(Delivery {
-            envelope,
-            delivery_count: job.delivery_count,
-            entry_id: Some(job.entry.id.clone()),
-        })
     }
 
     /// Runs the batch's store transaction (a blocking inbox on a blocking thread).

@@ -7,6 +7,7 @@
 //!   [`run_until`](Consumer::run_until), whose state [`health`] reports to probes;
 //!   [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
+//! - [`screen`]: the checks every entry meets before the store, in every mode;
 //! - [`store`]: the idempotency store, blocking or async ([`ConsumerStore`]);
 //! - [`single`]: one transaction per message, on a blocking inbox run by the long-lived
 //!   workers of [`work`]; [`batch`] and [`lanes`]: batch mode;
@@ -38,6 +39,7 @@ mod lanes;
 mod ordered;
 mod read;
 mod run;
+mod screen;
 mod single;
 mod stats;
 mod store;
@@ -113,7 +115,8 @@ struct Job {
 /// How the work on one entry ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
-    /// Acknowledged (or queued for it): applied, a duplicate, or ignored.
+    /// Acknowledged (or queued for it): applied, a duplicate, ignored, or another
+    /// group's redrive.
     Acked,
     /// Copied to the dead-letter stream and acknowledged.
     DeadLettered,

@@ -8,10 +8,9 @@ use super::store::StoreRun;
 use outbox_core::{Delivery, Prepared, Processed};
 use tracing::Instrument as _;
 
+use super::screen::Screened;
 use super::stats::Count;
 use super::{Consumer, Done, Job, Outcome};
-use crate::conn::topic_of;
-use crate::entry::envelope_from_fields;
 
 /// How one run of a message's transaction ended.
 enum Attempt {
@@ -72,18 +71,13 @@ where
     /// Processes one entry: dead-letter, ack, or leave pending.
     pub(super) async fn process_inner(&self, job: &Job) -> Outcome {
         let inner = &self.inner;
-        let topic = topic_of(&job.stream, &inner.config.stream_prefix, inner.cluster);
-        if job.delivery_count > inner.config.max_deliveries {
-            return self.over_limit(job).await;
-        }
-        let envelope = match envelope_from_fields(&job.entry.map, topic) {
-            Ok(envelope) => envelope,
-            Err(e) => {
-                return self
-                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
-                    .await;
-            }
+        let delivery = match self.screen(job) {
+            Screened::Deliver(delivery) => delivery,
+            Screened::Acknowledge => return self.ack(job).await,
+            Screened::DeadLetter(reason) => return self.dead_letter(job, &reason).await,
+            Screened::OverLimit => return self.over_limit(job).await,
         };
+        let envelope = &delivery.envelope;
         let span = tracing::Span::current();
         span.record("msg_id", envelope.msg_id.as_str());
         span.record("event_type", envelope.event_type.as_str());
@@ -95,23 +89,13 @@ where
         {
             span.record("traceparent", parent.as_str());
         }
-        let mut prepared = match inner.dispatcher.prepare(&envelope) {
+        let mut prepared = match inner.dispatcher.prepare(envelope) {
             Ok(prepared) => prepared,
-            Err(outbox_core::Error::UnknownEventType(t)) if inner.config.ignore_unknown_types => {
-                tracing::debug!(event_type = %t, "no handler for this event type; acknowledged");
-                self.count(Count::Ignored, Some(&job.stream));
-                return self.ack(job).await;
-            }
             Err(e) => {
                 return self
                     .dead_letter(job, &outbox_core::error_chain(&e).to_string())
                     .await;
             }
-        };
-        let delivery = Delivery {
-            envelope,
-            delivery_count: job.delivery_count,
-            entry_id: Some(job.entry.id.clone()),
         };
         let mut conflicts = 0;
         let attempt = loop {

@@ -23,6 +23,10 @@ pub struct ConsumerStats {
     /// [`ignore_unknown_types`](crate::ConsumerConfig::ignore_unknown_types) is set
     /// (`outbox_consumer_ignored_total`).
     pub ignored: u64,
+    /// Entries a redrive put back for another group, acknowledged without running a
+    /// handler or asking the inbox (`outbox_consumer_redrives_for_others_total`; see
+    /// [`REDRIVE_GROUP_FIELD`](crate::REDRIVE_GROUP_FIELD)).
+    pub redrives_for_others: u64,
     /// Entries taken over with `XAUTOCLAIM` (`outbox_consumer_reclaimed_total`).
     pub reclaimed: u64,
     /// Transactions that met a transient conflict (deadlock, serialization failure,
@@ -43,6 +47,7 @@ pub(super) struct Counters {
     failures: AtomicU64,
     dead_lettered: AtomicU64,
     ignored: AtomicU64,
+    redrives_for_others: AtomicU64,
     reclaimed: AtomicU64,
     conflicts: AtomicU64,
     redis_errors: AtomicU64,
@@ -56,6 +61,7 @@ pub(super) enum Count {
     Failure,
     DeadLettered,
     Ignored,
+    RedriveForOthers,
     Reclaimed,
     Conflict,
     RedisError,
@@ -76,6 +82,7 @@ where
             failures: get(&c.failures),
             dead_lettered: get(&c.dead_lettered),
             ignored: get(&c.ignored),
+            redrives_for_others: get(&c.redrives_for_others),
             reclaimed: get(&c.reclaimed),
             conflicts: get(&c.conflicts),
             redis_errors: get(&c.redis_errors),
@@ -91,6 +98,10 @@ where
             Count::Failure => (&c.failures, "outbox_consumer_failures_total"),
             Count::DeadLettered => (&c.dead_lettered, "outbox_consumer_dead_lettered_total"),
             Count::Ignored => (&c.ignored, "outbox_consumer_ignored_total"),
+            Count::RedriveForOthers => (
+                &c.redrives_for_others,
+                "outbox_consumer_redrives_for_others_total",
+            ),
             Count::Reclaimed => (&c.reclaimed, "outbox_consumer_reclaimed_total"),
             Count::Conflict => (&c.conflicts, "outbox_consumer_conflicts_total"),
             Count::RedisError => (&c.redis_errors, "outbox_consumer_redis_errors_total"),
