@@ -126,9 +126,11 @@ pub(crate) enum Command {
 
 #[cfg(feature = "serve")]
 const SERVE_HELP: &str = "\
-Binds 127.0.0.1:8080 by default. Redrive and purge (every POST) need the token of --token
-or OUTBOX_SERVE_TOKEN; without one the page is read-only, and a non-loopback --addr is
-refused. The token is never logged.
+Binds 127.0.0.1:8080 by default. With a token (--token or OUTBOX_SERVE_TOKEN), every read
+needs it too: the page asks for it once in a login form (then a session cookie), the API
+takes `Authorization: Bearer <token>`; --public-reads opens the reads. Redrive and purge
+(every POST) always need the token. Without one the page is read-only and open, and a
+non-loopback --addr is refused. /healthz is open. The token is never logged.
 
 Example:
   OUTBOX_SERVE_TOKEN=$(openssl rand -hex 16) outbox serve --redis-url redis://127.0.0.1:6379";
@@ -140,8 +142,8 @@ pub(crate) struct ServeArgs {
     /// Address to listen on. Anything but a loopback address needs --token.
     #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR")]
     pub(crate) addr: std::net::SocketAddr,
-    /// The secret every state-changing request (redrive, purge) must carry. Without it
-    /// the page is read-only.
+    /// The secret every request must carry: reads (unless --public-reads) and the
+    /// state-changing ones (redrive, purge). Without it the page is read-only.
     #[arg(
         long,
         env = "OUTBOX_SERVE_TOKEN",
@@ -149,6 +151,11 @@ pub(crate) struct ServeArgs {
         value_name = "TOKEN"
     )]
     pub(crate) token: Option<String>,
+    /// Serve the pages and the API's reads without the token, to anyone who reaches
+    /// --addr: every dead letter's payload and headers, the topics and the groups.
+    /// Redrive and purge still need the token.
+    #[arg(long)]
+    pub(crate) public_reads: bool,
     /// Redis URL, for the consumer groups and their dead-letter streams (left out
     /// without it).
     #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]

@@ -110,7 +110,8 @@ pub(crate) enum CliError {
     #[cfg(feature = "serve")]
     #[error(
         "refusing to serve on {addr} without a token: it is not a loopback address, so \
-         anyone who reaches it could redrive and purge; pass --token or set OUTBOX_SERVE_TOKEN"
+         anyone who reaches it could read every dead letter, redrive and purge; pass --token \
+         or set OUTBOX_SERVE_TOKEN"
     )]
     ServeWithoutToken {
         /// The address asked for.

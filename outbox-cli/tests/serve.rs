@@ -1,7 +1,8 @@
 //! `outbox serve` as a process: its pages and JSON API against an isolated database and
 //! streams under a unique prefix, redrive and purge with and without the token and the
 //! CSRF token, dead letters that do not decode, 4xx answers to bad input, the refusal
-//! to serve other addresses without a token and requests naming other hosts, and no
+//! to serve other addresses without a token and requests naming other hosts, reads that
+//! need the token (bearer or the session of a login) unless `--public-reads`, and no
 //! password on any page.
 #![cfg(feature = "serve")]
 
@@ -260,6 +261,126 @@ fn without_a_token_the_page_is_read_only() {
     );
     assert_eq!(status, 403);
     assert_eq!(db.status()["dead"], 2);
+}
+
+/// Every read of the pages and the API, for the dead letter `item`.
+fn reads(item: &str) -> Vec<String> {
+    let item = urlencode(item);
+    [
+        "/",
+        "/dead",
+        "/groups",
+        "/api/overview",
+        "/api/dead",
+        "/api/groups",
+    ]
+    .map(str::to_owned)
+    .into_iter()
+    .chain([
+        format!("/dead/show?item={item}"),
+        format!("/api/dead/show?item={item}"),
+        format!("/dead/confirm?action=purge&item={item}"),
+    ])
+    .collect()
+}
+
+/// A server with a token, on every address (and on loopback: a token guards reads
+/// wherever it listens), answers every read 401 without it, showing no dead letter, and
+/// serves it with the bearer token or with the session cookie a login gave.
+#[test]
+fn with_a_token_reads_need_it_or_the_session_of_a_login() {
+    let (db, streams) = scenario();
+    let item = format!("outbox:{}", db.id_of(1));
+    for ip in ["0.0.0.0", "127.0.0.1"] {
+        let server = Server::start_on(
+            ip,
+            &db.url,
+            &[
+                "--redis-url",
+                outbox_tests_redis(),
+                "--stream-prefix",
+                &streams.prefix,
+                "--token",
+                TOKEN,
+            ],
+        );
+        for path in reads(&item) {
+            for headers in [
+                vec![],
+                vec![("Authorization", "Bearer wrong")],
+                vec![("Cookie", "outbox_session=forged")],
+            ] {
+                let (status, body) = server.get_with(&path, &headers);
+                assert_eq!(status, 401, "{ip} {path} {headers:?}: {body}");
+                for shown in ["1:Ping", "9:Ping", "cli.ping", "billing", "WRONGTYPE"] {
+                    assert!(!body.contains(shown), "{ip} {path} shows {shown}: {body}");
+                }
+                let says = if path.starts_with("/api/") {
+                    "Authorization: Bearer"
+                } else {
+                    "id=\"login\""
+                };
+                assert!(body.contains(says), "{ip} {path}: {body}");
+            }
+            let bearer = format!("Bearer {TOKEN}");
+            let (status, body) = server.get_with(&path, &[("Authorization", &bearer)]);
+            assert_eq!(status, 200, "{ip} {path}: {body}");
+        }
+
+        let (status, cookie, _, page) = server.login("wrong", "/dead");
+        assert_eq!(status, 401, "{page}");
+        assert!(cookie.is_empty() && page.contains("wrong token"), "{page}");
+        let (status, cookie, location, _) = server.login(TOKEN, "/dead?topic=cli.ping");
+        assert_eq!((status, location.as_str()), (303, "/dead?topic=cli.ping"));
+        for attribute in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+            assert!(cookie.contains(attribute), "{cookie}");
+        }
+        assert!(
+            !cookie.contains(TOKEN),
+            "the cookie holds the token: {cookie}"
+        );
+        let session = cookie.split(';').next().unwrap();
+        for path in reads(&item) {
+            let (status, body) = server.get_with(&path, &[("Cookie", session)]);
+            assert_eq!(status, 200, "{ip} {path}: {body}");
+        }
+        let (_, page) = server.get_with("/dead", &[("Cookie", session)]);
+        assert!(page.contains("1:Ping") && page.contains("9:Ping"), "{page}");
+        let (_, _, location, _) = server.login(TOKEN, "//evil.example/");
+        assert_eq!(location, "/", "a login redirects within the server only");
+        assert_eq!(server.get_with("/healthz", &[]), (200, "ok\n".to_owned()));
+        assert!(!server.log().contains(TOKEN), "{}", server.log());
+    }
+}
+
+/// `--public-reads`: every read is served without the token, off loopback too; redrive
+/// and purge still need it.
+#[test]
+fn public_reads_serve_reads_without_the_token() {
+    let (db, streams) = scenario();
+    let item = format!("outbox:{}", db.id_of(1));
+    let server = Server::start_on(
+        "0.0.0.0",
+        &db.url,
+        &[
+            "--redis-url",
+            outbox_tests_redis(),
+            "--stream-prefix",
+            &streams.prefix,
+            "--token",
+            TOKEN,
+            "--public-reads",
+        ],
+    );
+    for path in reads(&item) {
+        let (status, body) = server.get_with(&path, &[]);
+        assert_eq!(status, 200, "{path}: {body}");
+    }
+    let (_, page) = server.get_with("/dead", &[]);
+    assert!(page.contains("1:Ping") && page.contains("9:Ping"), "{page}");
+    let body = json!({"items": [item]});
+    assert_eq!(server.post_json("/api/dead/purge", &body, None).0, 403);
+    assert_eq!(db.status()["dead"], 2, "nothing changed");
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! another prefix, `older_than=banana`), 404 for a dead letter that is gone, 409 for a
 //! redrive of a row that does not decode, 500 otherwise; redrive and purge take
 //! `{"items": ["outbox:17", "consumer:<id>:<dead-letter stream>"]}` and need
-//! `Authorization: Bearer <token>` (403 otherwise).
+//! `Authorization: Bearer <token>` (403 otherwise). On a server whose reads need the
+//! token, a read without it (or the page's session cookie) answers 401.
 
 use std::sync::Arc;
 

@@ -1,5 +1,12 @@
-//! Who may change state: the token (`--token` / `OUTBOX_SERVE_TOKEN`) and the forms'
-//! CSRF token.
+//! Who may read and who may change state: the token (`--token` / `OUTBOX_SERVE_TOKEN`),
+//! the session cookie and the forms' CSRF token.
+//!
+//! A server with a token serves reads (pages and API) only to who shows it, unless it was
+//! started with `--public-reads`: dead letters carry payloads and headers. The API takes
+//! `Authorization: Bearer <token>`; a browser logs in once with a form that posts the
+//! token and gets a session cookie (`HttpOnly`, `SameSite=Strict`) holding a random
+//! secret of this process, never the token: a restart ends every session. Without a token
+//! (loopback only) reads are open, as they always were.
 //!
 //! Every POST needs the token: the page's forms carry it in a password field the operator
 //! fills in at the confirmation step, the API in an `Authorization: Bearer` header. The
@@ -9,12 +16,20 @@
 //! preflight, which this server never grants. Both are compared in constant time.
 
 use axum::http::HeaderMap;
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, COOKIE};
 
-/// The token and the CSRF secret.
+/// The session cookie's name.
+const SESSION_COOKIE: &str = "outbox_session";
+
+/// The token, the CSRF secret and the session secret.
 pub(crate) struct Auth {
     token: Option<String>,
     csrf: String,
+    /// What a logged-in browser's cookie holds; distinct from the CSRF secret, which
+    /// pages show (to anyone, with public reads).
+    session: String,
+    /// `--public-reads`: reads need no token even when the server has one.
+    public_reads: bool,
 }
 
 /// Why a state-changing request was refused (answered with 403).
@@ -26,6 +41,8 @@ pub(crate) enum Denied {
     BadToken,
     /// A form without this process's CSRF token.
     BadCsrf,
+    /// A read without the token or the session cookie (answered with 401).
+    NotLoggedIn,
 }
 
 impl Denied {
@@ -35,17 +52,49 @@ impl Denied {
             Self::ReadOnly => "read-only: the server was started without --token",
             Self::BadToken => "missing or wrong token",
             Self::BadCsrf => "missing or wrong CSRF token: reload the page and try again",
+            Self::NotLoggedIn => {
+                "log in with the token: the form at /login, or `Authorization: Bearer <token>` \
+                 for the API"
+            }
         }
     }
 }
 
 impl Auth {
-    /// The token (an empty one counts as none) and a new random CSRF secret.
-    pub(crate) fn new(token: Option<String>) -> Self {
+    /// The token (an empty one counts as none), new random CSRF and session secrets.
+    pub(crate) fn new(token: Option<String>, public_reads: bool) -> Self {
         Self {
             token: token.filter(|t| !t.is_empty()),
             csrf: random_hex(32),
+            session: random_hex(32),
+            public_reads,
         }
+    }
+
+    /// Whether reads need the token: a token was set and reads were not made public.
+    pub(crate) fn reads_need_token(&self) -> bool {
+        self.has_token() && !self.public_reads
+    }
+
+    /// A read's check: open, or the bearer token, or the session cookie.
+    pub(crate) fn check_read(&self, headers: &HeaderMap) -> Result<(), Denied> {
+        let session = session_cookie(headers).unwrap_or_default();
+        if !self.reads_need_token()
+            || self.check_api(headers).is_ok()
+            || constant_time_eq(session.as_bytes(), self.session.as_bytes())
+        {
+            return Ok(());
+        }
+        Err(Denied::NotLoggedIn)
+    }
+
+    /// A login's check: the token, answered with the `Set-Cookie` value of a session.
+    pub(crate) fn login(&self, token: &str) -> Result<String, Denied> {
+        self.check_token(token)?;
+        Ok(format!(
+            "{SESSION_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
+            self.session
+        ))
     }
 
     /// Whether redrive and purge are possible at all.
@@ -86,6 +135,16 @@ impl Auth {
     }
 }
 
+/// The session cookie's value, if the request carries one.
+fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|pair| pair.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='))
+}
+
 /// Compares without stopping at the first difference, so the time taken does not tell an
 /// attacker how much of a guess was right (the length may show; the token's is no secret).
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -118,18 +177,18 @@ mod tests {
 
     #[test]
     fn forms_need_the_csrf_token_and_the_token() {
-        let auth = Auth::new(Some("s3cret".into()));
+        let auth = Auth::new(Some("s3cret".into()), false);
         let csrf = auth.csrf().to_owned();
         assert_eq!(csrf.len(), 64);
         assert_eq!(auth.check_form(&csrf, "s3cret"), Ok(()));
         assert_eq!(auth.check_form(&csrf, "s3cre"), Err(Denied::BadToken));
         assert_eq!(auth.check_form("", "s3cret"), Err(Denied::BadCsrf));
-        assert_ne!(Auth::new(None).csrf(), csrf);
+        assert_ne!(Auth::new(None, false).csrf(), csrf);
     }
 
     #[test]
     fn without_a_token_nothing_changes() {
-        let auth = Auth::new(Some(String::new()));
+        let auth = Auth::new(Some(String::new()), false);
         assert!(!auth.has_token());
         let csrf = auth.csrf().to_owned();
         assert_eq!(auth.check_form(&csrf, ""), Err(Denied::ReadOnly));
@@ -137,10 +196,37 @@ mod tests {
 
     #[test]
     fn the_api_takes_a_bearer_token() {
-        let auth = Auth::new(Some("s3cret".into()));
+        let auth = Auth::new(Some("s3cret".into()), false);
         let mut headers = HeaderMap::new();
         assert_eq!(auth.check_api(&headers), Err(Denied::BadToken));
         headers.insert(AUTHORIZATION, "Bearer s3cret".parse().unwrap());
         assert_eq!(auth.check_api(&headers), Ok(()));
+    }
+
+    #[test]
+    fn reads_need_the_bearer_token_or_the_session_cookie() {
+        let auth = Auth::new(Some("s3cret".into()), false);
+        let mut headers = HeaderMap::new();
+        assert_eq!(auth.check_read(&headers), Err(Denied::NotLoggedIn));
+        assert_eq!(auth.login("wrong"), Err(Denied::BadToken));
+        let set_cookie = auth.login("s3cret").unwrap();
+        assert!(!set_cookie.contains("s3cret"), "{set_cookie}");
+        let session = set_cookie.split(';').next().unwrap();
+        headers.insert(COOKIE, format!("a=b; {session}").parse().unwrap());
+        assert_eq!(auth.check_read(&headers), Ok(()));
+        headers.insert(COOKIE, "outbox_session=forged".parse().unwrap());
+        assert_eq!(auth.check_read(&headers), Err(Denied::NotLoggedIn));
+        headers.insert(AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        assert_eq!(auth.check_read(&headers), Ok(()));
+    }
+
+    #[test]
+    fn reads_are_open_without_a_token_or_when_made_public() {
+        let none = HeaderMap::new();
+        assert_eq!(Auth::new(None, false).check_read(&none), Ok(()));
+        assert_eq!(
+            Auth::new(Some("s3cret".into()), true).check_read(&none),
+            Ok(())
+        );
     }
 }

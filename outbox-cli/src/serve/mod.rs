@@ -11,7 +11,10 @@
 //! | `GET /dead/confirm` | | the confirmation step of a redrive or purge |
 //! | `POST /dead/redrive`, `POST /dead/purge` | `POST /api/dead/redrive`, `POST /api/dead/purge` | act on a selection (token needed) |
 //! | `GET /groups` | `GET /api/groups` | consumer groups: lag, pending, consumers, oldest pending |
+//! | `GET /login`, `POST /login` | | the login form of a server whose reads need the token |
+//! | `GET /healthz` | | `ok`, for probes: open, it reads and shows nothing |
 //!
+//! With a token, every read needs it too (see [`auth`]) unless `--public-reads` is given.
 //! The database is read on a new connection per request, on the blocking pool, as the
 //! admin endpoint's probes do. Every request must name this server in `Host` (see
 //! [`host`]).
@@ -20,6 +23,7 @@ mod api;
 mod auth;
 mod data;
 mod host;
+mod login;
 mod pages;
 
 use std::net::SocketAddr;
@@ -68,7 +72,7 @@ pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
         redis_display: args.redis_url.as_deref().map(data::redis_display),
         prefix: args.stream_prefix,
         dead_suffix: args.dead_letter_suffix,
-        auth: auth::Auth::new(args.token),
+        auth: auth::Auth::new(args.token, args.public_reads),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -93,38 +97,49 @@ async fn serve(addr: SocketAddr, app: Arc<App>, hosts: host::AllowedHosts) -> Re
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| CliError::Serve { addr, source })?;
-    let read_only = if app.auth.has_token() {
-        ""
-    } else {
-        " (read-only: no token)"
+    let access = match (app.auth.has_token(), app.auth.reads_need_token()) {
+        (false, _) => "read-only: no token",
+        (true, true) => "reads and changes need the token",
+        (true, false) => "reads public (--public-reads), changes need the token",
     };
     // The token itself is never logged.
     tracing::info!(
-        "serving the operator's page on http://{}{read_only}",
+        "serving the operator's page on http://{} ({access})",
         listener.local_addr().unwrap_or(addr)
     );
+    if !app.auth.reads_need_token() && !addr.ip().is_loopback() {
+        tracing::warn!("anyone who reaches {addr} can read every dead letter's payload");
+    }
     axum::serve(listener, router(app, hosts))
         .with_graceful_shutdown(shutdown())
         .await
         .map_err(|source| CliError::Serve { addr, source })
 }
 
-/// The pages and the API, for requests that name one of `hosts`.
+/// The pages and the API, for requests that name one of `hosts`: the reads behind the
+/// login gate, the changes checking the token themselves (403), the login and the probe
+/// open.
 fn router(app: Arc<App>, hosts: host::AllowedHosts) -> Router {
     Router::new()
         .route("/", get(pages::overview))
         .route("/dead", get(pages::dead_letters))
         .route("/dead/show", get(pages::dead_letter))
         .route("/dead/confirm", get(pages::confirm))
-        .route("/dead/redrive", post(pages::redrive))
-        .route("/dead/purge", post(pages::purge))
         .route("/groups", get(pages::groups))
         .route("/api/overview", get(api::overview))
         .route("/api/dead", get(api::dead_letters))
         .route("/api/dead/show", get(api::dead_letter))
+        .route("/api/groups", get(api::groups))
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            login::require_reader,
+        ))
+        .route("/dead/redrive", post(pages::redrive))
+        .route("/dead/purge", post(pages::purge))
         .route("/api/dead/redrive", post(api::redrive))
         .route("/api/dead/purge", post(api::purge))
-        .route("/api/groups", get(api::groups))
+        .route("/login", get(login::show).post(login::login))
+        .route("/healthz", get(|| async { "ok\n" }))
         .with_state(app)
         .layer(axum::middleware::from_fn_with_state(
             Arc::new(hosts),

@@ -22,12 +22,21 @@ pub(crate) struct Server {
     /// `http://127.0.0.1:<port>`.
     pub(crate) base: String,
     agent: ureq::Agent,
+    /// The `--token` it was started with, which [`Server::get`] sends as an operator's
+    /// script would.
+    token: Option<String>,
 }
 
 impl Server {
-    /// Starts `outbox serve` on a free port with these arguments and waits until it
-    /// listens.
+    /// Starts `outbox serve` on 127.0.0.1 and a free port with these arguments and waits
+    /// until it listens.
     pub(crate) fn start(database_url: &str, extra: &[&str]) -> Self {
+        Self::start_on("127.0.0.1", database_url, extra)
+    }
+
+    /// Starts `outbox serve` on `ip` (`0.0.0.0`: every address, off loopback) and a free
+    /// port; requests go to 127.0.0.1.
+    pub(crate) fn start_on(ip: &str, database_url: &str, extra: &[&str]) -> Self {
         let port = outbox_tests::ports::free_port();
         let log =
             std::env::temp_dir().join(format!("{}.log", outbox_tests::unique("outbox_serve")));
@@ -37,7 +46,7 @@ impl Server {
             .env_remove("OUTBOX_SERVE_TOKEN")
             .env("RUST_LOG", "info")
             .args(["--database-url", database_url, "serve", "--addr"])
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{ip}:{port}"))
             .args(extra)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
@@ -46,6 +55,7 @@ impl Server {
         outbox_tests::ports::wait_for_port(port, "outbox serve", Duration::from_secs(30));
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
+            .max_redirects(0)
             .timeout_global(Some(Duration::from_secs(30)))
             .build()
             .into();
@@ -54,18 +64,57 @@ impl Server {
             log,
             base: format!("http://127.0.0.1:{port}"),
             agent,
+            token: extra
+                .windows(2)
+                .find(|w| w[0] == "--token")
+                .map(|w| w[1].to_owned()),
         }
     }
 
-    /// `GET path`: the status and the body.
+    /// `GET path`, with the bearer token if the server has one: the status and the body.
     pub(crate) fn get(&self, path: &str) -> (u16, String) {
-        let mut resp = self
-            .agent
-            .get(format!("{}{path}", self.base))
-            .call()
-            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let bearer = self.token.as_ref().map(|t| format!("Bearer {t}"));
+        match &bearer {
+            Some(bearer) => self.get_with(path, &[("Authorization", bearer)]),
+            None => self.get_with(path, &[]),
+        }
+    }
+
+    /// `GET path` with these headers and no others: the status and the body.
+    pub(crate) fn get_with(&self, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut req = self.agent.get(format!("{}{path}", self.base));
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let mut resp = req.call().unwrap_or_else(|e| panic!("GET {path}: {e}"));
         let body = resp.body_mut().read_to_string().expect("body");
         (resp.status().as_u16(), body)
+    }
+
+    /// `POST /login` with `token` and `next`: the status, the `Set-Cookie` and
+    /// `Location` headers (empty when absent) and the body.
+    pub(crate) fn login(&self, token: &str, next: &str) -> (u16, String, String, String) {
+        let form = format!(
+            "token={}&next={}",
+            form_urlencoded::byte_serialize(token.as_bytes()).collect::<String>(),
+            form_urlencoded::byte_serialize(next.as_bytes()).collect::<String>()
+        );
+        let mut resp = self
+            .agent
+            .post(format!("{}/login", self.base))
+            .content_type("application/x-www-form-urlencoded")
+            .send(form)
+            .unwrap_or_else(|e| panic!("POST /login: {e}"));
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (cookie, location) = (header("set-cookie"), header("location"));
+        let body = resp.body_mut().read_to_string().expect("body");
+        (resp.status().as_u16(), cookie, location, body)
     }
 
     /// `GET path` that must answer 200 with JSON.
