@@ -2,7 +2,9 @@
 //! rises over the rows sent while a read-only transaction holds the xmin horizon back
 //! (what it is for), never past a row whose transaction is still open (a late commit is
 //! claimed), and a row made NEW again below it is claimed once the floor is computed
-//! from 0 again.
+//! from 0 again. It is held by no transaction of another database; it comes down at once
+//! when ids go backwards (`setval`); a redriven row is claimed at the next claim; and a
+//! key's row below it goes out before the key's later rows.
 
 mod fixtures;
 
@@ -19,6 +21,14 @@ use serde::{Deserialize, Serialize};
 struct Moved {
     #[outbox(id)]
     n: u32,
+}
+
+#[derive(Debug, Serialize, Deserialize, OutboxEvent)]
+#[outbox(key = account)]
+struct Keyed {
+    #[outbox(id)]
+    n: u32,
+    account: String,
 }
 
 fn emit(c: &mut PgConnection, ns: std::ops::Range<u32>) {
@@ -188,4 +198,115 @@ fn pg_partitioned_a_late_commit_below_the_sent_rows_is_claimed() {
 #[test]
 fn pg_a_row_made_new_below_the_floor_is_claimed_after_the_reset() {
     a_row_made_new_below_the_floor_is_claimed_after_the_reset::<Pg>();
+}
+
+/// Sends rows `0..n` and waits until the floor has passed them all: the floor, then.
+async fn floor_over_sent(c: &mut PgConnection, store: &PgRelayStore, n: u32) -> i64 {
+    emit(c, 0..n);
+    let last = id_of(c, n - 1);
+    claim_until(store, Duration::from_secs(20), |floor, sent| {
+        sent.len() == n as usize && floor > last
+    })
+    .await;
+    store.claim_floor()
+}
+
+/// `setval` on the outbox's id sequence: the next id drawn is `last + 1`.
+fn set_sequence(c: &mut PgConnection, last: i64) {
+    exec(
+        c,
+        &format!("SELECT setval(pg_get_serial_sequence('outbox', 'id'), {last})"),
+    );
+}
+
+/// A transaction holding a transaction id in the database `postgres` (another database
+/// of the same cluster) neither holds the floor back nor delays a redriven row: the row,
+/// made DEAD and redriven below the floor, goes out at the next claim.
+fn a_transaction_in_another_database_holds_nothing_back<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    let elsewhere = outbox_tests::database_url().replace("/test", "/postgres");
+    let mut other = PgConnection::establish(&elsewhere).unwrap();
+    exec(&mut other, "BEGIN; SELECT txid_current()");
+    runtime().block_on(async {
+        let store = B::store(&db);
+        let floor = floor_over_sent(&mut c, &store, 10).await;
+        let first = id_of(&mut c, 0);
+        assert!(first < floor);
+        exec(
+            &mut c,
+            &format!("UPDATE outbox SET status = 2, last_error = 'poison' WHERE id = {first}"),
+        );
+        assert_eq!(outbox_diesel::redrive(&mut c, &[first]).unwrap(), 1);
+        assert_eq!(send_due(&store).await, ["0:Moved"]);
+    });
+    exec(&mut other, "COMMIT");
+}
+
+/// The id sequence set back below the floor (as a failover to a standby behind, or a
+/// restore, would): the rows emitted then are claimed at once, not after a reset.
+fn ids_moved_back_below_the_floor_are_claimed_at_once<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        let floor = floor_over_sent(&mut c, &store, 20).await;
+        exec(&mut c, "DELETE FROM outbox");
+        set_sequence(&mut c, floor - 11);
+        emit(&mut c, 100..101);
+        assert!(id_of(&mut c, 100) < floor);
+        let sent = claim_until(&store, Duration::from_secs(5), |_, sent| !sent.is_empty()).await;
+        assert_eq!(sent, ["100:Moved"]);
+    });
+}
+
+/// Ids moved back by one, past what the sequence shows: a key's first row lands below the
+/// floor and its second at it. The second waits for the first, whatever the floor.
+fn a_key_s_row_below_the_floor_goes_out_before_its_later_row<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        let floor = floor_over_sent(&mut c, &store, 10).await;
+        exec(&mut c, "DELETE FROM outbox");
+        set_sequence(&mut c, floor - 2);
+        c.transaction(|c| {
+            c.emit_all((1..=2).map(|n| Keyed {
+                n,
+                account: "a".into(),
+            }))
+        })
+        .unwrap();
+        let sent = claim_until(&store, Duration::from_secs(45), |_, sent| sent.len() == 2).await;
+        assert_eq!(sent, ["1:Keyed", "2:Keyed"]);
+    });
+}
+
+#[test]
+fn pg_a_transaction_in_another_database_holds_nothing_back() {
+    a_transaction_in_another_database_holds_nothing_back::<Pg>();
+}
+
+#[test]
+fn pg_partitioned_a_transaction_in_another_database_holds_nothing_back() {
+    a_transaction_in_another_database_holds_nothing_back::<PgParted>();
+}
+
+#[test]
+fn pg_ids_moved_back_below_the_floor_are_claimed_at_once() {
+    ids_moved_back_below_the_floor_are_claimed_at_once::<Pg>();
+}
+
+#[test]
+fn pg_a_key_s_row_below_the_floor_goes_out_before_its_later_row() {
+    a_key_s_row_below_the_floor_goes_out_before_its_later_row::<Pg>();
 }

@@ -72,6 +72,17 @@ pub(crate) struct Dialect {
     /// (`minutes_ago`, 0 the current one), with their mean commit→publish latency:
     /// [`MinuteRow`]s.
     pub(crate) published_minutes: fn(u32) -> String,
+    /// DEAD → NEW, due now, retries reset, of the DEAD rows among these ids (an
+    /// [`in_list`]).
+    pub(crate) redrive: fn(&str) -> String,
+}
+
+/// [`Dialect::redrive`] keeping the rows' ids (MySQL, SQLite: no claim floor).
+pub(crate) fn redrive_in_place(now: &str, ids: &str) -> String {
+    format!(
+        "UPDATE outbox SET status = 0, retries = 0, next_retry_at = {now}, \
+         last_error = NULL WHERE status = 2 AND id IN ({ids})"
+    )
 }
 
 /// What `OutboxConnection` does, per backend. Crate-private and a supertrait of the
@@ -342,13 +353,7 @@ pub(crate) trait Backend: Connection + Sized {
             if ids.is_empty() {
                 return Ok(0);
             }
-            let sql = format!(
-                "UPDATE outbox SET status = 0, retries = 0, next_retry_at = {}, \
-                 last_error = NULL WHERE status = 2 AND id IN ({})",
-                Self::DIALECT.now,
-                in_list(ids)
-            );
-            Ok(c.run_sql(&sql, None)?)
+            Ok(c.run_sql(&(Self::DIALECT.redrive)(&in_list(ids)), None)?)
         };
         if let Some(ids) = ids {
             if ids.is_empty() {

@@ -44,6 +44,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              AND sent_at > UTC_TIMESTAMP(6) - INTERVAL {m} MINUTE GROUP BY minutes_ago"
         )
     },
+    redrive: |ids| super::redrive_in_place("UTC_TIMESTAMP(6)", ids),
 };
 
 /// SQL that is true when two `msg_key` expressions are the same key, byte for byte, as

@@ -87,6 +87,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              GROUP BY minutes_ago"
         )
     },
+    redrive: |ids| super::redrive_in_place(now!(), ids),
 };
 
 /// One row: `INSERT .. ON CONFLICT (msg_id) DO NOTHING` (0 rows on a duplicate), cached.

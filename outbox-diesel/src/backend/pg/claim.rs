@@ -101,7 +101,10 @@ pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL j
 /// - `b`: the NEW rows below `l`'s last id that `l` does not hold (held by another relay,
 ///   or waiting for a retry), with the first id of each key: one walk of the range the
 ///   lock step walked, on `outbox_pending`;
-/// - a row of `l` goes out only if no row of `b` with its key comes before it.
+/// - a row of `l` goes out only if no row of `b` with its key comes before it, and, with
+///   a floor, no NEW row of its key lies below the floor (`q`: a probe per row on
+///   `outbox_pending_key`; such a row appears when ids go backwards or a row is made NEW
+///   by hand, and the floor comes down under it within a reset, `ClaimFloor`).
 ///
 /// The two walks cost less than a head probe per candidate and a gap probe per key
 /// (BENCHMARKS.md, "Claim plans").
@@ -137,11 +140,26 @@ pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: i64) -> Strin
            WHERE p.status = 0 AND p.id < (SELECT max(id) FROM l){from_p} \
            AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key) \
          SELECT l.* FROM l WHERE NOT EXISTS \
-           (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id)",
+           (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id){below}",
         columns = ClaimRow::COLUMNS,
         from_o = from_floor(floor, "o"),
         from_p = from_floor(floor, "p"),
+        below = below_floor(floor),
     )
+}
+
+/// ` AND` no NEW row of `l`'s key below the floor; nothing for 0. `OFFSET 0` keeps it a
+/// probe per row: as a join, the planner (without nested loops) would hash every NEW
+/// index entry below the floor, the walk the floor is there to skip.
+fn below_floor(floor: i64) -> String {
+    if floor > 0 {
+        format!(
+            " AND NOT EXISTS (SELECT 1 FROM outbox q WHERE q.status = 0 \
+             AND q.msg_key = l.msg_key AND q.id < {floor} OFFSET 0)"
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// ` AND t.id >= floor`: the claim's walk starts at the floor (`ClaimFloor`), past the

@@ -73,6 +73,19 @@ pub(super) const DIALECT: Dialect = Dialect {
              GROUP BY 1"
         )
     },
+    // New ids, in the order of the old ones, from the id sequence: above the relay's
+    // claim floor (`ClaimFloor`), so claimed at the next poll whatever transaction is
+    // open, and after every row emitted before, as a message emitted now would be.
+    redrive: |ids| {
+        format!(
+            "WITH d AS MATERIALIZED (SELECT id FROM outbox WHERE status = 2 \
+             AND id IN ({ids}) ORDER BY id), \
+             n AS MATERIALIZED (SELECT id AS old, \
+             nextval(pg_get_serial_sequence('outbox', 'id')) AS id FROM d) \
+             UPDATE outbox o SET status = 0, retries = 0, next_retry_at = now(), \
+             last_error = NULL, id = n.id FROM n WHERE o.id = n.old AND o.status = 2"
+        )
+    },
 };
 
 mod claim;

@@ -13,22 +13,36 @@
 //! So the floor only rises over ids whose transactions have all ended:
 //!
 //! 1. The id sequence's `last_value` S is read, then the virtual transaction ids of
-//!    every open transaction (`pg_locks`, `locktype = 'virtualxid'`; any role may
-//!    read them). A transaction that drew an id at or below S began before S was read,
-//!    so it is among them or has ended.
+//!    the transactions that hold a lock on this database's `outbox` table (`pg_locks`;
+//!    any role may read it). An insert into `outbox` locks the table before its
+//!    default draws the id, and keeps the lock to its end: a transaction that drew an
+//!    id at or below S is among them, or has ended. (Only these: a transaction in
+//!    another database, or one in this database that never touched `outbox`, cannot
+//!    hold a row of it, and must not hold the floor.)
 //! 2. At a later step, once none of them that has written is left, every row up to S
 //!    is visible or never will be: the floor rises to the first NEW row at or above it,
 //!    at most S + 1. A transaction that has only read (the report, `pg_dump` holding
 //!    the horizon back) has no transaction id and does not hold the floor: the insert
 //!    that draws an id takes one in the same statement. Only an insert stalled for a
 //!    whole step between the two (a backend descheduled for a second) could be passed;
-//!    its row is then claimed at the next computation from 0 (below), late, not lost.
-//! 3. A prepared transaction (`pg_prepared_xacts`) has given up its virtual id: while
-//!    any exists, the floor stays.
+//!    its row is then claimed at the next reset (below), late, not lost.
+//! 3. A prepared transaction has given up its virtual id: while one holds a lock on
+//!    `outbox`, the floor stays.
 //!
-//! A row made NEW again below the floor (a redrive, a hand-written `UPDATE`) is found
-//! when the floor is next computed from 0, every [`RESET_EVERY`]. It waits that long at
-//! most; its key was freed when it went dead, so no later row of its key waits for it.
+//! Lowering the floor is always safe, and it comes down, at once, in three cases:
+//!
+//! - the server is another one, or restarted, or `outbox` was created again (its
+//!   postmaster start time or the table's oid changed: a failover, a restore, a crash,
+//!   which may also have lost the claims' SENT marks, committed asynchronously): to 0;
+//! - the sequence is below the floor (ids went backwards: a `setval`, a failover to an
+//!   asynchronous standby behind): to 0;
+//! - every [`RESET_EVERY`]: to the first NEW row from 0, for a row made NEW again by
+//!   hand below it (an `UPDATE`), without waiting for any transaction.
+//!
+//! A redrive gives its rows new ids, above the floor: they are claimed at the next poll.
+//! Rows of a key below the floor (ids moved back by a few, past what the sequence
+//! shows; a row made NEW by hand) hold the key's later rows back (the per-key claim
+//! looks below the floor) until the next reset lowers the floor under them.
 //!
 //! The steps run in the claim's own transaction (its connection, a savepoint), at most
 //! once per [`STEP_EVERY`]: a few index lookups, nothing on the claim's path otherwise.
@@ -47,7 +61,7 @@ use crate::Result;
 /// `pg_locks` takes every lock-manager partition's lock for a moment (a fraction of a
 /// millisecond), and only a relay that is claiming steps.
 const STEP_EVERY: Duration = Duration::from_millis(100);
-/// Time between two computations of the floor from 0.
+/// Time between two resets of the floor to the first NEW row from 0.
 pub(super) const RESET_EVERY: Duration = Duration::from_secs(30);
 
 /// The relay's floor and the step in progress.
@@ -59,6 +73,9 @@ pub(super) struct ClaimFloor {
 #[derive(Debug, Clone)]
 struct State {
     floor: i64,
+    /// The server and table the floor was computed on (see [`Server`]); `None` before
+    /// the first step.
+    identity: Option<String>,
     /// Read at the last step; the floor may rise to it once its transactions ended.
     pending: Option<Candidate>,
     next_step: Instant,
@@ -69,7 +86,7 @@ struct State {
 struct Candidate {
     /// The sequence's `last_value` when it was read.
     seq: i64,
-    /// The virtual transaction ids open just after.
+    /// The virtual transaction ids that held a lock on `outbox` just after.
     open: Vec<String>,
 }
 
@@ -77,6 +94,7 @@ struct Candidate {
 #[derive(Debug)]
 pub(super) struct Step {
     floor: i64,
+    identity: Option<String>,
     pending: Option<Candidate>,
     reset: bool,
 }
@@ -84,9 +102,11 @@ pub(super) struct Step {
 /// What a step found ([`ClaimFloor::finish`]).
 #[derive(Debug)]
 pub(super) struct Stepped {
-    /// The new floor, if the pending candidate settled.
-    floor: Option<i64>,
-    reset: bool,
+    /// The floor brought down (a reset), which replaces the floor as it is.
+    lowered: Option<i64>,
+    /// The floor raised over a settled candidate.
+    raised: Option<i64>,
+    identity: String,
     pending: Option<Candidate>,
 }
 
@@ -96,6 +116,7 @@ impl Default for ClaimFloor {
         Self {
             state: Mutex::new(State {
                 floor: 0,
+                identity: None,
                 pending: None,
                 next_step: now,
                 next_reset: now + RESET_EVERY,
@@ -121,6 +142,7 @@ impl ClaimFloor {
         s.next_step = now + STEP_EVERY;
         let step = Step {
             floor: s.floor,
+            identity: s.identity.clone(),
             pending: s.pending.clone(),
             reset: now >= s.next_reset,
         };
@@ -130,14 +152,14 @@ impl ClaimFloor {
     /// Takes what a step found.
     pub(super) fn finish(&self, stepped: Stepped) {
         let mut s = self.lock();
-        if let Some(floor) = stepped.floor {
-            if stepped.reset {
-                s.floor = floor;
-                s.next_reset = Instant::now() + RESET_EVERY;
-            } else {
-                s.floor = s.floor.max(floor);
-            }
+        if let Some(floor) = stepped.lowered {
+            s.floor = floor;
+            s.next_reset = Instant::now() + RESET_EVERY;
         }
+        if let Some(floor) = stepped.raised {
+            s.floor = s.floor.max(floor);
+        }
+        s.identity = Some(stepped.identity);
         s.pending = stepped.pending;
     }
 
@@ -161,21 +183,47 @@ impl Step {
     }
 
     fn run_in(&self, c: &mut PgConnection) -> Result<Stepped> {
+        let server = server(c)?;
         let mut stepped = Stepped {
-            floor: None,
-            reset: self.reset,
+            lowered: None,
+            raised: None,
+            identity: server.identity.clone(),
             pending: self.pending.clone(),
         };
+        let moved = self.identity.as_ref() != Some(&server.identity);
+        if moved || server.seq + 1 < self.floor {
+            // Another server, or ids that went backwards: nothing known holds, and what
+            // was pending was read there.
+            if self.identity.is_some() {
+                tracing::info!(
+                    floor = self.floor,
+                    seq = server.seq,
+                    "the claim's floor starts over from 0: {}",
+                    if moved {
+                        "the server restarted or changed, or the outbox table was created again"
+                    } else {
+                        "the id sequence went back below it"
+                    }
+                );
+            }
+            stepped.lowered = Some(0);
+            stepped.pending = candidate(c, server.seq)?;
+            return Ok(stepped);
+        }
+        let mut from = self.floor;
+        if self.reset {
+            from = first_new(c, 0, self.floor)?;
+            stepped.lowered = Some(from);
+        }
         if let Some(candidate) = &self.pending {
             if still_open(c, &candidate.open)? {
                 return Ok(stepped);
             }
-            let from = if self.reset { 0 } else { self.floor };
-            stepped.floor = Some(first_new(c, from, candidate.seq + 1)?);
+            stepped.raised = Some(first_new(c, from, candidate.seq + 1)?);
             stepped.pending = None;
         }
         if stepped.pending.is_none() {
-            stepped.pending = candidate(c)?;
+            stepped.pending = candidate(c, server.seq)?;
         }
         Ok(stepped)
     }
@@ -201,17 +249,43 @@ struct Open {
     prepared: bool,
 }
 
-/// Whether any of `open` that has written (holds a transaction id) is still running, or
-/// any transaction is prepared. A transaction that has not written cannot hold a row:
-/// the insert that draws an id takes a transaction id in the same statement.
-fn still_open(c: &mut PgConnection, open: &[String]) -> Result<bool> {
+/// Where the floor is computed, read at the start of each step.
+#[derive(QueryableByName)]
+struct Server {
+    /// The server's start time and the `outbox` table's oid: a failover, a restore, a
+    /// restart or a table created again changes it (any role may read both).
+    #[diesel(sql_type = Text)]
+    identity: String,
+    /// The id sequence's `last_value` (0 before its first id).
+    #[diesel(sql_type = BigInt)]
+    seq: i64,
+}
+
+fn server(c: &mut PgConnection) -> Result<Server> {
     Ok(diesel::sql_query(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks v JOIN pg_locks x \
-           ON x.virtualtransaction = v.virtualtransaction AND x.locktype = 'transactionid' \
-           AND x.mode = 'ExclusiveLock' AND x.granted \
-         WHERE v.locktype = 'virtualxid' AND v.virtualxid = ANY($1)) \
-         OR EXISTS (SELECT 1 FROM pg_prepared_xacts) AS b",
+        "SELECT pg_postmaster_start_time()::text || ' ' || 'outbox'::regclass::oid::text \
+         AS identity, COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')\
+         ::regclass), 0) AS seq",
     )
+    .get_result(c)?)
+}
+
+/// The locks on this database's `outbox` table, in `pg_locks` (a relation's oid is
+/// unique only within its database).
+const OUTBOX_LOCKS: &str = "FROM pg_locks WHERE locktype = 'relation' \
+     AND relation = 'outbox'::regclass \
+     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// Whether any of `open` that has written (holds a transaction id) is still running, or
+/// a prepared transaction holds a lock on `outbox`. A transaction that has not written
+/// cannot hold a row: the insert that draws an id takes a transaction id in the same
+/// statement.
+fn still_open(c: &mut PgConnection, open: &[String]) -> Result<bool> {
+    Ok(diesel::sql_query(format!(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' \
+           AND mode = 'ExclusiveLock' AND granted AND virtualtransaction = ANY($1)) \
+         OR EXISTS (SELECT 1 {OUTBOX_LOCKS} AND pid IS NULL) AS b"
+    ))
     .bind::<Array<Text>, _>(open)
     .get_result::<B>(c)?
     .b)
@@ -230,19 +304,14 @@ fn first_new(c: &mut PgConnection, from: i64, cap: i64) -> Result<i64> {
     .n)
 }
 
-/// The sequence's `last_value`, then the transactions open: the next candidate (none
-/// while a transaction is prepared).
-fn candidate(c: &mut PgConnection) -> Result<Option<Candidate>> {
-    let seq = diesel::sql_query(
-        "SELECT COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')::regclass), 0) AS n",
-    )
-    .get_result::<N>(c)?
-    .n;
-    // A statement of its own, after the sequence's: see the module docs.
-    let open = diesel::sql_query(
-        "SELECT ARRAY(SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' \
-         AND virtualxid IS NOT NULL) AS open, EXISTS (SELECT 1 FROM pg_prepared_xacts) AS prepared",
-    )
+/// The transactions holding a lock on `outbox` after the sequence's `seq` was read (in
+/// an earlier statement: see the module docs): the next candidate (none while a
+/// prepared transaction holds one; its `pid` is null).
+fn candidate(c: &mut PgConnection, seq: i64) -> Result<Option<Candidate>> {
+    let open = diesel::sql_query(format!(
+        "SELECT ARRAY(SELECT DISTINCT virtualtransaction {OUTBOX_LOCKS} AND pid IS NOT NULL) \
+         AS open, EXISTS (SELECT 1 {OUTBOX_LOCKS} AND pid IS NULL) AS prepared"
+    ))
     .get_result::<Open>(c)?;
     Ok((!open.prepared).then_some(Candidate {
         seq,
