@@ -4,6 +4,7 @@
 use std::fmt;
 
 use diesel::{Connection as _, PgConnection};
+use outbox_core::redact_url;
 
 /// `REDIS_URL`, or the local Redis.
 pub fn redis_url() -> String {
@@ -55,7 +56,7 @@ fn first_line(e: &dyn fmt::Display) -> String {
 pub async fn redis(url: &str) -> Result<redis::aio::MultiplexedConnection, Unreachable> {
     let unreachable = |e: redis::RedisError| Unreachable {
         service: "Redis",
-        url: redact(url),
+        url: redact_url(url),
         env: "REDIS_URL",
         cause: first_line(&e),
     };
@@ -75,44 +76,8 @@ pub async fn redis(url: &str) -> Result<redis::aio::MultiplexedConnection, Unrea
 pub fn postgres(url: &str) -> Result<PgConnection, Unreachable> {
     PgConnection::establish(url).map_err(|e| Unreachable {
         service: "PostgreSQL",
-        url: redact(url),
+        url: redact_url(url),
         env: "DATABASE_URL",
         cause: first_line(&e),
     })
-}
-
-/// `url` with its password hidden (`user:***@host`, `password=***`), for messages.
-pub fn redact(url: &str) -> String {
-    let mut out = url.to_owned();
-    if let Some(start) = out.find("://").map(|i| i + 3) {
-        let end = out[start..]
-            .find(['/', '?'])
-            .map_or(out.len(), |i| start + i);
-        if let Some(at) = out[start..end].rfind('@').map(|i| start + i)
-            && let Some(colon) = out[start..at].find(':').map(|i| start + i)
-        {
-            out.replace_range(colon + 1..at, "***");
-        }
-    }
-    if let Some(p) = out.find("password=").map(|i| i + "password=".len()) {
-        let end = out[p..].find('&').map_or(out.len(), |i| p + i);
-        out.replace_range(p..end, "***");
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_hidden() {
-        assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
-        assert_eq!(redact("postgres://u:p@h/db"), "postgres://u:***@h/db");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(
-            redact("postgres://h/db?password=x&a=b"),
-            "postgres://h/db?password=***&a=b"
-        );
-    }
 }

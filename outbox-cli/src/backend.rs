@@ -145,25 +145,7 @@ fn is_sqlite_file(path: &str) -> bool {
         .any(|ext| lower.ends_with(ext))
 }
 
-/// Hides the password of `scheme://user:password@host/…` and of a `password=` parameter.
-pub(crate) fn redact(url: &str) -> String {
-    let mut out = url.to_owned();
-    if let Some(start) = out.find("://").map(|i| i + 3) {
-        let end = out[start..]
-            .find(['/', '?'])
-            .map_or(out.len(), |i| start + i);
-        if let Some(at) = out[start..end].rfind('@').map(|i| start + i)
-            && let Some(colon) = out[start..at].find(':').map(|i| start + i)
-        {
-            out.replace_range(colon + 1..at, "***");
-        }
-    }
-    if let Some(p) = out.find("password=").map(|i| i + "password=".len()) {
-        let end = out[p..].find('&').map_or(out.len(), |i| p + i);
-        out.replace_range(p..end, "***");
-    }
-    out
-}
+pub(crate) use outbox_core::redact_url as redact;
 
 #[cfg(test)]
 mod tests {
@@ -207,19 +189,5 @@ mod tests {
             let err = Database::parse(url).unwrap_err();
             assert!(matches!(err, CliError::UnsupportedUrl(_)), "{url}: {err}");
         }
-    }
-
-    #[test]
-    fn passwords_are_hidden() {
-        assert_eq!(
-            redact("postgres://u:secret@h:5432/db"),
-            "postgres://u:***@h:5432/db"
-        );
-        assert_eq!(redact("mysql://u@h/db"), "mysql://u@h/db");
-        assert_eq!(
-            redact("postgres://h/db?user=u&password=secret&x=1"),
-            "postgres://h/db?user=u&password=***&x=1"
-        );
-        assert_eq!(redact("/tmp/a:b@c.db"), "/tmp/a:b@c.db");
     }
 }

@@ -27,6 +27,7 @@ mod message;
 mod msg_id;
 mod partition;
 mod publish;
+mod redact;
 mod relay;
 mod retry;
 mod store;
@@ -50,6 +51,7 @@ pub use message::{
 pub use msg_id::{InvalidMsgId, MAX_MSG_ID_LEN, MsgId};
 pub use partition::{MAX_PARTITIONS, Partitions, partition_of};
 pub use publish::{PublishOutcomes, Publisher, RejectKind, Rejected};
+pub use redact::redact_url;
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::{OutageBackoff, RetryDecision, RetryPolicy};
 pub use store::{Backlog, ClaimedBatch, DeadRow, RelayBatchOutcome, RelayStore, RetryRow};

@@ -54,7 +54,7 @@ async fn run(postgres: bool) -> Result<(), BoxError> {
         prepare(&pool)?;
         println!(
             "PostgreSQL (schema {SCHEMA}) + Redis {}\n",
-            services::redact(&redis_url)
+            outbox_core::redact_url(&redis_url)
         );
         let store = PgRelayStore::new(pool.clone()).with_listener(url);
         scenario::run(pool, store, &redis_url, STREAM_PREFIX, say).await?;
@@ -66,7 +66,7 @@ async fn run(postgres: bool) -> Result<(), BoxError> {
         println!(
             "SQLite {} + Redis {}\n",
             path.display(),
-            services::redact(&redis_url)
+            outbox_core::redact_url(&redis_url)
         );
         let store = SqliteRelayStore::new(pool.clone())?;
         scenario::run(pool, store, &redis_url, STREAM_PREFIX, say).await?;
