@@ -34,13 +34,38 @@ const MAINTENANCE_TRY_LOCK: &str = "SELECT pg_try_advisory_lock(1869968486, \
      (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox'))) AS locked";
 const MAINTENANCE_UNLOCK: &str = "SELECT pg_advisory_unlock(1869968486, \
      (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox'))) AS locked";
-/// How long creating or attaching a partition waits for a table lock before it gives up
-/// until the next run (ATTACH takes `SHARE UPDATE EXCLUSIVE`: it waits only for
-/// `VACUUM`, `ANALYZE` and DDL, never for emits or claims).
+/// One maker of partitions ahead at a time per schema, whether or not it holds the
+/// maintenance lock: a transaction lock, so a maker that stops ends with its transaction.
+const AHEAD_LOCK: &str = "SELECT pg_advisory_xact_lock(1869968487, \
+     (SELECT relnamespace::int FROM pg_class WHERE oid = to_regclass('outbox')))";
+/// How long creating, attaching or dropping a partition waits for a table lock before it
+/// gives up until the next run (ATTACH takes `SHARE UPDATE EXCLUSIVE` on the parent: it
+/// waits only for `VACUUM`, `ANALYZE`, DDL and a `DETACH .. CONCURRENTLY`, never for
+/// emits or claims; a `DROP` may wait behind a `pg_dump`).
 const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a maintenance session may sit idle, between statements or in a transaction,
+/// before the server ends it (`idle_session_timeout`, PostgreSQL 14): a maintainer stopped
+/// (SIGSTOP, a paused VM) would otherwise keep the maintenance lock for as long as its
+/// connection lives. A running one sends its next statement at once.
+const IDLE_LIMIT: Duration = Duration::from_secs(10);
 /// How long `DETACH .. CONCURRENTLY` waits for the transactions that may still see the
 /// partition (a long report, `pg_dump`) before it gives up until the next run.
 const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// The first open transaction that may still write to partition `$1`, which ends at `$2`:
+/// a session of this database whose transaction began before that end (a row's time is
+/// its transaction's start), or whose start this role may not see (another role's,
+/// without `pg_read_all_stats`); or a prepared transaction that wrote to it.
+const OPEN_WRITER: &str = "SELECT coalesce((SELECT CASE WHEN a.xact_start IS NULL \
+     THEN format('a transaction of another role is open (pid %s; grant pg_read_all_stats \
+     to see when it began)', a.pid) \
+     ELSE format('a transaction open since %s may still write to it (pid %s)', a.xact_start, a.pid) END \
+     FROM pg_stat_activity a WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() \
+     AND a.backend_type IS DISTINCT FROM 'autovacuum worker' \
+     AND (a.xact_start < $2 OR a.xact_start IS NULL AND EXISTS (SELECT 1 FROM pg_locks v \
+     WHERE v.pid = a.pid AND v.locktype = 'virtualxid')) LIMIT 1), \
+     (SELECT 'a prepared transaction wrote to it' FROM pg_locks l \
+     WHERE l.pid IS NULL AND l.relation = to_regclass($1) AND l.mode = 'RowExclusiveLock' \
+     LIMIT 1)) AS reason";
 /// Longest interval and retention a policy takes.
 const MAX_POLICY_SECS: u64 = 100 * 365 * 86_400;
 
@@ -154,7 +179,8 @@ pub struct PartitionReport {
     /// Steps that failed (a lock not granted in time, a range already taken), with the
     /// error; the next run tries again.
     pub failed: Vec<(String, String)>,
-    /// Another maintenance run was in progress (another relay): this one did nothing.
+    /// Another maintenance run was in progress (another relay): this one only made the
+    /// partitions ahead.
     pub busy: bool,
 }
 
@@ -297,15 +323,22 @@ pub fn partitions(conn: &mut PgConnection) -> Result<Vec<Partition>> {
 }
 
 /// Keeps the partitioned tables: creates the current partition and the policy's `premake`
-/// after it (first, for every table), finishes an interrupted detach, and detaches (`CONCURRENTLY`, so emits
-/// and claims never wait) and drops every partition whose range ended `retention` ago,
-/// unless it still holds NEW or DEAD rows (those are never removed: it is kept, and
-/// reported, until they are sent, re-driven or purged). Rows are never deleted.
+/// after it (first, for every table, even while another run holds the maintenance lock),
+/// finishes an interrupted detach, and detaches (`CONCURRENTLY`, so emits and claims
+/// never wait) and drops every partition whose range ended `retention` ago. Rows are
+/// never deleted, and no NEW or DEAD row leaves the claim's view: a partition that holds
+/// one is kept (and reported) until it is sent, re-driven or purged; one that an open
+/// transaction begun before its end may still write to is kept until that transaction
+/// ends; one detached with such a row in it (a detach interrupted, a transaction that
+/// committed while the detach waited for it) is attached back.
 ///
-/// Does nothing on the unpartitioned layout, or while another run holds the maintenance
-/// lock (another relay: [`PartitionReport::busy`]). A step that fails (a lock not granted
-/// in time) is reported in [`PartitionReport::failed`] and tried again by the next run.
-/// Run it outside a transaction: `DETACH .. CONCURRENTLY` cannot run inside one.
+/// Does nothing on the unpartitioned layout. While another run holds the maintenance
+/// lock (another relay: [`PartitionReport::busy`]) it makes the partitions ahead only. A
+/// step that fails (a lock not granted in time) is reported in
+/// [`PartitionReport::failed`] and tried again by the next run. Run it outside a
+/// transaction: `DETACH .. CONCURRENTLY` cannot run inside one. A run whose process stops
+/// (SIGSTOP, a paused VM) holds the maintenance lock for at most its statement's own
+/// limit (a detach's 30 s) and 10 s more: the server then ends its idle session.
 ///
 /// The relay ([`PgRelayStore`](crate::PgRelayStore)) runs it at its first claim and then
 /// every quarter interval (at most every 10 minutes); `outbox partitions maintain` runs
@@ -319,33 +352,42 @@ fn maintain(conn: &mut PgConnection, lock: &str) -> Result<PartitionReport> {
     let Some(policy) = partition_policy(conn)? else {
         return Ok(PartitionReport::default());
     };
-    if !advisory_lock(conn, lock)? {
-        return Ok(PartitionReport {
-            busy: true,
-            ..PartitionReport::default()
-        });
-    }
     let mut report = PartitionReport::default();
-    // Every table's partitions ahead first (after the leftovers that may hold their
-    // names): a DETACH below may wait for old transactions (up to DETACH_TIMEOUT), and an
-    // insert whose time has no partition fails.
-    let kept = TABLES
-        .iter()
-        .try_for_each(|table| {
-            drop_orphans(conn, table, &mut report)?;
-            let now = db_clock(conn)?;
-            create_ahead(conn, table, &policy, now, &mut report)
-        })
-        .and_then(|()| {
-            TABLES
+    // Every table's partitions ahead first, whoever holds the maintenance lock: its
+    // holder may have stopped, and a DETACH below may wait for old transactions (up to
+    // DETACH_TIMEOUT); an insert whose time has no partition fails.
+    for table in &TABLES {
+        let now = db_clock(conn)?;
+        create_ahead(conn, table, &policy, now, &mut report)?;
+    }
+    // A stopped holder's idle session is ended by the server, and its lock with it.
+    conn.batch_execute(&format!(
+        "SET idle_session_timeout = {ms}; SET idle_in_transaction_session_timeout = {ms}",
+        ms = IDLE_LIMIT.as_millis()
+    ))?;
+    let retired = match advisory_lock(conn, lock) {
+        Ok(true) => {
+            let retired = TABLES
                 .iter()
-                .try_for_each(|table| retire(conn, table, &policy, &mut report))
-        });
-    let _ = advisory_lock(conn, MAINTENANCE_UNLOCK);
-    kept.map(|()| report)
+                .try_for_each(|table| retire(conn, table, &policy, &mut report));
+            advisory_lock(conn, MAINTENANCE_UNLOCK).and(retired)
+        }
+        Ok(false) => {
+            report.busy = true;
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    // The connection may go back to a pool: its sessions must not be ended when idle.
+    let reset =
+        conn.batch_execute("RESET idle_session_timeout; RESET idle_in_transaction_session_timeout");
+    retired?;
+    reset?;
+    Ok(report)
 }
 
-/// Finishes interrupted detaches, drops leftovers and the expired partitions of `table`.
+/// Finishes interrupted detaches, settles detached leftovers, then detaches and drops the
+/// expired partitions of `table`.
 fn retire(
     conn: &mut PgConnection,
     table: &Table,
@@ -361,13 +403,19 @@ fn retire(
             report.failed.push((p.name.clone(), error_text(&e)));
         }
     }
-    drop_orphans(conn, table, report)?;
+    if settle_orphans(conn, table, policy, report)? {
+        // The partitions ahead that an orphan's name held back.
+        let now = db_clock(conn)?;
+        create_ahead(conn, table, policy, now, report)?;
+    }
     let now = db_clock(conn)?;
     drop_expired(conn, table, policy, now, report)
 }
 
 /// Creates the partitions from the current one to `premake` after it, from where the
-/// last one ends (a gap left while no maintenance ran is not filled: its time is past).
+/// last one ends (a gap left while no maintenance ran is not filled: its time is past),
+/// in one transaction under [`AHEAD_LOCK`]. Stops at the first that fails: the others
+/// would wait for the same lock.
 fn create_ahead(
     conn: &mut PgConnection,
     table: &Table,
@@ -375,6 +423,39 @@ fn create_ahead(
     now: DateTime<Utc>,
     report: &mut PartitionReport,
 ) -> Result<()> {
+    let made = conn.transaction(|c| {
+        c.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             {AHEAD_LOCK}",
+            LOCK_TIMEOUT.as_millis(),
+            IDLE_LIMIT.as_millis()
+        ))?;
+        // Read under the lock: another maker may have made some since.
+        for (name, from, to) in missing_ahead(c, table, policy, now)? {
+            match c.transaction(|c| create_partition(c, table, &name, from, to)) {
+                Ok(()) => report.created.push(name),
+                Err(e) => {
+                    report.failed.push((name, error_text(&e)));
+                    break;
+                }
+            }
+        }
+        Ok::<_, Error>(())
+    });
+    if let Err(e) = made {
+        report.failed.push((table.name.to_owned(), error_text(&e)));
+    }
+    Ok(())
+}
+
+/// The partitions ahead that `table` lacks: `(name, from, to)`, but those whose name an
+/// orphan holds (the run that holds the maintenance lock settles it first).
+fn missing_ahead(
+    conn: &mut PgConnection,
+    table: &Table,
+    policy: &PartitionPolicy,
+    now: DateTime<Utc>,
+) -> Result<Vec<(String, DateTime<Utc>, DateTime<Utc>)>> {
     let step = policy.interval.as_secs() as i64 * 1_000_000;
     let now_us = now.timestamp_micros();
     let current = now_us.div_euclid(step) * step;
@@ -385,24 +466,25 @@ fn create_ahead(
         .map(|to| to.timestamp_micros())
         .max();
     let mut from = last_end.map_or(current, |end| end.max(current));
+    let orphans = orphans(conn, table)?;
+    let mut missing = Vec::new();
     while from < until {
         let to = (from.div_euclid(step) + 1) * step;
         let (Some(start), Some(end)) = (micros(from), micros(to)) else {
             break;
         };
         let name = format!("{}_p{}", table.name, start.format("%Y%m%dt%H%M%S"));
-        match create_partition(conn, table, &name, start, end) {
-            Ok(()) => report.created.push(name),
-            Err(e) => report.failed.push((name, error_text(&e))),
+        if !orphans.contains(&name) {
+            missing.push((name, start, end));
         }
         from = to;
     }
-    Ok(())
+    Ok(missing)
 }
 
 /// Creates `name` apart with its unique indexes, then attaches it (which takes only
 /// `SHARE UPDATE EXCLUSIVE` on the parent, where `CREATE TABLE .. PARTITION OF` would
-/// take `ACCESS EXCLUSIVE` and stop emits while it waits), in one transaction.
+/// take `ACCESS EXCLUSIVE` and stop emits while it waits). Run in a transaction.
 fn create_partition(
     conn: &mut PgConnection,
     table: &Table,
@@ -424,7 +506,7 @@ fn create_partition(
         literal(to),
         t = table.name
     );
-    conn.transaction(|c| c.batch_execute(&sql))?;
+    conn.batch_execute(&sql)?;
     Ok(())
 }
 
@@ -443,7 +525,13 @@ fn drop_expired(
         .into_iter()
         .filter(|p| !p.detaching && p.to.is_some_and(|to| to <= cutoff));
     for p in expired {
-        if let Some(reason) = live_rows(conn, table, &p.name)? {
+        // Not detached under a transaction that may still write to it: the detach
+        // would not wait for one that has not written yet, whose insert would then fail.
+        let keep = match live_rows(conn, table, &p.name)? {
+            Some(reason) => Some(reason),
+            None => open_writer(conn, &p)?,
+        };
+        if let Some(reason) = keep {
             report.kept.push((p.name, reason));
             continue;
         }
@@ -451,61 +539,122 @@ fn drop_expired(
             "ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY",
             table.name, p.name
         );
-        if let Err(e) = with_statement_timeout(conn, DETACH_TIMEOUT, &detach) {
-            report.failed.push((p.name, error_text(&e)));
-            continue;
+        match with_statement_timeout(conn, DETACH_TIMEOUT, &detach) {
+            // What a transaction the look above did not see wrote goes back.
+            Ok(()) => settle(conn, table, &p.name, p.from, p.to, report)?,
+            Err(e) => report.failed.push((p.name, error_text(&e))),
         }
-        // Nothing writes to a partition whose time is past, but a hand-written insert
-        // could: what the look before the detach did not see goes back.
-        if let Some(reason) = live_rows(conn, table, &p.name)? {
-            let bound = |t: Option<DateTime<Utc>>| t.map_or("MINVALUE".to_owned(), literal);
-            conn.batch_execute(&format!(
-                "ALTER TABLE {} ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})",
-                table.name,
-                p.name,
-                bound(p.from),
-                bound(p.to)
-            ))?;
-            report.kept.push((p.name, reason));
-            continue;
-        }
-        conn.batch_execute(&format!("DROP TABLE {}", p.name))?;
-        report.dropped.push(p.name);
     }
     Ok(())
 }
 
-/// Drops the partitions a run detached but did not drop (its process ended in between):
-/// tables named as this module names partitions that are no longer attached. One that
-/// holds NEW or DEAD rows is left and reported.
-fn drop_orphans(
+/// Why an open transaction may still write to partition `p` ([`OPEN_WRITER`]), if one may.
+fn open_writer(conn: &mut PgConnection, p: &Partition) -> Result<Option<String>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Nullable<Text>)]
+        reason: Option<String>,
+    }
+    let Some(to) = p.to else { return Ok(None) };
+    let row: Row = diesel::sql_query(OPEN_WRITER)
+        .bind::<Text, _>(&p.name)
+        .bind::<Timestamptz, _>(to)
+        .get_result(conn)?;
+    Ok(row.reason)
+}
+
+/// A detached partition `name` of `table` (range `from`..`to`, `None` where unknown):
+/// dropped if it holds no NEW and no DEAD row, else attached back, so that its rows are
+/// claimed again. A step that fails (a lock not granted in time) is reported; the next
+/// run finds the table as an orphan and settles it again.
+fn settle(
     conn: &mut PgConnection,
     table: &Table,
+    name: &str,
+    from: Option<DateTime<Utc>>,
+    to: Option<DateTime<Utc>>,
     report: &mut PartitionReport,
 ) -> Result<()> {
+    let Some(reason) = live_rows(conn, table, name)? else {
+        match with_lock_timeout(conn, &format!("DROP TABLE {name}")) {
+            Ok(()) => report.dropped.push(name.to_owned()),
+            Err(e) => report.failed.push((name.to_owned(), error_text(&e))),
+        }
+        return Ok(());
+    };
+    let Some(to) = to else {
+        report.kept.push((
+            name.to_owned(),
+            format!("detached, {reason}: no range to attach it back to"),
+        ));
+        return Ok(());
+    };
+    let bound = |t: Option<DateTime<Utc>>| t.map_or("MINVALUE".to_owned(), literal);
+    let attach = format!(
+        "ALTER TABLE {} ATTACH PARTITION {name} FOR VALUES FROM ({}) TO ({})",
+        table.name,
+        bound(from),
+        literal(to)
+    );
+    match with_lock_timeout(conn, &attach) {
+        Ok(()) => report
+            .kept
+            .push((name.to_owned(), format!("attached back, {reason}"))),
+        Err(e) => report.failed.push((name.to_owned(), error_text(&e))),
+    }
+    Ok(())
+}
+
+/// Settles the partitions a run detached but did not drop (its process ended in between,
+/// or a transaction committed into a partition whose detach it held up): tables named as
+/// this module names partitions that are no longer attached. Newest first, each attached
+/// back up to the partition after it: its name gives its start (none for the legacy
+/// table), the next attached partition its end. Whether there were any.
+fn settle_orphans(
+    conn: &mut PgConnection,
+    table: &Table,
+    policy: &PartitionPolicy,
+    report: &mut PartitionReport,
+) -> Result<bool> {
+    let orphans = orphans(conn, table)?;
+    for name in &orphans {
+        let from = chrono::NaiveDateTime::parse_from_str(
+            name.trim_start_matches(table.name).trim_start_matches("_p"),
+            "%Y%m%dt%H%M%S",
+        )
+        .ok()
+        .map(|t| t.and_utc());
+        let next = partitions_of(conn, table)?
+            .into_iter()
+            .filter_map(|p| p.from)
+            .filter(|&start| from.is_none_or(|from| start > from))
+            .min();
+        let interval = chrono::Duration::from_std(policy.interval).ok();
+        let to = next.or_else(|| {
+            from.zip(interval)
+                .and_then(|(f, i)| f.checked_add_signed(i))
+        });
+        settle(conn, table, name, from, to, report)?;
+    }
+    Ok(!orphans.is_empty())
+}
+
+/// The tables of `table`'s schema named as its partitions but not attached, newest first.
+fn orphans(conn: &mut PgConnection, table: &Table) -> Result<Vec<String>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = Text)]
         name: String,
     }
-    let orphans: Vec<Row> = diesel::sql_query(
+    let rows: Vec<Row> = diesel::sql_query(
         "SELECT c.relname::text AS name FROM pg_class c \
          WHERE c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass($1)) \
          AND c.relkind = 'r' AND NOT c.relispartition \
-         AND c.relname ~ ('^' || $1 || '_(p[0-9]{8}t[0-9]{6}|legacy)$')",
+         AND c.relname ~ ('^' || $1 || '_(p[0-9]{8}t[0-9]{6}|legacy)$') ORDER BY 1 DESC",
     )
     .bind::<Text, _>(table.name)
     .load(conn)?;
-    for Row { name } in orphans {
-        match live_rows(conn, table, &name)? {
-            Some(reason) => report.kept.push((name, format!("detached, {reason}"))),
-            None => {
-                conn.batch_execute(&format!("DROP TABLE {name}"))?;
-                report.dropped.push(name);
-            }
-        }
-    }
-    Ok(())
+    Ok(rows.into_iter().map(|r| r.name).collect())
 }
 
 /// Why partition `name` must be kept: the NEW and DEAD rows it holds (counted on their
@@ -613,6 +762,13 @@ fn with_statement_timeout(conn: &mut PgConnection, timeout: Duration, sql: &str)
     let reset = conn.batch_execute("RESET statement_timeout");
     ran?;
     Ok(reset?)
+}
+
+/// Runs `sql` in a transaction of its own with a `lock_timeout` of [`LOCK_TIMEOUT`].
+fn with_lock_timeout(conn: &mut PgConnection, sql: &str) -> Result<()> {
+    let timeout = LOCK_TIMEOUT.as_millis();
+    conn.transaction(|c| c.batch_execute(&format!("SET LOCAL lock_timeout = {timeout}; {sql}")))?;
+    Ok(())
 }
 
 /// Runs `sql`, one of the `MAINTENANCE_*` statements.

@@ -8,6 +8,7 @@ mod fixtures;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use diesel::connection::SimpleConnection;
 use diesel::sql_types::Text;
 use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
 use fixtures::{Backend, Pg, PgParted, TestDb, exec, runtime};
@@ -85,6 +86,46 @@ fn maintain(c: &mut PgConnection) -> PartitionReport {
     assert_eq!(report.failed, [], "{report:?}");
     assert!(!report.busy);
     report
+}
+
+/// Maintains until every partition of `names` is dropped (a transaction of another test
+/// on the shared server, begun before a partition's end, keeps it while it is open); the
+/// run that dropped the last of them.
+fn maintain_until_dropped(c: &mut PgConnection, names: &[&str]) -> PartitionReport {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut dropped = Vec::new();
+    loop {
+        let report = maintain(c);
+        dropped.extend(report.dropped.iter().cloned());
+        if names.iter().all(|n| dropped.iter().any(|d| d == n)) {
+            return report;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{names:?} not dropped: {report:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Claims every due row and marks it SENT; their msg_ids.
+fn claim_all(db: &TestDb) -> Vec<String> {
+    let store = Pg::store(db);
+    runtime().block_on(async {
+        let batch = store.claim(100).await.unwrap();
+        let ids: Vec<String> = batch
+            .messages()
+            .iter()
+            .map(|m| m.envelope.msg_id.to_string())
+            .collect();
+        let sent = batch.messages().iter().map(|m| m.id).collect();
+        let outcome = outbox_core::RelayBatchOutcome {
+            sent,
+            ..Default::default()
+        };
+        batch.complete(outcome).await.unwrap();
+        ids
+    })
 }
 
 /// A second emit of a msg_id emitted earlier (in an earlier partition on the partitioned
@@ -211,8 +252,7 @@ fn maintenance_drops_expired_partitions_but_never_new_or_dead_rows() {
     let consumed_before = names(&mut c, "consumed_msg");
     std::thread::sleep(Duration::from_millis(2100));
 
-    let report = maintain(&mut c);
-    assert!(report.dropped.contains(&sent), "{report:?}");
+    let report = maintain_until_dropped(&mut c, &[&sent]);
     let kept: Vec<&str> = report.kept.iter().map(|(n, _)| n.as_str()).collect();
     assert!(
         kept.contains(&new.as_str()) && kept.contains(&dead.as_str()),
@@ -250,23 +290,21 @@ fn maintenance_drops_expired_partitions_but_never_new_or_dead_rows() {
     );
     let dead_id = Pg::scalar(&mut c, "SELECT id AS n FROM outbox WHERE status = 2");
     assert_eq!(outbox_diesel::purge_dead(&mut c, &[dead_id]).unwrap(), 1);
-    let report = maintain(&mut c);
-    assert!(
-        report.dropped.contains(&new) && report.dropped.contains(&dead),
-        "{report:?}"
-    );
+    maintain_until_dropped(&mut c, &[&new, &dead]);
     assert_eq!(Pg::scalar(&mut c, "SELECT count(*) AS n FROM outbox"), 0);
 }
 
-/// A detach that waits for an old transaction still reading the expired partition does
-/// not hold up the partitions ahead: maintenance makes every table's first, so emits and
-/// inbox inserts find their partition while the detach waits.
+/// A detach that waits for a transaction still reading the expired partition (begun after
+/// its end: one begun before would keep it) does not hold up the partitions ahead:
+/// maintenance makes every table's first, so emits and inbox inserts find their
+/// partition while the detach waits.
 #[test]
 fn partitions_ahead_are_made_before_a_detach_waits() {
     let (db, mut c) = partitioned(&seconds(2, 1));
     c.transaction(|c| c.emit(paid("old")).map(drop)).unwrap();
     exec(&mut c, "UPDATE outbox SET status = 1, sent_at = now()");
     let old = partition_of(&mut c, &msg("old"));
+    next_second(&mut c);
     let mut reader = Pg::connect(&db);
     exec(&mut reader, "BEGIN; SELECT count(*) FROM outbox");
     // Past the partitions made ahead (2 of a second), and the old one expired.
@@ -306,10 +344,11 @@ fn partitions_ahead_are_made_before_a_detach_waits() {
 }
 
 /// A partition detached by a run that ended before dropping it (its process killed) is
-/// dropped by the next run; one that holds a NEW row is left alone and reported.
+/// dropped by the next run; one that holds a NEW row is attached back, and its row is
+/// claimed.
 #[test]
 fn a_detached_leftover_is_dropped_unless_it_holds_new_rows() {
-    let (_db, mut c) = partitioned(&seconds(3, 3600));
+    let (db, mut c) = partitioned(&seconds(3, 3600));
     c.transaction(|c| c.emit(paid("left")).map(drop)).unwrap();
     let holding = partition_of(&mut c, &msg("left"));
     let empty = names(&mut c, "outbox").pop().unwrap();
@@ -325,13 +364,75 @@ fn a_detached_leftover_is_dropped_unless_it_holds_new_rows() {
         report
             .kept
             .iter()
-            .any(|(n, why)| *n == holding && why.contains("1 NEW")),
+            .any(|(n, why)| *n == holding && why.contains("attached back, holds 1 NEW")),
         "{report:?}"
     );
-    assert_eq!(
-        Pg::scalar(&mut c, &format!("SELECT count(*) AS n FROM {holding}")),
-        1
+    assert!(names(&mut c, "outbox").contains(&holding));
+    assert_eq!(claim_all(&db), [msg("left")]);
+}
+
+/// A detach whose session is killed while it waits for a transaction that wrote to the
+/// partition leaves it detach-pending; that transaction then commits its row there,
+/// which no claim sees. The next run finishes the detach and attaches the partition
+/// back: the row is claimed.
+#[test]
+fn a_row_committed_into_a_detach_pending_partition_is_claimed() {
+    let (db, mut c) = partitioned(&seconds(3, 3600));
+    let mut writer = Pg::connect(&db);
+    exec(&mut writer, "BEGIN");
+    writer.emit(paid("late")).unwrap();
+    let part = partition_of(&mut writer, &msg("late"));
+    let mut detacher = Pg::connect(&db);
+    let pid = Pg::scalar(&mut detacher, "SELECT pg_backend_pid()::int8 AS n");
+    let detach = std::thread::spawn(move || {
+        let sql = format!("ALTER TABLE outbox DETACH PARTITION {part} CONCURRENTLY");
+        detacher.batch_execute(&sql).unwrap_err()
+    });
+    let waiting = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = {pid} AND wait_event_type = 'Lock'"
     );
+    while Pg::scalar(&mut c, &waiting) == 0 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    exec(&mut c, &format!("SELECT pg_terminate_backend({pid})"));
+    detach.join().unwrap();
+    exec(&mut writer, "COMMIT");
+    assert!(
+        outbox_diesel::partitions(&mut c)
+            .unwrap()
+            .iter()
+            .any(|p| p.detaching),
+        "the detach was left pending"
+    );
+    assert_eq!(
+        claim_all(&db),
+        Vec::<String>::new(),
+        "invisible while pending"
+    );
+
+    maintain(&mut c);
+    assert_eq!(claim_all(&db), [msg("late")]);
+}
+
+/// A transaction begun before its partition's end, still open when the partition expires:
+/// the partition is not detached under it (its emit, which goes to the partition of its
+/// start, would fail), and its row, committed later, is claimed.
+#[test]
+fn a_transaction_open_across_the_retention_boundary_emits_and_is_claimed() {
+    let (db, mut c) = partitioned(&seconds(3, 1));
+    let mut writer = Pg::connect(&db);
+    exec(&mut writer, "BEGIN; SELECT 1");
+    // Its start's partition has ended, and its retention too.
+    std::thread::sleep(Duration::from_millis(2500));
+    maintain(&mut c);
+    writer.emit(paid("long")).unwrap();
+    let part = partition_of(&mut writer, &msg("long"));
+    std::thread::sleep(Duration::from_millis(1000));
+    let report = maintain(&mut c);
+    assert!(report.kept.iter().any(|(n, _)| *n == part), "{report:?}");
+    exec(&mut writer, "COMMIT");
+    maintain(&mut c);
+    assert_eq!(claim_all(&db), [msg("long")]);
 }
 
 /// An unpartitioned outbox becomes the first partition with its rows and ids: its NEW
@@ -399,11 +500,7 @@ fn an_unpartitioned_table_is_converted_with_its_rows() {
 
     // Once expired, the legacy partition, all SENT now, goes; ids go on from the sequence.
     std::thread::sleep(Duration::from_millis(2100));
-    let report = maintain(&mut c);
-    assert!(
-        report.dropped.iter().any(|n| n == "outbox_legacy"),
-        "{report:?}"
-    );
+    maintain_until_dropped(&mut c, &["outbox_legacy"]);
     c.transaction(|c| c.emit(paid("later")).map(drop)).unwrap();
     assert!(
         Pg::scalar(
