@@ -317,6 +317,22 @@ mod tests {
     }
 
     #[test]
+    fn a_redrive_is_for_the_group_it_names_alone() {
+        let plain = as_map(&entry_fields(&envelope()));
+        assert_eq!(redriven_for_another(&plain, "billing"), None);
+        let mut redriven = plain;
+        redriven.insert(
+            REDRIVE_GROUP_FIELD.into(),
+            Value::BulkString(b"ledger".to_vec()),
+        );
+        assert_eq!(redriven_for_another(&redriven, "ledger"), None);
+        assert_eq!(
+            redriven_for_another(&redriven, "billing").as_deref(),
+            Some("ledger")
+        );
+    }
+
+    #[test]
     fn optional_fields_default() {
         let fields = as_map(&[
             ("msg_id", "order-7:OrderPaid"),
