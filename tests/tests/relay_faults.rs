@@ -23,7 +23,7 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{Durability, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, redis_url, unique_prefix};
+use outbox_tests::{Isolated, ScratchRedis, ScratchSentinel, redis_url, unique_prefix};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history, with a filler that sets the entry's size.
@@ -568,6 +568,111 @@ async fn an_unmet_replica_wait_marks_nothing_sent_and_spends_no_retry() {
         .with_config(config(1))
         .unwrap();
     assert_eq!(run_claiming(&relay).await.unwrap().sent, 3);
+}
+
+/// Issue 34 §7: `Durability::Replicas { replicas: 1, timeout: 1 s }` on a primary whose
+/// only replica was SIGKILLed (the primary and replica of a `ScratchSentinel`; the
+/// sentinels see no failover to make). Every `WAIT` is unmet, an outage: the rows stay
+/// NEW. The relay used to append the same batch again at each try, one per backoff, for
+/// as long as no replica came back; now one unmet wait appends at most one batch and the
+/// tries after it write nothing until the replicas have caught up. The state is held for
+/// longer than every backoff; once a replica is back every message is on the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_replica_left_an_unmet_wait_appends_its_batch_once() {
+    const BATCH: usize = 50;
+    const HOLD: Duration = Duration::from_secs(130);
+    let mut servers = tokio::task::block_in_place(ScratchSentinel::start);
+    let [primary, replica] = servers.data_ports();
+    let env = Env::with_redis(format!("redis://127.0.0.1:{primary}"));
+    let publisher = env.publisher(
+        env.publisher_config()
+            .with_durability(Durability::Replicas {
+                replicas: 1,
+                timeout: Duration::from_secs(1),
+            }),
+    );
+    // The default outage backoff (up to 5 s): the pace of a relay in production.
+    let relay = Relay::new(env.store(), publisher)
+        .with_config(RelayConfig::default().with_batch_size(BATCH))
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let steps =
+        |seqs: std::ops::Range<u32>| seqs.map(|seq| step(&format!("acct{}", seq % 4), seq, 10));
+    let new_rows = || env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status = 0");
+    let mut admin = redis_conn(&env.redis).await;
+    env.emit(steps(0..100));
+    let deadline = Instant::now() + PATIENCE;
+    while new_rows() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the first 100 were not published"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let len: usize = admin.xlen(env.stream()).await.unwrap();
+    assert_eq!(len, 100);
+
+    servers.kill(1);
+    env.emit(steps(100..300));
+    let until = Instant::now() + HOLD;
+    let mut longest = 0;
+    while Instant::now() < until {
+        let len: usize = admin.xlen(env.stream()).await.unwrap();
+        longest = longest.max(len);
+        assert!(
+            len <= 100 + BATCH,
+            "{len} entries for the 100 published and 200 waiting: without a replica the \
+             relay appends what it already appended"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(new_rows(), 200, "an unmet wait publishes nothing");
+    assert_eq!(
+        env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE retries > 0 OR status = 2"),
+        0,
+        "an outage spends no retry"
+    );
+
+    tokio::task::block_in_place(|| {
+        servers.start_data(1, Some(primary), "");
+        servers.wait_replica_synced(replica, primary);
+    });
+    let deadline = Instant::now() + PATIENCE;
+    while new_rows() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "not published once a replica is back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    let entries = env.entries().await;
+    eprintln!(
+        "no replica for {HOLD:?}: at most {longest} entries; after: {} for 300 messages",
+        entries.len()
+    );
+    let distinct: std::collections::BTreeSet<&String> = entries.iter().collect();
+    let all: std::collections::BTreeSet<String> = (0..300)
+        .map(|seq| format!("acct{}-{seq}:Step", seq % 4))
+        .collect();
+    assert_eq!(
+        distinct,
+        all.iter().collect(),
+        "every message on the stream"
+    );
+    assert!(
+        entries.len() <= 300 + BATCH,
+        "{} entries for 300 messages: at most the one batch of the unmet wait twice",
+        entries.len()
+    );
 }
 
 /// `Durability::Aof` on a Redis before 7.2 (no `WAITAOF`) stops the relay with a

@@ -28,9 +28,13 @@ pub enum Durability {
     /// After each pipeline, `WAIT replicas timeout`: the entries count as published only
     /// once `replicas` replicas have acknowledged them. Fewer within `timeout` is an
     /// outage: the messages stay NEW, spend no retry, and are published again later (a
-    /// duplicate on the stream for each, which consumers skip by `msg_id`). This narrows,
-    /// but does not close, the window of a failover losing an entry: Redis replication
-    /// stays asynchronous, and an acknowledging replica may itself not have fsynced.
+    /// duplicate on the stream for each, which consumers skip by `msg_id`). Until the
+    /// replicas have acknowledged what it wrote, the publisher writes nothing more: its
+    /// next tries repeat the wait alone (on a new connection, at the start or after an
+    /// outage, that counts the replicas in sync), so a primary left without replicas
+    /// gets one copy of a batch, not one per try. This narrows, but does not close, the
+    /// window of a failover losing an entry: Redis replication stays asynchronous, and
+    /// an acknowledging replica may itself not have fsynced.
     Replicas {
         /// How many replicas must acknowledge (`WAIT`'s `numreplicas`).
         replicas: u32,
@@ -41,8 +45,9 @@ pub enum Durability {
     /// After each pipeline, `WAITAOF numlocal numreplicas timeout` (Redis 7.2 or later):
     /// the entries count as published only once they are fsynced to the primary's AOF
     /// (`local`) and to the AOF of `replicas` replicas. Not reached within `timeout` is an
-    /// outage, as for [`Replicas`](Self::Replicas). A server without `WAITAOF` (before
-    /// 7.2), or `local` on a server without `appendonly yes`, stops the relay with
+    /// outage, as for [`Replicas`](Self::Replicas), and the same wait, alone, comes
+    /// before the next write. A server without `WAITAOF` (before 7.2), or `local` on a
+    /// server without `appendonly yes`, stops the relay with
     /// [`outbox_core::Error::Config`] before anything is written.
     Aof {
         /// Whether the primary must have fsynced its own AOF (`numlocal` 1).

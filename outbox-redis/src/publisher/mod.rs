@@ -34,6 +34,10 @@ pub struct RedisPublisher {
     durability_checked: AtomicBool,
     /// Whether the partition counts are recorded in `<prefix>partitions`.
     partitions_recorded: AtomicBool,
+    /// Whether the replicas must show they have caught up before the next write (see
+    /// [`replicas_behind`](Self::replicas_behind)): true at the start, after an outage
+    /// and after an unmet durability wait.
+    catch_up_first: AtomicBool,
 }
 
 impl RedisPublisher {
@@ -82,6 +86,7 @@ impl RedisPublisher {
             pipeline_bytes: AtomicUsize::new(config.max_pipeline_bytes),
             durability_checked: AtomicBool::new(false),
             partitions_recorded: AtomicBool::new(false),
+            catch_up_first: AtomicBool::new(true),
             config,
         })
     }
@@ -99,6 +104,7 @@ impl RedisPublisher {
         self.pipeline_bytes = AtomicUsize::new(config.max_pipeline_bytes);
         self.durability_checked = AtomicBool::new(false);
         self.partitions_recorded = AtomicBool::new(false);
+        self.catch_up_first = AtomicBool::new(true);
         self.config = config;
         Ok(self)
     }
@@ -162,9 +168,77 @@ impl RedisPublisher {
 
     /// After an outage: the server may have come back without its data (a restart
     /// without persistence, a failover to an empty replica), so the partition counts are
-    /// recorded again at the next publish (one `HSET`).
+    /// recorded again at the next publish (one `HSET`); and it may have come back
+    /// without replicas, so they are checked before the next write.
     fn outage_seen(&self) {
         self.partitions_recorded.store(false, Ordering::Relaxed);
+        self.catch_up_first.store(true, Ordering::Relaxed);
+    }
+
+    /// Before writing at the start, after an outage or after an unmet durability wait:
+    /// the durability wait alone, on each part's node (the read of the part's first
+    /// stream routes it there on a cluster). On the connection that wrote before, it
+    /// waits for the replicas to acknowledge those writes; on a new connection it counts
+    /// the replicas in sync. Returns, per part, why it must not be written now.
+    ///
+    /// Why before and not only after: an unmet wait after the `XADD`s leaves the entries
+    /// on the stream while their rows stay NEW. Without this check every try of the
+    /// relay (one per backoff) would append the same batch again for as long as the
+    /// replicas stay away; with it, an unmet wait appends at most one batch, and the
+    /// tries that follow write nothing until the replicas have caught up.
+    async fn replicas_behind(
+        &self,
+        conn: &mut Conn,
+        streams: &Streams,
+        parts: &[Vec<(Vec<usize>, usize)>],
+    ) -> Vec<Option<String>> {
+        let Some((wait, _)) = self.config.durability.command() else {
+            return vec![None; parts.len()];
+        };
+        if !self.catch_up_first.load(Ordering::Relaxed) {
+            return vec![None; parts.len()];
+        }
+        let pipes = (parts.iter())
+            .map(|part| {
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors()
+                    .cmd("XLEN")
+                    .arg(streams.of(part[0].0[0]))
+                    .add_command(wait.clone());
+                pipe
+            })
+            .collect();
+        let mut behind = Vec::with_capacity(parts.len());
+        for result in query_all::<Vec<RedisResult<Value>>>(conn, pipes).await {
+            let unmet = match result.map(|mut replies| replies.pop()) {
+                Ok(Some(waited)) => self.unmet(waited),
+                Ok(None) => Some("no reply to the durability wait".to_owned()),
+                Err(e) => {
+                    self.outage_seen();
+                    self.conn.check(&e).await;
+                    Some(e.to_string())
+                }
+            };
+            behind.push(unmet.map(|r| format!("the replicas lag behind earlier writes: {r}")));
+        }
+        if behind.iter().all(Option::is_none) {
+            self.catch_up_first.store(false, Ordering::Relaxed);
+        } else {
+            metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
+        }
+        behind
+    }
+
+    /// Why the reply to a durability wait shows it unmet, if it does.
+    fn unmet(&self, waited: RedisResult<Value>) -> Option<String> {
+        match waited {
+            Ok(reply) => self.config.durability.unmet(&reply),
+            Err(e) if is_outage(&e) => Some(e.to_string()),
+            Err(e) => Some(format!(
+                "durability {}",
+                unsupported(&self.config.durability, &e)
+            )),
+        }
     }
 
     /// Records the configured partition counts in `<prefix>partitions` (`HSET`), once in
@@ -402,8 +476,9 @@ impl Publisher for RedisPublisher {
         self.record_partitions(&mut conn).await?;
 
         let mut outcomes = Answers::new(batch.len());
-        // A part stops at its first pipeline that fails; the rest of it is not sent.
-        let mut stopped: Vec<Option<String>> = vec![None; parts.len()];
+        // A part stops at its first pipeline that fails; the rest of it is not sent. A
+        // part whose replicas lag behind is not sent at all.
+        let mut stopped = self.replicas_behind(&mut conn, &streams, &parts).await;
         let mut timed_out = false;
         let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
         for round in 0..rounds {
@@ -455,14 +530,14 @@ impl Publisher for RedisPublisher {
         if !timed_out {
             self.grow();
         }
-        // The pipelines after a failed one were not sent.
+        // The pipelines after a failed one (or after replicas found behind) were not sent.
         for (p, reason) in stopped.iter().enumerate() {
             let Some(reason) = reason else { continue };
             for (part, _) in &parts[p] {
                 for &i in part {
                     outcomes.unanswered(i, || {
                         Rejected::unavailable(format!(
-                            "not sent: an earlier pipeline failed: {reason}"
+                            "not sent after an earlier failure: {reason}"
                         ))
                     });
                 }
@@ -591,17 +666,10 @@ impl RedisPublisher {
                 }
             });
         }
-        // An unmet wait: the entries are on the primary, but not as durable as asked.
-        let unmet = match waited {
-            None => None,
-            Some(Ok(reply)) => self.config.durability.unmet(&reply),
-            Some(Err(e)) if is_outage(&e) => Some(e.to_string()),
-            Some(Err(e)) => Some(format!(
-                "durability {}",
-                unsupported(&self.config.durability, &e)
-            )),
-        };
-        if let Some(reason) = unmet {
+        // An unmet wait: the entries are on the primary, but not as durable as asked;
+        // nothing more is written until the replicas have caught up.
+        if let Some(reason) = waited.and_then(|w| self.unmet(w)) {
+            self.catch_up_first.store(true, Ordering::Relaxed);
             metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
             for o in &mut out {
                 if o.is_ok() {
