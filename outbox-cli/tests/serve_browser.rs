@@ -4,7 +4,8 @@
 //! (clicking through the confirmation and typing the token), and the test checks the
 //! database and the streams afterwards. A second run sees a dead letter that does not
 //! decode, is refused its redrive and purges it, types a bad filter, and opens the page
-//! by a rebound host name. With `OUTBOX_SCREENSHOTS=docs/serve` (a path
+//! by a rebound host name. A third logs in to a server on every address before it sees
+//! any dead letter, and sees them at once on one started with `--public-reads`. With `OUTBOX_SCREENSHOTS=docs/serve` (a path
 //! relative to the workspace) it saves PNG screenshots of the pages there.
 #![cfg(feature = "serve")]
 
@@ -111,6 +112,19 @@ async fn click(client: &Client, css: &str) {
         .unwrap_or_else(|e| panic!("click `{css}`: {e}"));
 }
 
+/// On the login form the server answers with: types `token` and logs in.
+async fn log_in(client: &Client, token: &str) {
+    client
+        .wait()
+        .for_element(Locator::Css("#login-token"))
+        .await
+        .expect("the login form")
+        .send_keys(token)
+        .await
+        .expect("type the token");
+    click(client, "#login-button").await;
+}
+
 /// On the confirmation page: checks what it lists, types the token and confirms.
 async fn confirm(client: &Client, items: &[&str]) -> String {
     let listed = text(client, "#confirm-items").await;
@@ -183,6 +197,7 @@ async fn redrive_and_purge_in_a_browser() {
     let base = &server.base;
 
     client.goto(&format!("{base}/")).await.expect("overview");
+    log_in(&client, TOKEN).await;
     assert!(text(&client, "#dead").await.contains('2'));
     snap(&client, "overview").await;
 
@@ -271,6 +286,7 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
         .goto(&format!("{base}/dead"))
         .await
         .expect("dead letters");
+    log_in(&client, TOKEN).await;
     let row = text(&client, "tr.unreadable").await;
     assert!(
         row.contains("acc <b>bad</b> id")
@@ -338,7 +354,8 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
             .contains("older_than `banana`")
     );
 
-    // The same server by a rebound name: refused; by localhost: served.
+    // The same server by a rebound name: refused; by localhost (a site of its own, so
+    // a login of its own): served.
     client
         .goto(&format!("http://rebind.example:{port}/dead"))
         .await
@@ -353,6 +370,69 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
         .goto(&format!("http://localhost:{port}/dead"))
         .await
         .expect("localhost page");
+    log_in(&client, TOKEN).await;
     assert!(text(&client, "#outbox-dead").await.contains("2:Ping"));
+    client.close().await.expect("close the browser");
+}
+
+/// A server on every address with a token shows no dead letter before a login: the
+/// login form, a wrong token refused, then the token and the page asked for with the
+/// dead letters of the outbox and of a consumer, and their details (the session cookie
+/// holds across pages). The same with `--public-reads`: the dead letters at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_off_loopback_need_a_login_unless_public_in_a_browser() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=2);
+    db.kill(&[1]);
+    let redis = redis_url();
+    let streams = Streams::new(&redis);
+    let serve = |extra: &[&str]| {
+        let mut args = vec![
+            "--redis-url",
+            &redis,
+            "--stream-prefix",
+            &streams.prefix,
+            "--token",
+            TOKEN,
+        ];
+        args.extend_from_slice(extra);
+        Server::start_on("0.0.0.0", &db.url, &args)
+    };
+    let guarded = serve(&[]);
+    let driver = Chromedriver::start();
+    let client = browser(&driver, &[]).await;
+
+    let asked = format!("{}/dead?type=Ping", guarded.base);
+    client.goto(&asked).await.expect("dead letters");
+    let body = text(&client, "body").await;
+    assert!(
+        body.contains("Log in") && !body.contains("1:Ping"),
+        "{body}"
+    );
+    snap(&client, "login").await;
+    log_in(&client, "wrong").await;
+    let refused = text(&client, "#refused").await;
+    assert!(refused.contains("wrong token"), "{refused}");
+    assert!(!text(&client, "body").await.contains("1:Ping"));
+    log_in(&client, TOKEN).await;
+    assert!(text(&client, "#outbox-dead").await.contains("1:Ping"));
+    assert!(text(&client, "#consumer-dead").await.contains("9:Ping"));
+    assert_eq!(client.current_url().await.unwrap().as_str(), asked);
+    click(&client, "#consumer-dead a").await;
+    assert!(text(&client, "#payload").await.contains("\"n\": 9"));
+
+    let public = serve(&["--public-reads"]);
+    client
+        .delete_all_cookies()
+        .await
+        .expect("forget the session");
+    client
+        .goto(&format!("{}/dead", public.base))
+        .await
+        .expect("dead letters");
+    assert!(text(&client, "#outbox-dead").await.contains("1:Ping"));
+    assert!(text(&client, "#consumer-dead").await.contains("9:Ping"));
+    assert!(client.find(Locator::Css("#login")).await.is_err());
     client.close().await.expect("close the browser");
 }
