@@ -15,6 +15,7 @@
 //! | `GET /healthz` | | `ok`, for probes: open, it reads and shows nothing |
 //!
 //! With a token, every read needs it too (see [`auth`]) unless `--public-reads` is given.
+//!
 //! The database is read on a new connection per request, on the blocking pool, as the
 //! admin endpoint's probes do. Every request must name this server in `Host` (see
 //! [`host`]).
