@@ -1,12 +1,15 @@
 //! `outbox migrate --partitioned` and `outbox partitions` on PostgreSQL: an unpartitioned
 //! outbox converted while a relay process publishes and emits go on, with nothing lost or
-//! doubled; other backends refused with a clear error.
+//! doubled; a maintenance process stopped while it holds the maintenance lock holds up
+//! neither the partitions ahead nor, for long, the next run; other backends refused with
+//! a clear error.
 
 mod fixtures;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use fixtures::process::Background;
 use fixtures::relay::{Streams, start_relay};
 use fixtures::{Engine, TestDb};
 use predicates::str::contains;
@@ -104,6 +107,68 @@ fn a_live_outbox_is_partitioned_with_nothing_lost_or_doubled() {
         .args(["partitions", "maintain"])
         .assert()
         .success();
+}
+
+/// `outbox partitions maintain` SIGSTOPped while it holds the maintenance lock (caught
+/// dropping an orphan that a reader keeps locked): emits go on for longer than the
+/// partitions made ahead last, all of them find their partition (other runs make them),
+/// and the next run gets the lock once the server has ended the stopped one's session.
+#[test]
+fn a_stopped_maintenance_run_holds_up_neither_emits_nor_the_next_run() {
+    use diesel::Connection as _;
+    use outbox_diesel::Emit as _;
+    let db = &TestDb::postgres();
+    db.outbox()
+        .args(["migrate", "--partitioned", "--partition-interval", "1s"])
+        .args(["--premake", "2", "--retention", "1h"])
+        .assert()
+        .success();
+    let orphan = "outbox_p20200101t000000";
+    db.exec(&format!("CREATE TABLE {orphan} (LIKE outbox)"));
+    let mut reader = diesel::PgConnection::establish(&db.url).unwrap();
+    diesel::connection::SimpleConnection::batch_execute(
+        &mut reader,
+        &format!("BEGIN; SELECT count(*) FROM {orphan}"),
+    )
+    .unwrap();
+    let holder = Background::spawn(
+        &["--database-url", &db.url, "partitions", "maintain"],
+        "info",
+    );
+    let dropping = format!(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%DROP TABLE {orphan}%' AND datname = current_database()"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while db.scalar(&dropping) == 0 {
+        assert!(std::time::Instant::now() < deadline, "{}", holder.log());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    holder.signal("STOP");
+
+    // 6 s of emits, past the 3 s the partitions ahead cover; a run beside them as a
+    // relay's would be, every 250 ms.
+    let mut c = diesel::PgConnection::establish(&db.url).unwrap();
+    let mut m = diesel::PgConnection::establish(&db.url).unwrap();
+    let mut failed = Vec::new();
+    for n in 1..=60u32 {
+        if n % 3 == 0 {
+            outbox_diesel::maintain_partitions(&mut m).unwrap();
+        }
+        if let Err(e) = c.transaction(|c| c.emit(fixtures::Ping { n }).map(drop)) {
+            failed.push(format!("{n}: {e}"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(failed, Vec::<String>::new(), "emits failed");
+
+    // The stopped run's lock is released within its lock wait and idle limit (5 + 10 s).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while outbox_diesel::maintain_partitions(&mut m).unwrap().busy {
+        assert!(std::time::Instant::now() < deadline, "still busy");
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    holder.signal("CONT");
 }
 
 #[test]

@@ -30,7 +30,10 @@ pub(super) fn run(
             let report = outbox_diesel::maintain_partitions(c)?;
             print_report(out, &report)?;
             if report.busy {
-                writeln!(out, "another maintenance run is in progress; nothing done")?;
+                writeln!(
+                    out,
+                    "another maintenance run is in progress; made the partitions ahead only"
+                )?;
             }
             match report.failed.len() {
                 0 => Ok(()),
