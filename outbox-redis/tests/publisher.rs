@@ -359,7 +359,8 @@ async fn waiting_for_zero_replicas_publishes() {
 }
 
 /// `WAIT 1` on a server without replicas times out: the entries are not counted as
-/// published, as an outage (no retry spent), never as the messages' own failure.
+/// published, as an outage (no retry spent), never as the messages' own failure. Nor are
+/// they written: before its first write the publisher counts the replicas in sync.
 #[tokio::test]
 async fn waiting_for_a_missing_replica_is_an_outage() {
     let mut c = conn().await;
@@ -393,6 +394,10 @@ async fn waiting_for_a_missing_replica_is_an_outage() {
             .to_string()
             .contains("0 of 1 replicas"),
         "{err}"
+    );
+    assert!(
+        msg_ids(&format!("{prefix}order.paid")).await.is_empty(),
+        "nothing written"
     );
     cleanup(&prefix).await;
 }
