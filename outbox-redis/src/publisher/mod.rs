@@ -177,8 +177,9 @@ impl RedisPublisher {
 
     /// Before writing at the start, after an outage or after an unmet durability wait:
     /// the durability wait alone, on each part's node (the read of the part's first
-    /// stream routes it there on a cluster). On the connection that wrote before, it
-    /// waits for the replicas to acknowledge those writes; on a new connection it counts
+    /// stream routes it there on a cluster). `WAIT` counts the replicas that have
+    /// acknowledged the last write of its own client: on the connection that wrote
+    /// before, it waits for those writes; on a new connection (no write yet) it counts
     /// the replicas in sync. Returns, per part, why it must not be written now.
     ///
     /// Why before and not only after: an unmet wait after the `XADD`s leaves the entries
