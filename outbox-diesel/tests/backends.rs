@@ -573,6 +573,14 @@ fn operations_queries<B: Backend>() {
     );
     let r = record::<B>(&mut conn, "t-3");
     assert_eq!((r.status, r.retries, r.last_error), (Status::New, 0, None));
+    // PostgreSQL gives a redriven row a new id, after every row emitted before (above
+    // the relay's claim floor); the others keep it.
+    let redriven = r.id;
+    if B::NAME.starts_with("PostgreSQL") {
+        assert!(redriven > ids[3], "{redriven} after {ids:?}");
+    } else {
+        assert_eq!(redriven, ids[2]);
+    }
     assert_eq!(outbox_diesel::redrive_all(&mut conn).unwrap(), 0);
     assert_eq!(
         outbox_diesel::purge_dead(&mut conn, &[ids[0]]).unwrap(),
@@ -585,11 +593,14 @@ fn operations_queries<B: Backend>() {
         sent: vec![],
         retry: vec![],
         dead: vec![DeadRow {
-            id: ids[2],
+            id: redriven,
             error: "poison".into(),
         }],
     });
-    assert_eq!(outbox_diesel::purge_dead(&mut conn, &[ids[2]]).unwrap(), 1);
+    assert_eq!(
+        outbox_diesel::purge_dead(&mut conn, &[redriven]).unwrap(),
+        1
+    );
 
     // SENT retention: nothing is old enough; then everything is, in batches of one.
     assert_eq!(

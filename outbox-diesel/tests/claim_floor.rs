@@ -200,12 +200,17 @@ fn pg_a_row_made_new_below_the_floor_is_claimed_after_the_reset() {
     a_row_made_new_below_the_floor_is_claimed_after_the_reset::<Pg>();
 }
 
-/// Sends rows `0..n` and waits until the floor has passed them all: the floor, then.
-async fn floor_over_sent(c: &mut PgConnection, store: &PgRelayStore, n: u32) -> i64 {
-    emit(c, 0..n);
-    let last = id_of(c, n - 1);
+/// Emits and sends rows `ns` and waits until the floor has passed them all: the floor,
+/// then.
+async fn floor_over_sent(
+    c: &mut PgConnection,
+    store: &PgRelayStore,
+    ns: std::ops::Range<u32>,
+) -> i64 {
+    emit(c, ns.clone());
+    let last = id_of(c, ns.end - 1);
     claim_until(store, Duration::from_secs(20), |floor, sent| {
-        sent.len() == n as usize && floor > last
+        sent.len() == ns.len() && floor > last
     })
     .await;
     store.claim_floor()
@@ -233,7 +238,7 @@ where
     exec(&mut other, "BEGIN; SELECT txid_current()");
     runtime().block_on(async {
         let store = B::store(&db);
-        let floor = floor_over_sent(&mut c, &store, 10).await;
+        let floor = floor_over_sent(&mut c, &store, 0..10).await;
         let first = id_of(&mut c, 0);
         assert!(first < floor);
         exec(
@@ -256,13 +261,45 @@ where
     let mut c = B::connect(&db);
     runtime().block_on(async {
         let store = B::store(&db);
-        let floor = floor_over_sent(&mut c, &store, 20).await;
+        let floor = floor_over_sent(&mut c, &store, 0..20).await;
         exec(&mut c, "DELETE FROM outbox");
         set_sequence(&mut c, floor - 11);
         emit(&mut c, 100..101);
         assert!(id_of(&mut c, 100) < floor);
         let sent = claim_until(&store, Duration::from_secs(5), |_, sent| !sent.is_empty()).await;
         assert_eq!(sent, ["100:Moved"]);
+    });
+}
+
+/// The table restored from a copy taken while rows 0..10 were NEW, after the floor
+/// passed them and rows 10..20, the sequence left where it was (only the table is
+/// new): the restored rows are claimed at once.
+fn rows_restored_below_the_floor_are_claimed_at_once<B>()
+where
+    B: Backend<Conn = PgConnection, Store = PgRelayStore>,
+{
+    let db = B::create();
+    let mut c = B::connect(&db);
+    emit(&mut c, 0..10);
+    exec(&mut c, "CREATE TABLE saved AS SELECT * FROM outbox");
+    let last = id_of(&mut c, 9);
+    runtime().block_on(async {
+        let store = B::store(&db);
+        claim_until(&store, Duration::from_secs(20), |floor, sent| {
+            sent.len() == 10 && floor > last
+        })
+        .await;
+        let floor = floor_over_sent(&mut c, &store, 10..20).await;
+        exec(
+            &mut c,
+            "ALTER TABLE outbox RENAME TO outbox_before; \
+             CREATE TABLE outbox (LIKE outbox_before INCLUDING ALL); \
+             ALTER SEQUENCE outbox_id_seq OWNED BY outbox.id; DROP TABLE outbox_before; \
+             INSERT INTO outbox SELECT * FROM saved",
+        );
+        assert!(id_of(&mut c, 9) < floor);
+        let sent = claim_until(&store, Duration::from_secs(5), |_, sent| sent.len() == 10).await;
+        assert_eq!(sent.len(), 10, "{sent:?}");
     });
 }
 
@@ -276,7 +313,7 @@ where
     let mut c = B::connect(&db);
     runtime().block_on(async {
         let store = B::store(&db);
-        let floor = floor_over_sent(&mut c, &store, 10).await;
+        let floor = floor_over_sent(&mut c, &store, 0..10).await;
         exec(&mut c, "DELETE FROM outbox");
         set_sequence(&mut c, floor - 2);
         c.transaction(|c| {
@@ -286,7 +323,7 @@ where
             }))
         })
         .unwrap();
-        let sent = claim_until(&store, Duration::from_secs(45), |_, sent| sent.len() == 2).await;
+        let sent = claim_until(&store, Duration::from_secs(5), |_, sent| sent.len() == 2).await;
         assert_eq!(sent, ["1:Keyed", "2:Keyed"]);
     });
 }
@@ -304,6 +341,11 @@ fn pg_partitioned_a_transaction_in_another_database_holds_nothing_back() {
 #[test]
 fn pg_ids_moved_back_below_the_floor_are_claimed_at_once() {
     ids_moved_back_below_the_floor_are_claimed_at_once::<Pg>();
+}
+
+#[test]
+fn pg_rows_restored_below_the_floor_are_claimed_at_once() {
+    rows_restored_below_the_floor_are_claimed_at_once::<Pg>();
 }
 
 #[test]

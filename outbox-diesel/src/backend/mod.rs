@@ -77,6 +77,16 @@ pub(crate) struct Dialect {
     pub(crate) redrive: fn(&str) -> String,
 }
 
+/// Where the PostgreSQL claim walks from (its `ClaimFloor`; zero elsewhere).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Floor {
+    /// No row below this id is NEW, but those the floor has not come down to yet.
+    pub(crate) at: i64,
+    /// From here up to `at`, the per-key claim looks for such rows of its keys: the
+    /// ids the floor passed in its last rise, where a row it passed may still appear.
+    pub(crate) watch: i64,
+}
+
 /// [`Dialect::redrive`] keeping the rows' ids (MySQL, SQLite: no claim floor).
 pub(crate) fn redrive_in_place(now: &str, ids: &str) -> String {
     format!(
@@ -156,12 +166,12 @@ pub(crate) trait Backend: Connection + Sized {
 
     /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
     /// of their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
-    /// excepted. `floor`: no row below this id is NEW ([`__claim`](Self::__claim)).
+    /// excepted. `floor`: where the walk starts ([`Floor`]).
     fn __claim_per_key(
         &mut self,
         limit: usize,
         held: &[i64],
-        _floor: i64,
+        _floor: Floor,
     ) -> Result<Vec<StoredMessage>> {
         let rows = self.load_records(&Self::__claim_per_key_sql(limit, held), None)?;
         claimed(self, rows)

@@ -430,7 +430,7 @@ impl Backend for MysqlConnection {
         &mut self,
         limit: usize,
         held: &[i64],
-        _floor: i64,
+        _floor: super::Floor,
     ) -> Result<Vec<outbox_core::StoredMessage>> {
         let rows: Vec<super::RecordRow> =
             diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;

@@ -57,7 +57,7 @@ where
         &mut self,
         limit: usize,
         held: &[i64],
-        floor: i64,
+        floor: crate::backend::Floor,
     ) -> Result<Vec<StoredMessage>> {
         (**self).__claim_per_key(limit, held, floor)
     }

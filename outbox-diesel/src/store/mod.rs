@@ -76,8 +76,8 @@ pub(crate) struct LockedClaim {
     pub(crate) order: ClaimOrder,
     /// How long the server keeps a claim's transaction that sits idle.
     pub(crate) stall: Duration,
-    /// No row below this id is NEW (PostgreSQL's `ClaimFloor`; 0 elsewhere).
-    pub(crate) floor: i64,
+    /// Where the claim walks from (PostgreSQL's `ClaimFloor`; zero elsewhere).
+    pub(crate) floor: crate::backend::Floor,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -86,7 +86,7 @@ impl Default for LockedClaim {
         Self {
             order: ClaimOrder::default(),
             stall: DEFAULT_STALL_TIMEOUT,
-            floor: 0,
+            floor: crate::backend::Floor::default(),
         }
     }
 }
@@ -152,7 +152,7 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
             let claimed = first(c).and_then(|noted| {
                 let rows = match how.order {
                     ClaimOrder::PerKey => c.__claim_per_key(limit, &held, how.floor),
-                    ClaimOrder::Unordered => c.__claim(limit, &held, how.floor),
+                    ClaimOrder::Unordered => c.__claim(limit, &held, how.floor.at),
                 };
                 Ok((rows?, noted))
             });

@@ -184,7 +184,7 @@ impl RelayStore for PgRelayStore {
         let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
             let stepped = step.and_then(|step| step.run(c));
             let horizon = if idle {
-                newest_due(c, floor)?
+                newest_due(c, floor.at)?
             } else {
                 Horizon::default()
             };

@@ -292,7 +292,7 @@ impl RelayStore for SqliteRelayStore {
             // connections' deferred transactions while the relay has nothing to do.
             let mut conn = pool.get()?;
             match order {
-                ClaimOrder::PerKey => conn.__claim_per_key(limit, &[], 0),
+                ClaimOrder::PerKey => conn.__claim_per_key(limit, &[], Default::default()),
                 ClaimOrder::Unordered => conn.__claim(limit, &[], 0),
             }
         })

@@ -11,7 +11,7 @@ use diesel::{PgConnection, RunQueryDsl};
 use outbox_core::StoredMessage;
 
 use crate::Result;
-use crate::backend::ClaimRow;
+use crate::backend::{ClaimRow, Floor};
 
 /// The claim's `BEGIN`, in one round trip: READ COMMITTED whatever the database's
 /// default (under REPEATABLE READ, locking a row that another relay has marked SENT
@@ -101,10 +101,13 @@ pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL j
 /// - `b`: the NEW rows below `l`'s last id that `l` does not hold (held by another relay,
 ///   or waiting for a retry), with the first id of each key: one walk of the range the
 ///   lock step walked, on `outbox_pending`;
-/// - a row of `l` goes out only if no row of `b` with its key comes before it, and, with
-///   a floor, no NEW row of its key lies below the floor (`q`: a probe per row on
-///   `outbox_pending_key`; such a row appears when ids go backwards or a row is made NEW
-///   by hand, and the floor comes down under it within a reset, `ClaimFloor`).
+/// - `k`, with a floor: the keys of `l` with a NEW row in the floor's watch window, below
+///   it ([`Floor`]): a row the floor passed may still appear there (an insert stalled
+///   between its id and its transaction id, ids moved back by a few), until the floor's
+///   next step comes down to it. One walk of `outbox_pending_key` per key of `l`, over
+///   the window only: below it lie the dead entries the floor is there to skip;
+/// - a row of `l` goes out only if no row of `b` with its key comes before it, and its
+///   key is not in `k`.
 ///
 /// The two walks cost less than a head probe per candidate and a gap probe per key
 /// (BENCHMARKS.md, "Claim plans").
@@ -120,7 +123,8 @@ pub(crate) const PLAN_SETTINGS: &str = "SET LOCAL enable_sort = off; SET LOCAL j
 ///
 /// A claim ahead leaves the rows of the batch in hand (`held`) out of `b` too: the
 /// relay publishes them first. (A constant list: PostgreSQL hashes it.)
-pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: i64) -> String {
+pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: Floor) -> String {
+    let (k, not_k) = watched_keys(floor);
     let not_held = if held.is_empty() {
         String::new()
     } else {
@@ -138,28 +142,30 @@ pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: i64) -> Strin
            ORDER BY id LIMIT {limit} FOR UPDATE SKIP LOCKED), \
          b AS MATERIALIZED (SELECT p.msg_key, min(p.id) AS first_out FROM outbox p \
            WHERE p.status = 0 AND p.id < (SELECT max(id) FROM l){from_p} \
-           AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key) \
+           AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key){k} \
          SELECT l.* FROM l WHERE NOT EXISTS \
-           (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id){below}",
+           (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id){not_k}",
         columns = ClaimRow::COLUMNS,
-        from_o = from_floor(floor, "o"),
-        from_p = from_floor(floor, "p"),
-        below = below_floor(floor),
+        from_o = from_floor(floor.at, "o"),
+        from_p = from_floor(floor.at, "p"),
     )
 }
 
-/// ` AND` no NEW row of `l`'s key below the floor; nothing for 0. `OFFSET 0` keeps it a
-/// probe per row: as a join, the planner (without nested loops) would hash every NEW
-/// index entry below the floor, the walk the floor is there to skip.
-fn below_floor(floor: i64) -> String {
-    if floor > 0 {
-        format!(
-            " AND NOT EXISTS (SELECT 1 FROM outbox q WHERE q.status = 0 \
-             AND q.msg_key = l.msg_key AND q.id < {floor} OFFSET 0)"
-        )
-    } else {
-        String::new()
+/// `k` and the filter on it (see [`per_key_claim_sql`]); nothing without a window. As
+/// `msg_key = ANY(..)` in `(msg_key, id)` order (which only `outbox_pending_key` gives
+/// without a sort), one descent per key: a probe per row of `l` is planned on
+/// `outbox_pending` instead, which walks every entry of the window.
+fn watched_keys(floor: Floor) -> (String, &'static str) {
+    if floor.watch >= floor.at {
+        return (String::new(), "");
     }
+    let k = format!(
+        ", k AS MATERIALIZED (SELECT DISTINCT ON (q.msg_key) q.msg_key FROM outbox q \
+         WHERE q.status = 0 AND q.msg_key = ANY(ARRAY(SELECT msg_key FROM l)) \
+         AND q.id >= {} AND q.id < {} ORDER BY q.msg_key, q.id)",
+        floor.watch, floor.at
+    );
+    (k, " AND l.msg_key NOT IN (SELECT msg_key FROM k)")
 }
 
 /// ` AND t.id >= floor`: the claim's walk starts at the floor (`ClaimFloor`), past the
@@ -177,7 +183,7 @@ pub(super) fn claim_per_key(
     conn: &mut PgConnection,
     limit: usize,
     held: &[i64],
-    floor: i64,
+    floor: Floor,
 ) -> Result<Vec<StoredMessage>> {
     let mut rows: Vec<ClaimRow> =
         diesel::sql_query(per_key_claim_sql(limit, held, floor)).load(conn)?;
@@ -281,11 +287,19 @@ mod tests {
     #[test]
     fn the_claims_start_at_the_floor() {
         assert!(claim_sql(100, false, 42).contains("now() AND o.id >= 42 ORDER BY"));
-        let per_key = per_key_claim_sql(100, &[], 42);
+        let floor = |watch, at| Floor { at, watch };
+        let per_key = per_key_claim_sql(100, &[], floor(42, 42));
         assert!(per_key.contains("o.id >= 42"), "{per_key}");
         assert!(per_key.contains("FROM l) AND p.id >= 42"), "{per_key}");
+        assert!(!per_key.contains(" k AS"), "{per_key}");
+        let watching = per_key_claim_sql(100, &[], floor(30, 42));
+        assert!(watching.contains("q.id >= 30 AND q.id < 42"), "{watching}");
+        assert!(
+            watching.ends_with("NOT IN (SELECT msg_key FROM k)"),
+            "{watching}"
+        );
         assert!(!claim_sql(100, false, 0).contains(">="));
-        assert!(!per_key_claim_sql(100, &[], 0).contains("id >="));
+        assert!(!per_key_claim_sql(100, &[], Floor::default()).contains("id >="));
     }
 
     #[test]

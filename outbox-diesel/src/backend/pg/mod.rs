@@ -223,14 +223,14 @@ impl Backend for PgConnection {
     }
 
     fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
-        per_key_claim_sql(limit, held, 0)
+        per_key_claim_sql(limit, held, super::Floor::default())
     }
 
     fn __claim_per_key(
         &mut self,
         limit: usize,
         held: &[i64],
-        floor: i64,
+        floor: super::Floor,
     ) -> Result<Vec<StoredMessage>> {
         claim_per_key(self, limit, held, floor)
     }

@@ -29,20 +29,23 @@
 //! 3. A prepared transaction has given up its virtual id: while one holds a lock on
 //!    `outbox`, the floor stays.
 //!
-//! Lowering the floor is always safe, and it comes down, at once, in three cases:
+//! Lowering the floor is always safe, and it comes down, without waiting for any
+//! transaction:
 //!
-//! - the server is another one, or restarted, or `outbox` was created again (its
-//!   postmaster start time or the table's oid changed: a failover, a restore, a crash,
-//!   which may also have lost the claims' SENT marks, committed asynchronously): to 0;
-//! - the sequence is below the floor (ids went backwards: a `setval`, a failover to an
-//!   asynchronous standby behind): to 0;
-//! - every [`RESET_EVERY`]: to the first NEW row from 0, for a row made NEW again by
-//!   hand below it (an `UPDATE`), without waiting for any transaction.
+//! - to 0 when the server is another one, or restarted, or `outbox` was created again
+//!   (the postmaster's start time or the table's oid changed: a failover, a restore, a
+//!   crash, which may also have lost the claims' SENT marks, committed asynchronously);
+//! - to 0 when the sequence is below the floor (ids went backwards: a `setval`, a
+//!   failover to an asynchronous standby that is behind);
+//! - to a NEW row in its watch window, the ids its last rise passed (where an insert
+//!   stalled as above, or ids moved back by less than a step's worth, land): at each
+//!   step. Until then the per-key claim holds the later rows of that row's key back
+//!   (`Floor::watch`);
+//! - to the first NEW row from 0 every [`RESET_EVERY`]: a row made NEW by hand further
+//!   below (an `UPDATE`) waits that long at most.
 //!
-//! A redrive gives its rows new ids, above the floor: they are claimed at the next poll.
-//! Rows of a key below the floor (ids moved back by a few, past what the sequence
-//! shows; a row made NEW by hand) hold the key's later rows back (the per-key claim
-//! looks below the floor) until the next reset lowers the floor under them.
+//! A redrive gives its rows new ids (`Dialect::redrive`), above the floor: they are
+//! claimed at the next claim.
 //!
 //! The steps run in the claim's own transaction (its connection, a savepoint), at most
 //! once per [`STEP_EVERY`]: a few index lookups, nothing on the claim's path otherwise.
@@ -54,6 +57,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Text};
 use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 
 use crate::Result;
+use crate::backend::Floor;
 
 /// Time between two steps. The floor lags one to two steps behind the rows marked SENT,
 /// and while the horizon is held back a claim walks every dead entry of that lag: a short
@@ -72,7 +76,7 @@ pub(super) struct ClaimFloor {
 
 #[derive(Debug, Clone)]
 struct State {
-    floor: i64,
+    floor: Floor,
     /// The server and table the floor was computed on (see [`Server`]); `None` before
     /// the first step.
     identity: Option<String>,
@@ -93,7 +97,7 @@ struct Candidate {
 /// A step to run in a claim's transaction ([`ClaimFloor::step`]).
 #[derive(Debug)]
 pub(super) struct Step {
-    floor: i64,
+    floor: Floor,
     identity: Option<String>,
     pending: Option<Candidate>,
     reset: bool,
@@ -102,10 +106,10 @@ pub(super) struct Step {
 /// What a step found ([`ClaimFloor::finish`]).
 #[derive(Debug)]
 pub(super) struct Stepped {
-    /// The floor brought down (a reset), which replaces the floor as it is.
-    lowered: Option<i64>,
-    /// The floor raised over a settled candidate.
-    raised: Option<i64>,
+    /// The floor, if it moved.
+    floor: Option<Floor>,
+    /// It was reset ([`RESET_EVERY`]).
+    reset: bool,
     identity: String,
     pending: Option<Candidate>,
 }
@@ -115,7 +119,7 @@ impl Default for ClaimFloor {
         let now = Instant::now();
         Self {
             state: Mutex::new(State {
-                floor: 0,
+                floor: Floor::default(),
                 identity: None,
                 pending: None,
                 next_step: now,
@@ -128,12 +132,12 @@ impl Default for ClaimFloor {
 impl ClaimFloor {
     /// No row below this id is NEW (0 until the first steps settle).
     pub(super) fn get(&self) -> i64 {
-        self.lock().floor
+        self.lock().floor.at
     }
 
     /// The floor for a claim starting now, and the step to run in it if one is due (one
     /// look at the state per claim).
-    pub(super) fn for_claim(&self) -> (i64, Option<Step>) {
+    pub(super) fn for_claim(&self) -> (Floor, Option<Step>) {
         let mut s = self.lock();
         let now = Instant::now();
         if now < s.next_step {
@@ -152,12 +156,11 @@ impl ClaimFloor {
     /// Takes what a step found.
     pub(super) fn finish(&self, stepped: Stepped) {
         let mut s = self.lock();
-        if let Some(floor) = stepped.lowered {
+        if let Some(floor) = stepped.floor {
             s.floor = floor;
-            s.next_reset = Instant::now() + RESET_EVERY;
         }
-        if let Some(floor) = stepped.raised {
-            s.floor = s.floor.max(floor);
+        if stepped.reset {
+            s.next_reset = Instant::now() + RESET_EVERY;
         }
         s.identity = Some(stepped.identity);
         s.pending = stepped.pending;
@@ -185,18 +188,18 @@ impl Step {
     fn run_in(&self, c: &mut PgConnection) -> Result<Stepped> {
         let server = server(c)?;
         let mut stepped = Stepped {
-            lowered: None,
-            raised: None,
+            floor: None,
+            reset: self.reset,
             identity: server.identity.clone(),
             pending: self.pending.clone(),
         };
         let moved = self.identity.as_ref() != Some(&server.identity);
-        if moved || server.seq + 1 < self.floor {
+        if moved || server.seq + 1 < self.floor.at {
             // Another server, or ids that went backwards: nothing known holds, and what
             // was pending was read there.
             if self.identity.is_some() {
                 tracing::info!(
-                    floor = self.floor,
+                    floor = self.floor.at,
                     seq = server.seq,
                     "the claim's floor starts over from 0: {}",
                     if moved {
@@ -206,22 +209,33 @@ impl Step {
                     }
                 );
             }
-            stepped.lowered = Some(0);
+            stepped.floor = Some(Floor::default());
             stepped.pending = candidate(c, server.seq)?;
             return Ok(stepped);
         }
-        let mut from = self.floor;
-        if self.reset {
-            from = first_new(c, 0, self.floor)?;
-            stepped.lowered = Some(from);
+        // Down to a NEW row below the floor: from 0 at a reset, else in the window the
+        // claims watch. Lowering needs no wait.
+        let from = if self.reset { 0 } else { self.floor.watch };
+        let mut floor = self.floor;
+        if from < floor.at {
+            floor.at = first_new(c, from, floor.at)?;
+            floor.watch = floor.watch.min(floor.at);
         }
         if let Some(candidate) = &self.pending {
             if still_open(c, &candidate.open)? {
+                stepped.floor = (floor != self.floor).then_some(floor);
                 return Ok(stepped);
             }
-            stepped.raised = Some(first_new(c, from, candidate.seq + 1)?);
+            let raised = first_new(c, floor.at, candidate.seq + 1)?;
+            if raised > floor.at {
+                floor = Floor {
+                    at: raised,
+                    watch: floor.at,
+                };
+            }
             stepped.pending = None;
         }
+        stepped.floor = (floor != self.floor).then_some(floor);
         if stepped.pending.is_none() {
             stepped.pending = candidate(c, server.seq)?;
         }
