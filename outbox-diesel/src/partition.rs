@@ -269,7 +269,7 @@ fn create_tables(c: &mut PgConnection, policy: &PartitionPolicy) -> Result<Parti
     // In the same transaction: an emit right after the commit must find its partition.
     let mut report = PartitionReport::default();
     for table in &TABLES {
-        create_ahead(c, table, policy, now, &mut report)?;
+        create_ahead(c, table, policy, now, &mut report);
     }
     match report.failed.first() {
         Some((name, error)) => Err(Error::PartitionNotCreated {
@@ -358,7 +358,7 @@ fn maintain(conn: &mut PgConnection, lock: &str) -> Result<PartitionReport> {
     // DETACH_TIMEOUT); an insert whose time has no partition fails.
     for table in &TABLES {
         let now = db_clock(conn)?;
-        create_ahead(conn, table, &policy, now, &mut report)?;
+        create_ahead(conn, table, &policy, now, &mut report);
     }
     // A stopped holder's idle session is ended by the server, and its lock with it.
     conn.batch_execute(&format!(
@@ -406,7 +406,7 @@ fn retire(
     if settle_orphans(conn, table, policy, report)? {
         // The partitions ahead that an orphan's name held back.
         let now = db_clock(conn)?;
-        create_ahead(conn, table, policy, now, report)?;
+        create_ahead(conn, table, policy, now, report);
     }
     let now = db_clock(conn)?;
     drop_expired(conn, table, policy, now, report)
@@ -422,7 +422,7 @@ fn create_ahead(
     policy: &PartitionPolicy,
     now: DateTime<Utc>,
     report: &mut PartitionReport,
-) -> Result<()> {
+) {
     let made = conn.transaction(|c| {
         c.batch_execute(&format!(
             "SET LOCAL lock_timeout = {}; SET LOCAL idle_in_transaction_session_timeout = {}; \
@@ -431,7 +431,7 @@ fn create_ahead(
             IDLE_LIMIT.as_millis()
         ))?;
         // Read under the lock: another maker may have made some since.
-        for (name, from, to) in missing_ahead(c, table, policy, now)? {
+        for (name, (from, to)) in missing_ahead(c, table, policy, now)? {
             match c.transaction(|c| create_partition(c, table, &name, from, to)) {
                 Ok(()) => report.created.push(name),
                 Err(e) => {
@@ -445,17 +445,19 @@ fn create_ahead(
     if let Err(e) = made {
         report.failed.push((table.name.to_owned(), error_text(&e)));
     }
-    Ok(())
 }
 
-/// The partitions ahead that `table` lacks: `(name, from, to)`, but those whose name an
+/// A partition's range: from, to (exclusive).
+type Span = (DateTime<Utc>, DateTime<Utc>);
+
+/// The partitions ahead that `table` lacks: `(name, (from, to))`, but those whose name an
 /// orphan holds (the run that holds the maintenance lock settles it first).
 fn missing_ahead(
     conn: &mut PgConnection,
     table: &Table,
     policy: &PartitionPolicy,
     now: DateTime<Utc>,
-) -> Result<Vec<(String, DateTime<Utc>, DateTime<Utc>)>> {
+) -> Result<Vec<(String, Span)>> {
     let step = policy.interval.as_secs() as i64 * 1_000_000;
     let now_us = now.timestamp_micros();
     let current = now_us.div_euclid(step) * step;
@@ -475,7 +477,7 @@ fn missing_ahead(
         };
         let name = format!("{}_p{}", table.name, start.format("%Y%m%dt%H%M%S"));
         if !orphans.contains(&name) {
-            missing.push((name, start, end));
+            missing.push((name, (start, end)));
         }
         from = to;
     }

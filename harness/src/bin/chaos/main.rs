@@ -48,8 +48,12 @@
 //! then stand on the producers' log of committed events and the consumers' applications,
 //! not on the outbox rows: a partition dropped with a NEW row in it shows as `lost`. It
 //! adds the `maint_kill` fault (SIGKILL of the relay holding the maintenance lock, in the
-//! middle of its run), counts the partitions the relays dropped (`partitions_dropped`) and
-//! fails if they dropped none of either table, or if the partitions made ahead ran out.
+//! middle of its run) and the `maint_stop` fault (SIGSTOP of the relay holding it, for
+//! 50–60 s: the run fails if the lock is still that relay's 45 s into the stop), and a
+//! transaction held open across a retention boundary (`producer::hold_open`, without
+//! `--db-restart`: it must commit, and its late emit land in its expired partition). It
+//! counts the partitions the relays dropped (`partitions_dropped`) and fails if they
+//! dropped none of either table, or if the partitions made ahead ran out.
 //! `--ci` gives it 150 s of faults, so that drops begin some 95 s into them.
 //!
 //! `--db-restart` adds the `db_restart` fault (see `db_restart.rs`): the run's database
@@ -89,7 +93,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use outbox_core::OutboxEvent as _;
-use outbox_harness::chaos::Tick;
+use outbox_harness::chaos::{Tick, key_name};
 
 use crate::db::Database;
 use crate::db_restart::DbRestart;
@@ -485,6 +489,9 @@ struct Plan {
     /// `--partitioned`: when to SIGKILL the relay found running partition maintenance
     /// (each waits for one to hold the maintenance lock).
     maint_kills: Vec<Duration>,
+    /// `--partitioned`: when to SIGSTOP the relay found holding the maintenance lock, and
+    /// for how long.
+    maint_stops: Vec<(Duration, Duration)>,
 }
 
 impl Plan {
@@ -567,11 +574,25 @@ impl Plan {
             Vec::new()
         };
         maint_kills.sort();
+        // Longer than a stopped holder may keep the lock (MAINT_STOP_CHECK), and over
+        // before the last Redis outage.
+        let maint_stops = if c.partitioned {
+            (0..(c.faults_per_kind / 5).max(1))
+                .map(|_| {
+                    let len = 50.0 + rng.f64() * 10.0;
+                    let at = 5.0 + rng.f64() * (before - len - 5.0).max(0.0);
+                    (Duration::from_secs_f64(at), Duration::from_secs_f64(len))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             faults,
             outages,
             db_restart,
             maint_kills,
+            maint_stops,
         })
     }
 }
@@ -595,7 +616,15 @@ struct Tally {
     db: Option<DbRestart>,
     /// `--partitioned`: maintenance runs SIGKILLed in a `DETACH` or a `DROP`.
     maint_kills_retiring: u64,
+    /// `--partitioned`: relays SIGSTOPped holding the maintenance lock that still held it
+    /// [`MAINT_STOP_CHECK`] later.
+    maint_held: Vec<String>,
 }
+
+/// How long after its SIGSTOP a relay caught holding the maintenance lock may still hold
+/// it: its statement's own limit (a detach's 30 s) and the 10 s the server lets its
+/// session sit idle, with room to spare.
+const MAINT_STOP_CHECK: Duration = Duration::from_secs(45);
 
 impl Tally {
     fn fault(&mut self, kind: &'static str, role: Option<Role>) {
@@ -671,11 +700,14 @@ fn run(c: &Config) -> Result<bool, BoxError> {
             .admin_url(),
         None => c.admin_url.clone(),
     };
+    // A crash of the server would end the transaction held open: not with --db-restart.
+    let hold_open = c.partitioned && c.db_restart.is_none();
+    // The held transaction's key comes after the producers' keys.
     let db = world.db.insert(Database::create(
         c.backend,
         &admin_url,
         &tag,
-        c.keys,
+        c.keys + usize::from(hold_open),
         c.partitioned,
     )?);
     let redis = RedisServer::start(&dir)?;
@@ -775,6 +807,12 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         within: c.duration,
     };
     let producers = producer::start(&settings, c.producers, stop_producers.clone());
+    // Past its partition's end plus the retention, and a few maintenance runs after that.
+    let held = hold_open.then(|| {
+        let hold = db::PARTITION_RETENTION + 2 * db::PARTITION_INTERVAL + Duration::from_secs(5);
+        let url = settings.url.clone();
+        producer::hold_open(url, key_name(c.keys), hold, stop_producers.clone())
+    });
     let result = chaos_phase(c, &plan, &mut rng, &mut world);
     if result.is_err() {
         stop_producers.store(true, Ordering::SeqCst);
@@ -793,6 +831,15 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         produced.rolled_back.extend(part.rolled_back);
         produced.committed.extend(part.committed);
     }
+    let held_failed = match held.map(std::thread::JoinHandle::join) {
+        None => None,
+        Some(Ok(Ok(ticks))) => {
+            produced.committed.extend(ticks);
+            None
+        }
+        Some(Ok(Err(e))) => Some(e),
+        Some(Err(_)) => Some("the thread of the transaction held open panicked".to_owned()),
+    };
     let (mut tally, last_fault_end) = result?;
 
     // Drain: everything is up; wait until every committed message is applied.
@@ -877,6 +924,8 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     // An emit whose time has no partition fails: the margin ahead must never run out.
     let ran_out = min_margin.is_some_and(|m| m <= 0.0);
     let failed = findings.failed()
+        || held_failed.is_some()
+        || !tally.maint_held.is_empty()
         || db_failed
         || none_dropped
         || ran_out
@@ -894,6 +943,9 @@ fn run(c: &Config) -> Result<bool, BoxError> {
     for note in tally.db.iter().flat_map(DbRestart::notes) {
         eprintln!("chaos: {note}");
     }
+    if let Some(e) = &held_failed {
+        eprintln!("chaos: {e}");
+    }
     for e in &tally.injection_errors {
         eprintln!("chaos: fault not injected: {e}");
     }
@@ -907,11 +959,19 @@ fn run(c: &Config) -> Result<bool, BoxError> {
         eprintln!(
             "chaos: partitions dropped: {:?}; detached and left: {:?}; least margin ahead: \
              {:.1} s; expired partitions kept by a relay (NEW or DEAD rows): {kept}; \
-             maintenance steps failed (retried): {steps_failed}; maint_kills in a DETACH or DROP: {}",
+             maintenance steps failed (retried): {steps_failed}; maint_kills in a DETACH or DROP: {}; \
+             maint_stops still holding the lock: {:?}; a transaction held open across the \
+             retention: {}",
             p.dropped,
             p.detached_left,
             min_margin.unwrap_or(f64::NAN),
             tally.maint_kills_retiring,
+            tally.maint_held,
+            match (hold_open, &held_failed) {
+                (false, _) => "none",
+                (true, None) => "committed",
+                (true, Some(_)) => "FAILED",
+            },
         );
         if none_dropped {
             eprintln!("chaos: the relays dropped no partition of a table: retention did not work");
@@ -1024,6 +1084,9 @@ fn chaos_phase(
     let mut faults = plan.faults.iter().copied().peekable();
     let mut outages = plan.outages.iter().copied().peekable();
     let mut maint_kills = plan.maint_kills.iter().copied().peekable();
+    let mut maint_stops = plan.maint_stops.iter().copied().peekable();
+    // Relays stopped holding the maintenance lock, and when to look whose it is.
+    let mut stop_checks: Vec<(String, Instant)> = Vec::new();
     let mut redis_back_at: Option<Instant> = None;
     let mut down_since = start;
     let mut db_restart = plan.db_restart;
@@ -1094,6 +1157,14 @@ fn chaos_phase(
         {
             maint_kills.next();
         }
+        let stop_due = maint_stops.peek().copied().filter(|&(at, _)| t >= at);
+        if let Some((_, len)) = stop_due
+            && let Some(stopped) = maint_stop(world, &mut tally, now, len)
+        {
+            maint_stops.next();
+            stop_checks.push(stopped);
+        }
+        stop_checks.retain(|(name, at)| now < *at || !maint_stop_check(world, &mut tally, name));
         for p in &mut world.procs {
             if let Some(e) = p.poll(now, true)? {
                 tally.event(e);
@@ -1107,11 +1178,17 @@ fn chaos_phase(
                 .sample_partitions(false)?;
         }
         // A maintenance run is short: looked for more often.
-        std::thread::sleep(Duration::from_millis(if maint_due.is_some() {
-            10
-        } else {
-            50
-        }));
+        std::thread::sleep(Duration::from_millis(
+            if maint_due.is_some() || stop_due.is_some() {
+                10
+            } else {
+                50
+            },
+        ));
+    }
+    let left = maint_stops.count() + stop_checks.len();
+    if left > 0 {
+        eprintln!("chaos: {left} maint_stop faults found no maintenance run or were not checked");
     }
     let left = maint_kills.count();
     if left > 0 {
@@ -1209,6 +1286,58 @@ fn maint_kill(
     }
     eprintln!("chaos: maint_kill: {name} SIGKILLed in its maintenance run ({query})");
     true
+}
+
+/// The `maint_stop` fault: SIGSTOPs the relay holding the partition maintenance lock now,
+/// at any step of its run, for `len`; its name and when to look whether it still holds
+/// the lock ([`MAINT_STOP_CHECK`]).
+fn maint_stop(
+    world: &mut World,
+    tally: &mut Tally,
+    now: Instant,
+    len: Duration,
+) -> Option<(String, Instant)> {
+    let (name, query, _) = world.db.as_mut().expect("created").maintaining().ok()??;
+    let p = world
+        .procs
+        .iter_mut()
+        .find(|p| p.name == name && p.role == Role::Relay && p.is_running())?;
+    if let Err(e) = p.sigstop(now + len) {
+        tally.injection_errors.push(format!("maint_stop: {e}"));
+        return None;
+    }
+    tally.fault("maint_stop", Some(Role::Relay));
+    eprintln!(
+        "chaos: maint_stop: {name} SIGSTOPped for {:.0} s in its maintenance run ({query})",
+        len.as_secs_f64()
+    );
+    Some((name, now + MAINT_STOP_CHECK))
+}
+
+/// Whether the maintenance lock is still held by `name`, stopped by `maint_stop`
+/// (recorded in `tally.maint_held`); false if the look must be tried again.
+fn maint_stop_check(world: &mut World, tally: &mut Tally, name: &str) -> bool {
+    if !world.procs.iter().any(|p| p.name == name && p.is_stopped()) {
+        eprintln!("chaos: maint_stop: {name} resumed before its check; not checked");
+        return true;
+    }
+    match world.db.as_mut().expect("created").maintaining() {
+        Err(_) => false,
+        Ok(Some((holder, query, _))) if holder == name => {
+            eprintln!(
+                "chaos: maint_stop: {name} still holds the maintenance lock \
+                 {MAINT_STOP_CHECK:?} after its SIGSTOP ({query})"
+            );
+            tally.maint_held.push(format!("{name}: {query}"));
+            true
+        }
+        Ok(_) => {
+            eprintln!(
+                "chaos: maint_stop: the lock of {name}, stopped, was released within {MAINT_STOP_CHECK:?}"
+            );
+            true
+        }
+    }
 }
 
 /// Injects `fault` on a random target; `Ok(None)` if there is none right now.

@@ -254,3 +254,34 @@ impl Producer {
         Ok(out)
     }
 }
+
+/// `--partitioned`: one transaction held open across a retention boundary, on a key of
+/// its own (transaction id 0, which no producer takes). It emits the key's first tick,
+/// waits `hold` (past the end of its partition plus the retention, while the relays
+/// maintain), emits the next, which goes to the same expired partition (a row's time is
+/// its transaction's start), and commits; its ticks. A partition detached under it
+/// would fail that emit, or hide its rows from the claim.
+pub(crate) fn hold_open(
+    url: String,
+    key: String,
+    hold: Duration,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<Result<Vec<Tick>, String>> {
+    std::thread::spawn(move || {
+        let mut c = PgConnection::establish(&url).map_err(|e| e.to_string())?;
+        let held = c.transaction(|c| {
+            let first = c.emit_next(&key, 0)?;
+            let until = Instant::now() + hold;
+            while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let late = c.emit_next(&key, 0)?;
+            c.record_tx(0)?;
+            Ok::<_, TxError>(vec![first, late])
+        });
+        held.map_err(|e| match e {
+            TxError::Failed(e) => format!("the transaction held open failed: {e}"),
+            TxError::Rollback => "the transaction held open rolled back".to_owned(),
+        })
+    })
+}
