@@ -318,6 +318,11 @@ pub fn find_message<C: OutboxConnection>(
 /// Re-drives DEAD rows: back to NEW with retries reset, due now, last error cleared.
 /// Ids that are not DEAD are left alone. Returns how many rows changed.
 ///
+/// On PostgreSQL each row gets a new id from the id sequence (in the order of the old
+/// ones; find it again by its msg_id): the relay's claim walks from a floor that has
+/// passed the old ids, and claims the rows at its next claim, after the messages emitted
+/// before them. Their keys moved on when they went DEAD. Elsewhere the ids stay.
+///
 /// Fails with [`Error::UnreadableRow`](crate::Error::UnreadableRow), and changes nothing,
 /// if one of them does not decode ([`OutboxRow::Unreadable`]): the relay would only
 /// dead-letter it again. Fix such a row, or [`purge_dead`] it.

@@ -3,8 +3,8 @@
 //! (what it is for), never past a row whose transaction is still open (a late commit is
 //! claimed), and a row made NEW again below it is claimed once the floor is computed
 //! from 0 again. It is held by no transaction of another database; it comes down at once
-//! when ids go backwards (`setval`); a redriven row is claimed at the next claim; and a
-//! key's row below it goes out before the key's later rows.
+//! when ids go backwards (`setval`) or the table is restored; a redriven row is claimed
+//! at the next claim; and a key's row below it goes out before the key's later rows.
 
 mod fixtures;
 
