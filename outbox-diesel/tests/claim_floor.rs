@@ -271,10 +271,24 @@ where
     });
 }
 
-/// The table restored from a copy taken while rows 0..10 were NEW, after the floor
-/// passed them and rows 10..20, the sequence left where it was (only the table is
-/// new): the restored rows are claimed at once.
-fn rows_restored_below_the_floor_are_claimed_at_once<B>()
+/// Restores the rows saved in `saved` by a new table, the sequence left as it is.
+const NEW_TABLE: &str = "ALTER TABLE outbox RENAME TO outbox_before; \
+     CREATE TABLE outbox (LIKE outbox_before INCLUDING ALL); \
+     ALTER SEQUENCE outbox_id_seq OWNED BY outbox.id; DROP TABLE outbox_before; \
+     INSERT INTO outbox SELECT * FROM saved";
+
+/// Restores the rows saved in `saved` by a partition attached back (as maintenance does
+/// with a detached partition that still holds NEW rows).
+const PARTITION_BACK: &str = "DELETE FROM outbox WHERE id IN (SELECT id FROM saved); \
+     CREATE TABLE outbox_back (LIKE outbox INCLUDING DEFAULTS); \
+     INSERT INTO outbox_back SELECT * FROM saved; \
+     UPDATE outbox_back SET created_at = '2000-01-01 12:00+00'; \
+     ALTER TABLE outbox ATTACH PARTITION outbox_back \
+       FOR VALUES FROM ('2000-01-01 00:00+00') TO ('2000-01-02 00:00+00')";
+
+/// Rows 0..10 saved while NEW, then sent, and the floor past them and rows 10..20:
+/// once `restore` brings them back NEW, they are claimed at once.
+fn rows_restored_below_the_floor_are_claimed_at_once<B>(restore: &str)
 where
     B: Backend<Conn = PgConnection, Store = PgRelayStore>,
 {
@@ -290,13 +304,7 @@ where
         })
         .await;
         let floor = floor_over_sent(&mut c, &store, 10..20).await;
-        exec(
-            &mut c,
-            "ALTER TABLE outbox RENAME TO outbox_before; \
-             CREATE TABLE outbox (LIKE outbox_before INCLUDING ALL); \
-             ALTER SEQUENCE outbox_id_seq OWNED BY outbox.id; DROP TABLE outbox_before; \
-             INSERT INTO outbox SELECT * FROM saved",
-        );
+        exec(&mut c, restore);
         assert!(id_of(&mut c, 9) < floor);
         let sent = claim_until(&store, Duration::from_secs(5), |_, sent| sent.len() == 10).await;
         assert_eq!(sent.len(), 10, "{sent:?}");
@@ -345,7 +353,12 @@ fn pg_ids_moved_back_below_the_floor_are_claimed_at_once() {
 
 #[test]
 fn pg_rows_restored_below_the_floor_are_claimed_at_once() {
-    rows_restored_below_the_floor_are_claimed_at_once::<Pg>();
+    rows_restored_below_the_floor_are_claimed_at_once::<Pg>(NEW_TABLE);
+}
+
+#[test]
+fn pg_partitioned_rows_attached_back_below_the_floor_are_claimed_at_once() {
+    rows_restored_below_the_floor_are_claimed_at_once::<PgParted>(PARTITION_BACK);
 }
 
 #[test]

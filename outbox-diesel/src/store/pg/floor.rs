@@ -33,8 +33,9 @@
 //! transaction:
 //!
 //! - to 0 when the server is another one, or restarted, or `outbox` was created again
-//!   (the postmaster's start time or the table's oid changed: a failover, a restore, a
-//!   crash, which may also have lost the claims' SENT marks, committed asynchronously);
+//!   or its partitions changed (the postmaster's start time, the table's oid or its
+//!   partitions: a failover, a restore, a crash, which may also have lost the claims'
+//!   SENT marks, committed asynchronously; a partition attached back with NEW rows);
 //! - to 0 when the sequence is below the floor (ids went backwards: a `setval`, a
 //!   failover to an asynchronous standby that is behind);
 //! - to a NEW row in its watch window, the ids its last rise passed (where an insert
@@ -266,8 +267,9 @@ struct Open {
 /// Where the floor is computed, read at the start of each step.
 #[derive(QueryableByName)]
 struct Server {
-    /// The server's start time and the `outbox` table's oid: a failover, a restore, a
-    /// restart or a table created again changes it (any role may read both).
+    /// The server's start time, the `outbox` table's oid and its partitions: a failover,
+    /// a restore, a restart, a table created again or a partition attached (back, with
+    /// rows the floor passed) changes it. Any role may read them.
     #[diesel(sql_type = Text)]
     identity: String,
     /// The id sequence's `last_value` (0 before its first id).
@@ -278,7 +280,8 @@ struct Server {
 fn server(c: &mut PgConnection) -> Result<Server> {
     Ok(diesel::sql_query(
         "SELECT pg_postmaster_start_time()::text || ' ' || 'outbox'::regclass::oid::text \
-         AS identity, COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')\
+         || ' ' || (SELECT count(*) || '/' || COALESCE(sum(inhrelid::int8), 0) FROM pg_inherits \
+         WHERE inhparent = 'outbox'::regclass) AS identity, COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')\
          ::regclass), 0) AS seq",
     )
     .get_result(c)?)
