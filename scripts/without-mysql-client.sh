@@ -8,12 +8,15 @@ set -euo pipefail
 hidden="$(mktemp -d)"
 trap 'rm -rf "$hidden"' EXIT
 mkdir "$hidden/pkgconfig" "$hidden/bin"
-for dir in /usr/lib/x86_64-linux-gnu/pkgconfig /usr/lib/pkgconfig /usr/share/pkgconfig; do
+# Every directory pkg-config searches (its built-in path, for any architecture, and
+# PKG_CONFIG_PATH, which would otherwise still be searched after PKG_CONFIG_LIBDIR).
+IFS=: read -ra dirs <<<"$(pkg-config --variable pc_path pkg-config):${PKG_CONFIG_PATH:-}"
+for dir in "${dirs[@]}"; do
     [ -d "$dir" ] || continue
     for pc in "$dir"/*.pc; do
         case "$(basename "$pc")" in
             mysqlclient.pc | libmariadb.pc | mariadb.pc) ;;
-            *) ln -sf "$pc" "$hidden/pkgconfig/" ;;
+            *) [ -e "$pc" ] && ln -sf "$pc" "$hidden/pkgconfig/" ;;
         esac
     done
 done
@@ -21,4 +24,13 @@ for tool in mysql_config mariadb_config; do
     printf '#!/bin/sh\necho "%s: hidden by %s" >&2\nexit 1\n' "$tool" "$0" >"$hidden/bin/$tool"
     chmod +x "$hidden/bin/$tool"
 done
-PKG_CONFIG_LIBDIR="$hidden/pkgconfig" PATH="$hidden/bin:$PATH" "$@"
+export PKG_CONFIG_LIBDIR="$hidden/pkgconfig" PATH="$hidden/bin:$PATH"
+unset PKG_CONFIG_PATH
+# A proof that proves nothing if the client can still be found: refuse to run then.
+for lib in mysqlclient libmariadb; do
+    if pkg-config --exists "$lib"; then
+        echo "$0: pkg-config still finds $lib" >&2
+        exit 1
+    fi
+done
+"$@"
