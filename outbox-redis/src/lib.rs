@@ -6,7 +6,10 @@
 //! `version`, `key`, `payload` (the event's JSON), `headers` (a JSON object) and
 //! `created_at`. Dead-letter entries (`<stream>:dead`) add `reason`, `delivery_count`,
 //! `group`, `stream` and `entry_id` in front of the original fields (an original field
-//! with one of those names is not copied).
+//! with one of those names is not copied). An entry a redrive put back
+//! ([`redrive_dead_letter`]) adds [`REDRIVE_GROUP_FIELD`] (`redrive_group`), the group
+//! it is for: every other group acknowledges it unapplied, so a producer of its own
+//! must not write that field.
 //!
 //! ## Redis versions
 //!
