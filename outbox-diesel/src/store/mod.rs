@@ -76,8 +76,6 @@ pub(crate) struct LockedClaim {
     pub(crate) order: ClaimOrder,
     /// How long the server keeps a claim's transaction that sits idle.
     pub(crate) stall: Duration,
-    /// Where the claim walks from (PostgreSQL's `ClaimFloor`; zero elsewhere).
-    pub(crate) floor: crate::backend::Floor,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -86,7 +84,6 @@ impl Default for LockedClaim {
         Self {
             order: ClaimOrder::default(),
             stall: DEFAULT_STALL_TIMEOUT,
-            floor: crate::backend::Floor::default(),
         }
     }
 }
@@ -133,14 +130,15 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
     /// its claim order (`with_order`). `held`: the ids of
     /// the batch in hand for a claim ahead ([`outbox_core::RelayStore::claim_after`]),
     /// else empty. `first` runs in the claim's transaction (its settings) just before
-    /// the claim, in a snapshot of its own: what it returns comes with the batch.
+    /// the claim, in a snapshot of its own: it returns where the claim walks from
+    /// (PostgreSQL's `ClaimFloor`; zero elsewhere) and what comes with the batch.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) async fn claim<T: Send + 'static>(
         pool: diesel::r2d2::Pool<ConnectionManager<C>>,
         limit: usize,
         how: LockedClaim,
         held: Vec<i64>,
-        first: impl FnOnce(&mut C) -> Result<T> + Send + 'static,
+        first: impl FnOnce(&mut C) -> Result<(crate::backend::Floor, T)> + Send + 'static,
     ) -> Result<(Self, T)> {
         blocking(move || {
             let mut conn = pool.get()?;
@@ -149,10 +147,10 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
                 c.__forget_if_lost();
                 return Err(e);
             }
-            let claimed = first(c).and_then(|noted| {
+            let claimed = first(c).and_then(|(floor, noted)| {
                 let rows = match how.order {
-                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held, how.floor),
-                    ClaimOrder::Unordered => c.__claim(limit, &held, how.floor.at),
+                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held, floor),
+                    ClaimOrder::Unordered => c.__claim(limit, &held, floor.at),
                 };
                 Ok((rows?, noted))
             });

@@ -90,7 +90,8 @@ impl RelayStore for MysqlRelayStore {
 
     async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
         let (pool, held) = (self.pool.clone(), Vec::new());
-        let (batch, ()) = LockedBatch::claim(pool, limit, self.claim, held, |_| Ok(())).await?;
+        let (batch, ()) =
+            LockedBatch::claim(pool, limit, self.claim, held, |_| Ok(Default::default())).await?;
         Ok(batch)
     }
 

@@ -177,18 +177,18 @@ impl RelayStore for PgRelayStore {
         }
         let (pool, held) = (self.pool.clone(), held.to_vec());
         let (floor, step) = self.floor.for_claim();
-        let how = LockedClaim {
-            floor,
-            ..self.claim
-        };
+        let how = self.claim;
         let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
             let stepped = step.and_then(|step| step.run(c));
+            // What the step found holds for this claim already: the first claim after a
+            // failover or a restore walks from the floor brought down, not the old one.
+            let floor = stepped.as_ref().and_then(|s| s.floor()).unwrap_or(floor);
             let horizon = if idle {
                 newest_due(c, floor.at)?
             } else {
                 Horizon::default()
             };
-            Ok((horizon, stepped))
+            Ok((floor, (horizon, stepped)))
         })
         .await?;
         if let Some(stepped) = stepped {

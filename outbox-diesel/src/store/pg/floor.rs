@@ -172,6 +172,13 @@ impl ClaimFloor {
     }
 }
 
+impl Stepped {
+    /// The floor, if the step moved it.
+    pub(super) fn floor(&self) -> Option<Floor> {
+        self.floor
+    }
+}
+
 impl Step {
     /// Runs the step on the claim's connection, inside its transaction, under a
     /// savepoint: a failure (a role that may not read the sequence) leaves the claim's
