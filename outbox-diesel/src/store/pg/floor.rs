@@ -24,8 +24,8 @@
 //!    at most S + 1. A transaction that has only read (the report, `pg_dump` holding
 //!    the horizon back) has no transaction id and does not hold the floor: the insert
 //!    that draws an id takes one in the same statement. Only an insert stalled for a
-//!    whole step between the two (a backend descheduled for a second) could be passed;
-//!    its row is then claimed at the next reset (below), late, not lost.
+//!    whole step between the two (a backend descheduled that long) could be passed; its
+//!    row lands in the watch window (below), and its key waits for it.
 //! 3. A prepared transaction has given up its virtual id: while one holds a lock on
 //!    `outbox`, the floor stays.
 //!
@@ -48,8 +48,9 @@
 //! A redrive gives its rows new ids (`Dialect::redrive`), above the floor: they are
 //! claimed at the next claim.
 //!
-//! The steps run in the claim's own transaction (its connection, a savepoint), at most
-//! once per [`STEP_EVERY`]: a few index lookups, nothing on the claim's path otherwise.
+//! The steps run in the claim's own transaction (its connection, a savepoint), before
+//! its statement, which walks from what the step found, at most once per
+//! [`STEP_EVERY`]: a few index lookups, nothing on the claim's path otherwise.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
