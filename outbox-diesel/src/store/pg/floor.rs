@@ -33,16 +33,16 @@
 //! transaction:
 //!
 //! - to 0 when the server is another one, or restarted, or `outbox` was created again
-//!   or its partitions changed (the postmaster's start time, the table's oid or its
-//!   partitions: a failover, a restore, a crash, which may also have lost the claims'
-//!   SENT marks, committed asynchronously; a partition attached back with NEW rows);
+//!   (the postmaster's start time or the table's oid: a failover, a restore, a crash,
+//!   which may also have lost the claims' SENT marks, committed asynchronously);
 //! - to 0 when the sequence is below the floor (ids went backwards: a `setval`, a
 //!   failover to an asynchronous standby that is behind);
 //! - to a NEW row in its watch window, the ids its last rise passed (where an insert
 //!   stalled as above, or ids moved back by less than a step's worth, land): at each
 //!   step. Until then the per-key claim holds the later rows of that row's key back
 //!   (`Floor::watch`);
-//! - to the first NEW row from 0 every [`RESET_EVERY`]: a row made NEW by hand further
+//! - to the first NEW row from 0 when a partition was attached or dropped (one attached
+//!   back may hold NEW rows), and every [`RESET_EVERY`]: a row made NEW by hand further
 //!   below (an `UPDATE`) waits that long at most.
 //!
 //! A redrive gives its rows new ids (`Dialect::redrive`), above the floor: they are
@@ -79,9 +79,8 @@ pub(super) struct ClaimFloor {
 #[derive(Debug, Clone)]
 struct State {
     floor: Floor,
-    /// The server and table the floor was computed on (see [`Server`]); `None` before
-    /// the first step.
-    identity: Option<String>,
+    /// What the floor was computed on; `None` before the first step.
+    identity: Option<Identity>,
     /// Read at the last step; the floor may rise to it once its transactions ended.
     pending: Option<Candidate>,
     next_step: Instant,
@@ -100,7 +99,7 @@ struct Candidate {
 #[derive(Debug)]
 pub(super) struct Step {
     floor: Floor,
-    identity: Option<String>,
+    identity: Option<Identity>,
     pending: Option<Candidate>,
     reset: bool,
 }
@@ -112,7 +111,7 @@ pub(super) struct Stepped {
     floor: Option<Floor>,
     /// It was reset ([`RESET_EVERY`]).
     reset: bool,
-    identity: String,
+    identity: Identity,
     pending: Option<Candidate>,
 }
 
@@ -202,7 +201,8 @@ impl Step {
             identity: server.identity.clone(),
             pending: self.pending.clone(),
         };
-        let moved = self.identity.as_ref() != Some(&server.identity);
+        let seen = self.identity.as_ref();
+        let moved = seen.is_none_or(|seen| seen.server != server.identity.server);
         if moved || server.seq + 1 < self.floor.at {
             // Another server, or ids that went backwards: nothing known holds, and what
             // was pending was read there.
@@ -222,9 +222,15 @@ impl Step {
             stepped.pending = candidate(c, server.seq)?;
             return Ok(stepped);
         }
-        // Down to a NEW row below the floor: from 0 at a reset, else in the window the
+        // Down to a NEW row below the floor: from 0 at a reset or when a partition came
+        // or went (one attached back holds rows the floor passed), else in the window the
         // claims watch. Lowering needs no wait.
-        let from = if self.reset { 0 } else { self.floor.watch };
+        let attached = seen.is_some_and(|seen| seen.partitions != server.identity.partitions);
+        let from = if self.reset || attached {
+            0
+        } else {
+            self.floor.watch
+        };
         let mut floor = self.floor;
         if from < floor.at {
             floor.at = first_new(c, from, floor.at)?;
@@ -272,14 +278,23 @@ struct Open {
     prepared: bool,
 }
 
-/// Where the floor is computed, read at the start of each step.
+/// What the floor is computed on.
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+struct Identity {
+    /// The server's start time and the `outbox` table's oid: a failover, a restore, a
+    /// restart or a table created again changes it, and the floor starts over from 0.
+    #[diesel(sql_type = Text)]
+    server: String,
+    /// The table's partitions: one attached back may hold NEW rows the floor passed.
+    #[diesel(sql_type = Text)]
+    partitions: String,
+}
+
+/// Read at the start of each step (any role may read all of it).
 #[derive(QueryableByName)]
 struct Server {
-    /// The server's start time, the `outbox` table's oid and its partitions: a failover,
-    /// a restore, a restart, a table created again or a partition attached (back, with
-    /// rows the floor passed) changes it. Any role may read them.
-    #[diesel(sql_type = Text)]
-    identity: String,
+    #[diesel(embed)]
+    identity: Identity,
     /// The id sequence's `last_value` (0 before its first id).
     #[diesel(sql_type = BigInt)]
     seq: i64,
@@ -288,9 +303,10 @@ struct Server {
 fn server(c: &mut PgConnection) -> Result<Server> {
     Ok(diesel::sql_query(
         "SELECT pg_postmaster_start_time()::text || ' ' || 'outbox'::regclass::oid::text \
-         || ' ' || (SELECT count(*) || '/' || COALESCE(sum(inhrelid::int8), 0) FROM pg_inherits \
-         WHERE inhparent = 'outbox'::regclass) AS identity, COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')\
-         ::regclass), 0) AS seq",
+         AS server, (SELECT count(*) || '/' || COALESCE(sum(inhrelid::int8), 0) \
+         FROM pg_inherits WHERE inhparent = 'outbox'::regclass) AS partitions, \
+         COALESCE(pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')::regclass), 0) \
+         AS seq",
     )
     .get_result(c)?)
 }
