@@ -404,8 +404,13 @@ impl Connector {
     /// map is stale), so the next [`get`](Self::get) opens a new one.
     pub(crate) async fn check(&self, e: &RedisError) {
         if breaks_connection(e) {
-            *self.cached.lock().await = None;
+            self.forget().await;
         }
+    }
+
+    /// Forgets the connection, so the next [`get`](Self::get) opens a new one.
+    pub(crate) async fn forget(&self) {
+        *self.cached.lock().await = None;
     }
 }
 

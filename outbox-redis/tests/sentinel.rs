@@ -476,14 +476,22 @@ struct Through {
 }
 
 impl Through {
-    async fn sentinel(d: &Deployment, tag: &str, watch_failovers: bool) -> Self {
+    async fn sentinel(
+        d: &Deployment,
+        tag: &str,
+        watch_failovers: bool,
+        durability: Durability,
+    ) -> Self {
         let prefix = unique_prefix(tag);
         let sentinel = SentinelConfig::new(d.sentinel_urls(), MASTER)
             .unwrap()
             .with_watch_failovers(watch_failovers);
+        let config = PublisherConfig::default()
+            .with_stream_prefix(prefix.clone())
+            .with_durability(durability);
         let publisher = RedisPublisher::sentinel(sentinel.clone())
             .unwrap()
-            .with_config(PublisherConfig::default().with_stream_prefix(prefix.clone()))
+            .with_config(config)
             .unwrap();
         let stream = publisher.stream_for("order.paid");
         let db = MemoryDb::new(Applied::new());
@@ -557,7 +565,7 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
         Deployment::start_with("rename-command REPLICAOF \"\"\nrename-command SLAVEOF \"\"")
     });
     let [old, new] = d.data_ports();
-    let through = Through::sentinel(&d, "sentinel-switch", true).await;
+    let through = Through::sentinel(&d, "sentinel-switch", true, Durability::Reply).await;
     // Both the publisher's and the consumer's watchers listen on the first sentinel.
     until("the watchers to subscribe to +switch-master", || async {
         // Sentinels have no PUBSUB command: count the subscribed clients.
@@ -597,13 +605,38 @@ async fn a_failover_announced_by_sentinel_moves_publisher_and_consumer() {
 /// names the new primary, then the message is applied there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
+    readonly_run(Durability::Reply, "READONLY").await;
+}
+
+/// The same with `Durability::Replicas`: once the replica is promoted, the old primary
+/// has none left and a wait there goes unmet, so the publisher, still connected to it,
+/// waits alone before its next write; demoted, the old primary refuses that wait with an
+/// error, not `READONLY`. The publisher must still move to the new primary (it once
+/// asked the demoted one again at every try, for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_primary_refusing_the_replica_wait_moves_the_publisher() {
+    let replicas = Durability::Replicas {
+        replicas: 1,
+        timeout: Duration::from_secs(1),
+    };
+    readonly_run(replicas, "WAIT CANNOT BE USED WITH REPLICA").await;
+}
+
+/// Demotes the primary by hand under a publisher with `durability` and a consumer, then
+/// publishes until a message is applied from the new primary; some try on the way must
+/// have been refused with `refusal` (in capitals).
+async fn readonly_run(durability: Durability, refusal: &str) {
     let d = blocking(Deployment::start);
     let [old, new] = d.data_ports();
-    let through = Through::sentinel(&d, "sentinel-readonly", false).await;
+    let through = Through::sentinel(&d, "sentinel-readonly", false, durability).await;
     blocking(|| d.wait_replica_synced(new, old));
     let _: Value = query(new, redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
         .await
         .unwrap();
+    if durability != Durability::Reply {
+        let unmet = through.publisher.publish(&stored([paid(1000)])).await;
+        assert!(unmet.as_ref().is_err_and(|e| e.is_outage()), "{unmet:?}");
+    }
     let _: Value = query(old, redis::cmd("REPLICAOF").arg("127.0.0.1").arg(new))
         .await
         .unwrap();
@@ -617,23 +650,23 @@ async fn a_readonly_reply_moves_publisher_and_consumer_without_the_watcher() {
     )
     .await;
 
-    // The publisher's connection still reaches the old primary: its writes there are
-    // refused with READONLY (outages, spending no retry) until Sentinel, seeing its
-    // primary report itself a replica, fails over to the new one.
+    // The publisher's connection still reaches the old primary: its tries there are
+    // refused (outages, spending no retry) until Sentinel, seeing its primary report
+    // itself a replica, fails over to the new one.
     let refused = AtomicUsize::new(0);
     through
         .publish_until_applied_from(new, |e| {
             let chain = outbox_core::error_chain(e).to_string();
             assert!(e.is_outage(), "{chain}");
             // redis-rs names the reply's kind `ReadOnly`.
-            if chain.to_ascii_uppercase().contains("READONLY") {
+            if chain.to_ascii_uppercase().contains(refusal) {
                 refused.fetch_add(1, Ordering::Relaxed);
             }
         })
         .await;
     assert!(
         refused.load(Ordering::Relaxed) >= 1,
-        "no write was refused with READONLY"
+        "no try was refused with {refusal}"
     );
     through.running.stop().await;
 }

@@ -212,6 +212,15 @@ impl RedisPublisher {
         let mut behind = Vec::with_capacity(parts.len());
         for result in query_all::<Vec<RedisResult<Value>>>(conn, pipes).await {
             let unmet = match result.map(|mut replies| replies.pop()) {
+                Ok(Some(Err(e))) if !is_outage(&e) => {
+                    // The server took this wait when the publisher started: refusing it
+                    // now, it changed under the connection. A primary demoted by hand
+                    // answers a wait alone with an error, never `READONLY`, so without
+                    // a new connection (through Sentinel, to the current primary) every
+                    // try would ask the replica again.
+                    self.conn.forget().await;
+                    self.unmet(Err(e))
+                }
                 Ok(Some(waited)) => self.unmet(waited),
                 Ok(None) => Some("no reply to the durability wait".to_owned()),
                 Err(e) => {
