@@ -1,0 +1,24 @@
+//! Routing a delivered message to the typed handler of its event type, inside the
+//! consumer's dedup transaction: handlers and what they are given ([`handler`]), the
+//! routes ([`dispatcher`]), the schema upgrades on the way ([`upgrade`]), a decoded
+//! message ready to run ([`prepared`]) and the transactions that run it ([`consume`]).
+
+mod consume;
+mod dispatcher;
+mod handler;
+mod prepared;
+mod upgrade;
+
+pub use dispatcher::Dispatcher;
+pub use handler::{AsyncHandler, AsyncTxHandler, Delivery, Handler};
+pub use prepared::{Prepared, panic_message};
+
+/// `envelope` delivered for the first time: the deliveries of the tests.
+#[cfg(all(test, feature = "memory"))]
+fn first_delivery(envelope: crate::Envelope) -> Delivery {
+    Delivery {
+        envelope,
+        delivery_count: 1,
+        entry_id: None,
+    }
+}
