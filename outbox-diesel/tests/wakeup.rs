@@ -270,9 +270,8 @@ async fn idle_behind_held_back(store: &outbox_diesel::PgRelayStore) {
     assert!(store.claim(10).await.unwrap().messages().is_empty());
 }
 
-/// Also while a transaction older than those rows is open (it keeps the oldest running
-/// xid of the relay's snapshots below the rows' xids): rows committed before the
-/// relay's last claim do not count as late.
+/// Due rows the per-key claim holds back do not keep a relay awake, also while a
+/// transaction older than those rows is open.
 #[test]
 fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
     let db = Pg::create();
@@ -300,92 +299,6 @@ fn a_relay_parks_behind_held_back_rows_instead_of_spinning() {
         assert!(started.elapsed() < Duration::from_secs(2));
         assert_eq!(store.claim(10).await.unwrap().messages().len(), 1);
     });
-}
-
-/// The hole the due check's id bound left: a row emitted (without a NOTIFY, no relay was
-/// parked) in a transaction still open at the relay's idle claim, with an id below the
-/// held-back rows that claim saw, and committed while the relay queues for the lock. The
-/// look after the lock finds it by its transaction (not visible to that claim), not by
-/// its id, instead of leaving it to the poll.
-#[test]
-fn a_relay_finds_an_unannounced_row_below_the_held_back_ones() {
-    let db = Pg::create();
-    let mut late = Pg::connect(&db);
-    emit_left_open(&db, &mut late, 100, "x");
-    runtime().block_on(async {
-        let (store, waited) = park_behind_a_late_row(&db, late, "COMMIT").await;
-        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
-        let batch = store.claim(10).await.unwrap();
-        let ids: Vec<_> = batch
-            .messages()
-            .iter()
-            .map(|m| m.envelope.msg_id.as_str())
-            .collect();
-        assert_eq!(ids, ["100:Moved"]);
-    });
-}
-
-/// A late row that the per-key claim holds back too wakes the relay once (it cannot
-/// tell), and the relay parks again: its next claim sees the row, and no longer counts
-/// it as new.
-#[test]
-fn a_relay_woken_by_a_late_held_back_row_parks_again() {
-    let db = Pg::create();
-    let (mut c, mut late) = (Pg::connect(&db), Pg::connect(&db));
-    c.emit(Moved {
-        n: 50,
-        account: "b".into(),
-    })
-    .unwrap();
-    exec(
-        &mut c,
-        "UPDATE outbox SET next_retry_at = now() + interval '1 hour' WHERE msg_id = '50:Moved'",
-    );
-    emit_left_open(&db, &mut late, 100, "b");
-    runtime().block_on(async {
-        let (store, waited) = park_behind_a_late_row(&db, late, "COMMIT").await;
-        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
-        assert!(store.claim(10).await.unwrap().messages().is_empty());
-        let started = Instant::now();
-        store.wait_for_work(Duration::from_millis(800)).await;
-        assert!(
-            started.elapsed() >= Duration::from_millis(750),
-            "woke again for a row it has seen"
-        );
-    });
-}
-
-/// A row that became due in a transaction that had no xid yet at the relay's last claim
-/// (it held the wake-up lock shared, as an emit's try does, and wrote later): the
-/// retrying first row of the held-back key, made due by an UPDATE (as a redrive does).
-#[test]
-fn a_relay_finds_a_row_made_due_by_a_transaction_begun_before_its_claim() {
-    let db = Pg::create();
-    let mut late = Pg::connect(&db);
-    begin_holding_the_lock_shared(&db, &mut late);
-    runtime().block_on(async {
-        let finish = "UPDATE outbox SET next_retry_at = now() WHERE msg_id = '1:Moved'; COMMIT";
-        let (store, waited) = park_behind_a_late_row(&db, late, finish).await;
-        assert!(waited < Duration::from_secs(10), "found after {waited:?}");
-        assert_eq!(store.claim(10).await.unwrap().messages().len(), 3);
-    });
-}
-
-/// Behind `late`'s open transaction, emits rows the per-key claim holds back
-/// ([`emit_held_back`]), runs the relay's loop to a wait that knows them, ends `late`
-/// with `finish` once that wait queues for the lock, and returns the store and how long
-/// the wait took (30 s: its poll).
-async fn park_behind_a_late_row(
-    db: &fixtures::TestDb,
-    mut late: diesel::PgConnection,
-    finish: &str,
-) -> (outbox_diesel::PgRelayStore, Duration) {
-    emit_held_back(&mut Pg::connect(db));
-    let store = Pg::store(db);
-    idle_behind_held_back(&store).await;
-    let waiting = queue_for_the_lock(db, store).await;
-    exec(&mut late, finish);
-    waiting.await.unwrap()
 }
 
 /// A wait that times out keeps the wake-up lock, so that an idle relay re-parks without

@@ -4,7 +4,7 @@ mod floor;
 mod listen;
 mod maintenance;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
 use self::floor::ClaimFloor;
-use self::listen::{Horizon, Listener};
+use self::listen::Listener;
 use self::maintenance::Maintenance;
 use crate::backend::Backend as _;
 use crate::store::{LockedBatch, LockedClaim, blocking};
@@ -38,9 +38,10 @@ pub struct PgRelayStore {
 struct Seen {
     /// The last claim returned nothing.
     empty: AtomicBool,
-    /// Set by an empty claim that followed an empty one ([`Horizon`]); the default
-    /// (every due row counts) otherwise.
-    horizon: Mutex<Horizon>,
+    /// The newest due row an empty claim that followed an empty one saw (all held back
+    /// by the per-key claim or taken by another relay); 0 (every due row counts)
+    /// otherwise.
+    newest_due: AtomicI64,
 }
 
 impl PgRelayStore {
@@ -178,17 +179,13 @@ impl RelayStore for PgRelayStore {
         let (pool, held) = (self.pool.clone(), held.to_vec());
         let (floor, step) = self.floor.for_claim();
         let how = self.claim;
-        let (batch, (horizon, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
+        let (batch, (newest, stepped)) = LockedBatch::claim(pool, limit, how, held, move |c| {
             let stepped = step.and_then(|step| step.run(c));
             // What the step found holds for this claim already: the first claim after a
             // failover or a restore walks from the floor brought down, not the old one.
             let floor = stepped.as_ref().and_then(|s| s.floor()).unwrap_or(floor);
-            let horizon = if idle {
-                newest_due(c, floor.at)?
-            } else {
-                Horizon::default()
-            };
-            Ok((floor, (horizon, stepped)))
+            let newest = if idle { newest_due(c, floor.at)? } else { 0 };
+            Ok((floor, (newest, stepped)))
         })
         .await?;
         if let Some(stepped) = stepped {
@@ -200,25 +197,16 @@ impl RelayStore for PgRelayStore {
             listener.busy();
         }
         self.seen.empty.store(empty, Ordering::Relaxed);
-        *self
-            .seen
-            .horizon
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) =
-            if empty { horizon } else { Horizon::default() };
+        let newest = if empty { newest } else { 0 };
+        self.seen.newest_due.store(newest, Ordering::Relaxed);
         Ok(batch)
     }
 
     async fn wait_for_work(&self, timeout: Duration) {
         match &self.listener {
             Some(listener) => {
-                let seen = self
-                    .seen
-                    .horizon
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
-                listener.wait(&self.channel, timeout, &seen).await;
+                let seen = self.seen.newest_due.load(Ordering::Relaxed);
+                listener.wait(&self.channel, timeout, seen).await;
             }
             None => tokio::time::sleep(timeout).await,
         }
@@ -297,7 +285,7 @@ impl StatsCheck {
     /// backlog to plan for); if so, the next look waits for the check interval.
     fn due(&self, last_empty: bool) -> bool {
         let now = Instant::now();
-        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
         let due = match *next {
             None => true,
             Some(at) => now >= at && !last_empty,
@@ -311,7 +299,7 @@ impl StatsCheck {
     /// After a look that ran `ANALYZE`, the next one waits longer.
     fn checked(&self, analyzed: bool) {
         if analyzed {
-            let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+            let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
             *next = Some(Instant::now() + ANALYZE_INTERVAL);
         }
     }
@@ -404,19 +392,20 @@ fn analyze_if_stale(conn: &mut PgConnection) -> Result<bool> {
 }
 
 /// The id of the newest due NEW row at or above the claim's floor (0 if none; a backward
-/// walk on `outbox_pending` that stops at the floor), and the transactions the statement
-/// could not see (see [`Horizon`]).
-/// `txid_current_snapshot()` is the statement's own snapshot, the one its subquery read.
-fn newest_due(conn: &mut PgConnection, floor: i64) -> Result<Horizon> {
-    Ok(diesel::sql_query(
+/// walk on `outbox_pending` that stops at the floor).
+fn newest_due(conn: &mut PgConnection, floor: i64) -> Result<i64> {
+    #[derive(QueryableByName)]
+    struct Newest {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let newest: Newest = diesel::sql_query(
         "SELECT COALESCE((SELECT id FROM outbox WHERE status = 0 AND next_retry_at <= now() \
-         AND id >= $1 ORDER BY id DESC LIMIT 1), 0) AS id, \
-         txid_snapshot_xmin(s) % 4294967296 AS xmin, txid_snapshot_xmax(s) % 4294967296 AS xmax, \
-         ARRAY(SELECT x % 4294967296 FROM txid_snapshot_xip(s) x) AS xip \
-         FROM txid_current_snapshot() s",
+         AND id >= $1 ORDER BY id DESC LIMIT 1), 0) AS id",
     )
     .bind::<BigInt, _>(floor)
-    .get_result(conn)?)
+    .get_result(conn)?;
+    Ok(newest.id)
 }
 
 #[cfg(test)]

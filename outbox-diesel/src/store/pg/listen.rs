@@ -23,15 +23,14 @@
 //! it. An emit whose try succeeded between two slices holds the lock shared to its
 //! commit, so the next slice waits for it, and the look after the lock sees its row.
 //!
-//! Before parking, the relay looks for due rows it has not seen: (a) rows above the
-//! newest due row at its last empty claim (rows up to there were held back by the
-//! per-key claim or taken by another relay, and must not keep it awake); (b) after it
-//! has the lock, also rows at or below that one written by a transaction the snapshot
-//! of the statement just before that claim could not see ([`Horizon`]): an emit in
-//! flight may have taken a lower id, and if it tried the lock before the relay queued,
-//! it sends no NOTIFY. Left to the poll: such a row emitted inside a savepoint (a
-//! nested diesel `transaction`), whose subtransaction's xid no snapshot function lists,
-//! and one below the 1,000 newest NEW rows up to there.
+//! Before parking, the relay looks for due rows it has not seen, before it takes the
+//! lock and once more after: rows above the newest due row at its last empty claim
+//! (rows up to there were held back by the per-key claim or taken by another relay, and
+//! must not keep it awake). Left to the poll: a row below that one, emitted without a
+//! NOTIFY by a transaction still in flight at that claim. It needs due rows held back
+//! per key and an emit in flight with a lower id at once, and waits one poll interval
+//! (1 s by default): a look for it by transaction did not earn its cost (BENCHMARKS.md,
+//! "The parked relay's late-row look, weighed").
 
 use std::future::poll_fn;
 use std::pin::pin;
@@ -62,62 +61,20 @@ const LOCK_SLICE: Duration = Duration::from_millis(50);
 const PARKED_IDLE_SLACK: Duration = Duration::from_secs(5);
 
 /// Due NEW rows above id `$1`, the newest due row the relay's last empty claim saw
-/// ([`Horizon`]; 0 for none).
+/// (0 for none).
 ///
 /// Prepared once per LISTEN session, whose settings keep its generic plan on the
 /// `outbox_pending` index ([`SESSION_SQL`]), a range scan.
 const DUE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
      AND next_retry_at <= now() AND id > $1::int8)";
 
-/// [`DUE_SQL`], and late rows: due NEW rows at or below `$1` that the statement that
-/// read it could not see. Late: `xmin` is one of that snapshot's running xids (`$3`) or
-/// at or after its `xmax` (`$2`), and before this statement's `xmax`; xids compared as
-/// offsets mod 2^32 from that snapshot's oldest running xid (`$4`), so that a row held
-/// back for 2^31 transactions or more reads as late at most once per 2^32 xids (when
-/// its xmin's low bits come round), never for good. Only among the 1,000 NEW rows with
-/// the highest ids up to `$1`: only rows emitted while the late one was in flight lie
-/// between it and `$1`. For the look after the wake-up lock only: the walk costs up to
-/// 1,000 heap fetches.
-const DUE_OR_LATE_SQL: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 0 \
-     AND next_retry_at <= now() AND id > $1::int8) \
-     OR EXISTS (SELECT 1 FROM (SELECT xmin::text::int8 AS x, next_retry_at FROM outbox \
-     WHERE status = 0 AND id <= $1::int8 ORDER BY id DESC LIMIT 1000) o \
-     WHERE o.next_retry_at <= now() \
-     AND (o.x - $4::int8 + 4294967296) % 4294967296 \
-     < (txid_snapshot_xmax(txid_current_snapshot()) % 4294967296 - $4::int8 + 4294967296) \
-     % 4294967296 \
-     AND ((o.x - $4::int8 + 4294967296) % 4294967296 >= ($2::int8 - $4::int8 + 4294967296) \
-     % 4294967296 OR o.x = ANY($3::int8[])))";
-
-/// What a relay's last empty claim left behind: the newest due row it saw (`id`, 0 if
-/// none), all of them held back by the per-key claim or taken by another relay, and
-/// the transactions the statement that read it (just before the claim) could not see:
-/// its snapshot's oldest running xid, `xmax` and running xids, as 32-bit xids like a
-/// row's `xmin`. Read by the same statement, so the same snapshot (READ COMMITTED: one
-/// per statement). The look before the lock uses `id` alone ([`DUE_SQL`]), the look
-/// after it all of it ([`DUE_OR_LATE_SQL`]); why, in the module docs.
-#[derive(Debug, Default, Clone, diesel::QueryableByName)]
-pub(super) struct Horizon {
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    id: i64,
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    xmin: i64,
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    xmax: i64,
-    #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::BigInt>)]
-    xip: Vec<i64>,
-}
-
 /// The LISTEN session's settings. `enable_seqscan = off`: PostgreSQL keeps a prepared
 /// statement's generic plan until the table's statistics change, and [`DUE_SQL`]'s,
 /// planned on a fresh table (before autovacuum's first analyze), is a sequential scan
 /// that stays one as the table grows: a scan of the whole table per park
-/// (BENCHMARKS.md, "Claim plans").
-/// `enable_bitmapscan = off`: [`DUE_OR_LATE_SQL`]'s walk of the newest NEW rows must be
-/// a backward index scan that stops after 1,000, not a bitmap scan of every NEW row up
-/// to its id, sorted. `jit = off`: as for the claim, a short index walk never pays a
-/// compilation back.
-const SESSION_SQL: &str = "SET enable_seqscan = off; SET enable_bitmapscan = off; SET jit = off";
+/// (BENCHMARKS.md, "Claim plans"). `jit = off`: as for the claim, a short index walk
+/// never pays a compilation back.
+const SESSION_SQL: &str = "SET enable_seqscan = off; SET jit = off";
 
 /// Ends this session's hold (the connection is the listener's alone, so all of its
 /// advisory locks) and the limits the hold came with.
@@ -192,7 +149,7 @@ impl Listener {
 
     /// Parks until a notification, due work beyond `seen`, or `timeout`. Never
     /// fails: without a working connection it sleeps instead (and reconnects next time).
-    pub(super) async fn wait(&self, channel: &str, timeout: Duration, seen: &Horizon) {
+    pub(super) async fn wait(&self, channel: &str, timeout: Duration, seen: i64) {
         let deadline = Instant::now() + timeout;
         // A second concurrent waiter (not the relay's pattern) just sleeps.
         let Ok(mut state) = self.state.try_lock() else {
@@ -282,7 +239,6 @@ struct Live {
     events: Arc<Events>,
     reader: JoinHandle<()>,
     due: Statement,
-    due_or_late: Statement,
     /// The channel's wake-up lock.
     lock: (i32, i32),
     /// The server ends idle sessions on request (`idle_session_timeout`, PostgreSQL 14).
@@ -334,9 +290,8 @@ impl Live {
         client
             .batch_execute(&format!("{SESSION_SQL}; LISTEN {}", quote_ident(channel)))
             .await?;
-        let (due, due_or_late, version) = tokio::try_join!(
+        let (due, version) = tokio::try_join!(
             client.prepare(DUE_SQL),
-            client.prepare(DUE_OR_LATE_SQL),
             client.query_one("SELECT current_setting('server_version_num')::int4", &[]),
         )?;
         Ok(Self {
@@ -345,7 +300,6 @@ impl Live {
             events,
             reader,
             due,
-            due_or_late,
             lock: crate::wake_lock_key(channel),
             idle_limit: version.try_get::<_, i32>(0)? >= 140_000,
             held: AtomicBool::new(false),
@@ -367,7 +321,7 @@ impl Live {
         self: &Arc<Self>,
         timeout: Duration,
         deadline: Instant,
-        seen: &Horizon,
+        seen: i64,
     ) -> Result<Parked, Lost> {
         // The last wait's release goes first, or it would end the hold below.
         let releasing = self
@@ -382,7 +336,7 @@ impl Live {
         // and looking after (as below) would announce an idle relay on every turn of a
         // relay that keeps up with its emitters, and every emit meanwhile would pay for a
         // NOTIFY (which serialises commits: BENCHMARKS.md, the emit rows).
-        if self.due(seen, false).await? {
+        if self.due(seen).await? {
             return Ok(Parked::Due);
         }
         // Older notifications are stale: the relay has claimed since they were sent.
@@ -411,7 +365,7 @@ impl Live {
         }
         // The emits that committed before the lock was taken sent no NOTIFY: look once
         // more before parking.
-        let due = self.due(seen, true).await?;
+        let due = self.due(seen).await?;
         // Registered before the count is read again: a notification in between is not lost.
         let mut changed = pin!(self.events.changed.notified());
         changed.as_mut().enable();
@@ -440,17 +394,9 @@ impl Live {
         })
     }
 
-    /// Whether due NEW rows above `seen` are committed, or with `late`, also the rows
-    /// below it of transactions `seen` could not see ([`DUE_OR_LATE_SQL`]).
-    async fn due(&self, seen: &Horizon, late: bool) -> Result<bool, tokio_postgres::Error> {
-        let row = if late {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&seen.id, &seen.xmax, &seen.xip, &seen.xmin];
-            self.client.query_one(&self.due_or_late, &params).await?
-        } else {
-            self.client.query_one(&self.due, &[&seen.id]).await?
-        };
-        row.try_get(0)
+    /// Whether due NEW rows above `seen` are committed.
+    async fn due(&self, seen: i64) -> Result<bool, tokio_postgres::Error> {
+        self.client.query_one(&self.due, &[&seen]).await?.try_get(0)
     }
 
     /// The `idle_session_timeout` of a hold for a wait of `timeout`, in ms: `None` where
