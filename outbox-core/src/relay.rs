@@ -269,44 +269,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let mut rejected_keys: HashSet<&str> = HashSet::new();
         let mut first = true;
         while !pending.is_empty() {
-            let mut wave = Vec::with_capacity(pending.len());
-            let mut later = Vec::new();
-            let mut waiting_keys: HashSet<&str> = HashSet::new();
-            for i in pending {
-                let key = messages[i].envelope.key.as_str();
-                if rejected_keys.contains(key) {
-                    continue; // stays NEW: an earlier message of its key failed
-                }
-                if waiting_keys.contains(key) {
-                    later.push(i);
-                    continue;
-                }
-                if messages[i].retries > 0 {
-                    waiting_keys.insert(key);
-                }
-                wave.push(i);
-            }
+            let (wave, later) = next_wave(messages, pending, &rejected_keys);
             if wave.is_empty() {
                 break;
             }
-            let published = if wave.len() == messages.len() {
-                self.publisher.publish(messages).await
-            } else {
-                let subset: Vec<crate::StoredMessage> =
-                    wave.iter().map(|&i| messages[i].clone()).collect();
-                self.publisher.publish(&subset).await
-            };
-            let outcomes = match published.and_then(|r| {
-                if r.len() == wave.len() {
-                    Ok(r)
-                } else {
-                    Err(Error::broker_unavailable(format!(
-                        "publisher returned {} results for {} messages",
-                        r.len(),
-                        wave.len()
-                    )))
-                }
-            }) {
+            let outcomes = match self.publish_wave(messages, &wave).await {
                 Ok(r) => r,
                 Err(e) if first => return Err(e),
                 Err(e) => return Ok(Waves::interrupted(fates, e)),
@@ -343,6 +310,29 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             fates,
             interrupted: None,
         })
+    }
+
+    /// One call of the publisher with the messages of `wave`; a result per message.
+    async fn publish_wave(
+        &self,
+        messages: &[crate::StoredMessage],
+        wave: &[usize],
+    ) -> Result<crate::PublishOutcomes, Error> {
+        let published = if wave.len() == messages.len() {
+            self.publisher.publish(messages).await?
+        } else {
+            let subset: Vec<crate::StoredMessage> =
+                wave.iter().map(|&i| messages[i].clone()).collect();
+            self.publisher.publish(&subset).await?
+        };
+        if published.len() != wave.len() {
+            return Err(Error::broker_unavailable(format!(
+                "publisher returned {} results for {} messages",
+                published.len(),
+                wave.len()
+            )));
+        }
+        Ok(published)
     }
 
     fn outcome(&self, messages: &[crate::StoredMessage], fates: Vec<Fate>) -> RelayBatchOutcome {
@@ -484,6 +474,35 @@ async fn observed(
         metrics::histogram!("outbox_relay_batch_seconds").record(started.elapsed().as_secs_f64());
     }
     report
+}
+
+/// Of the `pending` messages (indexes into `messages`), those of the next wave and those
+/// that wait for a later one: a message waits behind a retried message of its key
+/// (`retries > 0`) in this wave, and one whose key was rejected in an earlier wave is
+/// left out (it stays NEW).
+fn next_wave<'m>(
+    messages: &'m [crate::StoredMessage],
+    pending: Vec<usize>,
+    rejected_keys: &HashSet<&'m str>,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut wave = Vec::with_capacity(pending.len());
+    let mut later = Vec::new();
+    let mut waiting_keys: HashSet<&str> = HashSet::new();
+    for i in pending {
+        let key = messages[i].envelope.key.as_str();
+        if rejected_keys.contains(key) {
+            continue; // stays NEW: an earlier message of its key failed
+        }
+        if waiting_keys.contains(key) {
+            later.push(i);
+            continue;
+        }
+        if messages[i].retries > 0 {
+            waiting_keys.insert(key);
+        }
+        wave.push(i);
+    }
+    (wave, later)
 }
 
 /// What [`Relay::publish_in_waves`] did with a batch.

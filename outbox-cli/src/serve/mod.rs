@@ -70,7 +70,7 @@ pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
     let app = Arc::new(App {
         db,
         redis,
-        redis_display: args.redis_url.as_deref().map(data::redis_display),
+        redis_display: args.redis_url.as_deref().map(redact),
         prefix: args.stream_prefix,
         dead_suffix: args.dead_letter_suffix,
         auth: auth::Auth::new(args.token, args.public_reads),

@@ -14,7 +14,6 @@ use outbox_redis::redis::aio::MultiplexedConnection;
 use outbox_redis::redis::{self, AsyncConnectionConfig};
 
 use super::App;
-use crate::backend::redact;
 
 pub(crate) use actions::{Action, apply};
 pub(crate) use dead_letters::{
@@ -122,9 +121,4 @@ async fn streams(
         .await?
         .into_iter()
         .partition(|s| s.ends_with(&app.dead_suffix)))
-}
-
-/// A Redis URL fit to show.
-pub(crate) fn redis_display(url: &str) -> String {
-    redact(url)
 }
