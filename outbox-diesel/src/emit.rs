@@ -5,6 +5,7 @@ use outbox_core::{
     DEFAULT_MAX_PAYLOAD_BYTES, Envelope, Headers, InvalidConfig, MsgId, OutboxEvent, TRACEPARENT,
 };
 
+use crate::backend::Database as _;
 use crate::{OutboxConnection, Result};
 
 /// Whether [`Emit`] on PostgreSQL wakes a relay with `NOTIFY` (delivered at commit).
@@ -248,7 +249,7 @@ pub trait Emit {
 impl<C: OutboxConnection> Emit for C {
     fn emit_with<E: OutboxEvent>(&mut self, options: &EmitOptions, event: E) -> Result<MsgId> {
         let envelope = options.prepare_one(&event)?;
-        self.__insert(options, std::slice::from_ref(&envelope))?;
+        self.db().insert(options, std::slice::from_ref(&envelope))?;
         Ok(envelope.msg_id)
     }
 
@@ -262,7 +263,7 @@ impl<C: OutboxConnection> Emit for C {
         let envelopes = options.prepare_all(events)?;
         unique_msg_ids(&envelopes)?;
         if !envelopes.is_empty() {
-            self.__insert(options, &envelopes)?;
+            self.db().insert(options, &envelopes)?;
         }
         Ok(envelopes.into_iter().map(|e| e.msg_id).collect())
     }
@@ -272,7 +273,7 @@ impl<C: OutboxConnection> Emit for C {
         if envelopes.is_empty() {
             return Ok(());
         }
-        self.__insert(options, &with_trace(envelopes))
+        self.db().insert(options, &with_trace(envelopes))
     }
 }
 

@@ -7,7 +7,7 @@ use outbox_core::{
     BoxError, HandlerError, Inbox, InboxBatchOutcomes, MsgId, Processed, error_chain,
 };
 
-use crate::backend::check_group;
+use crate::backend::{Database as _, check_group};
 use crate::error::has_transient_cause;
 use crate::{Error, OutboxConnection, is_transient};
 
@@ -132,11 +132,11 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
         if let Err(e) = Tm::<C>::begin_transaction(c) {
-            c.__forget_if_lost();
+            c.db().forget_if_lost();
             return Err(store_error(e.into()));
         }
         let failed = match run_one(c, group, msg_id, handle) {
-            Ok(processed) => match c.__commit_checked() {
+            Ok(processed) => match c.db().commit_checked() {
                 Ok(Ok(())) => return Ok(processed),
                 Ok(Err(e)) => TxError::Handler(HandlerError::msg(format_args!(
                     "the handler's writes could not be kept (did it ignore a failed statement?): {e}"
@@ -167,7 +167,7 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
         let mut conn = self.pool.get().map_err(Error::from)?;
         let c: &mut C = &mut conn;
         if let Err(e) = Tm::<C>::begin_transaction(c) {
-            c.__forget_if_lost();
+            c.db().forget_if_lost();
             return Err(store_error(e.into()));
         }
         let mut run = || {
@@ -178,7 +178,8 @@ impl<C: OutboxConnection + R2D2Connection> Inbox for DieselInbox<C> {
                 .filter(|id| distinct.insert(*id))
                 .collect();
             let ahead = c
-                .__insert_consumed_batch(group, &firsts)
+                .db()
+                .insert_consumed_batch(group, &firsts)
                 .map_err(|e| batch_error(e, None))?;
             if let Some(new) = ahead {
                 return crate::inbox_ahead::run(c, group, msg_ids, &new, &mut handle);
@@ -227,7 +228,7 @@ fn run_one<C: OutboxConnection>(
     msg_id: &MsgId,
     handle: impl FnOnce(&mut C) -> Result<(), HandlerError>,
 ) -> Result<Processed, TxError> {
-    if !c.__insert_consumed(group, msg_id.as_str())? {
+    if !c.db().insert_consumed(group, msg_id.as_str())? {
         return Ok(Processed::Duplicate);
     }
     handle(c).map_err(TxError::Handler)?;
@@ -250,8 +251,8 @@ fn check_handler_left_committable<C: OutboxConnection>(c: &mut C) -> Result<(), 
         )));
     }
     // An ignored failed statement (PostgreSQL) is caught by the commit:
-    // `Backend::__commit_checked`.
-    if !c.__transaction_open()? {
+    // `Database::commit_checked`.
+    if !c.db().transaction_open()? {
         return Err(TxError::Ended);
     }
     Ok(())
@@ -341,7 +342,7 @@ pub(crate) fn in_savepoint<C: OutboxConnection>(
 ) -> Result<Result<Processed, outbox_core::Error>, outbox_core::Error> {
     let outer = depth(c).map_err(store_error)?;
     Tm::<C>::begin_transaction(c).map_err(|e| store_error(e.into()))?;
-    let failure = match c.__insert_consumed(group, msg_id.as_str()) {
+    let failure = match c.db().insert_consumed(group, msg_id.as_str()) {
         Ok(false) => {
             Tm::<C>::commit_transaction(c).map_err(|e| store_error(e.into()))?;
             return Ok(Ok(Processed::Duplicate));
@@ -381,7 +382,7 @@ pub(crate) fn roll_back_message<C: OutboxConnection>(
     // savepoint's rollback as done (after a `SerializationFailure` it tolerates failed
     // savepoint rollbacks): ask the server. If the batch's transaction is gone, nothing of
     // it committed, the earlier messages' work included.
-    if !c.__transaction_open().map_err(store_error)? {
+    if !c.db().transaction_open().map_err(store_error)? {
         let source = if failure.is_transient() {
             failure.into_source()
         } else {
@@ -396,7 +397,8 @@ pub(crate) fn roll_back_message<C: OutboxConnection>(
     unwound.map_err(store_error)?;
     if let Some(group) = give_back {
         // Its own row, locked by this transaction: no wait, no conflict.
-        c.__delete_consumed(group, msg_id.as_str())
+        c.db()
+            .delete_consumed(group, msg_id.as_str())
             .map_err(store_error)?;
     }
     if failure.is_transient() {

@@ -25,6 +25,7 @@ use diesel::connection::TransactionManager as _;
 use outbox_core::{HandlerError, InboxBatchOutcomes, MsgId, Processed};
 
 use crate::OutboxConnection;
+use crate::backend::Database as _;
 use crate::inbox::{
     Failure, Tm, commit_error, depth, in_savepoint, roll_back_message, store_error,
 };
@@ -124,7 +125,7 @@ fn ended_by_handler<C: OutboxConnection>(
             if new.contains(id)
                 && !seen.contains(id)
                 && later.insert(id)
-                && let Err(e) = c.__delete_consumed(group, id)
+                && let Err(e) = c.db().delete_consumed(group, id)
             {
                 return store_error(e);
             }

@@ -88,12 +88,7 @@ pub use inbox::DieselInbox;
 pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
-pub use ops::{
-    OutboxRecord, OutboxRow, ParkedRelay, PublishedMinute, TopicCounts, UnreadableRecord, backlog,
-    dead_letters, find_message, find_row, list_messages, list_rows, parked_relays,
-    published_per_minute, purge_consumed, purge_dead, purge_sent, redrive, redrive_all,
-    topic_counts,
-};
+pub use ops::*;
 #[cfg(feature = "postgres")]
 pub use partition::{
     POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport,
@@ -114,15 +109,16 @@ pub use store::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 #[doc(hidden)]
 pub mod __private {
     use crate::OutboxConnection;
+    use crate::backend::Database as _;
 
     /// The unordered claim's statement.
     pub fn claim_sql<C: OutboxConnection>(limit: usize) -> String {
-        C::__claim_sql(limit)
+        C::Db::claim_sql(limit)
     }
 
     /// The per-key claim's statement (on MySQL its first, locking one).
     pub fn claim_per_key_sql<C: OutboxConnection>(limit: usize) -> String {
-        C::__claim_per_key_sql(limit, &[])
+        C::Db::claim_per_key_sql(limit, &[])
     }
 
     /// Opens a claim's transaction on `conn` as a relay store does (isolation, commit
@@ -132,7 +128,7 @@ pub mod __private {
         conn: &mut C,
         stall: std::time::Duration,
     ) -> crate::Result<()> {
-        conn.__begin_bounded_claim(stall)
+        conn.db().begin_claim(stall)
     }
 
     /// Records a claimed batch's outcome on `conn` in the claim's transaction (see
@@ -143,12 +139,12 @@ pub mod __private {
         conn: &mut C,
         outcome: &outbox_core::RelayBatchOutcome,
     ) -> crate::Result<()> {
-        conn.__complete(outcome)
+        crate::backend::complete(conn.db(), outcome)
     }
 
     /// MySQL's second per-key statement for the locked ids `ids` (empty elsewhere).
     pub fn key_probe_sql<C: OutboxConnection>(ids: &[i64]) -> String {
-        C::__key_probe_sql(ids)
+        C::Db::key_probe_sql(ids)
     }
 }
 

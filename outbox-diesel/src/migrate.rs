@@ -1,3 +1,7 @@
+use diesel::QueryableByName;
+use diesel::sql_types::{Integer, Nullable};
+
+use crate::backend::{Database, is_missing_table};
 use crate::{OutboxConnection, Result};
 
 /// A shipped migration: the SQL of one backend's `up.sql` and `down.sql`, the same text
@@ -62,18 +66,39 @@ pub const MIGRATION_VERSION: i32 = 1;
 /// instead (idempotent as well), so a relay that migrates at start keeps the layout.
 pub fn migrate<C: OutboxConnection>(conn: &mut C) -> Result<()> {
     check_version(conn)?;
-    let sql = conn.__migration_sql()?;
+    let sql = conn.db().migration_sql()?;
     conn.batch_execute(sql)?;
     Ok(())
 }
 
 /// Refuses tables a newer release migrated ([`Error::SchemaTooNew`](crate::Error::SchemaTooNew)).
 pub(crate) fn check_version<C: OutboxConnection>(conn: &mut C) -> Result<()> {
-    match conn.__migration_version()? {
+    match migration_version(conn.db())? {
         Some(found) if found > MIGRATION_VERSION => Err(crate::Error::SchemaTooNew {
             found,
             supported: MIGRATION_VERSION,
         }),
         _ => Ok(()),
     }
+}
+
+/// The highest migration version recorded in `outbox_migrations`; `None` when the table
+/// is missing (never migrated, or migrated before the table existed) or empty.
+fn migration_version<D: Database>(conn: &mut D) -> Result<Option<i32>> {
+    // In a transaction (a savepoint inside the caller's): on PostgreSQL a failed
+    // statement would otherwise abort a transaction the caller has open.
+    let version = conn.transaction(|c| {
+        c.load_one::<VersionRow>("SELECT MAX(version) AS version FROM outbox_migrations")
+    });
+    match version {
+        Ok(row) => Ok(row.version),
+        Err(e) if is_missing_table(&e, "outbox_migrations") => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[derive(QueryableByName)]
+struct VersionRow {
+    #[diesel(sql_type = Nullable<Integer>)]
+    version: Option<i32>,
 }

@@ -1,26 +1,29 @@
-//! Backend-specific SQL behind [`OutboxConnection`](crate::OutboxConnection): the
-//! crate-private [`Backend`] trait, whose default methods hold the statements that differ
-//! between backends only by their [`Dialect`], and one module per backend for the rest
-//! (emit, the claim's transaction, the inbox insert). Rows are written in `row`, read in
-//! `record`; shared SQL text is in `sql`.
+//! The SQL behind [`OutboxConnection`](crate::OutboxConnection): the crate-private
+//! [`Database`] trait, which each database's connection implements in a module of its
+//! own (emit, the claim's transaction, the inbox insert, its [`Dialect`]), and
+//! [`Backend`], which takes a connection (pooled or not) to its database. Rows are
+//! written in `row`, read in `record`; shared SQL text is in `sql`.
 
+use std::collections::HashSet;
+use std::time::Duration;
+
+use diesel::connection::TransactionManager as _;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::query_dsl::LoadQuery;
 use diesel::query_dsl::methods::ExecuteDsl;
+use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use diesel::result::QueryResult;
 use diesel::serialize::ToSql;
-use diesel::sql_types::HasSqlType;
-use diesel::sql_types::Text;
+use diesel::sql_types::{HasSqlType, Text};
 use diesel::{Connection, RunQueryDsl as _};
-use outbox_core::{Backlog, Envelope, RelayBatchOutcome, Status, StoredMessage};
+use outbox_core::{Envelope, RelayBatchOutcome, StoredMessage};
 
-use crate::{EmitOptions, Error, OutboxRow, Result};
+use crate::{EmitOptions, Result};
 
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod pg;
-mod pooled;
 mod record;
 mod row;
 mod sql;
@@ -31,15 +34,10 @@ pub(crate) mod sqlite;
 pub(crate) use record::ClaimRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
-pub(crate) use record::{
-    BacklogRow, MinuteRow, ParkedRow, RecordRow, TopicRow, VersionRow, claimed,
-};
+pub(crate) use record::{RecordRow, claimed};
 #[cfg(feature = "postgres")]
 pub(crate) use row::push_before_headers;
 pub(crate) use row::{Row, check_group, chunks, push_values};
-
-/// The highest recorded migration: the same text on every backend.
-const VERSION_SQL: &str = "SELECT MAX(version) AS version FROM outbox_migrations";
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use sql::{FIND_ONE, TAKE_BACK, first_outside_sql, head_is_due, with_msg_ids};
 pub(crate) use sql::{in_list, is_missing_table, retry_delay_us, truncate};
@@ -69,12 +67,14 @@ pub(crate) struct Dialect {
     /// be durable.
     pub(crate) durable_dead: Option<&'static str>,
     /// SENT rows of the last `n` minutes by the minute they were sent in
-    /// (`minutes_ago`, 0 the current one), with their mean commit→publish latency:
-    /// [`MinuteRow`]s.
+    /// (`minutes_ago`, 0 the current one), with their mean commit→publish latency.
     pub(crate) published_minutes: fn(u32) -> String,
     /// DEAD → NEW, due now, retries reset, of the DEAD rows among these ids (an
     /// [`in_list`]).
     pub(crate) redrive: fn(&str) -> String,
+    /// Whether a relay parked on LISTEN holds a [wake-up lock](crate::wake_lock_key)
+    /// (PostgreSQL; elsewhere relays park without one).
+    pub(crate) wake_locks: bool,
 }
 
 /// Where the PostgreSQL claim walks from (its `ClaimFloor`; zero elsewhere).
@@ -87,6 +87,7 @@ pub(crate) struct Floor {
     pub(crate) watch: i64,
 }
 
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 /// [`Dialect::redrive`] keeping the rows' ids (MySQL, SQLite: no claim floor).
 pub(crate) fn redrive_in_place(now: &str, ids: &str) -> String {
     format!(
@@ -95,155 +96,43 @@ pub(crate) fn redrive_in_place(now: &str, ids: &str) -> String {
     )
 }
 
-/// What `OutboxConnection` does, per backend. Crate-private and a supertrait of the
-/// public, otherwise empty `OutboxConnection`: outside this crate its methods cannot be
-/// called (E0624) and the trait cannot be implemented, so the SQL stays out of the API.
-///
-/// A backend implements the required methods; the defaults are the statements whose SQL
-/// differs only by [`Self::DIALECT`](Backend::DIALECT). They reach the database through
-/// four primitives (`load_records`, `run_sql`, `backlog_row`, `version_row`) that each backend
-/// implements by calling the generic [`load_rows`] / [`execute_sql`] with its own connection
-/// type: diesel proves a query runs on a connection only for a concrete row type and
-/// backend (`RecordRow: QueryableByName<Pg>`), which a default method, generic over the
-/// backend, cannot state.
-pub(crate) trait Backend: Connection + Sized {
+/// One database's statements, implemented by its driver's connection (`PgConnection`,
+/// `MysqlConnection`, `SqliteConnection`). The statements that differ only by their
+/// [`Dialect`] are written once, as generic functions over this trait (the operations
+/// queries in `ops`, [`complete`], the migration's version): they reach the database
+/// through [`load`](Self::load) and [`execute`](Self::execute). What a database does
+/// its own way (emit, the claim's transaction, the inbox's dedup rows) is a method here,
+/// with the common way as its default.
+pub(crate) trait Database: Connection + Sized + 'static {
     /// The embedded migration (the shipped `up.sql`).
-    const __MIGRATION: &'static str;
+    const MIGRATION: &'static str;
 
-    /// The backend's SQL for the shared statements.
+    /// The database's SQL for the shared statements.
     const DIALECT: Dialect;
 
-    /// Loads `sql` (with `bind` as its one text parameter, if any) as records.
-    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>>;
+    /// Loads the rows of `sql`, with `bind` as its one text parameter if any.
+    fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>>;
 
-    /// Runs `sql` (with `bind` as its one text parameter, if any); the rows it touched.
-    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize>;
+    /// Runs `sql`, with `bind` as its one text parameter if any; the rows it touched.
+    fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize>;
 
-    /// Runs [`Dialect::backlog`].
-    fn backlog_row(&mut self) -> QueryResult<BacklogRow>;
-
-    /// Runs [`VERSION_SQL`].
-    fn version_row(&mut self) -> QueryResult<VersionRow>;
-
-    /// Runs [`TOPICS_SQL`].
-    fn topic_rows(&mut self) -> QueryResult<Vec<TopicRow>>;
-
-    /// Runs [`Dialect::published_minutes`].
-    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<MinuteRow>>;
-
-    /// The sessions holding a relay's [wake-up lock](crate::wake_lock_key) exclusively
-    /// (relays parked on LISTEN), in pid order; `None` where relays park without one
-    /// (every backend but PostgreSQL).
-    fn parked_relay_rows(&mut self) -> QueryResult<Option<Vec<ParkedRow>>> {
-        Ok(None)
+    /// The one row of `sql`.
+    fn load_one<T: ResultRow>(&mut self, sql: &str) -> QueryResult<T> {
+        self.load(sql, None)?
+            .pop()
+            .ok_or(diesel::result::Error::NotFound)
     }
 
     /// Inserts envelopes (validated by the caller: sizes, in-batch duplicates).
-    fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()>;
+    fn insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()>;
 
-    /// Opens the claim transaction (locking where the backend has row locks).
-    fn __begin_claim(&mut self) -> Result<()>;
-
-    /// Opens the claim transaction with server-side bounds on how long a stalled holder
-    /// keeps its row locks (`Duration::ZERO`: the server's own settings).
-    fn __begin_bounded_claim(&mut self, _stall: std::time::Duration) -> Result<()> {
-        self.__begin_claim()
-    }
-
-    /// The per-key claim's statement (for EXPLAIN tests too): on PostgreSQL and SQLite
-    /// the whole claim; on MySQL its first, locking statement (the second is
-    /// [`__key_probe_sql`](Self::__key_probe_sql)).
-    ///
-    /// `held`: the ids of a batch the relay has in hand and publishes first (a claim
-    /// ahead, [`RelayStore::claim_after`](outbox_core::RelayStore::claim_after)): they
-    /// hold back no row of their keys. Empty for a plain claim.
-    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String;
-
-    /// MySQL's second per-key statement, for the locked ids `ids` (empty elsewhere).
-    fn __key_probe_sql(_ids: &[i64]) -> String {
-        String::new()
-    }
-
-    /// Like [`__claim`](Self::__claim), keeping only the rows that no unclaimed NEW row
-    /// of their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
-    /// excepted. `floor`: where the walk starts ([`Floor`]).
-    fn __claim_per_key(
-        &mut self,
-        limit: usize,
-        held: &[i64],
-        _floor: Floor,
-    ) -> Result<Vec<StoredMessage>> {
-        let rows = self.load_records(&Self::__claim_per_key_sql(limit, held), None)?;
-        claimed(self, rows)
-    }
-
-    /// Inserts a dedup row; `false` if it was there.
-    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool>;
-
-    /// Inserts the dedup rows of a whole batch in one statement, ahead of its handlers:
-    /// the msg_ids that were new (`msg_ids` holds no repeats). `None`: the backend has no
-    /// such statement, and nothing ran; the batch takes the per-message path.
-    ///
-    /// A backend that answers `Some` runs the batch's fast path in
-    /// `DieselInbox::process_batch`, which needs two more things of it: multi-statement
-    /// strings in `batch_execute` that stop at the first failed statement
-    /// (`RELEASE SAVEPOINT ..; SAVEPOINT ..`), and [`__delete_consumed`](Self::__delete_consumed).
-    fn __insert_consumed_batch(
-        &mut self,
-        _group: &str,
-        _msg_ids: &[&str],
-    ) -> Result<Option<std::collections::HashSet<String>>> {
-        Ok(None)
-    }
-
-    /// Deletes a dedup row inserted by [`__insert_consumed_batch`](Self::__insert_consumed_batch)
-    /// in the open transaction (its message failed). Only called on a backend whose
-    /// `__insert_consumed_batch` answers `Some`.
-    fn __delete_consumed(&mut self, _group: &str, _msg_id: &str) -> Result<()> {
-        Err(diesel::result::Error::QueryBuilderError(
-            "this backend inserts no dedup rows ahead of a batch".into(),
-        )
-        .into())
-    }
-
-    /// Fails if the open transaction can no longer commit. PostgreSQL aborts a
-    /// transaction at its first failed statement and then turns `COMMIT` into a silent
-    /// `ROLLBACK`; MySQL and SQLite roll back only the failed statement, so they have
-    /// nothing to check.
-    fn __check_committable(&mut self) -> Result<()> {
-        Ok(())
-    }
-
-    /// Commits the open transaction of a consumer's message if it can commit
-    /// ([`__check_committable`](Self::__check_committable)). `Ok(Err(e))`: it cannot (`e`
-    /// says why) and is still open, to be rolled back; `Err`: the commit itself failed.
-    /// PostgreSQL checks and commits in one round trip.
-    fn __commit_checked(&mut self) -> Result<Result<()>> {
-        if let Err(e) = self.__check_committable() {
-            return Ok(Err(e));
-        }
-        <Self::TransactionManager as diesel::connection::TransactionManager<Self>>::commit_transaction(self)?;
-        Ok(Ok(()))
-    }
-
-    /// Whether the transaction this connection began is still open on the server.
-    /// MySQL and MariaDB end a transaction themselves on a deadlock (1213), savepoints
-    /// included, and run the statements that follow in autocommit mode while diesel
-    /// still counts the transaction open; PostgreSQL keeps an aborted transaction open
-    /// until it is rolled back ([`__check_committable`](Self::__check_committable)).
-    fn __transaction_open(&mut self) -> Result<bool> {
-        Ok(true)
-    }
-
-    /// After a statement failed outside a transaction: marks the connection broken if
-    /// it no longer reaches its server, so that the pool drops it instead of handing it
-    /// out again. (Inside a transaction a failed rollback marks it.) Nothing to do on
-    /// PostgreSQL, whose connection marks itself (diesel reads libpq's status after each
-    /// statement), nor on SQLite.
-    fn __forget_if_lost(&mut self) {}
+    /// Opens the claim transaction, locking where the database has row locks, with
+    /// server-side bounds on how long a stalled holder keeps them (`Duration::ZERO`: the
+    /// server's own settings).
+    fn begin_claim(&mut self, stall: Duration) -> Result<()>;
 
     /// The unordered claim statement (for EXPLAIN tests too).
-    fn __claim_sql(limit: usize) -> String {
+    fn claim_sql(limit: usize) -> String {
         let d = &Self::DIALECT;
         format!(
             "SELECT {} FROM outbox WHERE status = 0 AND next_retry_at <= {} ORDER BY id LIMIT {}{}",
@@ -255,205 +144,217 @@ pub(crate) trait Backend: Connection + Sized {
     ///
     /// `held`: the ids of a batch the relay has in hand (a claim ahead), else empty.
     /// They are locked by that batch's transaction, so the claim skips them anyway; a
-    /// backend may leave them out of its walk before it tries their locks.
+    /// database may leave them out of its walk before it tries their locks.
     ///
     /// `floor`: an id below which no row is NEW or can become visible as NEW (0: none
-    /// known). A backend may start its walk there (PostgreSQL, `ClaimFloor`).
-    fn __claim(&mut self, limit: usize, _held: &[i64], _floor: i64) -> Result<Vec<StoredMessage>> {
-        let rows = self.load_records(&Self::__claim_sql(limit), None)?;
+    /// known). A database may start its walk there (PostgreSQL, `ClaimFloor`).
+    fn claim(&mut self, limit: usize, _held: &[i64], _floor: i64) -> Result<Vec<StoredMessage>> {
+        let rows: Vec<RecordRow> = self.load(&Self::claim_sql(limit), None)?;
+        claimed(self, rows)
+    }
+
+    /// The per-key claim's statement (for EXPLAIN tests too): on PostgreSQL and SQLite
+    /// the whole claim; on MySQL its first, locking statement (the second is
+    /// [`key_probe_sql`](Self::key_probe_sql)).
+    ///
+    /// `held`: the ids of a batch the relay has in hand and publishes first (a claim
+    /// ahead, [`RelayStore::claim_after`](outbox_core::RelayStore::claim_after)): they
+    /// hold back no row of their keys. Empty for a plain claim.
+    fn claim_per_key_sql(limit: usize, held: &[i64]) -> String;
+
+    /// MySQL's second per-key statement, for the locked ids `ids` (empty elsewhere).
+    fn key_probe_sql(_ids: &[i64]) -> String {
+        String::new()
+    }
+
+    /// Like [`claim`](Self::claim), keeping only the rows that no unclaimed NEW row of
+    /// their key precedes (ARCHITECTURE.md, "Order per key"), the rows of `held`
+    /// excepted. `floor`: where the walk starts ([`Floor`]).
+    fn claim_per_key(
+        &mut self,
+        limit: usize,
+        held: &[i64],
+        _floor: Floor,
+    ) -> Result<Vec<StoredMessage>> {
+        let rows: Vec<RecordRow> = self.load(&Self::claim_per_key_sql(limit, held), None)?;
         claimed(self, rows)
     }
 
     /// Marks these claimed rows SENT (in the caller's transaction): one statement for
     /// the whole batch; `status = 0` keeps status moving forward.
-    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+    fn mark_sent(&mut self, ids: &[i64]) -> Result<()> {
         let sql = format!(
             "UPDATE outbox SET status = 1, sent_at = {} WHERE status = 0 AND id IN ({})",
             Self::DIALECT.now,
             in_list(ids)
         );
-        self.run_sql(&sql, None)?;
+        self.execute(&sql, None)?;
         Ok(())
     }
 
-    /// Writes a batch outcome (in the caller's transaction).
-    fn __complete(&mut self, outcome: &RelayBatchOutcome) -> Result<()> {
-        let d = &Self::DIALECT;
-        if !outcome.sent.is_empty() {
-            self.__mark_sent(&outcome.sent)?;
-        }
-        for retry in &outcome.retry {
-            let sql = format!(
-                "UPDATE outbox SET retries = retries + 1, next_retry_at = {}, last_error = {} \
-                 WHERE status = 0 AND id = {}",
-                (d.later)(retry_delay_us(retry.next_retry_at)),
-                d.ph,
-                retry.id,
-            );
-            self.run_sql(&sql, Some(truncate(&retry.error)))?;
-        }
-        if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
-            self.run_sql(durable, None)?;
-        }
-        for dead in &outcome.dead {
-            let id = dead.id;
-            let sql = format!(
-                "UPDATE outbox SET retries = retries + 1, status = 2, last_error = {} \
-                 WHERE status = 0 AND id = {id}",
-                d.ph
-            );
-            self.run_sql(&sql, Some(truncate(&dead.error)))?;
-        }
-        Ok(())
-    }
-
-    /// Marks these claimed rows SENT ([`__mark_sent`](Self::__mark_sent), nothing if
+    /// Marks these claimed rows SENT ([`mark_sent`](Self::mark_sent), nothing if
     /// empty) and commits the claim's transaction: a batch whose every message was
     /// published. On an error the transaction may still be open, to be rolled back.
     /// PostgreSQL does both in one round trip.
-    fn __mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
+    fn mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
         if !ids.is_empty() {
-            self.__mark_sent(ids)?;
+            self.mark_sent(ids)?;
         }
-        <Self::TransactionManager as diesel::connection::TransactionManager<Self>>::commit_transaction(self)?;
+        Self::TransactionManager::commit_transaction(self)?;
         Ok(())
     }
 
-    /// Backlog statistics.
-    fn __backlog(&mut self) -> Result<Backlog> {
-        Ok(self.backlog_row()?.into_backlog())
-    }
+    /// Inserts a dedup row; `false` if it was there.
+    fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool>;
 
-    /// Rows with `id > after_id`, optionally of one status, in id order; a row that does
-    /// not decode comes as [`OutboxRow::Unreadable`].
-    fn __list(
+    /// Inserts the dedup rows of a whole batch in one statement, ahead of its handlers:
+    /// the msg_ids that were new (`msg_ids` holds no repeats). `None`: the database has
+    /// no such statement, and nothing ran; the batch takes the per-message path.
+    ///
+    /// A database that answers `Some` runs the batch's fast path in
+    /// `DieselInbox::process_batch`, which needs two more things of it: multi-statement
+    /// strings in `batch_execute` that stop at the first failed statement
+    /// (`RELEASE SAVEPOINT ..; SAVEPOINT ..`), and [`delete_consumed`](Self::delete_consumed).
+    fn insert_consumed_batch(
         &mut self,
-        status: Option<Status>,
-        after_id: i64,
-        limit: usize,
-    ) -> Result<Vec<OutboxRow>> {
-        let filter = status.map_or(String::new(), |s| format!("status = {} AND ", s.as_i16()));
-        let sql = format!(
-            "SELECT {} FROM outbox WHERE {filter}id > {after_id} ORDER BY id LIMIT {limit}",
-            Self::DIALECT.columns
-        );
-        Ok(self
-            .load_records(&sql, None)?
-            .into_iter()
-            .map(RecordRow::into_row)
-            .collect())
+        _group: &str,
+        _msg_ids: &[&str],
+    ) -> Result<Option<HashSet<String>>> {
+        Ok(None)
     }
 
-    /// The row with this msg_id (compared as stored, so an unreadable one is found too).
-    fn __find(&mut self, msg_id: &str) -> Result<Option<OutboxRow>> {
-        let d = &Self::DIALECT;
-        let sql = format!("SELECT {} FROM outbox WHERE msg_id = {}", d.columns, d.ph);
-        // msg_id is unique: at most one row.
-        Ok(self
-            .load_records(&sql, Some(msg_id))?
-            .pop()
-            .map(RecordRow::into_row))
+    /// Deletes a dedup row inserted by [`insert_consumed_batch`](Self::insert_consumed_batch)
+    /// in the open transaction (its message failed). Only called on a database whose
+    /// `insert_consumed_batch` answers `Some`.
+    fn delete_consumed(&mut self, _group: &str, _msg_id: &str) -> Result<()> {
+        Err(diesel::result::Error::QueryBuilderError(
+            "this backend inserts no dedup rows ahead of a batch".into(),
+        )
+        .into())
     }
 
-    /// DEAD → NEW: these ids, refused as a whole ([`Error::UnreadableRow`]) if one of them
-    /// does not decode; or every DEAD row that decodes, a page at a time.
-    fn __redrive(&mut self, ids: Option<&[i64]>) -> Result<usize> {
-        const PAGE: usize = 1000;
-        let redrive = |c: &mut Self, ids: &[i64]| -> Result<usize> {
-            if ids.is_empty() {
-                return Ok(0);
-            }
-            Ok(c.run_sql(&(Self::DIALECT.redrive)(&in_list(ids)), None)?)
-        };
-        if let Some(ids) = ids {
-            if ids.is_empty() {
-                return Ok(0);
-            }
-            let sql = format!(
-                "SELECT {} FROM outbox WHERE status = 2 AND id IN ({})",
-                Self::DIALECT.columns,
-                in_list(ids)
-            );
-            for row in self.load_records(&sql, None)? {
-                if let OutboxRow::Unreadable(raw) = row.into_row() {
-                    return Err(Error::UnreadableRow {
-                        id: raw.id,
-                        reason: raw.reason,
-                    });
-                }
-            }
-            return redrive(self, ids);
-        }
-        let (mut after, mut total) = (0, 0);
-        loop {
-            let page = self.__list(Some(Status::Dead), after, PAGE)?;
-            let Some(last) = page.last() else {
-                return Ok(total);
-            };
-            after = last.id();
-            let readable: Vec<i64> = page
-                .iter()
-                .filter_map(|r| match r {
-                    OutboxRow::Readable(r) => Some(r.id),
-                    OutboxRow::Unreadable(_) => None,
-                })
-                .collect();
-            total += redrive(self, &readable)?;
-        }
+    /// Commits the open transaction of a consumer's message if it can commit.
+    /// `Ok(Err(e))`: it cannot (`e` says why) and is still open, to be rolled back;
+    /// `Err`: the commit itself failed. PostgreSQL aborts a transaction at its first
+    /// failed statement and then turns `COMMIT` into a silent `ROLLBACK`, so it checks
+    /// (and commits in the same round trip); MySQL and SQLite roll back only the failed
+    /// statement, so they have nothing to check.
+    fn commit_checked(&mut self) -> Result<Result<()>> {
+        Self::TransactionManager::commit_transaction(self)?;
+        Ok(Ok(()))
     }
 
-    /// Deletes these DEAD rows.
-    fn __purge_dead(&mut self, ids: &[i64]) -> Result<usize> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let sql = format!(
-            "DELETE FROM outbox WHERE status = 2 AND id IN ({})",
-            in_list(ids)
-        );
-        Ok(self.run_sql(&sql, None)?)
+    /// Whether the transaction this connection began is still open on the server.
+    /// MySQL and MariaDB end a transaction themselves on a deadlock (1213), savepoints
+    /// included, and run the statements that follow in autocommit mode while diesel
+    /// still counts the transaction open; PostgreSQL keeps an aborted transaction open
+    /// until it is rolled back ([`commit_checked`](Self::commit_checked)).
+    fn transaction_open(&mut self) -> Result<bool> {
+        Ok(true)
     }
 
-    /// Deletes up to `batch` SENT rows sent more than `older_than_us` ago.
-    fn __purge_sent(&mut self, older_than_us: i64, batch: usize) -> Result<usize> {
-        let d = &Self::DIALECT;
-        let filter = format!("status = 1 AND sent_at < {}", (d.ago)(older_than_us));
-        // Oldest first, through the `outbox_sent` index.
-        Ok(self.run_sql(
-            &(d.delete_limited)("outbox", &filter, "sent_at", batch),
-            None,
-        )?)
-    }
+    /// After a statement failed outside a transaction: marks the connection broken if
+    /// it no longer reaches its server, so that the pool drops it instead of handing it
+    /// out again. (Inside a transaction a failed rollback marks it.) Nothing to do on
+    /// PostgreSQL, whose connection marks itself (diesel reads libpq's status after each
+    /// statement), nor on SQLite.
+    fn forget_if_lost(&mut self) {}
 
-    /// Deletes up to `batch` dedup rows older than `older_than_us`.
-    fn __purge_consumed(&mut self, older_than_us: i64, batch: usize) -> Result<usize> {
-        let d = &Self::DIALECT;
-        let filter = format!("consumed_at < {}", (d.ago)(older_than_us));
-        let sql = (d.delete_limited)("consumed_msg", &filter, "consumed_at", batch);
-        Ok(self.run_sql(&sql, None)?)
-    }
-
-    /// The migration [`migrate`](crate::migrate) runs: [`Self::__MIGRATION`], but on
+    /// The migration [`migrate`](crate::migrate) runs: [`Self::MIGRATION`], but on
     /// PostgreSQL the partitioned one for partitioned tables.
-    fn __migration_sql(&mut self) -> Result<&'static str> {
-        Ok(Self::__MIGRATION)
-    }
-
-    /// The highest migration version recorded in `outbox_migrations`; `None` when the
-    /// table is missing (never migrated, or migrated before the table existed) or empty.
-    fn __migration_version(&mut self) -> Result<Option<i32>> {
-        // In a transaction (a savepoint inside the caller's): on PostgreSQL a failed
-        // statement would otherwise abort a transaction the caller has open.
-        match self.transaction(Self::version_row) {
-            Ok(row) => Ok(row.version),
-            Err(e) if is_missing_table(&e, "outbox_migrations") => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+    fn migration_sql(&mut self) -> Result<&'static str> {
+        Ok(Self::MIGRATION)
     }
 }
 
+/// A connection [`OutboxConnection`](crate::OutboxConnection) runs on: a driver's
+/// connection, which is its own [`Database`], or a pooled one, which hands over the
+/// connection it wraps. Crate-private and a supertrait of the public, otherwise empty
+/// `OutboxConnection`: outside this crate the SQL cannot be called (E0624) and the trait
+/// cannot be implemented.
+pub(crate) trait Backend {
+    /// The driver's connection.
+    type Db: Database;
+
+    /// The driver's connection, to run a statement on.
+    fn db(&mut self) -> &mut Self::Db;
+}
+
+impl<D: Database> Backend for D {
+    type Db = D;
+
+    fn db(&mut self) -> &mut D {
+        self
+    }
+}
+
+/// As diesel's r2d2 connection runs a statement: on the connection it wraps.
+impl<C: Backend + R2D2Connection + 'static> Backend for PooledConnection<ConnectionManager<C>> {
+    type Db = C::Db;
+
+    fn db(&mut self) -> &mut C::Db {
+        (**self).db()
+    }
+}
+
+/// Writes a batch outcome (in the caller's transaction).
+pub(crate) fn complete<D: Database>(conn: &mut D, outcome: &RelayBatchOutcome) -> Result<()> {
+    let d = &D::DIALECT;
+    if !outcome.sent.is_empty() {
+        conn.mark_sent(&outcome.sent)?;
+    }
+    for retry in &outcome.retry {
+        let sql = format!(
+            "UPDATE outbox SET retries = retries + 1, next_retry_at = {}, last_error = {} \
+             WHERE status = 0 AND id = {}",
+            (d.later)(retry_delay_us(retry.next_retry_at)),
+            d.ph,
+            retry.id,
+        );
+        conn.execute(&sql, Some(truncate(&retry.error)))?;
+    }
+    if let (false, Some(durable)) = (outcome.dead.is_empty(), d.durable_dead) {
+        conn.execute(durable, None)?;
+    }
+    for dead in &outcome.dead {
+        let id = dead.id;
+        let sql = format!(
+            "UPDATE outbox SET retries = retries + 1, status = 2, last_error = {} \
+             WHERE status = 0 AND id = {id}",
+            d.ph
+        );
+        conn.execute(&sql, Some(truncate(&dead.error)))?;
+    }
+    Ok(())
+}
+
+/// A row type every enabled database loads (`QueryableByName` for each of them), so
+/// that a statement written once, generic over [`Database`], can name it: diesel proves
+/// a query runs on a connection only for a concrete backend.
+pub(crate) trait ResultRow: PgRow + MysqlRow + SqliteRow + 'static {}
+
+impl<T: PgRow + MysqlRow + SqliteRow + 'static> ResultRow for T {}
+
+/// `$name`: `QueryableByName<$db>` with the feature `$feature`, anything without it.
+/// A macro because a supertrait cannot depend on a feature.
+macro_rules! row_of {
+    ($name:ident, $feature:literal, $db:ty) => {
+        #[cfg(feature = $feature)]
+        pub(crate) trait $name: diesel::QueryableByName<$db> {}
+        #[cfg(feature = $feature)]
+        impl<T: diesel::QueryableByName<$db>> $name for T {}
+        #[cfg(not(feature = $feature))]
+        pub(crate) trait $name {}
+        #[cfg(not(feature = $feature))]
+        impl<T> $name for T {}
+    };
+}
+row_of!(PgRow, "postgres", diesel::pg::Pg);
+row_of!(MysqlRow, "mysql", diesel::mysql::Mysql);
+row_of!(SqliteRow, "sqlite", diesel::sqlite::Sqlite);
+
 /// Loads the rows of `sql`, with `bind` as its one text parameter if any: the body of
-/// each backend's `load_records`, `backlog_row` and `version_row` (see [`Backend`]).
+/// each database's [`Database::load`].
 pub(crate) fn load_rows<'a, C, T>(
     conn: &mut C,
     sql: &str,
@@ -473,22 +374,8 @@ where
     }
 }
 
-/// NEW and DEAD rows per topic and status (SENT rows are left out: counting them would
-/// read the whole table, where the partial indexes hold only NEW and DEAD rows).
-pub(crate) const TOPICS_SQL: &str = "SELECT topic, status, COUNT(*) AS n FROM outbox \
-     WHERE status IN (0, 2) GROUP BY topic, status ORDER BY topic";
-
-/// Loads the one row of `sql` (see [`load_rows`]).
-pub(crate) fn load_one<C, T>(conn: &mut C, sql: &str) -> QueryResult<T>
-where
-    C: Connection,
-    for<'q> SqlQuery: LoadQuery<'q, C, T>,
-{
-    diesel::sql_query(sql).get_result(conn)
-}
-
 /// Runs `sql`, with `bind` as its one text parameter if any: the body of each
-/// backend's `run_sql` (see [`Backend`]).
+/// database's [`Database::execute`].
 pub(crate) fn execute_sql<'a, C>(
     conn: &mut C,
     sql: &str,

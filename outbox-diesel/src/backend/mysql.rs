@@ -9,8 +9,8 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{MysqlConnection, QueryableByName, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Backend, BacklogRow, RecordRow, VersionRow};
-use super::{Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
+use super::{Database, Dialect, RecordRow, ResultRow};
+use super::{FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
 use crate::{EmitOptions, Result};
 
 pub(super) const DIALECT: Dialect = Dialect {
@@ -45,6 +45,7 @@ pub(super) const DIALECT: Dialect = Dialect {
         )
     },
     redrive: |ids| super::redrive_in_place("UTC_TIMESTAMP(6)", ids),
+    wake_locks: false,
 };
 
 /// SQL that is true when two `msg_key` expressions are the same key, byte for byte, as
@@ -304,52 +305,32 @@ impl QueryFragment<Mysql> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
-impl Backend for MysqlConnection {
-    const __MIGRATION: &'static str = crate::migrate::MYSQL_UP;
+impl Database for MysqlConnection {
+    const MIGRATION: &'static str = crate::migrate::MYSQL_UP;
     const DIALECT: Dialect = DIALECT;
 
-    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+    fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
         super::load_rows(self, sql, bind)
     }
 
-    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+    fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
         super::execute_sql(self, sql, bind)
     }
 
-    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
-        super::load_one(self, DIALECT.backlog)
-    }
-
-    fn version_row(&mut self) -> QueryResult<VersionRow> {
-        super::load_one(self, super::VERSION_SQL)
-    }
-
-    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
-        super::load_rows(self, super::TOPICS_SQL, None)
-    }
-
-    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
-        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
-    }
-
-    fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+    fn insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, envelopes)
     }
 
-    fn __begin_claim(&mut self) -> Result<()> {
-        self.__begin_bounded_claim(Duration::ZERO)
-    }
-
-    fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
+    fn begin_claim(&mut self, stall: Duration) -> Result<()> {
         self.batch_execute(&prepare_claim_sql(stall))?;
         Ok(AnsiTransactionManager::begin_transaction(self)?)
     }
 
-    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+    fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
-    fn __forget_if_lost(&mut self) {
+    fn forget_if_lost(&mut self) {
         // diesel's `MysqlConnection` does not notice that its server has gone away: r2d2
         // took a dead connection back as healthy and, on a pool that skips the check on
         // check-out, handed it out for every claim, long after the server had come back
@@ -360,7 +341,7 @@ impl Backend for MysqlConnection {
         }
     }
 
-    fn __transaction_open(&mut self) -> Result<bool> {
+    fn transaction_open(&mut self) -> Result<bool> {
         // Outside a transaction a savepoint ends with its own statement, so releasing it
         // fails (1305) exactly when no transaction is open. (`@@in_transaction` would
         // say it directly, but only MariaDB has it.) One round trip.
@@ -377,7 +358,7 @@ impl Backend for MysqlConnection {
 
     /// MariaDB allows no row locks in a CTE: the per-key claim takes two statements in
     /// the claim's transaction. This one locks `L` (due NEW rows whose key's head is
-    /// due); [`__key_probe_sql`](Backend::__key_probe_sql) then finds, per key
+    /// due); [`key_probe_sql`](Database::key_probe_sql) then finds, per key
     /// of `L`, the first NEW row outside it.
     ///
     /// The unordered claim, forced onto `outbox_claim` too: on statistics taken before a
@@ -385,7 +366,7 @@ impl Backend for MysqlConnection {
     /// SENT row or reads and sorts the whole backlog until InnoDB recalculates them
     /// (BENCHMARKS.md, "Claim plans"); the index walk reads about `limit` rows
     /// whatever the statistics say.
-    fn __claim_sql(limit: usize) -> String {
+    fn claim_sql(limit: usize) -> String {
         format!(
             "SELECT {} FROM outbox FORCE INDEX (outbox_claim) \
              WHERE status = 0 AND next_retry_at <= {} ORDER BY id LIMIT {limit}{}",
@@ -399,7 +380,7 @@ impl Backend for MysqlConnection {
     /// locks, every due NEW row before the LIMIT, leaving nothing to a second relay.
     ///
     /// (`held` is always empty: see `MysqlRelayStore`'s `claim_after`.)
-    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+    fn claim_per_key_sql(limit: usize, held: &[i64]) -> String {
         debug_assert!(held.is_empty(), "MySQL claims ahead without `held`");
         format!(
             "SELECT {} FROM outbox o FORCE INDEX (outbox_claim) \
@@ -412,7 +393,7 @@ impl Backend for MysqlConnection {
         )
     }
 
-    fn __key_probe_sql(ids: &[i64]) -> String {
+    fn key_probe_sql(ids: &[i64]) -> String {
         let ids = in_list(ids);
         // Grouped by the key's bytes (see `same_key`); all of a group's keys are equal,
         // so MIN picks that key.
@@ -426,20 +407,19 @@ impl Backend for MysqlConnection {
         )
     }
 
-    fn __claim_per_key(
+    fn claim_per_key(
         &mut self,
         limit: usize,
         held: &[i64],
         _floor: super::Floor,
     ) -> Result<Vec<outbox_core::StoredMessage>> {
-        let rows: Vec<super::RecordRow> =
-            diesel::sql_query(Self::__claim_per_key_sql(limit, held)).load(self)?;
+        let rows: Vec<RecordRow> = self.load(&Self::claim_per_key_sql(limit, held), None)?;
         let mut locked = super::claimed(self, rows)?;
         if locked.is_empty() {
             return Ok(locked);
         }
         let ids: Vec<i64> = locked.iter().map(|r| r.id).collect();
-        let first_out: HashMap<String, i64> = diesel::sql_query(Self::__key_probe_sql(&ids))
+        let first_out: HashMap<String, i64> = diesel::sql_query(Self::key_probe_sql(&ids))
             .load::<FirstOutside>(self)?
             .into_iter()
             .filter_map(|r| Some((r.msg_key, r.first_out?)))

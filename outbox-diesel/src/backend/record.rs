@@ -1,12 +1,12 @@
-//! Reading rows: the one struct every backend's shared queries load, its decoding into
-//! an [`OutboxRecord`], and the small result rows of the other shared statements.
+//! Reading rows: the one struct every backend's shared queries load, and its decoding
+//! into an [`OutboxRecord`] or a relay's [`StoredMessage`].
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Double, Integer, Nullable, SmallInt, Text};
+use diesel::sql_types::{BigInt, Integer, Nullable, SmallInt, Text};
 use outbox_core::{Envelope, Headers, MsgId, Status, StoredMessage};
 
-use super::Backend;
+use super::Database;
 use crate::{Error, OutboxRecord, OutboxRow, Result, UnreadableRecord};
 
 /// The columns of a relay's message ([`StoredMessage`]) but its creation time, which
@@ -259,8 +259,8 @@ impl ClaimedRow for ClaimRow {
 /// library, with an invalid msg_id or headers) is marked DEAD with the reason in the
 /// claim's own transaction, instead of failing every claim, and so the whole relay,
 /// forever.
-pub(crate) fn claimed<C: Backend, R: ClaimedRow>(
-    conn: &mut C,
+pub(crate) fn claimed<D: Database, R: ClaimedRow>(
+    conn: &mut D,
     rows: Vec<R>,
 ) -> Result<Vec<StoredMessage>> {
     let mut messages = Vec::with_capacity(rows.len());
@@ -279,69 +279,13 @@ pub(crate) fn claimed<C: Backend, R: ClaimedRow>(
         }
     }
     if !dead.is_empty() {
-        conn.__complete(&outbox_core::RelayBatchOutcome {
+        let dead = outbox_core::RelayBatchOutcome {
             dead,
             ..Default::default()
-        })?;
+        };
+        super::complete(conn, &dead)?;
     }
     Ok(messages)
-}
-
-/// One (topic, status) group of [`TOPICS_SQL`](super::TOPICS_SQL).
-#[derive(QueryableByName)]
-pub(crate) struct TopicRow {
-    #[diesel(sql_type = Text)]
-    pub(crate) topic: String,
-    #[diesel(sql_type = SmallInt)]
-    pub(crate) status: i16,
-    #[diesel(sql_type = BigInt)]
-    pub(crate) n: i64,
-}
-
-/// One minute of [`Dialect::published_minutes`](super::Dialect::published_minutes).
-#[derive(QueryableByName)]
-pub(crate) struct MinuteRow {
-    #[diesel(sql_type = BigInt)]
-    pub(crate) minutes_ago: i64,
-    #[diesel(sql_type = BigInt)]
-    pub(crate) n: i64,
-    #[diesel(sql_type = Nullable<Double>)]
-    pub(crate) latency: Option<f64>,
-}
-
-/// One session of [`Backend::parked_relay_rows`](super::Backend::parked_relay_rows).
-#[derive(QueryableByName)]
-pub(crate) struct ParkedRow {
-    #[diesel(sql_type = Integer)]
-    pub(crate) pid: i32,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub(crate) client_addr: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub(crate) application_name: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub(crate) state_change: Option<String>,
-}
-
-#[derive(QueryableByName)]
-pub(crate) struct BacklogRow {
-    #[diesel(sql_type = BigInt)]
-    pub(crate) due: i64,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    pub(crate) oldest_us: Option<i64>,
-    #[diesel(sql_type = BigInt)]
-    pub(crate) dead: i64,
-}
-
-impl BacklogRow {
-    pub(crate) fn into_backlog(self) -> outbox_core::Backlog {
-        outbox_core::Backlog {
-            due: u64::try_from(self.due).unwrap_or(0),
-            oldest_due_age: self
-                .oldest_us
-                .map(|us| std::time::Duration::from_micros(u64::try_from(us).unwrap_or(0))),
-            dead: u64::try_from(self.dead).unwrap_or(0),
-        }
-    }
 }
 
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
@@ -349,11 +293,4 @@ impl BacklogRow {
 pub(crate) struct MsgIdRow {
     #[diesel(sql_type = Text)]
     pub(crate) msg_id: String,
-}
-
-/// `SELECT MAX(version) AS version FROM outbox_migrations`.
-#[derive(QueryableByName)]
-pub(crate) struct VersionRow {
-    #[diesel(sql_type = Nullable<Integer>)]
-    pub(crate) version: Option<i32>,
 }

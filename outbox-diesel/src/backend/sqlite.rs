@@ -6,7 +6,7 @@ use diesel::sqlite::Sqlite;
 use diesel::{RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Backend, BacklogRow, RecordRow, VersionRow};
+use super::{Database, ResultRow};
 use super::{
     Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, first_outside_sql, head_is_due,
     with_msg_ids,
@@ -88,6 +88,7 @@ pub(super) const DIALECT: Dialect = Dialect {
         )
     },
     redrive: |ids| super::redrive_in_place(now!(), ids),
+    wake_locks: false,
 };
 
 /// One row: `INSERT .. ON CONFLICT (msg_id) DO NOTHING` (0 rows on a duplicate), cached.
@@ -175,53 +176,38 @@ impl QueryFragment<Sqlite> for ConsumedInsert<'_> {
 
 impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
-impl Backend for SqliteConnection {
-    const __MIGRATION: &'static str = crate::migrate::SQLITE_UP;
+impl Database for SqliteConnection {
+    const MIGRATION: &'static str = crate::migrate::SQLITE_UP;
     const DIALECT: Dialect = DIALECT;
 
-    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+    fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
         super::load_rows(self, sql, bind)
     }
 
-    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+    fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
         super::execute_sql(self, sql, bind)
     }
 
-    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
-        super::load_one(self, DIALECT.backlog)
-    }
-
-    fn version_row(&mut self) -> QueryResult<VersionRow> {
-        super::load_one(self, super::VERSION_SQL)
-    }
-
-    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
-        super::load_rows(self, super::TOPICS_SQL, None)
-    }
-
-    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
-        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
-    }
-
-    fn __insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+    fn insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, envelopes)
     }
 
-    fn __begin_claim(&mut self) -> Result<()> {
+    /// No bounds to set: one relay per database, whose claim holds no row locks.
+    fn begin_claim(&mut self, _stall: std::time::Duration) -> Result<()> {
         Ok(AnsiTransactionManager::begin_transaction_sql(
             self,
             "BEGIN IMMEDIATE",
         )?)
     }
 
-    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+    fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
     /// One relay per database: a row outside `L` below a row of `L` is one waiting for
     /// its retry time, so this keeps a key in order across retries.
     /// (`held` is always empty: the SQLite store claims no batch ahead.)
-    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+    fn claim_per_key_sql(limit: usize, held: &[i64]) -> String {
         debug_assert!(held.is_empty(), "SQLite claims no batch ahead");
         per_key_claim_sql(&DIALECT, limit, "IN (SELECT id FROM l)")
     }

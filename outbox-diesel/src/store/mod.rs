@@ -8,6 +8,7 @@ use diesel::connection::TransactionManager as _;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use outbox_core::{ClaimedBatch, RelayBatchOutcome, StoredMessage};
 
+use crate::backend::Database as _;
 use crate::{Error, OutboxConnection, Result};
 
 #[cfg(feature = "mysql")]
@@ -143,14 +144,14 @@ impl<C: OutboxConnection + R2D2Connection> LockedBatch<C> {
         blocking(move || {
             let mut conn = pool.get()?;
             let c: &mut C = &mut conn;
-            if let Err(e) = c.__begin_bounded_claim(how.stall) {
-                c.__forget_if_lost();
+            if let Err(e) = c.db().begin_claim(how.stall) {
+                c.db().forget_if_lost();
                 return Err(e);
             }
             let claimed = first(c).and_then(|(floor, noted)| {
                 let rows = match how.order {
-                    ClaimOrder::PerKey => c.__claim_per_key(limit, &held, floor),
-                    ClaimOrder::Unordered => c.__claim(limit, &held, floor.at),
+                    ClaimOrder::PerKey => c.db().claim_per_key(limit, &held, floor),
+                    ClaimOrder::Unordered => c.db().claim(limit, &held, floor.at),
                 };
                 Ok((rows?, noted))
             });
@@ -210,9 +211,9 @@ impl<C: OutboxConnection + R2D2Connection> ClaimedBatch for LockedBatch<C> {
         blocking(move || {
             let c: &mut C = &mut conn;
             let done = if outcome.retry.is_empty() && outcome.dead.is_empty() {
-                c.__mark_sent_and_commit(&outcome.sent)
+                c.db().mark_sent_and_commit(&outcome.sent)
             } else {
-                c.__complete(&outcome)
+                crate::backend::complete(c.db(), &outcome)
                     .and_then(|()| Ok(C::TransactionManager::commit_transaction(c)?))
             };
             if done.is_err() {

@@ -7,7 +7,7 @@ use outbox_core::{Backlog, RelayStore};
 
 use super::{ClaimOrder, LockedBatch, LockedClaim, blocking};
 use crate::MysqlPool;
-use crate::backend::Backend as _;
+use crate::backend::{Backend as _, Database as _};
 
 /// The relay's store on MySQL / MariaDB: claims with `FOR UPDATE SKIP LOCKED` in a
 /// READ COMMITTED transaction on a pooled connection, so any number of relays can
@@ -99,9 +99,9 @@ impl RelayStore for MysqlRelayStore {
         let pool = self.pool.clone();
         Ok(blocking(move || {
             let mut conn = pool.get()?;
-            let backlog = conn.__backlog();
+            let backlog = crate::backlog(&mut conn);
             if backlog.is_err() {
-                conn.__forget_if_lost();
+                conn.db().forget_if_lost();
             }
             backlog
         })

@@ -16,7 +16,6 @@ use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 use self::floor::ClaimFloor;
 use self::listen::Listener;
 use self::maintenance::Maintenance;
-use crate::backend::Backend as _;
 use crate::store::{LockedBatch, LockedClaim, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 
@@ -214,7 +213,7 @@ impl RelayStore for PgRelayStore {
 
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
         let pool = self.pool.clone();
-        Ok(blocking(move || pool.get()?.__backlog()).await?)
+        Ok(blocking(move || crate::backlog(&mut pool.get()?)).await?)
     }
 
     /// Yes: a claim skips the rows another claim holds (`SKIP LOCKED`), and the per-key

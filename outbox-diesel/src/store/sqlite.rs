@@ -12,8 +12,8 @@ use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl as _, SqliteCo
 use outbox_core::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore, StoredMessage};
 
 use super::blocking;
-use crate::backend::Backend as _;
 use crate::backend::sqlite::now;
+use crate::backend::{Backend as _, Database as _};
 use crate::{ClaimOrder, Error, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait
@@ -292,8 +292,8 @@ impl RelayStore for SqliteRelayStore {
             // connections' deferred transactions while the relay has nothing to do.
             let mut conn = pool.get()?;
             match order {
-                ClaimOrder::PerKey => conn.__claim_per_key(limit, &[], Default::default()),
-                ClaimOrder::Unordered => conn.__claim(limit, &[], 0),
+                ClaimOrder::PerKey => conn.db().claim_per_key(limit, &[], Default::default()),
+                ClaimOrder::Unordered => conn.db().claim(limit, &[], 0),
             }
         })
         .await?;
@@ -305,7 +305,7 @@ impl RelayStore for SqliteRelayStore {
 
     async fn backlog(&self) -> Result<Backlog, outbox_core::Error> {
         let pool = self.pool.clone();
-        Ok(blocking(move || pool.get()?.__backlog()).await?)
+        Ok(blocking(move || crate::backlog(&mut pool.get()?)).await?)
     }
 }
 
@@ -321,7 +321,7 @@ impl ClaimedBatch for SqliteBatch {
         let pool = self.pool;
         Ok(blocking(move || {
             pool.get()?
-                .immediate_transaction(|c| c.__complete(&outcome))
+                .immediate_transaction(|c| crate::backend::complete(c.db(), &outcome))
         })
         .await?)
     }

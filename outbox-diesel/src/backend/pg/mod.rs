@@ -1,16 +1,15 @@
-//! PostgreSQL: its dialect and the `Backend` impl; the statements of each role in a
+//! PostgreSQL: its dialect and its [`Database`]; the statements of each role in a
 //! module of its own (the claim, emit, the consumers' dedup rows, emit on diesel-async).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use diesel::connection::{AnsiTransactionManager, SimpleConnection as _};
+use diesel::connection::{AnsiTransactionManager, SimpleConnection as _, TransactionManager as _};
 use diesel::result::QueryResult;
-use diesel::sql_types::Integer;
-use diesel::{IntoSql as _, PgConnection, RunQueryDsl};
+use diesel::{PgConnection, RunQueryDsl};
 use outbox_core::{Envelope, StoredMessage};
 
-use super::{Backend, BacklogRow, Dialect, RecordRow, VersionRow};
+use super::{Database, Dialect, ResultRow};
 use crate::{EmitOptions, Result};
 
 /// Unix microseconds of a timestamp column, NULL where chrono cannot hold it (PostgreSQL
@@ -86,6 +85,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              last_error = NULL, id = n.id FROM n WHERE o.id = n.old AND o.status = 2"
         )
     },
+    wake_locks: true,
 };
 
 mod claim;
@@ -101,67 +101,30 @@ use inbox::{ConsumedDelete, ConsumedInsert, ConsumedInsertBatch};
 #[cfg(feature = "async-postgres")]
 mod nonblocking;
 
-impl Backend for PgConnection {
-    const __MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
+impl Database for PgConnection {
+    const MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
     const DIALECT: Dialect = DIALECT;
 
-    fn load_records(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<RecordRow>> {
+    fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
         super::load_rows(self, sql, bind)
     }
 
-    fn run_sql(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
+    fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
         super::execute_sql(self, sql, bind)
     }
 
-    fn __migration_sql(&mut self) -> Result<&'static str> {
+    fn migration_sql(&mut self) -> Result<&'static str> {
         Ok(match crate::partition::partition_policy(self)? {
             Some(_) => crate::partition::POSTGRES_PARTITIONED_UP,
-            None => Self::__MIGRATION,
+            None => Self::MIGRATION,
         })
     }
 
-    fn backlog_row(&mut self) -> QueryResult<BacklogRow> {
-        super::load_one(self, DIALECT.backlog)
-    }
-
-    fn version_row(&mut self) -> QueryResult<VersionRow> {
-        super::load_one(self, super::VERSION_SQL)
-    }
-
-    fn topic_rows(&mut self) -> QueryResult<Vec<super::TopicRow>> {
-        super::load_rows(self, super::TOPICS_SQL, None)
-    }
-
-    fn minute_rows(&mut self, minutes: u32) -> QueryResult<Vec<super::MinuteRow>> {
-        super::load_rows(self, &(DIALECT.published_minutes)(minutes), None)
-    }
-
-    fn parked_relay_rows(&mut self) -> QueryResult<Option<Vec<super::ParkedRow>>> {
-        // A LISTEN session holds its channel's wake-up lock exclusively (class and
-        // `objsubid = 2`, the two-key form) while it is parked; the key is the channel's.
-        let (class, _) = crate::wake_lock_key("");
-        let sql = format!(
-            "SELECT a.pid, host(a.client_addr) AS client_addr, \
-               nullif(a.application_name, '') AS application_name, \
-               a.state_change::text AS state_change \
-             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.classid = {class} AND l.objsubid = 2 \
-               AND l.mode = 'ExclusiveLock' AND l.granted \
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-             ORDER BY a.pid"
-        );
-        super::load_rows(self, &sql, None).map(Some)
-    }
-
-    fn __insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
+    fn insert(&mut self, options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
         insert(self, options, envelopes)
     }
 
-    fn __begin_claim(&mut self) -> Result<()> {
-        self.__begin_bounded_claim(Duration::ZERO)
-    }
-
-    fn __begin_bounded_claim(&mut self, stall: Duration) -> Result<()> {
+    fn begin_claim(&mut self, stall: Duration) -> Result<()> {
         let begun = AnsiTransactionManager::begin_transaction_sql(self, &begin_claim_sql(stall));
         if begun.is_err() {
             // BEGIN may have run before a later statement of the string failed: leave
@@ -171,11 +134,11 @@ impl Backend for PgConnection {
         Ok(begun?)
     }
 
-    fn __insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
+    fn insert_consumed(&mut self, group: &str, msg_id: &str) -> Result<bool> {
         Ok(ConsumedInsert { group, msg_id }.execute(self)? == 1)
     }
 
-    fn __insert_consumed_batch(
+    fn insert_consumed_batch(
         &mut self,
         group: &str,
         msg_ids: &[&str],
@@ -190,30 +153,22 @@ impl Backend for PgConnection {
         Ok(Some(new.into_iter().collect()))
     }
 
-    fn __delete_consumed(&mut self, group: &str, msg_id: &str) -> Result<()> {
+    fn delete_consumed(&mut self, group: &str, msg_id: &str) -> Result<()> {
         ConsumedDelete { group, msg_id }.execute(self)?;
         Ok(())
     }
 
-    fn __check_committable(&mut self) -> Result<()> {
-        // Any statement fails in an aborted transaction; this one is prepared once.
-        diesel::select(1i32.into_sql::<Integer>()).execute(self)?;
-        Ok(())
-    }
-
-    fn __commit_checked(&mut self) -> Result<Result<()>> {
+    fn commit_checked(&mut self) -> Result<Result<()>> {
         // One round trip for the check and the COMMIT (the consumer's single mode ran
         // five statements per message where a plain loop runs four): in a simple-query
         // string the statements after a failed one do not run, so an aborted
-        // transaction fails the `SELECT 1` and stays open, while a healthy one commits.
-        // libpq's transaction status, which diesel follows, tells the two failures
-        // apart.
+        // transaction fails the `SELECT 1` (any statement fails in an aborted
+        // transaction) and stays open, while a healthy one commits. libpq's transaction
+        // status, which diesel follows, tells the two failures apart.
         match self.batch_execute("SELECT 1; COMMIT") {
             Ok(()) => Ok(Ok(())),
             Err(e) => {
-                let status = <AnsiTransactionManager as diesel::connection::TransactionManager<
-                    Self,
-                >>::transaction_manager_status_mut(self);
+                let status = AnsiTransactionManager::transaction_manager_status_mut(self);
                 match status.transaction_depth() {
                     Ok(Some(_)) => Ok(Err(e.into())),
                     _ => Err(e.into()),
@@ -222,11 +177,11 @@ impl Backend for PgConnection {
         }
     }
 
-    fn __claim_per_key_sql(limit: usize, held: &[i64]) -> String {
+    fn claim_per_key_sql(limit: usize, held: &[i64]) -> String {
         per_key_claim_sql(limit, held, super::Floor::default())
     }
 
-    fn __claim_per_key(
+    fn claim_per_key(
         &mut self,
         limit: usize,
         held: &[i64],
@@ -235,20 +190,20 @@ impl Backend for PgConnection {
         claim_per_key(self, limit, held, floor)
     }
 
-    fn __claim_sql(limit: usize) -> String {
+    fn claim_sql(limit: usize) -> String {
         claim_sql(limit, false, 0)
     }
 
-    fn __claim(&mut self, limit: usize, held: &[i64], floor: i64) -> Result<Vec<StoredMessage>> {
+    fn claim(&mut self, limit: usize, held: &[i64], floor: i64) -> Result<Vec<StoredMessage>> {
         claim(self, limit, held, floor)
     }
 
-    fn __mark_sent(&mut self, ids: &[i64]) -> Result<()> {
+    fn mark_sent(&mut self, ids: &[i64]) -> Result<()> {
         MarkSent { ids }.execute(self)?;
         Ok(())
     }
 
-    fn __mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
+    fn mark_sent_and_commit(&mut self, ids: &[i64]) -> Result<()> {
         // One simple-query string, one round trip where the prepared `MarkSent` and the
         // COMMIT took two: a relay's batch is otherwise BEGIN, claim, publish, mark,
         // COMMIT, and each round trip counts where the database is across a network.
