@@ -637,6 +637,55 @@ fn operations_queries<B: Backend>() {
     drop(store);
 }
 
+fn retrying_counts_the_new_rows_that_failed<B: Backend>() {
+    let db = B::create();
+    let mut conn = B::connect(&db);
+    assert_eq!(
+        outbox_diesel::retrying(&mut conn).unwrap(),
+        outbox_diesel::Retrying::default()
+    );
+    for id in ["r-1", "r-2", "r-3", "r-4"] {
+        conn.emit(transfer(id, 1)).unwrap();
+    }
+    let rows = outbox_diesel::list_messages(&mut conn, None, 0, 10).unwrap();
+    let store = B::store(&db);
+    let retry = |id: i64| outbox_core::RetryRow {
+        id,
+        next_retry_at: Utc::now(),
+        error: "refused".into(),
+    };
+    let rt = runtime();
+    // r-1 fails twice, r-2 once, r-4 goes DEAD (not counted), r-3 is sent.
+    for retry in [
+        vec![retry(rows[0].id), retry(rows[1].id)],
+        vec![retry(rows[0].id)],
+    ] {
+        rt.block_on(async {
+            let batch = store.claim(4).await.unwrap();
+            let dead = (batch.messages().len() == 4).then_some(DeadRow {
+                id: rows[3].id,
+                error: "poison".into(),
+            });
+            let sent = batch.messages().iter().map(|m| m.id);
+            let sent = sent.filter(|id| *id == rows[2].id).collect();
+            let outcome = RelayBatchOutcome {
+                sent,
+                retry,
+                dead: dead.into_iter().collect(),
+            };
+            batch.complete(outcome).await.unwrap();
+        });
+    }
+    let keys: std::collections::HashSet<_> = rows[..2].iter().map(|r| &r.envelope.key).collect();
+    let r = outbox_diesel::retrying(&mut conn).unwrap();
+    assert_eq!(
+        (r.messages, r.keys, r.most_retries),
+        (2, keys.len() as u64, 2),
+        "{r:?}"
+    );
+    drop(store);
+}
+
 outbox_tests::on_every_backend! {
     postgres => Pg, postgres_partitioned => PgParted, mariadb => My, sqlite => Lite;
     commit_writes_business_row_and_message,
@@ -651,4 +700,5 @@ outbox_tests::on_every_backend! {
     an_unreadable_row_is_dead_lettered_not_a_stuck_relay,
     idempotency_applies_the_handler_once,
     operations_queries,
+    retrying_counts_the_new_rows_that_failed,
 }

@@ -7,12 +7,14 @@
 mod dead;
 mod parked;
 mod retention;
+mod retrying;
 mod rows;
 mod stats;
 
 pub use dead::{purge_dead, redrive, redrive_all};
 pub use parked::{ParkedRelay, parked_relays};
 pub use retention::{purge_consumed, purge_sent};
+pub use retrying::{Retrying, retrying};
 pub use rows::{
     OutboxRecord, OutboxRow, UnreadableRecord, dead_letters, find_message, find_row, list_messages,
     list_rows,
