@@ -180,37 +180,32 @@ impl RedisPublisher {
     /// stream routes it there on a cluster). `WAIT` counts the replicas that have
     /// acknowledged the last write of its own client: on the connection that wrote
     /// before, it waits for those writes; on a new connection (no write yet) it counts
-    /// the replicas in sync. Returns, per part, why it must not be written now.
+    /// the replicas in sync. Stops each part that must not be written now, saying why.
     ///
     /// Why before and not only after: an unmet wait after the `XADD`s leaves the entries
     /// on the stream while their rows stay NEW. Without this check every try of the
     /// relay (one per backoff) would append the same batch again for as long as the
     /// replicas stay away; with it, an unmet wait appends at most one batch, and the
     /// tries that follow write nothing until the replicas have caught up.
-    async fn replicas_behind(
-        &self,
-        conn: &mut Conn,
-        streams: &Streams,
-        parts: &[Vec<(Vec<usize>, usize)>],
-    ) -> Vec<Option<String>> {
+    async fn replicas_behind(&self, conn: &mut Conn, entries: &Entries<'_>, parts: &mut [Part]) {
         let Some((wait, _)) = self.config.durability.command() else {
-            return vec![None; parts.len()];
+            return;
         };
         if !self.catch_up_first.load(Ordering::Relaxed) {
-            return vec![None; parts.len()];
+            return;
         }
         let pipes = (parts.iter())
             .map(|part| {
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors()
                     .cmd("XLEN")
-                    .arg(streams.of(part[0].0[0]))
+                    .arg(entries.stream(part.pipelines[0].messages[0]))
                     .add_command(wait.clone());
                 pipe
             })
             .collect();
-        let mut behind = Vec::with_capacity(parts.len());
-        for result in query_all::<Vec<RedisResult<Value>>>(conn, pipes).await {
+        let replies = query_all::<Vec<RedisResult<Value>>>(conn, pipes).await;
+        for (part, result) in parts.iter_mut().zip(replies) {
             let unmet = match result.map(|mut replies| replies.pop()) {
                 Ok(Some(Err(e))) if !is_outage(&e) => {
                     // The server took this wait when the publisher started: refusing it
@@ -229,14 +224,13 @@ impl RedisPublisher {
                     Some(e.to_string())
                 }
             };
-            behind.push(unmet.map(|r| format!("the replicas lag behind earlier writes: {r}")));
+            part.stopped = unmet.map(|r| format!("the replicas lag behind earlier writes: {r}"));
         }
-        if behind.iter().all(Option::is_none) {
+        if parts.iter().all(|part| part.stopped.is_none()) {
             self.catch_up_first.store(false, Ordering::Relaxed);
         } else {
             metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
         }
-        behind
     }
 
     /// Why the reply to a durability wait shows it unmet, if it does.
@@ -308,35 +302,27 @@ impl RedisPublisher {
         }
     }
 
-    /// The commands of `batch[range]` (one hash slot), then the durability wait. Each
+    /// The commands of `pipeline` (one hash slot), then the durability wait. Each
     /// `XADD` is built in buffers of its exact size: grown an argument at a time, they
     /// cost the relay more than the rest of the publish.
-    fn pipeline(
-        &self,
-        streams: &Streams,
-        fields: &[Fields<'_>],
-        part: &[usize],
-    ) -> redis::Pipeline {
-        let mut pipe = redis::Pipeline::with_capacity(part.len() + 1);
+    fn commands(&self, entries: &Entries<'_>, pipeline: &Pipeline) -> redis::Pipeline {
+        let mut pipe = redis::Pipeline::with_capacity(pipeline.messages.len() + 1);
         pipe.ignore_errors();
         let max_len = self.config.max_len.map(|n| n.to_string());
-        for &i in part {
-            let stream = streams.of(i);
-            let args = 3 + 2 * fields[i].len() + if max_len.is_some() { 3 } else { 0 };
+        for &i in &pipeline.messages {
+            let (stream, fields) = (entries.stream(i), &entries.fields[i]);
+            let args = 3 + 2 * fields.len() + if max_len.is_some() { 3 } else { 0 };
             let bytes = "XADD*".len()
                 + stream.len()
                 + max_len.as_ref().map_or(0, |n| "MAXLEN~".len() + n.len())
-                + fields[i]
-                    .iter()
-                    .map(|(f, v)| f.len() + v.len())
-                    .sum::<usize>();
+                + fields.iter().map(|(f, v)| f.len() + v.len()).sum::<usize>();
             let mut cmd = redis::Cmd::with_capacity(args, bytes);
             cmd.arg("XADD").arg(stream);
             if let Some(n) = &max_len {
                 cmd.arg("MAXLEN").arg("~").arg(n.as_str());
             }
             cmd.arg("*");
-            for (field, value) in &fields[i] {
+            for (field, value) in fields {
                 cmd.arg(*field).arg(value.as_ref());
             }
             pipe.add_command(cmd);
@@ -374,17 +360,20 @@ impl RedisPublisher {
 /// The field/value pairs of one entry.
 type Fields<'a> = [(&'static str, Cow<'a, str>); 8];
 
-/// The stream of each message of a batch: one name per distinct stream (usually one per
-/// topic), not one `String` per message.
-struct Streams {
-    names: Vec<String>,
-    /// Per message, its stream's index in `names`.
-    of: Vec<usize>,
+/// A call's entries, each built once: every message's stream and fields. A stream is
+/// named once per call (usually one per topic), not one `String` per message.
+struct Entries<'a> {
+    /// The call's distinct streams.
+    streams: Vec<String>,
+    /// Per message, its stream's index in `streams`.
+    stream_of: Vec<usize>,
+    fields: Vec<Fields<'a>>,
 }
 
-impl Streams {
-    fn of(&self, i: usize) -> &str {
-        &self.names[self.of[i]]
+impl Entries<'_> {
+    /// The stream of message `i`.
+    fn stream(&self, i: usize) -> &str {
+        &self.streams[self.stream_of[i]]
     }
 }
 
@@ -395,19 +384,36 @@ fn entry_bytes(stream: &str, fields: &Fields<'_>) -> usize {
     "XADD".len() + stream.len() + args + PER_ARG * (fields.len() * 2 + 6)
 }
 
-/// Splits `group` (indexes into the batch) into runs of at most `cap` bytes, a message
-/// over the cap alone; returns each run and its bytes.
-fn chunks(group: &[usize], sizes: &[usize], cap: usize) -> Vec<(Vec<usize>, usize)> {
-    let mut out: Vec<(Vec<usize>, usize)> = Vec::new();
-    let mut current: (Vec<usize>, usize) = (Vec::new(), 0);
+/// The messages of one hash slot (all of a call's, unless on a cluster), in the
+/// pipelines that carry them one after another.
+struct Part {
+    pipelines: Vec<Pipeline>,
+    /// Why the rest of the part is not sent, once it stops: its replicas lag behind, or
+    /// one of its pipelines failed.
+    stopped: Option<String>,
+}
+
+/// The messages that one pipeline carries (indexes into the call's batch).
+#[derive(Default)]
+struct Pipeline {
+    messages: Vec<usize>,
+    /// What their entries weigh ([`entry_bytes`]).
+    bytes: usize,
+}
+
+/// Splits `group` (indexes into the batch) into pipelines of at most `cap` bytes, a
+/// message over the cap alone.
+fn chunks(group: &[usize], sizes: &[usize], cap: usize) -> Vec<Pipeline> {
+    let mut out = Vec::new();
+    let mut current = Pipeline::default();
     for &i in group {
-        if !current.0.is_empty() && current.1.saturating_add(sizes[i]) > cap {
+        if !current.messages.is_empty() && current.bytes.saturating_add(sizes[i]) > cap {
             out.push(std::mem::take(&mut current));
         }
-        current.0.push(i);
-        current.1 = current.1.saturating_add(sizes[i]);
+        current.messages.push(i);
+        current.bytes = current.bytes.saturating_add(sizes[i]);
     }
-    if !current.0.is_empty() {
+    if !current.messages.is_empty() {
         out.push(current);
     }
     out
@@ -456,115 +462,42 @@ impl Publisher for RedisPublisher {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let streams = self.streams(batch);
-        let fields: Vec<Fields<'_>> = batch.iter().map(|m| entry_fields(&m.envelope)).collect();
-        let sizes: Vec<usize> = (0..batch.len())
-            .map(|i| entry_bytes(streams.of(i), &fields[i]))
-            .collect();
-        let cap = self.pipeline_bytes.load(Ordering::Relaxed);
-        // Per hash slot (a single group unless on a cluster), its pipelines in order.
-        let parts: Vec<Vec<(Vec<usize>, usize)>> = by_slot(
-            self.cluster,
-            (0..batch.len()).map(|i| (i, streams.of(i))),
-            |(_, s)| s,
-        )
-        .into_iter()
-        .map(|group| {
-            let group: Vec<usize> = group.into_iter().map(|(i, _)| i).collect();
-            chunks(&group, &sizes, cap)
-        })
-        .collect();
-
-        let mut conn = match self.conn.get().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                self.outage_seen();
-                return Err(outbox_core::Error::broker_unavailable(e));
-            }
-        };
-        self.check_durability(&mut conn).await?;
-        self.record_partitions(&mut conn).await?;
-
-        let mut outcomes = Answers::new(batch.len());
-        // A part stops at its first pipeline that fails; the rest of it is not sent. A
-        // part whose replicas lag behind is not sent at all.
-        let mut stopped = self.replicas_behind(&mut conn, &streams, &parts).await;
-        let mut timed_out = false;
-        let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
-        for round in 0..rounds {
-            let live: Vec<usize> = (0..parts.len())
-                .filter(|&p| stopped[p].is_none() && round < parts[p].len())
-                .collect();
-            if live.is_empty() {
-                break;
-            }
-            let pipes = live
-                .iter()
-                .map(|&p| self.pipeline(&streams, &fields, &parts[p][round].0))
-                .collect();
-            // Each pipeline goes whole, never in slices: a slice waiting for room in the
-            // connection's queue could be overtaken by the next one, which would break key
-            // order and let the durability wait go before writes it must cover.
-            let results = query_all(&mut conn, pipes).await;
-            for (&p, result) in live.iter().zip(results) {
-                let (part, bytes) = &parts[p][round];
-                match self.replies(batch, part, result).await {
-                    Ok(part_outcomes) => {
-                        let mut halt = None;
-                        for (&i, outcome) in part.iter().zip(part_outcomes) {
-                            if let Err(r) = &outcome
-                                && r.kind == RejectKind::Unavailable
-                            {
-                                halt.get_or_insert_with(|| r.reason.clone());
-                            }
-                            outcomes.set(i, outcome);
-                        }
-                        stopped[p] = halt;
-                    }
-                    Err(e) => {
-                        if e.is_timeout() {
-                            timed_out = true;
-                            self.shrink(*bytes);
-                        }
-                        self.outage_seen();
-                        self.conn.check(&e).await;
-                        let reason = e.to_string();
-                        for &i in part {
-                            outcomes.set(i, Err(Rejected::unavailable(reason.clone())));
-                        }
-                        stopped[p] = Some(reason);
-                    }
-                }
-            }
-        }
-        if !timed_out {
-            self.grow();
-        }
-        // The pipelines after a failed one (or after replicas found behind) were not sent.
-        for (p, reason) in stopped.iter().enumerate() {
-            let Some(reason) = reason else { continue };
-            for (part, _) in &parts[p] {
-                for &i in part {
-                    outcomes.unanswered(i, || {
-                        Rejected::unavailable(format!(
-                            "not sent after an earlier failure: {reason}"
-                        ))
-                    });
-                }
-            }
-        }
-        let outcomes = outcomes.into_outcomes();
-        // Nothing taken and nothing of the messages' or topics' own: an outage of the
-        // whole call, as the relay has always been told.
-        if let Some(Err(first)) = outcomes.first()
-            && outcomes
-                .iter()
-                .all(|o| matches!(o, Err(r) if r.kind == RejectKind::Unavailable))
-        {
-            return Err(outbox_core::Error::broker_unavailable(first.reason.clone()));
-        }
-        Ok(outcomes)
+        let entries = self.entries(batch);
+        let mut parts = self.plan(&entries);
+        let mut conn = self.ready_conn().await?;
+        // A part whose replicas lag behind is not sent at all.
+        self.replicas_behind(&mut conn, &entries, &mut parts).await;
+        let mut answers = Answers::new(batch.len());
+        self.send(&mut conn, batch, &entries, &mut parts, &mut answers)
+            .await;
+        settle(&parts, answers)
     }
+}
+
+/// Every message's outcome once the pipelines sent are answered: those of the pipelines
+/// of a stopped part that were not sent are not taken. Nothing taken and nothing of the
+/// messages' or topics' own: an outage of the whole call, as the relay has always been
+/// told.
+fn settle(parts: &[Part], mut answers: Answers) -> Result<PublishOutcomes, outbox_core::Error> {
+    for part in parts {
+        let Some(reason) = &part.stopped else {
+            continue;
+        };
+        for &i in part.pipelines.iter().flat_map(|p| &p.messages) {
+            answers.unanswered(i, || {
+                Rejected::unavailable(format!("not sent after an earlier failure: {reason}"))
+            });
+        }
+    }
+    let outcomes = answers.into_outcomes();
+    if let Some(Err(first)) = outcomes.first()
+        && outcomes
+            .iter()
+            .all(|o| matches!(o, Err(r) if r.kind == RejectKind::Unavailable))
+    {
+        return Err(outbox_core::Error::broker_unavailable(first.reason.clone()));
+    }
+    Ok(outcomes)
 }
 
 /// The outcomes of one call's messages, as its pipelines are answered: each message's
@@ -588,6 +521,25 @@ impl Answers {
         self.outcomes[i] = Some(outcome);
     }
 
+    /// The outcomes of `messages`, from their pipeline's replies; returns the first reason
+    /// the server could not take one of them (an outage): it stops their part.
+    fn record(
+        &mut self,
+        messages: &[usize],
+        outcomes: Vec<Result<(), Rejected>>,
+    ) -> Option<String> {
+        let mut halt = None;
+        for (&i, outcome) in messages.iter().zip(outcomes) {
+            if let Err(r) = &outcome
+                && r.kind == RejectKind::Unavailable
+            {
+                halt.get_or_insert_with(|| r.reason.clone());
+            }
+            self.set(i, outcome);
+        }
+        halt
+    }
+
     /// Message `i` rejected with `rejected()` unless its pipeline was answered.
     fn unanswered(&mut self, i: usize, rejected: impl FnOnce() -> Rejected) {
         self.outcomes[i].get_or_insert_with(|| Err(rejected()));
@@ -603,14 +555,110 @@ impl Answers {
 }
 
 impl RedisPublisher {
-    /// The stream of each message of `batch` ([`stream_for_key`](Self::stream_for_key)),
-    /// each distinct name built once.
-    fn streams(&self, batch: &[StoredMessage]) -> Streams {
-        let mut names: Vec<String> = Vec::new();
-        // The index of each (topic, partition or u32::MAX) in `names`; a partitioned
+    /// The call's pipelines per hash slot (one part unless on a cluster), in order, each
+    /// of at most the pipeline cap in force.
+    fn plan(&self, entries: &Entries<'_>) -> Vec<Part> {
+        let n = entries.fields.len();
+        let sizes: Vec<usize> = (0..n)
+            .map(|i| entry_bytes(entries.stream(i), &entries.fields[i]))
+            .collect();
+        let cap = self.pipeline_bytes.load(Ordering::Relaxed);
+        by_slot(
+            self.cluster,
+            (0..n).map(|i| (i, entries.stream(i))),
+            |(_, s)| s,
+        )
+        .into_iter()
+        .map(|group| {
+            let group: Vec<usize> = group.into_iter().map(|(i, _)| i).collect();
+            Part {
+                pipelines: chunks(&group, &sizes, cap),
+                stopped: None,
+            }
+        })
+        .collect()
+    }
+
+    /// The connection for a call, once the durability probe has answered and the
+    /// partition counts are recorded.
+    async fn ready_conn(&self) -> Result<Conn, outbox_core::Error> {
+        let mut conn = self.conn.get().await.map_err(|e| {
+            self.outage_seen();
+            outbox_core::Error::broker_unavailable(e)
+        })?;
+        self.check_durability(&mut conn).await?;
+        self.record_partitions(&mut conn).await?;
+        Ok(conn)
+    }
+
+    /// Sends the parts' pipelines in rounds (the next pipeline of every part still going,
+    /// in one round trip) and records their replies in `answers`. A part stops at its
+    /// first pipeline that fails: the rest of it is not sent. The pipeline cap grows back
+    /// after a call without a timeout.
+    async fn send(
+        &self,
+        conn: &mut Conn,
+        batch: &[StoredMessage],
+        entries: &Entries<'_>,
+        parts: &mut [Part],
+        answers: &mut Answers,
+    ) {
+        let mut timed_out = false;
+        for round in 0.. {
+            let live: Vec<usize> = (0..parts.len())
+                .filter(|&p| parts[p].stopped.is_none() && round < parts[p].pipelines.len())
+                .collect();
+            if live.is_empty() {
+                break;
+            }
+            let pipes = live
+                .iter()
+                .map(|&p| self.commands(entries, &parts[p].pipelines[round]))
+                .collect();
+            // Each pipeline goes whole, never in slices: a slice waiting for room in the
+            // connection's queue could be overtaken by the next one, which would break key
+            // order and let the durability wait go before writes it must cover.
+            let results = query_all(conn, pipes).await;
+            for (&p, result) in live.iter().zip(results) {
+                let pipeline = &parts[p].pipelines[round];
+                let stopped = match self.replies(batch, &pipeline.messages, result).await {
+                    Ok(outcomes) => answers.record(&pipeline.messages, outcomes),
+                    Err(e) => {
+                        timed_out |= e.is_timeout();
+                        Some(self.failed(pipeline, &e, answers).await)
+                    }
+                };
+                parts[p].stopped = stopped;
+            }
+        }
+        if !timed_out {
+            self.grow();
+        }
+    }
+
+    /// A pipeline that failed as a whole (connection, timeout): none of its messages is
+    /// taken. Returns the reason, which stops its part.
+    async fn failed(&self, pipeline: &Pipeline, e: &RedisError, answers: &mut Answers) -> String {
+        if e.is_timeout() {
+            self.shrink(pipeline.bytes);
+        }
+        self.outage_seen();
+        self.conn.check(e).await;
+        let reason = e.to_string();
+        for &i in &pipeline.messages {
+            answers.set(i, Err(Rejected::unavailable(reason.clone())));
+        }
+        reason
+    }
+
+    /// The stream ([`stream_for_key`](Self::stream_for_key)) and fields of each message
+    /// of `batch`, each distinct stream named once.
+    fn entries<'a>(&self, batch: &'a [StoredMessage]) -> Entries<'a> {
+        let mut streams: Vec<String> = Vec::new();
+        // The index of each (topic, partition or u32::MAX) in `streams`; a partitioned
         // topic can have up to 1024 streams, so a map rather than a search.
         let mut known: HashMap<(&str, u32), usize> = HashMap::new();
-        let mut of = Vec::with_capacity(batch.len());
+        let mut stream_of = Vec::with_capacity(batch.len());
         for m in batch {
             let topic = m.envelope.topic.as_str();
             let p = self.partitions_of(topic);
@@ -623,37 +671,42 @@ impl RedisPublisher {
                 },
             );
             let index = *known.entry(id).or_insert_with(|| {
-                names.push(self.stream_for_key(topic, &m.envelope.key));
-                names.len() - 1
+                streams.push(self.stream_for_key(topic, &m.envelope.key));
+                streams.len() - 1
             });
-            of.push(index);
+            stream_of.push(index);
         }
-        Streams { names, of }
+        let fields = batch.iter().map(|m| entry_fields(&m.envelope)).collect();
+        Entries {
+            streams,
+            stream_of,
+            fields,
+        }
     }
 
-    /// The outcomes of one pipeline's replies, for the messages of `part`; `Err` when
+    /// The outcomes of one pipeline's replies, for `messages`; `Err` when
     /// the pipeline failed as a whole (connection, timeout).
     async fn replies(
         &self,
         batch: &[StoredMessage],
-        part: &[usize],
+        messages: &[usize],
         result: RedisResult<Vec<RedisResult<Value>>>,
     ) -> RedisResult<Vec<Result<(), Rejected>>> {
         let mut replies = result?;
         let wait = self.config.durability.command().is_some();
-        if replies.len() != part.len() + usize::from(wait) {
+        if replies.len() != messages.len() + usize::from(wait) {
             return Ok(vec![
                 Err(Rejected::unavailable(format!(
                     "redis returned {} replies for a pipeline of {}",
                     replies.len(),
-                    part.len() + usize::from(wait)
+                    messages.len() + usize::from(wait)
                 )));
-                part.len()
+                messages.len()
             ]);
         }
         let waited = if wait { replies.pop() } else { None };
-        let mut out = Vec::with_capacity(part.len());
-        for (&i, reply) in part.iter().zip(replies) {
+        let mut out = Vec::with_capacity(messages.len());
+        for (&i, reply) in messages.iter().zip(replies) {
             out.push(match reply {
                 Ok(_) => Ok(()),
                 Err(e) => {
@@ -701,15 +754,11 @@ mod tests {
         let group: Vec<usize> = (0..sizes.len()).collect();
         let got: Vec<Vec<usize>> = chunks(&group, &sizes, 6)
             .into_iter()
-            .map(|(c, _)| c)
+            .map(|p| p.messages)
             .collect();
         assert_eq!(got, vec![vec![0, 1], vec![2], vec![3, 4, 5], vec![6]]);
-        let one: Vec<Vec<usize>> = chunks(&group, &sizes, 1)
-            .into_iter()
-            .map(|(c, _)| c)
-            .collect();
         assert_eq!(
-            one.len(),
+            chunks(&group, &sizes, 1).len(),
             sizes.len(),
             "a cap below every message: one each"
         );
