@@ -3,11 +3,11 @@ use std::sync::Arc;
 
 use super::prepared::{Prepared, Run};
 use super::upgrade::{Payload, Step, decode};
-#[cfg(doc)]
-use crate::AsyncInbox;
 use crate::{
     AsyncHandler, AsyncTxHandler, Delivery, Envelope, Error, Handler, OutboxEvent, TxFuture,
 };
+#[cfg(doc)]
+use crate::{AsyncInbox, Inbox};
 
 pub(super) type Decode<C> = Arc<dyn Fn(&Envelope, Payload) -> Result<Run<C>, Error> + Send + Sync>;
 

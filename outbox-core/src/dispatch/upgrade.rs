@@ -4,6 +4,8 @@ use serde_json::Value;
 
 use super::Dispatcher;
 use super::prepared::panic_message;
+#[cfg(doc)]
+use crate::Delivery;
 use crate::{BoxError, Envelope, Error, InvalidConfig, OutboxEvent};
 
 pub(super) type Step = Arc<dyn Fn(Value) -> Result<Value, BoxError> + Send + Sync>;
