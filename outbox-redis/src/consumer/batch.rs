@@ -1,7 +1,5 @@
 //! Batch mode: one transaction per batch of messages.
 
-use std::sync::Arc;
-
 use super::ConsumerStore;
 use super::store::StoreRun;
 use outbox_core::{Delivery, InboxBatchOutcomes, Processed};
@@ -24,17 +22,21 @@ where
     I: ConsumerStore<Conn = C>,
     C: 'static,
 {
-    /// Processes a batch of entries to the end: the checks of [`screen`](Self::screen) per entry,
-    /// then one store transaction for the rest, then one `XACK` per stream.
-    pub(super) async fn process_batch(self, jobs: Vec<Job>) -> Done {
-        let outcomes = self.process_batch_outcomes(&jobs).await;
-        Done {
-            entries: jobs
-                .into_iter()
-                .map(|job| (job.stream, job.entry.id))
-                .collect(),
-            outage: outcomes.iter().any(|o| o.outage()),
+    /// Processes the batches of a lane to the end, one after another: for each the
+    /// checks of [`screen`](Self::screen) per entry, then one store transaction for the
+    /// rest, then one `XACK` per stream.
+    pub(super) async fn process_lane(self, batches: Vec<Vec<Job>>) -> Done {
+        let mut done = Done {
+            entries: Vec::new(),
+            outage: false,
+        };
+        for jobs in batches {
+            let outcomes = self.process_batch_outcomes(&jobs).await;
+            done.outage |= outcomes.iter().any(|o| o.outage());
+            let entries = jobs.into_iter().map(|job| (job.stream, job.entry.id));
+            done.entries.extend(entries);
         }
+        done
     }
 
     /// [`process_batch_inner`](Self::process_batch_inner) in the batch's
@@ -73,7 +75,7 @@ where
             }
         }
         if !deliveries.is_empty() {
-            match self.attempt_batch(deliveries).await {
+            match self.attempt_batch(&deliveries).await {
                 Ok(outcomes) => {
                     for (i, outcome) in runs.into_iter().zip(outcomes) {
                         let job = &jobs[i];
@@ -146,18 +148,16 @@ where
         ended
     }
 
-    /// Runs the batch's store transaction (a blocking inbox on a blocking thread).
-    /// `Err`: the whole batch failed and nothing committed.
+    /// Runs the batch's store transaction. `Err`: the whole batch failed and nothing
+    /// committed.
     async fn attempt_batch(
         &self,
-        deliveries: Vec<Delivery>,
+        deliveries: &[Delivery],
     ) -> Result<InboxBatchOutcomes, BatchFailed> {
         let inner = &self.inner;
-        let run = Arc::clone(&inner.inbox).run_batch(
-            Arc::clone(&inner.dispatcher),
-            inner.group.clone(),
-            deliveries,
-        );
+        let run = inner
+            .inbox
+            .run_batch(&inner.dispatcher, &inner.group, deliveries);
         match run.await {
             StoreRun::Done(outcomes) => Ok(outcomes),
             StoreRun::Failed(e) => Err(BatchFailed {

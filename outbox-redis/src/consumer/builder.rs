@@ -246,8 +246,9 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 consumer_name,
                 streams,
                 cluster,
-                dispatcher: Arc::new(self.dispatcher),
-                inbox: Arc::new(self.inbox),
+                dispatcher: self.dispatcher,
+                inbox: self.inbox,
+                executor: I::EXECUTOR,
                 config,
                 readers,
                 commands,
@@ -255,7 +256,6 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 health: HealthState::default(),
             }),
             acks: None,
-            on_worker: false,
         })
     }
 

@@ -1,7 +1,5 @@
 //! Failed deliveries: retried, or dead-lettered past the limit; outages uncounted.
 
-use std::sync::Arc;
-
 use super::ConsumerStore;
 use super::store::StoreRun;
 use outbox_core::Processed;
@@ -32,8 +30,9 @@ where
         let Ok(envelope) = envelope_from_fields(&job.entry.map, topic) else {
             return self.dead_letter(job, &reason).await;
         };
-        let applied = Arc::clone(&inner.inbox)
-            .applied_before(inner.group.clone(), envelope.msg_id, reason.clone())
+        let applied = inner
+            .inbox
+            .applied_before(&inner.group, &envelope.msg_id, reason.clone())
             .await;
         match applied {
             StoreRun::Done(Processed::Duplicate) => {

@@ -8,7 +8,8 @@
 //!   [`read`]: `XREADGROUP`; [`claim`]: `XAUTOCLAIM`;
 //!   [`in_flight`]: the entries being processed, kept from looking idle;
 //! - [`screen`]: the checks every entry meets before the store, in every mode;
-//! - [`store`]: the idempotency store, blocking or async ([`ConsumerStore`]);
+//! - [`store`]: the idempotency store, blocking or async ([`ConsumerStore`]), whose kind
+//!   decides where the work runs ([`executor`]);
 //! - [`single`]: one transaction per message, on a blocking inbox run by the long-lived
 //!   workers of [`work`]; [`batch`] and [`lanes`]: batch mode;
 //! - [`failure`] and [`dead_letter`]: failed deliveries; [`ack`]: `XACK`;
@@ -31,6 +32,7 @@ mod builder;
 mod claim;
 mod config;
 mod dead_letter;
+mod executor;
 mod failure;
 mod groups;
 mod health;
@@ -54,6 +56,7 @@ pub use store::{AsyncStore, ConsumerStore};
 
 use ack::AckQueue;
 pub(crate) use dead_letter::DEAD_LETTER_FIELDS;
+use executor::Executor;
 use read::Reader;
 use stats::{Count, Counters};
 
@@ -62,9 +65,6 @@ pub struct Consumer<I, C = <I as ConsumerStore>::Conn> {
     inner: Arc<Inner<I, C>>,
     /// Inside [`run_until`](Consumer::run_until): where finished work queues its acks.
     acks: Option<AckQueue>,
-    /// On a worker of single mode ([`work`]): a blocking store's transactions run on the
-    /// calling thread.
-    on_worker: bool,
 }
 
 impl<I, C> Clone for Consumer<I, C> {
@@ -72,7 +72,6 @@ impl<I, C> Clone for Consumer<I, C> {
         Self {
             inner: Arc::clone(&self.inner),
             acks: self.acks.clone(),
-            on_worker: self.on_worker,
         }
     }
 }
@@ -93,9 +92,10 @@ struct Inner<I, C> {
     streams: Vec<Arc<str>>,
     /// On a Redis Cluster: hash-tagged streams, and commands grouped per slot.
     cluster: bool,
-    /// Shared with the store's blocking tasks in batch mode.
-    dispatcher: Arc<Dispatcher<C>>,
-    inbox: Arc<I>,
+    dispatcher: Dispatcher<C>,
+    inbox: I,
+    /// Where the work on messages runs, as the store's kind has it.
+    executor: Executor,
     config: ConsumerConfig,
     /// One reader for all streams; on a cluster one per hash slot.
     readers: Vec<Reader>,

@@ -15,6 +15,7 @@ use tokio::task::{JoinError, JoinSet};
 use tracing::Instrument as _;
 
 use super::ack::AckQueue;
+use super::executor::Executor;
 use super::in_flight::InFlight;
 use super::lanes::lanes;
 use super::read::Reads;
@@ -45,9 +46,9 @@ where
     /// for them, see [`max_in_flight`](ConsumerConfig::max_in_flight)) finish, sends
     /// their acknowledgements, then returns, within
     /// [`shutdown_timeout`](ConsumerConfig::shutdown_timeout): messages still in flight
-    /// then stay pending (in single mode on a blocking inbox, a transaction that still
-    /// commits after the run returned is acknowledged by its worker, if the process and
-    /// Redis are still there). Entries handed to a read that the shutdown cut short stay
+    /// then stay pending (on a blocking inbox, a transaction that still commits after the
+    /// run returned is acknowledged by the thread that ran it, if the process and Redis
+    /// are still there). Entries handed to a read that the shutdown cut short stay
     /// pending and are claimed again after `min_idle`. Dropping the future instead
     /// abandons the messages in flight the same way: nothing is lost, and their
     /// transactions decide whether a redelivery is a duplicate.
@@ -158,7 +159,7 @@ where
         // pooled connection would time out and look like a store outage.
         let transactions = config
             .max_in_flight
-            .min(Transactions::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
+            .min(Transactions::capacity(&consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         let task_limit = config.max_in_flight.saturating_mul(2);
         let read_at = (transactions / 2).max(1);
@@ -166,13 +167,12 @@ where
         let worker = Consumer {
             inner: Arc::clone(&consumer.inner),
             acks: Some(acks),
-            on_worker: false,
         };
-        let workers =
-            (config.batch_size.is_none() && consumer.inner.inbox.runs_here()).then(|| {
-                let wake_at = task_limit.saturating_sub(read_at);
-                Workers::start(&worker, transactions, wake_at, &in_flight, &span)
-            });
+        let on_workers = consumer.inner.executor == Executor::Threads;
+        let workers = (config.batch_size.is_none() && on_workers).then(|| {
+            let wake_at = task_limit.saturating_sub(read_at);
+            Workers::start(&worker, transactions, wake_at, &in_flight, &span)
+        });
         Self {
             acks_failed,
             worker,
@@ -332,7 +332,8 @@ where
 
     /// Starts processing `jobs`: to the workers, or one task per entry (an async inbox);
     /// in batch mode one task per lane (see [`lanes`]), which waits for the lane's
-    /// previous task, then runs its batches one after another.
+    /// previous task, then runs its batches one after another where the executor runs
+    /// work.
     fn spawn_work(&mut self, jobs: Vec<Job>) {
         if let Some(workers) = &self.workers {
             workers.push(jobs);
@@ -361,16 +362,8 @@ where
                     // The lane first: a task waiting for its lane holds no connection.
                     let _lane = lane_locks[n].lock().await;
                     let _permit = permits.acquire_owned().await;
-                    let mut done = Done {
-                        entries: Vec::new(),
-                        outage: false,
-                    };
-                    for batch in lane {
-                        let batch_done = this.clone().process_batch(batch).await;
-                        done.entries.extend(batch_done.entries);
-                        done.outage |= batch_done.outage;
-                    }
-                    done
+                    let executor = this.inner.executor;
+                    executor.run(this.process_lane(lane)).await
                 }
                 .instrument(self.span.clone()),
             );

@@ -1,6 +1,5 @@
 //! One transaction per message.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::ConsumerStore;
@@ -136,20 +135,11 @@ where
         }
     }
 
-    /// Runs the dedup transaction: on a worker's thread ([`work`](super::work)), else a
-    /// blocking inbox on a blocking thread or an async inbox awaited; a panic is a
-    /// failure.
+    /// Runs the dedup transaction where the [`executor`](super::executor) runs this
+    /// work; a panic is a failure.
     async fn attempt(&self, prepared: Prepared<C>, delivery: &Delivery) -> Attempt {
         let inner = &self.inner;
-        let run = if self.on_worker {
-            inner.inbox.run_one_here(&inner.group, prepared, delivery)
-        } else {
-            let inbox = Arc::clone(&inner.inbox);
-            inbox
-                .run_one(inner.group.clone(), prepared, delivery.clone())
-                .await
-        };
-        match run {
+        match inner.inbox.run_one(&inner.group, prepared, delivery).await {
             StoreRun::Done(processed) => Attempt::Processed(processed),
             StoreRun::Failed(e) => Attempt::Failed {
                 outage: e.is_outage(),

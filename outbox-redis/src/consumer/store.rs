@@ -1,16 +1,16 @@
 //! The idempotency store a consumer runs its transactions on: a blocking
-//! [`Inbox`] on a blocking thread, or an [`AsyncInbox`] awaited ([`AsyncStore`]).
+//! [`Inbox`] in place on a blocking thread, or an [`AsyncInbox`] awaited ([`AsyncStore`]).
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
-use std::sync::Arc;
 
 use futures_util::FutureExt as _;
 use outbox_core::{
     AsyncInbox, Delivery, Dispatcher, HandlerError, Inbox, InboxBatchOutcomes, MsgId, Prepared,
     Processed,
 };
+
+use super::executor::Executor;
 
 /// How a store run ended: the store's outcome, or the run itself crashed.
 #[derive(Debug)]
@@ -20,8 +20,8 @@ pub(crate) enum StoreRun<T> {
     /// The store failed: the transaction did not commit (an outage, a conflict, a
     /// handler's failure).
     Failed(outbox_core::Error),
-    /// The run itself crashed (a panic outside the handlers, a cancelled blocking task),
-    /// with what happened ("panicked: ..", "task failed: ..").
+    /// The run itself crashed (a panic outside the handlers), with what happened
+    /// ("panicked: ..").
     Crashed(String),
 }
 
@@ -34,9 +34,6 @@ impl<T> StoreRun<T> {
         }
     }
 }
-
-/// A boxed store run.
-pub(crate) type StoreFuture<T> = Pin<Box<dyn Future<Output = StoreRun<T>> + Send>>;
 
 /// The idempotency store of a [`Consumer`](crate::Consumer): any blocking [`Inbox`]
 /// (given to [`idempotency`](crate::ConsumerBuilder::idempotency); its transactions run on
@@ -60,139 +57,88 @@ pub trait ConsumerStore:
 /// outbox-diesel seals `OutboxConnection` over its `Backend`. Its connection type is
 /// named apart from [`ConsumerStore::Conn`] (which it equals) so that `I::Conn` stays
 /// unambiguous for a bound `I: ConsumerStore`.
+///
+/// A blocking store runs a transaction in place, when its future is first polled: its
+/// [`EXECUTOR`](Self::EXECUTOR), [`Executor::Threads`], has every consumer on it poll
+/// that future on a blocking thread.
 pub(crate) trait Transactions {
     /// The store's connection type: [`ConsumerStore::Conn`].
     type Connection: 'static;
+
+    /// Where a consumer on this store runs its work.
+    const EXECUTOR: Executor;
 
     /// How many transactions the store runs at once, if bounded.
     fn capacity(&self) -> Option<usize>;
 
     /// One prepared message in its dedup transaction.
-    fn run_one(
-        self: Arc<Self>,
-        group: String,
+    fn run_one<'a>(
+        &'a self,
+        group: &'a str,
         prepared: Prepared<Self::Connection>,
-        delivery: Delivery,
-    ) -> StoreFuture<Processed>;
-
-    /// Whether [`run_one_here`](Self::run_one_here) runs the transaction (a blocking
-    /// inbox).
-    fn runs_here(&self) -> bool;
-
-    /// One prepared message in its dedup transaction, on the calling thread, which may
-    /// block: only where [`runs_here`](Self::runs_here) says so.
-    fn run_one_here(
-        &self,
-        group: &str,
-        prepared: Prepared<Self::Connection>,
-        delivery: &Delivery,
-    ) -> StoreRun<Processed>;
+        delivery: &'a Delivery,
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a;
 
     /// A batch of deliveries through the dispatcher, in one store transaction.
-    fn run_batch(
-        self: Arc<Self>,
-        dispatcher: Arc<Dispatcher<Self::Connection>>,
-        group: String,
-        deliveries: Vec<Delivery>,
-    ) -> StoreFuture<InboxBatchOutcomes>;
+    fn run_batch<'a>(
+        &'a self,
+        dispatcher: &'a Dispatcher<Self::Connection>,
+        group: &'a str,
+        deliveries: &'a [Delivery],
+    ) -> impl Future<Output = StoreRun<InboxBatchOutcomes>> + Send + 'a;
 
     /// Whether `msg_id` was applied before, asked by a transaction whose handler refuses
     /// with `refusal`: `Duplicate` if it was, the refusal otherwise; nothing is written.
-    fn applied_before(
-        self: Arc<Self>,
-        group: String,
-        msg_id: MsgId,
+    fn applied_before<'a>(
+        &'a self,
+        group: &'a str,
+        msg_id: &'a MsgId,
         refusal: String,
-    ) -> StoreFuture<Processed>;
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a;
 }
 
-/// What a crashed blocking task did.
-fn join_failure<T>(e: tokio::task::JoinError) -> StoreRun<T> {
-    StoreRun::Crashed(match e.try_into_panic() {
-        Ok(panic) => format!("panicked: {}", outbox_core::panic_message(&*panic)),
-        Err(e) => format!("task failed: {e}"),
-    })
-}
-
-/// A blocking task's run: its result, or how it crashed.
-async fn joined<T>(task: tokio::task::JoinHandle<Result<T, outbox_core::Error>>) -> StoreRun<T> {
-    task.await.map_or_else(join_failure, StoreRun::ran)
-}
-
-/// Blocking inboxes: each transaction on a blocking thread, in the caller's span (so the
-/// handler's own spans and events belong to the message's).
+/// Blocking inboxes: each transaction in place, on the thread that runs the message's
+/// work and in its span (so the handler's own spans and events belong to the message's).
+/// A panic unwinding out of the inbox is a crashed run (the connection, still in its
+/// transaction, is discarded by the pool).
 impl<I: Inbox> ConsumerStore for I {
     type Conn = I::Conn;
 }
 
 impl<I: Inbox> Transactions for I {
     type Connection = I::Conn;
+    const EXECUTOR: Executor = Executor::Threads;
 
     fn capacity(&self) -> Option<usize> {
         Inbox::capacity(self)
     }
 
-    fn run_one(
-        self: Arc<Self>,
-        group: String,
+    fn run_one<'a>(
+        &'a self,
+        group: &'a str,
         prepared: Prepared<I::Conn>,
-        delivery: Delivery,
-    ) -> StoreFuture<Processed> {
-        let span = tracing::Span::current();
-        let task = tokio::task::spawn_blocking(move || {
-            let _entered = span.enter();
-            self.process(&group, &delivery.envelope.msg_id, |conn| {
-                prepared.run(conn, &delivery)
-            })
-        });
-        Box::pin(joined(task))
+        delivery: &'a Delivery,
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a {
+        let msg_id = &delivery.envelope.msg_id;
+        caught(async move { self.process(group, msg_id, |conn| prepared.run(conn, delivery)) })
     }
 
-    fn runs_here(&self) -> bool {
-        true
+    fn run_batch<'a>(
+        &'a self,
+        dispatcher: &'a Dispatcher<I::Conn>,
+        group: &'a str,
+        deliveries: &'a [Delivery],
+    ) -> impl Future<Output = StoreRun<InboxBatchOutcomes>> + Send + 'a {
+        caught(async move { dispatcher.consume_batch(self, group, deliveries) })
     }
 
-    fn run_one_here(
-        &self,
-        group: &str,
-        prepared: Prepared<I::Conn>,
-        delivery: &Delivery,
-    ) -> StoreRun<Processed> {
-        // As `spawn_blocking` reported it in `run_one`: a panic unwinding out of the
-        // inbox is a crashed run (the connection, still in its transaction, is
-        // discarded by the pool).
-        std::panic::catch_unwind(AssertUnwindSafe(|| {
-            self.process(group, &delivery.envelope.msg_id, |conn| {
-                prepared.run(conn, delivery)
-            })
-        }))
-        .map_or_else(|panic| crashed(&*panic), StoreRun::ran)
-    }
-
-    fn run_batch(
-        self: Arc<Self>,
-        dispatcher: Arc<Dispatcher<I::Conn>>,
-        group: String,
-        deliveries: Vec<Delivery>,
-    ) -> StoreFuture<InboxBatchOutcomes> {
-        let span = tracing::Span::current();
-        let task = tokio::task::spawn_blocking(move || {
-            let _entered = span.enter();
-            dispatcher.consume_batch(&*self, &group, &deliveries)
-        });
-        Box::pin(joined(task))
-    }
-
-    fn applied_before(
-        self: Arc<Self>,
-        group: String,
-        msg_id: MsgId,
+    fn applied_before<'a>(
+        &'a self,
+        group: &'a str,
+        msg_id: &'a MsgId,
         refusal: String,
-    ) -> StoreFuture<Processed> {
-        let task = tokio::task::spawn_blocking(move || {
-            self.process(&group, &msg_id, |_| Err(HandlerError::msg(refusal)))
-        });
-        Box::pin(joined(task))
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a {
+        caught(async move { self.process(group, msg_id, |_| Err(HandlerError::msg(refusal))) })
     }
 }
 
@@ -220,71 +166,49 @@ where
     I::Conn: 'static,
 {
     type Connection = I::Conn;
+    const EXECUTOR: Executor = Executor::Tasks;
 
     fn capacity(&self) -> Option<usize> {
         AsyncInbox::capacity(&self.0)
     }
 
-    fn run_one(
-        self: Arc<Self>,
-        group: String,
+    fn run_one<'a>(
+        &'a self,
+        group: &'a str,
         prepared: Prepared<I::Conn>,
-        delivery: Delivery,
-    ) -> StoreFuture<Processed> {
-        caught(
-            async move { Dispatcher::consume_prepared(&self.0, &group, prepared, delivery).await },
-        )
+        delivery: &'a Delivery,
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a {
+        let run = Dispatcher::consume_prepared(&self.0, group, prepared, delivery.clone());
+        caught(run)
     }
 
-    fn runs_here(&self) -> bool {
-        false
+    fn run_batch<'a>(
+        &'a self,
+        dispatcher: &'a Dispatcher<I::Conn>,
+        group: &'a str,
+        deliveries: &'a [Delivery],
+    ) -> impl Future<Output = StoreRun<InboxBatchOutcomes>> + Send + 'a {
+        caught(dispatcher.consume_batch_async(&self.0, group, deliveries))
     }
 
-    fn run_one_here(&self, _: &str, _: Prepared<I::Conn>, _: &Delivery) -> StoreRun<Processed> {
-        StoreRun::Crashed(
-            "an async inbox's transactions are awaited, not run on a worker".to_owned(),
-        )
-    }
-
-    fn run_batch(
-        self: Arc<Self>,
-        dispatcher: Arc<Dispatcher<I::Conn>>,
-        group: String,
-        deliveries: Vec<Delivery>,
-    ) -> StoreFuture<InboxBatchOutcomes> {
-        caught(async move {
-            dispatcher
-                .consume_batch_async(&self.0, &group, &deliveries)
-                .await
-        })
-    }
-
-    fn applied_before(
-        self: Arc<Self>,
-        group: String,
-        msg_id: MsgId,
+    fn applied_before<'a>(
+        &'a self,
+        group: &'a str,
+        msg_id: &'a MsgId,
         refusal: String,
-    ) -> StoreFuture<Processed> {
-        caught(async move {
-            self.0
-                .process(&group, &msg_id, move |_| {
-                    Box::pin(std::future::ready(Err(HandlerError::msg(refusal))))
-                })
-                .await
-        })
+    ) -> impl Future<Output = StoreRun<Processed>> + Send + 'a {
+        caught(self.0.process(group, msg_id, move |_| {
+            Box::pin(std::future::ready(Err(HandlerError::msg(refusal))))
+        }))
     }
 }
 
-/// `run` boxed, with a panic while it is polled reported as a crashed run.
-fn caught<T: 'static>(
-    run: impl Future<Output = Result<T, outbox_core::Error>> + Send + 'static,
-) -> StoreFuture<T> {
-    Box::pin(async move {
-        AssertUnwindSafe(run)
-            .catch_unwind()
-            .await
-            .map_or_else(|panic| crashed(&*panic), StoreRun::ran)
-    })
+/// `run`'s result, with a panic while it is polled reported as a crashed run.
+async fn caught<T>(run: impl Future<Output = Result<T, outbox_core::Error>>) -> StoreRun<T> {
+    AssertUnwindSafe(run)
+        .catch_unwind()
+        .await
+        .map_or_else(|panic| crashed(&*panic), StoreRun::ran)
 }
 
 /// A panic that unwound out of a store run.

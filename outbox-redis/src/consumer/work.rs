@@ -11,20 +11,19 @@
 //! the run's ack queue, which many entries finished together share.
 //!
 //! A worker runs the message's whole path ([`process_one`](Consumer::process_one)) on
-//! its own thread: the transaction (a blocking handler directly, an async handler
-//! driven by the runtime from there), and the rare Redis commands (dead letters,
-//! delivery counts) and pauses, awaited there too ([`block_on`]).
+//! its own thread, as [`Executor::Threads`](super::executor::Executor::Threads) has it:
+//! the transaction in place, and the rare Redis commands (dead letters, delivery counts)
+//! and pauses awaited there too ([`block_on`]).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Wake, Waker};
 
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::Instrument as _;
 
+use super::executor::{block_on, waker};
 use super::in_flight::InFlight;
 use super::{Consumer, ConsumerStore, Job};
 
@@ -171,10 +170,7 @@ impl Workers {
         });
         let handles = (0..count)
             .map(|_| {
-                let this = Consumer {
-                    on_worker: true,
-                    ..consumer.clone()
-                };
+                let this = consumer.clone();
                 let queue = Arc::clone(&queue);
                 let in_flight = in_flight.clone();
                 let span = span.clone();
@@ -229,7 +225,7 @@ where
     /// A worker: processes entries from `queue` to the end, one after another, until the
     /// queue is closed and empty.
     fn work(self, queue: &WorkQueue, in_flight: &InFlight, span: &tracing::Span) {
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let waker = waker();
         while let Some(job) = queue.next() {
             let processed = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 block_on(&waker, self.process_one(&job).instrument(span.clone()))
@@ -248,37 +244,5 @@ where
             self.inner.health.work_ended(outage);
             queue.done();
         }
-    }
-}
-
-/// Wakes a worker parked in [`block_on`].
-struct Unpark(std::thread::Thread);
-
-impl Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Drives `future` to the end on this thread, parking it while the future waits.
-///
-/// Not tokio's `Handle::block_on`: that marks the thread as inside the runtime, and an
-/// async handler on a blocking inbox, which `Prepared::run` drives with the runtime's
-/// `block_on` inside the transaction, could then not run. The worker's blocking thread
-/// has the runtime's context (timers, IO and spawns work), which is all the futures
-/// awaited here need. Almost every message's future ends at its first poll (the
-/// transaction runs inside it, and its ack is queued without waiting).
-fn block_on<F: Future>(waker: &Waker, future: F) -> F::Output {
-    let mut cx = Context::from_waker(waker);
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return out;
-        }
-        std::thread::park();
     }
 }

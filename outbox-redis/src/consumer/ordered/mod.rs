@@ -180,7 +180,7 @@ where
         let config = &consumer.inner.config;
         let task_limit = config
             .max_in_flight
-            .min(Transactions::capacity(&*consumer.inner.inbox).unwrap_or(usize::MAX))
+            .min(Transactions::capacity(&consumer.inner.inbox).unwrap_or(usize::MAX))
             .max(1);
         let per_task = config.batch_size.unwrap_or(1);
         let now = Instant::now();
@@ -189,7 +189,6 @@ where
             worker: Consumer {
                 inner: Arc::clone(&consumer.inner),
                 acks: Some(acks),
-                on_worker: false,
             },
             consumer: consumer.clone(),
             span,
@@ -371,9 +370,8 @@ where
                 .zip(leases.iter().cloned())
                 .collect();
             let worker = self.worker.clone();
-            let task = self
-                .tasks
-                .spawn(worker.run_heads(jobs, leases).instrument(self.span.clone()));
+            let heads = worker.inner.executor.run(worker.run_heads(jobs, leases));
+            let task = self.tasks.spawn(heads.instrument(self.span.clone()));
             self.running.insert(task.id(), streams);
         }
     }
