@@ -1,5 +1,6 @@
-//! Ordered consumers over partitioned streams, as processes: the consumer of
-//! `bin/ordered_consumer.rs` and of `tests/tests/ordered_consumers.rs`.
+//! Ordered consumers over partitioned streams, as processes: the handler and the config
+//! of `bin/ordered_consumer.rs` and of `tests/tests/ordered_consumers.rs` (the process
+//! itself is [`process`]'s, shared with `bin/chaos_consumer.rs`).
 //!
 //! Each [`Tick`] (topic `chaos.tick`, ordering key `key`) carries its key's sequence
 //! number. The [`ApplyInOrder`] handler, in the consumer's PostgreSQL dedup transaction,
@@ -7,18 +8,17 @@
 //! violation when it does not (nothing is hidden), and records the application. Some
 //! first deliveries fail (or panic) on purpose.
 
-use std::future::Future;
 use std::time::Duration;
 
 use clap::Parser;
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Text};
 use outbox_core::{Delivery, Handler, HandlerError, OutboxEvent, Partitions};
 use outbox_diesel::PgInbox;
 use outbox_redis::{Consumer, ConsumerConfig, ConsumerStats, OrderedConfig};
 
 use crate::chaos::{HandlerFault, Tick, handler_fault};
+use crate::process::{self, BoxError, Stop};
 
 /// The tables of the run (PostgreSQL): the last sequence number applied per key, every
 /// application, and every one out of order.
@@ -136,50 +136,35 @@ impl Args {
 /// Runs an ordered consumer of `chaos.tick` until the first SIGTERM or SIGINT (whose
 /// handlers are installed before anything else, so an early signal is not lost), then
 /// returns its counts.
-pub async fn run_until_signal(
-    args: &Args,
-) -> Result<ConsumerStats, Box<dyn std::error::Error + Send + Sync>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let stop = async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    };
-    serve(args, stop).await
+pub async fn run_until_signal(args: &Args) -> Result<ConsumerStats, BoxError> {
+    serve(args, Stop::on_signal("ordered_consumer")?).await
 }
 
-/// Runs an ordered consumer of `chaos.tick` until `stop` completes, then returns its
-/// counts.
-pub async fn serve(
-    args: &Args,
-    stop: impl Future<Output = ()>,
-) -> Result<ConsumerStats, Box<dyn std::error::Error + Send + Sync>> {
-    let manager = ConnectionManager::<PgConnection>::new(args.database_url.as_str());
-    let size = args.pool_size;
-    let pool = tokio::task::spawn_blocking(move || Pool::builder().max_size(size).build(manager))
-        .await??;
-    let topic = Tick::TOPICS[0];
-    let config = ConsumerConfig::default()
-        .with_stream_prefix(args.stream_prefix.as_str())
-        .with_partitions(topic, Partitions::new(args.partitions)?)
-        .with_batch_size(args.batch_size)
-        .with_max_in_flight(args.pool_size as usize)
-        .with_block(Duration::from_millis(500))
-        .with_ordered(OrderedConfig::default().with_lease_ttl(args.lease_ttl));
+/// Runs an ordered consumer of `chaos.tick` until `stop`, then returns its counts.
+pub async fn serve(args: &Args, stop: Stop) -> Result<ConsumerStats, BoxError> {
+    let pool = process::pool::<PgConnection>(&args.database_url, args.pool_size).await?;
     let name = consumer_name();
     let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
-        .with_config(config.with_consumer_name(name.as_str()))
+        .with_config(config(args)?.with_consumer_name(name.as_str()))
         .handle::<Tick, _>(ApplyInOrder {
             fault_one_in: args.fault_one_in,
             consumer: name,
         })
         .idempotency(PgInbox::new(pool))
         .build()?;
-    consumer.run_until(stop).await?;
-    Ok(consumer.stats())
+    process::run(&consumer, None, stop).await
+}
+
+/// Ordered mode with the lease TTL, the partitions and batch mode, as many messages in
+/// flight as the pool has connections, and blocking reads of 0.5 s.
+fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
+    Ok(ConsumerConfig::default()
+        .with_stream_prefix(args.stream_prefix.as_str())
+        .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?)
+        .with_batch_size(args.batch_size)
+        .with_max_in_flight(args.pool_size as usize)
+        .with_block(Duration::from_millis(500))
+        .with_ordered(OrderedConfig::default().with_lease_ttl(args.lease_ttl)))
 }
 
 /// A consumer name of its own: `ordered-<host>-<pid>-<random>`. The PID alone is 1 in

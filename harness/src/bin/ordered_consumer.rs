@@ -8,36 +8,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use outbox_harness::ordered::{Args, run_until_signal};
+use outbox_harness::ordered::{Args, serve};
+use outbox_harness::process;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: no runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(run_until_signal(&args));
-    match result {
-        Ok(stats) => {
-            eprintln!("ordered_consumer: stopped cleanly: {stats:?}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {}", outbox_core::error_chain(&*e));
-            ExitCode::FAILURE
-        }
-    }
+    process::main("ordered_consumer", |stop| async move {
+        serve(&args, stop).await
+    })
 }

@@ -248,6 +248,11 @@ fn report(
         f.values = vec![value];
         figures.push(f);
     }
+    plots(samples, out)
+}
+
+/// The day's plots: the table's size and partitions, the p99s.
+fn plots(samples: &[Sample], out: &Path) -> Result<(), BoxError> {
     let series = |name: &str, f: &dyn Fn(&Sample) -> f64| plot::Series {
         name: name.into(),
         points: samples.iter().map(|s| (s.at, f(s))).collect(),

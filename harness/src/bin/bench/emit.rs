@@ -253,7 +253,6 @@ impl EmitBench {
         txns: usize,
     ) -> Result<Measured, BoxError> {
         use diesel_async::{AsyncConnection as _, AsyncPgConnection};
-        use outbox_diesel::AsyncEmit as _;
 
         let round = self
             .rounds
@@ -270,46 +269,9 @@ impl EmitBench {
         let workers: Vec<_> = connections
             .into_iter()
             .enumerate()
-            .map(|(w, mut c)| {
+            .map(|(w, c)| {
                 let warm = warm.clone();
-                tokio::spawn(async move {
-                    let opts = match way {
-                        Way::Emit(n) => EmitOptions::new().with_notify(n),
-                        Way::Hand => EmitOptions::new(),
-                    };
-                    for i in 0..=txns {
-                        let e = AccountTransferred::new(
-                            &format!("a{round}-{w}-{i}"),
-                            "alice",
-                            "bob",
-                            100,
-                        );
-                        let opts = &opts;
-                        let done = c
-                            .transaction(async |c| {
-                                match way {
-                                    Way::Hand => {
-                                        diesel_async::RunQueryDsl::execute(
-                                            hand_written_insert!(&e),
-                                            c,
-                                        )
-                                        .await?;
-                                    }
-                                    Way::Emit(_) => {
-                                        c.emit_with(opts, e).await?;
-                                    }
-                                }
-                                Ok::<_, outbox_diesel::Error>(())
-                            })
-                            .await;
-                        if i == 0 {
-                            warm.wait().await;
-                        }
-                        done?;
-                    }
-                    // Its backend ends with it: kept until the CPU time is read.
-                    Ok::<_, outbox_diesel::Error>(c)
-                })
+                tokio::spawn(async_worker(c, way, txns, format!("a{round}-{w}"), warm))
             })
             .collect();
         // Sampled once the tasks are past their first transaction: the first moments of
@@ -330,6 +292,47 @@ impl EmitBench {
             cpu: after.zip(before).and_then(|(a, b)| a.since(&b)),
         })
     }
+}
+
+/// One task of [`EmitBench::run_async`]: `txns` transactions and one to warm up, of
+/// one row written `way`, ids starting `prefix`; waits at `warm` after the first. Gives
+/// back its connection, whose backend ends with it: kept until the CPU time is read.
+async fn async_worker(
+    mut c: diesel_async::AsyncPgConnection,
+    way: Way,
+    txns: usize,
+    prefix: String,
+    warm: std::sync::Arc<tokio::sync::Barrier>,
+) -> Result<diesel_async::AsyncPgConnection, outbox_diesel::Error> {
+    use diesel_async::AsyncConnection as _;
+    use outbox_diesel::AsyncEmit as _;
+
+    let opts = match way {
+        Way::Emit(n) => EmitOptions::new().with_notify(n),
+        Way::Hand => EmitOptions::new(),
+    };
+    for i in 0..=txns {
+        let e = AccountTransferred::new(&format!("{prefix}-{i}"), "alice", "bob", 100);
+        let opts = &opts;
+        let done = c
+            .transaction(async |c| {
+                match way {
+                    Way::Hand => {
+                        diesel_async::RunQueryDsl::execute(hand_written_insert!(&e), c).await?;
+                    }
+                    Way::Emit(_) => {
+                        c.emit_with(opts, e).await?;
+                    }
+                }
+                Ok::<_, outbox_diesel::Error>(())
+            })
+            .await;
+        if i == 0 {
+            warm.wait().await;
+        }
+        done?;
+    }
+    Ok(c)
 }
 
 /// One run of a way: its transactions, their time, and the CPU time they took (the

@@ -165,50 +165,16 @@ async fn claim_vs_size(
     let store = tokio::task::spawn_blocking(move || PgRelayStore::connect(&url, 2)).await??;
     let (mut rows, mut sent_to, mut points) = (NEW_ROWS, 0_i64, Vec::new());
     for &size in &sizes.scale_rows {
-        let start = rows;
-        while rows < size {
-            let to = size.min(rows + INSERT_CHUNK);
-            add_new(bench, (start, rows, to, size), &oldest)?;
-            rows = to;
-            let last = bench.scalar("SELECT max(id) AS n FROM outbox")?;
-            let upto = last - NEW_ROWS as i64;
-            while sent_to < upto {
-                let next = upto.min(sent_to + MARK_CHUNK as i64);
-                bench.exec(&format!(
-                    "BEGIN; SET LOCAL enable_seqscan = off; \
-                     UPDATE outbox SET status = 1, sent_at = now() \
-                     WHERE status = 0 AND id > {sent_to} AND id <= {next}; COMMIT"
-                ))?;
-                sent_to = next;
-            }
-        }
+        grow(bench, size, (&mut rows, &mut sent_to), &oldest)?;
         bench.exec("ANALYZE outbox")?;
         let first_new = bench.scalar("SELECT min(id) AS n FROM outbox WHERE status = 0")?;
-        // The walk a floor of 0 makes (a relay's first claim, its floor's recomputation
-        // every 30 s): every dead entry of `outbox_pending` not yet vacuumed.
-        // Under the claim's plan settings: an index walk, whatever the statistics say.
-        bench.exec("BEGIN; SET LOCAL enable_sort = off; SET LOCAL enable_seqscan = off")?;
-        let started = Instant::now();
-        let walked =
-            bench.scalar("SELECT id AS n FROM outbox WHERE status = 0 ORDER BY id LIMIT 1");
-        let walk = started.elapsed().as_secs_f64() * 1e6;
-        bench.exec("COMMIT")?;
-        walked?;
+        let walk = walk_from_zero(bench)?;
         let warm_until = Instant::now() + Duration::from_secs(10);
         while store.claim_floor() < first_new && Instant::now() < warm_until {
             drop(store.claim(100).await?);
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let dead = bench.scalar(
-            "SELECT COALESCE(sum(n_dead_tup), 0)::bigint AS n FROM pg_stat_user_tables \
-             WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
-        )?;
-        let vacuums = bench.scalar(
-            "SELECT COALESCE(sum(autovacuum_count), 0)::bigint AS n FROM pg_stat_user_tables \
-             WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
-        )?;
-        let parts = bench
-            .scalar("SELECT count(*) AS n FROM pg_inherits WHERE inhparent = 'outbox'::regclass")?;
+        let (dead, vacuums, parts) = table_state(bench)?;
         let mut times = Vec::with_capacity(CLAIMS);
         for _ in 0..CLAIMS {
             let started = Instant::now();
@@ -250,6 +216,62 @@ async fn claim_vs_size(
         figures.push(f);
     }
     Ok(points)
+}
+
+/// Adds rows up to `size` (`rows` so far), all NEW, then marks all but the last
+/// [`NEW_ROWS`] SENT (up to id `sent_to` so far), in chunks.
+fn grow(
+    bench: &RelayBench,
+    size: usize,
+    (rows, sent_to): (&mut usize, &mut i64),
+    oldest: &str,
+) -> Result<(), BoxError> {
+    let start = *rows;
+    while *rows < size {
+        let to = size.min(*rows + INSERT_CHUNK);
+        add_new(bench, (start, *rows, to, size), oldest)?;
+        *rows = to;
+        let last = bench.scalar("SELECT max(id) AS n FROM outbox")?;
+        let upto = last - NEW_ROWS as i64;
+        while *sent_to < upto {
+            let next = upto.min(*sent_to + MARK_CHUNK as i64);
+            bench.exec(&format!(
+                "BEGIN; SET LOCAL enable_seqscan = off; \
+                 UPDATE outbox SET status = 1, sent_at = now() \
+                 WHERE status = 0 AND id > {sent_to} AND id <= {next}; COMMIT"
+            ))?;
+            *sent_to = next;
+        }
+    }
+    Ok(())
+}
+
+/// The walk a floor of 0 makes (a relay's first claim, its floor's recomputation every
+/// 30 s): every dead entry of `outbox_pending` not yet vacuumed. Under the claim's plan
+/// settings: an index walk, whatever the statistics say. In µs.
+fn walk_from_zero(bench: &RelayBench) -> Result<f64, BoxError> {
+    bench.exec("BEGIN; SET LOCAL enable_sort = off; SET LOCAL enable_seqscan = off")?;
+    let started = Instant::now();
+    let walked = bench.scalar("SELECT id AS n FROM outbox WHERE status = 0 ORDER BY id LIMIT 1");
+    let walk = started.elapsed().as_secs_f64() * 1e6;
+    bench.exec("COMMIT")?;
+    walked?;
+    Ok(walk)
+}
+
+/// The outbox tables' dead tuples, their autovacuums so far, and the partitions.
+fn table_state(bench: &RelayBench) -> Result<(i64, i64, i64), BoxError> {
+    let dead = bench.scalar(
+        "SELECT COALESCE(sum(n_dead_tup), 0)::bigint AS n FROM pg_stat_user_tables \
+         WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
+    )?;
+    let vacuums = bench.scalar(
+        "SELECT COALESCE(sum(autovacuum_count), 0)::bigint AS n FROM pg_stat_user_tables \
+         WHERE schemaname = current_schema() AND relname LIKE 'outbox%'",
+    )?;
+    let parts = bench
+        .scalar("SELECT count(*) AS n FROM pg_inherits WHERE inhparent = 'outbox'::regclass")?;
+    Ok((dead, vacuums, parts))
 }
 
 /// The partitions the retention keeps behind the current one (migrate_partitioned makes

@@ -68,7 +68,23 @@ async fn run(
         size.large_entries
     );
 
-    // 1. Memory per entry, the reference event and a 1 KiB one.
+    let (reference, per_entry) = per_entry(size, svc, conn, prefix, figures).await?;
+    one_group(size, conn, &reference.stream, per_entry, figures).await?;
+    let lag = fill(svc, conn, &format!("{prefix}lag:"), n, "alice").await?;
+    lagging_group(size, conn, &lag.stream, figures).await?;
+    emptied(k, conn, &lag.stream, figures).await
+}
+
+/// Step 1, memory per entry, the reference event and a 1 KiB one: the reference
+/// stream, and its bytes per entry.
+async fn per_entry(
+    size: &StreamSize,
+    svc: &Service,
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+    figures: &mut Vec<Figure>,
+) -> Result<(Filled, f64), BoxError> {
+    let n = size.entries;
     let reference = fill(svc, conn, &format!("{prefix}ref:"), n, "alice").await?;
     let per_entry = reference.report("reference", figures);
     let large = fill(
@@ -81,9 +97,18 @@ async fn run(
     .await?;
     large.report("with a 1 KiB field", figures);
     del(conn, &large.stream).await?;
+    Ok((reference, per_entry))
+}
 
-    // 2. One group has read and acknowledged all but the last k: the trim keeps k.
-    let stream = &reference.stream;
+/// Step 2: one group has read and acknowledged all but the last k: the trim keeps k.
+async fn one_group(
+    size: &StreamSize,
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    per_entry: f64,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    let (n, k) = (size.entries, size.kept);
     group(conn, stream, "g1").await?;
     let ids = read(conn, stream, "g1", n - k).await?;
     ack(conn, stream, "g1", &ids).await?;
@@ -145,11 +170,18 @@ async fn run(
         pel.1,
     );
     del(conn, stream).await?;
+    Ok(())
+}
 
-    // 3. Two groups, one lagging half the stream behind: it holds what it has not
-    // acknowledged, until it catches up.
-    let lag = fill(svc, conn, &format!("{prefix}lag:"), n, "alice").await?;
-    let stream = &lag.stream;
+/// Step 3: two groups, one lagging half the stream behind: it holds what it has not
+/// acknowledged, until it catches up.
+async fn lagging_group(
+    size: &StreamSize,
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
+    let (n, k) = (size.entries, size.kept);
     let half = n / 2;
     group(conn, stream, "fast").await?;
     group(conn, stream, "slow").await?;
@@ -193,9 +225,17 @@ async fn run(
         "KiB",
         kib(caught_up),
     );
+    Ok(())
+}
 
-    // 4. Both groups read and acknowledge the rest: what an empty stream with two
-    // groups costs.
+/// Step 4: both groups read and acknowledge the rest: what an empty stream with two
+/// groups costs.
+async fn emptied(
+    k: usize,
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    figures: &mut Vec<Figure>,
+) -> Result<(), BoxError> {
     for g in ["fast", "slow"] {
         read_ack(conn, stream, g, k).await?;
     }

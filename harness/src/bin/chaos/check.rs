@@ -102,192 +102,235 @@ pub(crate) fn check(
     let committed: HashMap<&str, i64> =
         db.committed.iter().map(|(k, n)| (k.as_str(), *n)).collect();
     f.committed = committed.values().map(|&n| n as u64).sum();
-    // A committed message is (key, seq) with 1 <= seq <= n; its transaction is known from
-    // the producers' log.
-    let is_committed =
-        |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
+    let known = Known {
+        tx_of: f.log(logged, &committed, rolled_back, fault_one_in),
+        rolled_back,
+    };
+    f.outbox_rows(db, &known, outbox_complete);
+    f.stream(stream, &known);
+    f.applications(db, &known);
+    f.sums(db, &committed);
+    f
+}
 
-    // The producers' log.
-    let mut tx_of: HashMap<(String, i64), u64> = HashMap::new();
-    for tick in logged {
-        let msg_id = tick
-            .msg_id()
-            .map(|id| id.as_str().to_owned())
-            .unwrap_or_default();
-        if rolled_back.contains(&tick.tx) {
-            f.strangers += 1;
-            f.note(format!("{msg_id} is logged both committed and rolled back"));
-            continue;
-        }
-        if !is_committed(&tick.key, tick.seq)
-            || tx_of
-                .insert((tick.key.clone(), tick.seq), tick.tx)
-                .is_some()
-        {
-            f.strangers += 1;
-            f.note(format!(
-                "logged {msg_id} is beyond its key's committed sequence, or logged twice"
-            ));
-            continue;
-        }
-        match handler_fault(&msg_id, fault_one_in) {
-            Some(HandlerFault::Fail) => f.planned_fail += 1,
-            Some(HandlerFault::Panic) => f.planned_panic += 1,
-            None => {}
-        }
-    }
-    f.unlogged = f.committed.saturating_sub(tx_of.len() as u64);
-    if f.unlogged > 0 {
-        f.note(format!(
-            "{} committed messages are not in the producers' log",
-            f.unlogged
-        ));
-    }
+/// The committed messages, as the producers' log tells, and the rolled-back
+/// transactions.
+struct Known<'a> {
+    /// The transaction of each committed `(key, seq)`.
+    tx_of: HashMap<(String, i64), u64>,
+    rolled_back: &'a HashSet<u64>,
+}
 
-    // Outbox rows: each one a logged message, once.
-    let mut rows: HashSet<(&str, i64)> = HashSet::new();
-    for (msg_id, status) in &db.outbox {
-        let Some((key, seq, tx)) = parse_msg_id(msg_id) else {
-            f.strangers += 1;
-            f.note(format!("outbox row {msg_id:?} is not a chaos message"));
-            continue;
-        };
-        if rolled_back.contains(&tx) {
-            f.rolled_back_seen += 1;
-            f.note(format!(
-                "outbox holds {msg_id} of a rolled-back transaction"
-            ));
-            continue;
-        }
-        if tx_of.get(&(key.to_owned(), seq)) != Some(&tx) || !rows.insert((key, seq)) {
-            f.strangers += 1;
-            f.note(format!(
-                "outbox row {msg_id} is no committed message, or a second row of one"
-            ));
-        }
-        match status {
-            0 => f.outbox_new += 1,
-            2 => {
-                f.outbox_dead += 1;
-                f.note(format!("outbox row {msg_id} is DEAD"));
-            }
-            _ => {}
-        }
-    }
-    if outbox_complete {
-        f.outbox_missing = (tx_of.len() as u64).saturating_sub(rows.len() as u64);
-        if f.outbox_missing > 0 {
-            f.note(format!(
-                "{} committed messages have no outbox row",
-                f.outbox_missing
-            ));
-        }
-    }
-    // A msg_id is committed if its (key, seq) is and its transaction is the one that
-    // committed that position.
-    let classify = |msg_id: &str| -> Kind {
+impl Known<'_> {
+    /// A msg_id is committed if its (key, seq) is and its transaction is the one that
+    /// committed that position.
+    fn classify(&self, msg_id: &str) -> Kind {
         match parse_msg_id(msg_id) {
-            Some((_, _, tx)) if rolled_back.contains(&tx) => Kind::RolledBack,
-            Some((key, seq, tx)) if tx_of.get(&(key.to_owned(), seq)) == Some(&tx) => {
+            Some((_, _, tx)) if self.rolled_back.contains(&tx) => Kind::RolledBack,
+            Some((key, seq, tx)) if self.tx_of.get(&(key.to_owned(), seq)) == Some(&tx) => {
                 Kind::Committed
             }
             _ => Kind::Stranger,
         }
-    };
+    }
+}
 
-    // The stream: first appearances per key in sequence order, duplicates, strays.
-    let mut seen: HashSet<&str> = HashSet::new();
-    let mut last_first: HashMap<&str, i64> = HashMap::new();
-    for (entry, msg_id) in stream {
-        match classify(msg_id) {
-            Kind::RolledBack => {
-                f.rolled_back_seen += 1;
-                f.note(format!("stream entry {entry} carries rolled-back {msg_id}"));
+impl Findings {
+    /// The producers' log, against the keys' `committed` counts: the transaction of each
+    /// committed `(key, seq)`.
+    fn log(
+        &mut self,
+        logged: &[Tick],
+        committed: &HashMap<&str, i64>,
+        rolled_back: &HashSet<u64>,
+        fault_one_in: u64,
+    ) -> HashMap<(String, i64), u64> {
+        // A committed message is (key, seq) with 1 <= seq <= n; its transaction is known
+        // from the producers' log.
+        let is_committed =
+            |key: &str, seq: i64| committed.get(key).is_some_and(|&n| (1..=n).contains(&seq));
+        let mut tx_of: HashMap<(String, i64), u64> = HashMap::new();
+        for tick in logged {
+            let msg_id = tick
+                .msg_id()
+                .map(|id| id.as_str().to_owned())
+                .unwrap_or_default();
+            if rolled_back.contains(&tick.tx) {
+                self.strangers += 1;
+                self.note(format!("{msg_id} is logged both committed and rolled back"));
                 continue;
             }
-            Kind::Stranger => {
-                f.strangers += 1;
-                f.note(format!("stream entry {entry} carries unknown {msg_id:?}"));
+            if !is_committed(&tick.key, tick.seq)
+                || tx_of
+                    .insert((tick.key.clone(), tick.seq), tick.tx)
+                    .is_some()
+            {
+                self.strangers += 1;
+                self.note(format!(
+                    "logged {msg_id} is beyond its key's committed sequence, or logged twice"
+                ));
                 continue;
             }
-            Kind::Committed => {}
+            match handler_fault(&msg_id, fault_one_in) {
+                Some(HandlerFault::Fail) => self.planned_fail += 1,
+                Some(HandlerFault::Panic) => self.planned_panic += 1,
+                None => {}
+            }
         }
-        if !seen.insert(msg_id) {
-            f.stream_duplicates += 1;
-            continue;
-        }
-        let (key, seq, _) = parse_msg_id(msg_id).expect("classified as committed");
-        let last = last_first.entry(key).or_insert(0);
-        if seq != *last + 1 {
-            f.order_breaks += 1;
-            f.note(format!(
-                "stream entry {entry}: {key} #{seq} appears first after #{last}"
+        self.unlogged = self.committed.saturating_sub(tx_of.len() as u64);
+        if self.unlogged > 0 {
+            self.note(format!(
+                "{} committed messages are not in the producers' log",
+                self.unlogged
             ));
         }
-        *last = (*last).max(seq);
+        tx_of
     }
-    f.on_stream = seen.len() as u64;
-    f.not_on_stream = f.committed.saturating_sub(f.on_stream);
 
-    // Applications.
-    let mut applied: HashMap<&str, u64> = HashMap::new();
-    for msg_id in &db.log {
-        match classify(msg_id) {
-            Kind::Committed => *applied.entry(msg_id).or_default() += 1,
-            Kind::RolledBack => {
-                f.rolled_back_seen += 1;
-                f.note(format!("rolled-back {msg_id} was applied"));
+    /// The outbox rows: each one a logged message, once; with `complete`, every logged
+    /// message has one.
+    fn outbox_rows(&mut self, db: &Contents, known: &Known<'_>, complete: bool) {
+        let rolled_back = known.rolled_back;
+        let mut rows: HashSet<(&str, i64)> = HashSet::new();
+        for (msg_id, status) in &db.outbox {
+            let Some((key, seq, tx)) = parse_msg_id(msg_id) else {
+                self.strangers += 1;
+                self.note(format!("outbox row {msg_id:?} is not a chaos message"));
+                continue;
+            };
+            if rolled_back.contains(&tx) {
+                self.rolled_back_seen += 1;
+                self.note(format!(
+                    "outbox holds {msg_id} of a rolled-back transaction"
+                ));
+                continue;
             }
-            Kind::Stranger => {
-                f.strangers += 1;
-                f.note(format!("unknown {msg_id:?} was applied"));
+            if known.tx_of.get(&(key.to_owned(), seq)) != Some(&tx) || !rows.insert((key, seq)) {
+                self.strangers += 1;
+                self.note(format!(
+                    "outbox row {msg_id} is no committed message, or a second row of one"
+                ));
+            }
+            match status {
+                0 => self.outbox_new += 1,
+                2 => {
+                    self.outbox_dead += 1;
+                    self.note(format!("outbox row {msg_id} is DEAD"));
+                }
+                _ => {}
+            }
+        }
+        if complete {
+            self.outbox_missing = (known.tx_of.len() as u64).saturating_sub(rows.len() as u64);
+            if self.outbox_missing > 0 {
+                self.note(format!(
+                    "{} committed messages have no outbox row",
+                    self.outbox_missing
+                ));
             }
         }
     }
-    for (msg_id, &n) in &applied {
-        if n > 1 {
-            f.double_applied += 1;
-            f.note(format!("{msg_id} was applied {n} times"));
+
+    /// The stream: first appearances per key in sequence order, duplicates, strays.
+    fn stream(&mut self, stream: &[(String, String)], known: &Known<'_>) {
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut last_first: HashMap<&str, i64> = HashMap::new();
+        for (entry, msg_id) in stream {
+            match known.classify(msg_id) {
+                Kind::RolledBack => {
+                    self.rolled_back_seen += 1;
+                    self.note(format!("stream entry {entry} carries rolled-back {msg_id}"));
+                    continue;
+                }
+                Kind::Stranger => {
+                    self.strangers += 1;
+                    self.note(format!("stream entry {entry} carries unknown {msg_id:?}"));
+                    continue;
+                }
+                Kind::Committed => {}
+            }
+            if !seen.insert(msg_id) {
+                self.stream_duplicates += 1;
+                continue;
+            }
+            let (key, seq, _) = parse_msg_id(msg_id).expect("classified as committed");
+            let last = last_first.entry(key).or_insert(0);
+            if seq != *last + 1 {
+                self.order_breaks += 1;
+                self.note(format!(
+                    "stream entry {entry}: {key} #{seq} appears first after #{last}"
+                ));
+            }
+            *last = (*last).max(seq);
+        }
+        self.on_stream = seen.len() as u64;
+        self.not_on_stream = self.committed.saturating_sub(self.on_stream);
+    }
+
+    /// The applications (each committed message once, nothing else) and the dedup
+    /// records.
+    fn applications(&mut self, db: &Contents, known: &Known<'_>) {
+        let mut applied: HashMap<&str, u64> = HashMap::new();
+        for msg_id in &db.log {
+            match known.classify(msg_id) {
+                Kind::Committed => *applied.entry(msg_id).or_default() += 1,
+                Kind::RolledBack => {
+                    self.rolled_back_seen += 1;
+                    self.note(format!("rolled-back {msg_id} was applied"));
+                }
+                Kind::Stranger => {
+                    self.strangers += 1;
+                    self.note(format!("unknown {msg_id:?} was applied"));
+                }
+            }
+        }
+        for (msg_id, &n) in &applied {
+            if n > 1 {
+                self.double_applied += 1;
+                self.note(format!("{msg_id} was applied {n} times"));
+            }
+        }
+        self.lost = self.committed.saturating_sub(applied.len() as u64);
+        if self.lost > 0 {
+            let missing: Vec<String> = known
+                .tx_of
+                .iter()
+                .map(|((k, s), tx)| format!("{k}/{s}/{tx}:Tick"))
+                .filter(|id| !applied.contains_key(id.as_str()))
+                .take(5)
+                .collect();
+            self.note(format!(
+                "{} committed messages never applied, e.g. {missing:?}",
+                self.lost
+            ));
+        }
+        for msg_id in &db.consumed {
+            if known.classify(msg_id) == Kind::RolledBack {
+                self.rolled_back_seen += 1;
+                self.note(format!("consumed_msg records rolled-back {msg_id}"));
+            }
         }
     }
-    f.lost = f.committed.saturating_sub(applied.len() as u64);
-    if f.lost > 0 {
-        let missing: Vec<String> = tx_of
+
+    /// The per-key effect: each key's sum and count those of its sequence `1..=n`.
+    fn sums(&mut self, db: &Contents, committed: &HashMap<&str, i64>) {
+        let sums: HashMap<&str, (i64, i64)> = db
+            .sums
             .iter()
-            .map(|((k, s), tx)| format!("{k}/{s}/{tx}:Tick"))
-            .filter(|id| !applied.contains_key(id.as_str()))
-            .take(5)
+            .map(|(k, t, a)| (k.as_str(), (*t, *a)))
             .collect();
-        f.note(format!(
-            "{} committed messages never applied, e.g. {missing:?}",
-            f.lost
-        ));
-    }
-    for msg_id in &db.consumed {
-        if classify(msg_id) == Kind::RolledBack {
-            f.rolled_back_seen += 1;
-            f.note(format!("consumed_msg records rolled-back {msg_id}"));
+        for (key, &n) in committed {
+            let want = (n * (n + 1) / 2, n);
+            let got = sums.get(key).copied().unwrap_or((0, 0));
+            if got != want {
+                self.bad_sums += 1;
+                self.note(format!(
+                    "{key}: sum {} count {}, expected sum {} count {}",
+                    got.0, got.1, want.0, want.1
+                ));
+            }
         }
     }
-
-    // The per-key effect.
-    let sums: HashMap<&str, (i64, i64)> = db
-        .sums
-        .iter()
-        .map(|(k, t, a)| (k.as_str(), (*t, *a)))
-        .collect();
-    for (key, &n) in &committed {
-        let want = (n * (n + 1) / 2, n);
-        let got = sums.get(key).copied().unwrap_or((0, 0));
-        if got != want {
-            f.bad_sums += 1;
-            f.note(format!(
-                "{key}: sum {} count {}, expected sum {} count {}",
-                got.0, got.1, want.0, want.1
-            ));
-        }
-    }
-    f
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

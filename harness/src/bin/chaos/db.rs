@@ -10,7 +10,8 @@ use diesel::sql_types::{BigInt, SmallInt, Text};
 use diesel::{MysqlConnection, PgConnection};
 use outbox_harness::chaos::{self, ChaosDb as _, chaos_keys, chaos_log, chaos_sums};
 
-use crate::{Backend, BoxError};
+use crate::BoxError;
+use crate::config::Backend;
 
 /// An open connection to the run's database.
 pub(crate) enum Conn {

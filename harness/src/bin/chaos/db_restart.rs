@@ -25,7 +25,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use crate::procs::{Event, Proc, Role, TERM_TIMEOUT};
-use crate::{BoxError, Tally, World, interrupted, probe};
+use crate::world::World;
+use crate::{BoxError, interrupted, probe};
 
 /// The longest a process may take to work again once the server takes sessions. The
 /// longest backoff a process meets then is r2d2's pause between attempts to connect
@@ -110,7 +111,7 @@ impl DbRestart {
 
 /// Polls every process (restarting those due if `restart`); returns the events after
 /// handing them to the tally.
-fn poll_all(world: &mut World, tally: &mut Tally, restart: bool) -> Result<Vec<Event>, BoxError> {
+fn poll_all(world: &mut World<'_>, restart: bool) -> Result<Vec<Event>, BoxError> {
     let now = Instant::now();
     let mut events = Vec::new();
     for p in &mut world.procs {
@@ -119,7 +120,7 @@ fn poll_all(world: &mut World, tally: &mut Tally, restart: bool) -> Result<Vec<E
         }
     }
     for e in &events {
-        tally.event(e.clone());
+        world.tally.event(e.clone());
     }
     Ok(events)
 }
@@ -133,7 +134,7 @@ fn healthy(p: &Proc) -> bool {
     probe::status(p.admin_port, path) == Some(200)
 }
 
-fn stream_len(world: &World) -> Result<u64, BoxError> {
+fn stream_len(world: &World<'_>) -> Result<u64, BoxError> {
     let redis = world.redis.as_ref().expect("started");
     let mut n = 0;
     for s in &world.streams {
@@ -142,19 +143,23 @@ fn stream_len(world: &World) -> Result<u64, BoxError> {
     Ok(n)
 }
 
-fn names(world: &World, set: &BTreeSet<usize>) -> Vec<String> {
+fn names(world: &World<'_>, set: &BTreeSet<usize>) -> Vec<String> {
     set.iter().map(|&i| world.procs[i].name.clone()).collect()
 }
 
 /// Runs the fault with the server down for `len` (see the module's documentation).
-pub(crate) fn inject(
-    world: &mut World,
-    tally: &mut Tally,
-    len: Duration,
-) -> Result<DbRestart, BoxError> {
+pub(crate) fn inject(world: &mut World<'_>, len: Duration) -> Result<DbRestart, BoxError> {
     let mut report = DbRestart::default();
+    settle(world, &mut report)?;
+    freeze(world, &mut report)?;
+    let down_at = crash(world, &mut report, len)?;
+    resume(world, &mut report, down_at)?;
+    terminate(world, &mut report)?;
+    Ok(report)
+}
 
-    // 1. Everything up and healthy.
+/// 1. Everything up and healthy.
+fn settle(world: &mut World<'_>, report: &mut DbRestart) -> Result<(), BoxError> {
     let now = Instant::now();
     for p in &mut world.procs {
         p.resume()?;
@@ -163,7 +168,7 @@ pub(crate) fn inject(
     let deadline = now + SETTLE_LIMIT;
     loop {
         interrupted()?;
-        poll_all(world, tally, true)?;
+        poll_all(world, true)?;
         let sick: BTreeSet<usize> = (0..world.procs.len())
             .filter(|&i| !world.procs[i].is_running() || !healthy(&world.procs[i]))
             .collect();
@@ -176,8 +181,11 @@ pub(crate) fn inject(
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+    Ok(())
+}
 
-    // 2. A backlog in the consumers' hands.
+/// 2. A backlog in the consumers' hands.
+fn freeze(world: &mut World<'_>, report: &mut DbRestart) -> Result<(), BoxError> {
     let base = stream_len(world)?;
     let frozen = Instant::now();
     for p in world.procs.iter_mut().filter(|p| p.role == Role::Consumer) {
@@ -185,22 +193,29 @@ pub(crate) fn inject(
     }
     loop {
         interrupted()?;
-        poll_all(world, tally, true)?;
+        poll_all(world, true)?;
         report.frozen_entries = stream_len(world)?.saturating_sub(base);
         if report.frozen_entries >= FREEZE_ENTRIES || frozen.elapsed() > FREEZE_LIMIT {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    Ok(())
+}
 
-    // 3. The crash, and the outage watched through the probes.
+/// 3. The crash, and the outage watched through the probes; when the server went down.
+fn crash(
+    world: &mut World<'_>,
+    report: &mut DbRestart,
+    len: Duration,
+) -> Result<Instant, BoxError> {
     let server = world.server.as_mut().expect("--db-restart has a server");
     server.crash()?;
     let down_at = Instant::now();
     for p in &mut world.procs {
         p.resume()?;
     }
-    tally.fault("db_restart", None);
+    world.tally.fault("db_restart", None);
     eprintln!(
         "chaos: db_restart: server crashed ({} entries published with the consumers \
          stopped); down for {:.1} s",
@@ -214,7 +229,7 @@ pub(crate) fn inject(
         interrupted()?;
         // Not restarted while the server is down: a process starting then fails at
         // once by design (`outbox relay` checks its database first).
-        for e in poll_all(world, tally, false)? {
+        for e in poll_all(world, false)? {
             if let Event::UnexpectedExit(name, _) = e {
                 report.exits.push(name);
             }
@@ -246,8 +261,11 @@ pub(crate) fn inject(
         .collect();
     report.unreported = names(world, &unreported);
     report.not_live = names(world, &not_live);
+    Ok(down_at)
+}
 
-    // 4. Back, and every process working again.
+/// 4. Back, and every process working again.
+fn resume(world: &mut World<'_>, report: &mut DbRestart, down_at: Instant) -> Result<(), BoxError> {
     let before: Vec<Option<(u64, u64)>> = world
         .procs
         .iter()
@@ -267,37 +285,12 @@ pub(crate) fn inject(
         before.iter().map(|c| (c.map(|(_, o)| o), up_at)).collect();
     while resumed.iter().any(Option::is_none) && up_at.elapsed() < 3 * RESUME_LIMIT {
         interrupted()?;
-        for e in poll_all(world, tally, true)? {
+        for e in poll_all(world, true)? {
             if let Event::UnexpectedExit(name, _) = e {
                 report.exits.push(name);
             }
         }
-        for (i, p) in world.procs.iter().enumerate() {
-            if resumed[i].is_some() || !p.is_running() {
-                continue;
-            }
-            let now = Instant::now();
-            match p.role {
-                Role::Consumer => {
-                    if healthy(p) {
-                        resumed[i] = Some(now.duration_since(up_at));
-                    }
-                }
-                Role::Relay => {
-                    let Some((sent, failed)) = probe::relay_counters(p.admin_port) else {
-                        continue;
-                    };
-                    if before[i].is_none_or(|(b, _)| sent > b) {
-                        resumed[i] = Some(now.duration_since(up_at));
-                    } else if outages[i].0 != Some(failed) {
-                        outages[i] = (Some(failed), now);
-                    } else if now.duration_since(outages[i].1) >= QUIET && healthy(p) {
-                        // Its first claim after the last failed one, at the latest.
-                        resumed[i] = Some(outages[i].1.duration_since(up_at) + BACKOFF_MAX);
-                    }
-                }
-            }
-        }
+        check_resumed(world, &before, &mut outages, &mut resumed, up_at);
         std::thread::sleep(Duration::from_millis(100));
     }
     let slow: BTreeSet<usize> = (0..world.procs.len())
@@ -309,10 +302,57 @@ pub(crate) fn inject(
         .copied()
         .collect::<Option<Vec<_>>>()
         .and_then(|r| r.into_iter().max());
+    eprintln!(
+        "chaos: db_restart: working again after {}",
+        resume_times(world, &resumed)
+    );
+    Ok(())
+}
+
+/// Marks in `resumed` the processes working again (see the module's documentation),
+/// `before` the relays' counters before the server came back, `outages` each relay's
+/// outage count and when it last changed.
+fn check_resumed(
+    world: &World<'_>,
+    before: &[Option<(u64, u64)>],
+    outages: &mut [(Option<u64>, Instant)],
+    resumed: &mut [Option<Duration>],
+    up_at: Instant,
+) {
+    for (i, p) in world.procs.iter().enumerate() {
+        if resumed[i].is_some() || !p.is_running() {
+            continue;
+        }
+        let now = Instant::now();
+        match p.role {
+            Role::Consumer => {
+                if healthy(p) {
+                    resumed[i] = Some(now.duration_since(up_at));
+                }
+            }
+            Role::Relay => {
+                let Some((sent, failed)) = probe::relay_counters(p.admin_port) else {
+                    continue;
+                };
+                if before[i].is_none_or(|(b, _)| sent > b) {
+                    resumed[i] = Some(now.duration_since(up_at));
+                } else if outages[i].0 != Some(failed) {
+                    outages[i] = (Some(failed), now);
+                } else if now.duration_since(outages[i].1) >= QUIET && healthy(p) {
+                    // Its first claim after the last failed one, at the latest.
+                    resumed[i] = Some(outages[i].1.duration_since(up_at) + BACKOFF_MAX);
+                }
+            }
+        }
+    }
+}
+
+/// `name=<time to work again>` of every process.
+fn resume_times(world: &World<'_>, resumed: &[Option<Duration>]) -> String {
     let times: Vec<String> = world
         .procs
         .iter()
-        .zip(&resumed)
+        .zip(resumed)
         .map(|(p, r)| {
             format!(
                 "{}={}",
@@ -321,9 +361,11 @@ pub(crate) fn inject(
             )
         })
         .collect();
-    eprintln!("chaos: db_restart: working again after {}", times.join(" "));
+    times.join(" ")
+}
 
-    // 5. SIGTERM to every process that lived through it.
+/// 5. SIGTERM to every process that lived through it.
+fn terminate(world: &mut World<'_>, report: &mut DbRestart) -> Result<(), BoxError> {
     let now = Instant::now();
     let mut waiting = 0;
     for p in world.procs.iter_mut().filter(|p| p.is_running()) {
@@ -333,7 +375,7 @@ pub(crate) fn inject(
     let deadline = now + TERM_TIMEOUT + Duration::from_secs(5);
     while waiting > 0 && Instant::now() < deadline {
         interrupted()?;
-        for e in poll_all(world, tally, false)? {
+        for e in poll_all(world, false)? {
             match e {
                 Event::TermAnswered(name, status, _) => {
                     waiting -= 1;
@@ -350,5 +392,5 @@ pub(crate) fn inject(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(report)
+    Ok(())
 }

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use diesel::{Connection as _, MysqlConnection, PgConnection};
 
+use crate::BoxError;
+use crate::config::Backend;
 use crate::procs::signal;
-use crate::{Backend, BoxError};
 
 /// How long a start (crash recovery included) may take.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -159,7 +160,42 @@ impl DbServer {
             .create(true)
             .append(true)
             .open(self.log())?;
-        let mut cmd = match self.backend {
+        let mut cmd = self.command();
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if self.answers() {
+                return Ok(());
+            }
+            if let Some(c) = self.child.as_mut()
+                && let Some(status) = c.try_wait()?
+            {
+                self.child = None;
+                return Err(format!(
+                    "the database server exited at start ({status}); see {}",
+                    self.log().display()
+                )
+                .into());
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the database server did not start in {START_TIMEOUT:?}; see {}",
+                    self.log().display()
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The server's command line: its files, its port, settings for a crash test.
+    fn command(&self) -> Command {
+        match self.backend {
             Backend::Postgres => {
                 let mut c = as_postgres(&pg_bindir().join("postgres"));
                 c.arg("-D").arg(self.data()).args([
@@ -202,36 +238,6 @@ impl DbServer {
                     ]);
                 c
             }
-        };
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()?;
-        self.child = Some(child);
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            if self.answers() {
-                return Ok(());
-            }
-            if let Some(c) = self.child.as_mut()
-                && let Some(status) = c.try_wait()?
-            {
-                self.child = None;
-                return Err(format!(
-                    "the database server exited at start ({status}); see {}",
-                    self.log().display()
-                )
-                .into());
-            }
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the database server did not start in {START_TIMEOUT:?}; see {}",
-                    self.log().display()
-                )
-                .into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
         }
     }
 

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use diesel::{Connection as _, MysqlConnection, PgConnection};
 use outbox_harness::chaos::{ChaosDb, Tick, key_name};
 
+use crate::BoxError;
+use crate::config::Backend;
 use crate::db::Conn;
-use crate::{Backend, BoxError};
 
 /// What the producers did.
 #[derive(Debug, Default)]
@@ -33,6 +34,17 @@ pub(crate) struct Produced {
 }
 
 impl Produced {
+    /// Adds what another producer did.
+    fn add(&mut self, part: Self) {
+        self.txs += part.txs;
+        self.errors += part.errors;
+        self.rolled_back_events += part.rolled_back_events;
+        self.resolved_committed += part.resolved_committed;
+        self.resolved_rolled_back += part.resolved_rolled_back;
+        self.rolled_back.extend(part.rolled_back);
+        self.committed.extend(part.committed);
+    }
+
     /// Events committed.
     fn events(&self) -> u64 {
         self.committed.len() as u64
@@ -70,8 +82,62 @@ impl From<outbox_diesel::Error> for TxError {
 /// fails: well past the longest planned outage (`--db-restart`).
 const DOWN_LIMIT: Duration = Duration::from_secs(300);
 
+/// The producer threads and, `--partitioned`, the transaction held open.
+pub(crate) struct Producers {
+    threads: Vec<JoinHandle<Result<Produced, String>>>,
+    held: Option<JoinHandle<Result<Vec<Tick>, String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Producers {
+    /// Starts `threads` producer threads sharing `settings.events` and, with `hold`
+    /// (`(key, how long)`), a transaction held open ([`hold_open`]).
+    pub(crate) fn start(
+        settings: &Settings,
+        threads: usize,
+        hold: Option<(String, Duration)>,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = start(settings, threads, stop.clone());
+        let held = hold.map(|(key, hold)| hold_open(settings.url.clone(), key, hold, stop.clone()));
+        Self {
+            threads,
+            held,
+            stop,
+        }
+    }
+
+    /// Tells the producers to stop early (the run failed).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits for the producers; what they did, and how the transaction held open failed
+    /// if it did (its ticks are in [`Produced::committed`] if it committed).
+    pub(crate) fn join(self) -> Result<(Produced, Option<String>), BoxError> {
+        let mut produced = Produced::default();
+        for p in self.threads {
+            let part = p
+                .join()
+                .map_err(|_| "a producer thread panicked")?
+                .map_err(|e| format!("producer: {e}"))?;
+            produced.add(part);
+        }
+        let held_failed = match self.held.map(JoinHandle::join) {
+            None => None,
+            Some(Ok(Ok(ticks))) => {
+                produced.committed.extend(ticks);
+                None
+            }
+            Some(Ok(Err(e))) => Some(e),
+            Some(Err(_)) => Some("the thread of the transaction held open panicked".to_owned()),
+        };
+        Ok((produced, held_failed))
+    }
+}
+
 /// Starts `threads` producer threads sharing `settings.events`.
-pub(crate) fn start(
+fn start(
     settings: &Settings,
     threads: usize,
     stop: Arc<AtomicBool>,
@@ -138,11 +204,61 @@ fn committed(conn: &mut Conn, tx: u64) -> Result<bool, diesel::result::Error> {
     }
 }
 
+/// Looks up whether transaction `tx`, whose COMMIT's outcome is unknown, committed, and
+/// counts it in `out`; gives it back if the look-up failed.
+fn resolve(
+    conn: &mut Conn,
+    tx: u64,
+    ticks: Vec<Tick>,
+    out: &mut Produced,
+) -> Result<(), (u64, Vec<Tick>)> {
+    match committed(conn, tx) {
+        Ok(true) => {
+            out.txs += 1;
+            out.resolved_committed += 1;
+            out.committed.extend(ticks);
+        }
+        Ok(false) => out.resolved_rolled_back += 1,
+        Err(_) => return Err((tx, ticks)),
+    }
+    Ok(())
+}
+
 impl Producer {
     fn connect(&self) -> diesel::ConnectionResult<Conn> {
         match self.backend {
             Backend::Postgres => PgConnection::establish(&self.url).map(Conn::Pg),
             Backend::Mysql => MysqlConnection::establish(&self.url).map(Conn::My),
+        }
+    }
+
+    /// The connection, made again if it is gone (`None` after a pause if that fails;
+    /// an error once the database has been unreachable for [`DOWN_LIMIT`]).
+    fn connection<'c>(
+        &self,
+        conn: &'c mut Option<Conn>,
+        down_since: &mut Option<Instant>,
+    ) -> Result<Option<&'c mut Conn>, BoxError> {
+        if conn.is_some() {
+            return Ok(conn.as_mut());
+        }
+        match self.connect() {
+            Ok(c) => {
+                *down_since = None;
+                Ok(Some(conn.insert(c)))
+            }
+            Err(e) => {
+                let since = *down_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > DOWN_LIMIT {
+                    return Err(format!(
+                        "producer {}: no connection for {DOWN_LIMIT:?}: {e}",
+                        self.id
+                    )
+                    .into());
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(None)
+            }
         }
     }
 
@@ -161,40 +277,13 @@ impl Producer {
         let mut unresolved: Option<(u64, Vec<Tick>)> = None;
         let mut ticks = Vec::new();
         while out.events() < self.share && !self.stop.load(Ordering::Relaxed) {
-            let c = match conn.as_mut() {
-                Some(c) => c,
-                None => match self.connect() {
-                    Ok(c) => {
-                        down_since = None;
-                        conn.insert(c)
-                    }
-                    Err(e) => {
-                        let since = *down_since.get_or_insert_with(Instant::now);
-                        if since.elapsed() > DOWN_LIMIT {
-                            return Err(format!(
-                                "producer {}: no connection for {DOWN_LIMIT:?}: {e}",
-                                self.id
-                            )
-                            .into());
-                        }
-                        std::thread::sleep(Duration::from_millis(200));
-                        continue;
-                    }
-                },
+            let Some(c) = self.connection(&mut conn, &mut down_since)? else {
+                continue;
             };
             if let Some((tx, ticks)) = unresolved.take() {
-                match committed(c, tx) {
-                    Ok(true) => {
-                        out.txs += 1;
-                        out.resolved_committed += 1;
-                        out.committed.extend(ticks);
-                    }
-                    Ok(false) => out.resolved_rolled_back += 1,
-                    Err(_) => {
-                        unresolved = Some((tx, ticks));
-                        conn = None;
-                        continue;
-                    }
+                if let Err(again) = resolve(c, tx, ticks, &mut out) {
+                    unresolved = Some(again);
+                    conn = None;
                 }
                 continue;
             }
@@ -261,7 +350,7 @@ impl Producer {
 /// maintain), emits the next, which goes to the same expired partition (a row's time is
 /// its transaction's start), and commits; its ticks. A partition detached under it
 /// would fail that emit, or hide its rows from the claim.
-pub(crate) fn hold_open(
+fn hold_open(
     url: String,
     key: String,
     hold: Duration,
