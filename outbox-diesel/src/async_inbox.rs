@@ -48,11 +48,11 @@ pub(crate) trait AsyncInboxConnection: AsyncConnection + Send + 'static {
     /// Commits the open transaction if it can commit. `Ok(Err(e))`: it cannot (an
     /// ignored failed statement, `e`) and is still open, to be rolled back; `Err`: the
     /// store failed (the transaction is over, or the connection lost). See the blocking
-    /// `Backend::__commit_checked`.
+    /// `Database::commit_checked`.
     fn commit_checked(&mut self) -> impl Future<Output = Result<Result<()>>> + Send;
 
     /// Whether the transaction this connection began is still open on the server (MySQL
-    /// ends it on a deadlock); see the blocking `Backend::__transaction_open`.
+    /// ends it on a deadlock); see the blocking `Database::transaction_open`.
     fn transaction_open(&mut self) -> impl Future<Output = Result<bool>> + Send;
 }
 

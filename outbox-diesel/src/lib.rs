@@ -71,10 +71,14 @@ mod error;
 mod inbox;
 mod inbox_ahead;
 mod migrate;
+#[cfg(feature = "mysql")]
+mod mysql;
 mod ops;
 #[cfg(feature = "postgres")]
-mod partition;
+mod pg;
 pub mod schema;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 mod store;
 
 #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
@@ -88,21 +92,19 @@ pub use inbox::DieselInbox;
 pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
+#[cfg(feature = "mysql")]
+pub use mysql::MysqlRelayStore;
 pub use ops::*;
 #[cfg(feature = "postgres")]
-pub use partition::{
-    POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport,
-    maintain_partitions, migrate_partitioned, partition_policy, partitions,
+pub use pg::{
+    POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport, PgRelayStore,
+    maintain_partitions, migrate_partitioned, partition_policy, partitions, with_keepalives,
 };
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use store::DEFAULT_STALL_TIMEOUT;
-#[cfg(feature = "mysql")]
-pub use store::MysqlRelayStore;
 pub use store::{ClaimOrder, LockedBatch};
-#[cfg(feature = "postgres")]
-pub use store::{PgRelayStore, with_keepalives};
-#[cfg(feature = "sqlite")]
-pub use store::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 
 /// The claim statements as text, for the EXPLAIN tests under `tests/`: not part of the
 /// API (the connection methods that build them are crate-private).

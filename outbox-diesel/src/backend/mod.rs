@@ -20,15 +20,9 @@ use outbox_core::{Envelope, RelayBatchOutcome, StoredMessage};
 
 use crate::{EmitOptions, Result};
 
-#[cfg(feature = "mysql")]
-mod mysql;
-#[cfg(feature = "postgres")]
-mod pg;
 mod record;
 mod row;
 mod sql;
-#[cfg(feature = "sqlite")]
-pub(crate) mod sqlite;
 
 #[cfg(feature = "postgres")]
 pub(crate) use record::ClaimRow;

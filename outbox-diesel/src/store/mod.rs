@@ -1,5 +1,6 @@
 //! The relay stores: the claim shared by the stores with row locks ([`LockedBatch`]),
-//! the claim order, and one module per database.
+//! the claim order. Each database's store is in its own module (`pg::store`,
+//! `mysql::store`, `sqlite::store`).
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use std::time::Duration;
@@ -10,20 +11,6 @@ use outbox_core::{ClaimedBatch, RelayBatchOutcome, StoredMessage};
 
 use crate::backend::Database as _;
 use crate::{Error, OutboxConnection, Result};
-
-#[cfg(feature = "mysql")]
-mod mysql;
-#[cfg(feature = "postgres")]
-mod pg;
-#[cfg(feature = "sqlite")]
-mod sqlite;
-
-#[cfg(feature = "mysql")]
-pub use mysql::MysqlRelayStore;
-#[cfg(feature = "postgres")]
-pub use pg::{PgRelayStore, with_keepalives};
-#[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 
 /// Runs blocking diesel work on tokio's blocking pool.
 pub(crate) async fn blocking<T, F>(f: F) -> Result<T>

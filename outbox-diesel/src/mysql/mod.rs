@@ -1,3 +1,5 @@
+//! MySQL and MariaDB: the dialect, the [`Database`] and the relay store (`store`).
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -9,9 +11,13 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{MysqlConnection, QueryableByName, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Database, Dialect, RecordRow, ResultRow};
-use super::{FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
+use crate::backend::{Database, Dialect, RecordRow, ResultRow};
+use crate::backend::{FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
 use crate::{EmitOptions, Result};
+
+mod store;
+
+pub use store::MysqlRelayStore;
 
 pub(super) const DIALECT: Dialect = Dialect {
     // Timestamps as Unix microseconds, independent of the session time zone.
@@ -44,7 +50,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              AND sent_at > UTC_TIMESTAMP(6) - INTERVAL {m} MINUTE GROUP BY minutes_ago"
         )
     },
-    redrive: |ids| super::redrive_in_place("UTC_TIMESTAMP(6)", ids),
+    redrive: |ids| crate::backend::redrive_in_place("UTC_TIMESTAMP(6)", ids),
     wake_locks: false,
 };
 
@@ -109,7 +115,7 @@ impl QueryFragment<Mysql> for Insert<'_> {
             "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
              headers, next_retry_at, created_at) VALUES ",
         );
-        super::push_values(
+        crate::backend::push_values(
             self.rows,
             &mut out,
             "",
@@ -310,11 +316,11 @@ impl Database for MysqlConnection {
     const DIALECT: Dialect = DIALECT;
 
     fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
-        super::load_rows(self, sql, bind)
+        crate::backend::load_rows(self, sql, bind)
     }
 
     fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
-        super::execute_sql(self, sql, bind)
+        crate::backend::execute_sql(self, sql, bind)
     }
 
     fn insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {
@@ -388,7 +394,7 @@ impl Database for MysqlConnection {
              ORDER BY id LIMIT {limit}{}",
             DIALECT.columns,
             DIALECT.now,
-            super::head_is_due(&DIALECT, "o", same_key),
+            crate::backend::head_is_due(&DIALECT, "o", same_key),
             DIALECT.lock
         )
     }
@@ -397,7 +403,7 @@ impl Database for MysqlConnection {
         let ids = in_list(ids);
         // Grouped by the key's bytes (see `same_key`); all of a group's keys are equal,
         // so MIN picks that key.
-        super::first_outside_sql(
+        crate::backend::first_outside_sql(
             &format!(
                 "SELECT MIN(msg_key) AS msg_key, MAX(id) AS last FROM outbox \
                  WHERE id IN ({ids}) GROUP BY CAST(msg_key AS BINARY)"
@@ -411,10 +417,10 @@ impl Database for MysqlConnection {
         &mut self,
         limit: usize,
         held: &[i64],
-        _floor: super::Floor,
+        _floor: crate::backend::Floor,
     ) -> Result<Vec<outbox_core::StoredMessage>> {
         let rows: Vec<RecordRow> = self.load(&Self::claim_per_key_sql(limit, held), None)?;
-        let mut locked = super::claimed(self, rows)?;
+        let mut locked = crate::backend::claimed(self, rows)?;
         if locked.is_empty() {
             return Ok(locked);
         }

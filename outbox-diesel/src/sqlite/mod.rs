@@ -1,3 +1,5 @@
+//! SQLite: the dialect, the [`Database`] and the single relay's store (`store`).
+
 use diesel::connection::AnsiTransactionManager;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
@@ -6,12 +8,16 @@ use diesel::sqlite::Sqlite;
 use diesel::{RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
 
-use super::{Database, ResultRow};
-use super::{
+use crate::backend::{Database, ResultRow};
+use crate::backend::{
     Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, first_outside_sql, head_is_due,
     with_msg_ids,
 };
 use crate::{EmitOptions, Result};
+
+mod store;
+
+pub use store::{SqliteBatch, SqliteCustomizer, SqliteRelayStore, sqlite_pool};
 
 /// The database clock as the tables store it: UTC text with milliseconds, whose text
 /// order is time order.
@@ -87,7 +93,7 @@ pub(super) const DIALECT: Dialect = Dialect {
              GROUP BY minutes_ago"
         )
     },
-    redrive: |ids| super::redrive_in_place(now!(), ids),
+    redrive: |ids| crate::backend::redrive_in_place(now!(), ids),
     wake_locks: false,
 };
 
@@ -112,7 +118,7 @@ impl QueryFragment<Sqlite> for Insert<'_> {
             "INSERT INTO outbox (msg_id, topic, event_type, msg_key, schema_version, payload, \
              headers, next_retry_at, created_at) VALUES ",
         );
-        super::push_values(self.rows, &mut out, "", concat!(", ", now!(), ", ", now!()))?;
+        crate::backend::push_values(self.rows, &mut out, "", concat!(", ", now!(), ", ", now!()))?;
         if self.rows.len() == 1 {
             out.push_sql(" ON CONFLICT (msg_id) DO NOTHING");
         }
@@ -181,11 +187,11 @@ impl Database for SqliteConnection {
     const DIALECT: Dialect = DIALECT;
 
     fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
-        super::load_rows(self, sql, bind)
+        crate::backend::load_rows(self, sql, bind)
     }
 
     fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
-        super::execute_sql(self, sql, bind)
+        crate::backend::execute_sql(self, sql, bind)
     }
 
     fn insert(&mut self, _options: &EmitOptions, envelopes: &[Envelope]) -> Result<()> {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::partition::{PartitionReport, maintain_partitions, partition_policy};
+use super::partition::{PartitionReport, maintain_partitions, partition_policy};
 use crate::store::blocking;
 use crate::{PgPool, Result};
 

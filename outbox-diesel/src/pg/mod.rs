@@ -1,5 +1,7 @@
-//! PostgreSQL: its dialect and its [`Database`]; the statements of each role in a
-//! module of its own (the claim, emit, the consumers' dedup rows, emit on diesel-async).
+//! PostgreSQL, all of it: its dialect and its [`Database`] here; the statements of
+//! each role in a module of its own (the claim, emit, the consumers' dedup rows, emit on
+//! diesel-async); the relay store (`store`) with its claim floor, its LISTEN wake-up and
+//! its partition upkeep; the partitioned layout (`partition`).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -9,7 +11,7 @@ use diesel::result::QueryResult;
 use diesel::{PgConnection, RunQueryDsl};
 use outbox_core::{Envelope, StoredMessage};
 
-use super::{Database, Dialect, ResultRow};
+use crate::backend::{Database, Dialect, Floor, ResultRow, execute_sql, load_rows};
 use crate::{EmitOptions, Result};
 
 /// Unix microseconds of a timestamp column, NULL where chrono cannot hold it (PostgreSQL
@@ -90,7 +92,18 @@ pub(super) const DIALECT: Dialect = Dialect {
 
 mod claim;
 mod emit;
+mod floor;
 mod inbox;
+mod listen;
+mod maintenance;
+mod partition;
+mod store;
+
+pub use partition::{
+    POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport,
+    maintain_partitions, migrate_partitioned, partition_policy, partitions,
+};
+pub use store::{PgRelayStore, with_keepalives};
 
 use claim::{
     MarkSent, begin_claim_sql, claim, claim_per_key, claim_sql, mark_sent_and_commit_sql,
@@ -106,16 +119,16 @@ impl Database for PgConnection {
     const DIALECT: Dialect = DIALECT;
 
     fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
-        super::load_rows(self, sql, bind)
+        load_rows(self, sql, bind)
     }
 
     fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize> {
-        super::execute_sql(self, sql, bind)
+        execute_sql(self, sql, bind)
     }
 
     fn migration_sql(&mut self) -> Result<&'static str> {
-        Ok(match crate::partition::partition_policy(self)? {
-            Some(_) => crate::partition::POSTGRES_PARTITIONED_UP,
+        Ok(match partition::partition_policy(self)? {
+            Some(_) => partition::POSTGRES_PARTITIONED_UP,
             None => Self::MIGRATION,
         })
     }
@@ -178,14 +191,14 @@ impl Database for PgConnection {
     }
 
     fn claim_per_key_sql(limit: usize, held: &[i64]) -> String {
-        per_key_claim_sql(limit, held, super::Floor::default())
+        per_key_claim_sql(limit, held, Floor::default())
     }
 
     fn claim_per_key(
         &mut self,
         limit: usize,
         held: &[i64],
-        floor: super::Floor,
+        floor: Floor,
     ) -> Result<Vec<StoredMessage>> {
         claim_per_key(self, limit, held, floor)
     }

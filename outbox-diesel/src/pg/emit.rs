@@ -110,7 +110,7 @@ impl Mode for Always {
 /// parked relays would set up a scan per statement (relation lock, `heap_beginscan`, an
 /// `lseek` for the size; BENCHMARKS.md, "The emit's statement"). Held to the end of the emitting transaction, so that a relay about to
 /// park waits for the transactions that emitted without a NOTIFY before it looks for
-/// due rows (see `store::pg::listen`).
+/// due rows (see `pg::listen`).
 impl Mode for WhenIdle {
     const NOTIFIES: bool = true;
     fn push_wake<'b>(out: &mut AstPass<'_, 'b, Pg>, wake: &'b Wake<'b>) -> QueryResult<()> {

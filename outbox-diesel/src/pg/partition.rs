@@ -15,7 +15,7 @@ use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use crate::{Error, Result};
 
 pub(crate) const POSTGRES_PARTITIONED_UP: &str =
-    include_str!("../migrations/postgres-partitioned/2025-01-01-000000_outbox/up.sql");
+    include_str!("../../migrations/postgres-partitioned/2025-01-01-000000_outbox/up.sql");
 
 /// The partitioned PostgreSQL migration (`migrations/postgres-partitioned/`): what
 /// [`migrate_partitioned`] runs after converting unpartitioned tables. It creates no
@@ -23,7 +23,7 @@ pub(crate) const POSTGRES_PARTITIONED_UP: &str =
 pub const POSTGRES_PARTITIONED_MIGRATION: crate::Migration = crate::Migration {
     name: "2025-01-01-000000_outbox",
     up: POSTGRES_PARTITIONED_UP,
-    down: include_str!("../migrations/postgres-partitioned/2025-01-01-000000_outbox/down.sql"),
+    down: include_str!("../../migrations/postgres-partitioned/2025-01-01-000000_outbox/down.sql"),
 };
 
 /// One maintenance run at a time per schema (any number of relays run it): a session

@@ -5,9 +5,10 @@ use std::time::Duration;
 use diesel::MysqlConnection;
 use outbox_core::{Backlog, RelayStore};
 
-use super::{ClaimOrder, LockedBatch, LockedClaim, blocking};
+use crate::ClaimOrder;
 use crate::MysqlPool;
 use crate::backend::{Backend as _, Database as _};
+use crate::store::{LockedBatch, LockedClaim, blocking};
 
 /// The relay's store on MySQL / MariaDB: claims with `FOR UPDATE SKIP LOCKED` in a
 /// READ COMMITTED transaction on a pooled connection, so any number of relays can

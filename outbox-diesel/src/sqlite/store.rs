@@ -11,9 +11,9 @@ use diesel::sql_types::{Nullable, Text};
 use diesel::{OptionalExtension as _, QueryableByName, RunQueryDsl as _, SqliteConnection};
 use outbox_core::{Backlog, ClaimedBatch, RelayBatchOutcome, RelayStore, StoredMessage};
 
-use super::blocking;
-use crate::backend::sqlite::now;
+use super::now;
 use crate::backend::{Backend as _, Database as _};
+use crate::store::blocking;
 use crate::{ClaimOrder, Error, Result, SqlitePool};
 
 /// Per-connection settings SQLite needs under a pool: a busy timeout (so writers wait

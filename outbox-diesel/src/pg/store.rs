@@ -1,9 +1,5 @@
 //! PostgreSQL: the relay store, whose idle wait is woken by `NOTIFY` (see `listen`).
 
-mod floor;
-mod listen;
-mod maintenance;
-
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -13,9 +9,9 @@ use diesel::sql_types::{BigInt, Bool, Double};
 use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, ClaimedBatch as _, RelayStore};
 
-use self::floor::ClaimFloor;
-use self::listen::Listener;
-use self::maintenance::Maintenance;
+use super::floor::ClaimFloor;
+use super::listen::Listener;
+use super::maintenance::Maintenance;
 use crate::store::{LockedBatch, LockedClaim, blocking};
 use crate::{ClaimOrder, DEFAULT_CHANNEL, PgPool, Result};
 
