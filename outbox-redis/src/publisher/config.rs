@@ -31,10 +31,11 @@ pub enum Durability {
     /// duplicate on the stream for each, which consumers skip by `msg_id`). Until the
     /// replicas have acknowledged what it wrote, the publisher writes nothing more: its
     /// next tries repeat the wait alone (on a new connection, at the start or after an
-    /// outage, that counts the replicas in sync), so a primary left without replicas
-    /// gets one copy of a batch, not one per try. This narrows, but does not close, the
-    /// window of a failover losing an entry: Redis replication stays asynchronous, and
-    /// an acknowledging replica may itself not have fsynced.
+    /// outage, that counts the replicas in sync; on a cluster, per shard), so a primary
+    /// left without replicas gets one copy of a batch per relay, not one per try. This
+    /// narrows, but does not close, the window of a failover losing an entry: Redis
+    /// replication stays asynchronous, and an acknowledging replica may itself not have
+    /// fsynced.
     Replicas {
         /// How many replicas must acknowledge (`WAIT`'s `numreplicas`).
         replicas: u32,

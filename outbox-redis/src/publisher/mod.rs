@@ -7,6 +7,7 @@ use outbox_core::{
 };
 use redis::{IntoConnectionInfo, RedisError, RedisResult, Value};
 
+use self::catch_up::CatchUp;
 use crate::conn::{
     Conn, Connector, Target, by_slot, check_prefix, partition_stream_name, partitions_key,
     query_all, stream_name,
@@ -15,6 +16,7 @@ use crate::entry::entry_fields;
 use crate::error::is_outage;
 use crate::{Error, Result};
 
+mod catch_up;
 mod config;
 
 pub use config::{DEFAULT_MAX_PIPELINE_BYTES, DEFAULT_STREAM_PREFIX, Durability, PublisherConfig};
@@ -34,10 +36,10 @@ pub struct RedisPublisher {
     durability_checked: AtomicBool,
     /// Whether the partition counts are recorded in `<prefix>partitions`.
     partitions_recorded: AtomicBool,
-    /// Whether the replicas must show they have caught up before the next write (see
-    /// [`replicas_behind`](Self::replicas_behind)): true at the start, after an outage
-    /// and after an unmet durability wait.
-    catch_up_first: AtomicBool,
+    /// The writes that wait until the replicas show they have caught up (see
+    /// [`replicas_behind`](Self::replicas_behind)): all at the start and after an outage,
+    /// and those to the streams of an unmet durability wait.
+    catch_up: CatchUp,
 }
 
 impl RedisPublisher {
@@ -86,7 +88,7 @@ impl RedisPublisher {
             pipeline_bytes: AtomicUsize::new(config.max_pipeline_bytes),
             durability_checked: AtomicBool::new(false),
             partitions_recorded: AtomicBool::new(false),
-            catch_up_first: AtomicBool::new(true),
+            catch_up: CatchUp::default(),
             config,
         })
     }
@@ -104,7 +106,7 @@ impl RedisPublisher {
         self.pipeline_bytes = AtomicUsize::new(config.max_pipeline_bytes);
         self.durability_checked = AtomicBool::new(false);
         self.partitions_recorded = AtomicBool::new(false);
-        self.catch_up_first = AtomicBool::new(true);
+        self.catch_up = CatchUp::default();
         self.config = config;
         Ok(self)
     }
@@ -172,7 +174,7 @@ impl RedisPublisher {
     /// without replicas, so they are checked before the next write.
     fn outage_seen(&self) {
         self.partitions_recorded.store(false, Ordering::Relaxed);
-        self.catch_up_first.store(true, Ordering::Relaxed);
+        self.catch_up.everywhere();
     }
 
     /// Before writing at the start, after an outage or after an unmet durability wait:
@@ -191,21 +193,24 @@ impl RedisPublisher {
         let Some((wait, _)) = self.config.durability.command() else {
             return;
         };
-        if !self.catch_up_first.load(Ordering::Relaxed) {
+        let checked: Vec<usize> = (0..parts.len())
+            .filter(|&p| self.catch_up.owed(parts[p].streams(entries)))
+            .collect();
+        if checked.is_empty() {
             return;
         }
-        let pipes = (parts.iter())
-            .map(|part| {
+        let pipes = (checked.iter())
+            .map(|&p| {
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors()
                     .cmd("XLEN")
-                    .arg(entries.stream(part.pipelines[0].messages[0]))
+                    .arg(entries.stream(parts[p].pipelines[0].messages[0]))
                     .add_command(wait.clone());
                 pipe
             })
             .collect();
         let replies = query_all::<Vec<RedisResult<Value>>>(conn, pipes).await;
-        for (part, result) in parts.iter_mut().zip(replies) {
+        for (&p, result) in checked.iter().zip(replies) {
             let unmet = match result.map(|mut replies| replies.pop()) {
                 Ok(Some(Err(e))) if !is_outage(&e) => {
                     // The server took this wait when the publisher started: refusing it
@@ -224,11 +229,16 @@ impl RedisPublisher {
                     Some(e.to_string())
                 }
             };
-            part.stopped = unmet.map(|r| format!("the replicas lag behind earlier writes: {r}"));
+            parts[p].stopped =
+                unmet.map(|r| format!("the replicas lag behind earlier writes: {r}"));
         }
-        if parts.iter().all(|part| part.stopped.is_none()) {
-            self.catch_up_first.store(false, Ordering::Relaxed);
-        } else {
+        let passed: Vec<&Part> = (checked.iter().map(|&p| &parts[p]))
+            .filter(|part| part.stopped.is_none())
+            .collect();
+        let all = passed.len() == checked.len();
+        self.catch_up
+            .caught_up(passed.iter().flat_map(|part| part.streams(entries)), all);
+        if !all {
             metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
         }
     }
@@ -391,6 +401,15 @@ struct Part {
     /// Why the rest of the part is not sent, once it stops: its replicas lag behind, or
     /// one of its pipelines failed.
     stopped: Option<String>,
+}
+
+impl Part {
+    /// The streams its messages go to (a stream once per message).
+    fn streams<'a>(&'a self, entries: &'a Entries<'_>) -> impl Iterator<Item = &'a str> {
+        (self.pipelines.iter())
+            .flat_map(|p| &p.messages)
+            .map(|&i| entries.stream(i))
+    }
 }
 
 /// The messages that one pipeline carries (indexes into the call's batch).
@@ -621,7 +640,10 @@ impl RedisPublisher {
             let results = query_all(conn, pipes).await;
             for (&p, result) in live.iter().zip(results) {
                 let pipeline = &parts[p].pipelines[round];
-                let stopped = match self.replies(batch, &pipeline.messages, result).await {
+                let stopped = match self
+                    .replies(batch, entries, &pipeline.messages, result)
+                    .await
+                {
                     Ok(outcomes) => answers.record(&pipeline.messages, outcomes),
                     Err(e) => {
                         timed_out |= e.is_timeout();
@@ -689,6 +711,7 @@ impl RedisPublisher {
     async fn replies(
         &self,
         batch: &[StoredMessage],
+        entries: &Entries<'_>,
         messages: &[usize],
         result: RedisResult<Vec<RedisResult<Value>>>,
     ) -> RedisResult<Vec<Result<(), Rejected>>> {
@@ -732,7 +755,8 @@ impl RedisPublisher {
         // An unmet wait: the entries are on the primary, but not as durable as asked;
         // nothing more is written until the replicas have caught up.
         if let Some(reason) = waited.and_then(|w| self.unmet(w)) {
-            self.catch_up_first.store(true, Ordering::Relaxed);
+            self.catch_up
+                .owe(messages.iter().map(|&i| entries.stream(i)));
             metrics::counter!("outbox_redis_durability_unmet_total").increment(1);
             for o in &mut out {
                 if o.is_ok() {
