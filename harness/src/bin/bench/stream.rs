@@ -45,8 +45,12 @@ pub(crate) async fn part(
         std::process::id(),
         fastrand::u32(..)
     );
+    // Without redis-rs's 500 ms response timeout: an XREADGROUP of thousands of entries,
+    // parsed by a debug build on a loaded machine, outlasts it (seen at a load of 13 on
+    // 2 cores: "timed out").
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
     let mut conn = redis::Client::open(svc.redis_url.as_str())?
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(&config)
         .await?;
     let result = run(size, svc, &mut conn, &prefix, figures).await;
     let cleaned = delete_keys(&mut conn, &prefix).await;
