@@ -34,7 +34,7 @@ pub struct OutboxRecord {
 /// msg_id with whitespace, headers that are not a JSON object of strings, an unknown
 /// status, a timestamp out of range. The relay dead-letters it on its first claim
 /// (`last_error` starts with `unreadable row:`), and the listings return it as
-/// [`OutboxRow::Unreadable`] so that it can be seen and purged. [`redrive`] refuses it:
+/// [`OutboxRow::Unreadable`] so that it can be seen and purged. [`redrive`](crate::redrive) refuses it:
 /// fix the row first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
