@@ -10,7 +10,7 @@ use std::time::Duration;
 use diesel::{Connection as _, PgConnection};
 use diesel_async::AsyncPgConnection;
 use outbox::diesel::{AsyncPgInbox, Emit as _, PgInbox, PgRelayStore};
-use outbox::redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
+use outbox::redis::{Consumer, ConsumerConfig, ConsumerStore, PublisherConfig, RedisPublisher};
 use outbox::{AsyncHandler, AsyncTxHandler, Delivery, Handler, HandlerError, OutboxEvent, Relay};
 use outbox_tests::{Isolated, redis_url, unique_prefix};
 
@@ -129,12 +129,26 @@ async fn all_applied(count: Count) {
     }
 }
 
-/// Runs a consumer's `run` until all are applied (at most 30 s).
-async fn applies_all<E: std::fmt::Debug>(run: impl Future<Output = Result<(), E>>, count: &Count) {
-    tokio::time::timeout(Duration::from_secs(30), run)
-        .await
-        .unwrap_or_else(|_| panic!("{} of {ORDERS} applied in 30 s", count.get()))
-        .unwrap();
+/// `consumer` reads the four partition streams and applies all `ORDERS` (at most 30 s).
+async fn reads_the_partitions_and_applies_all<I, C>(
+    f: &Fixture,
+    count: &Count,
+    consumer: Consumer<I, C>,
+) where
+    I: ConsumerStore<Conn = C>,
+    C: 'static,
+{
+    assert_eq!(
+        consumer.streams().collect::<Vec<_>>(),
+        f.partition_streams()
+    );
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run_until(all_applied(count.clone())),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{} of {ORDERS} applied in 30 s", count.get()))
+    .unwrap();
     assert_eq!(count.get(), ORDERS);
 }
 
@@ -148,11 +162,7 @@ async fn handle_reads_the_partition_streams() {
         .idempotency(PgInbox::connect(&f.schema.url, 2).unwrap())
         .build()
         .unwrap();
-    assert_eq!(
-        consumer.streams().collect::<Vec<_>>(),
-        f.partition_streams()
-    );
-    applies_all(consumer.run_until(all_applied(count.clone())), &count).await;
+    reads_the_partitions_and_applies_all(&f, &count, consumer).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -165,11 +175,7 @@ async fn handle_async_reads_the_partition_streams() {
         .idempotency(PgInbox::connect(&f.schema.url, 2).unwrap())
         .build()
         .unwrap();
-    assert_eq!(
-        consumer.streams().collect::<Vec<_>>(),
-        f.partition_streams()
-    );
-    applies_all(consumer.run_until(all_applied(count.clone())), &count).await;
+    reads_the_partitions_and_applies_all(&f, &count, consumer).await;
 }
 
 /// The hole this file was written for: `handle_tx` once read `outbox:order.shipped`
@@ -184,9 +190,5 @@ async fn handle_tx_on_the_async_inbox_reads_the_partition_streams() {
         .idempotency_async(AsyncPgInbox::connect(&f.schema.url, 2).unwrap())
         .build()
         .unwrap();
-    assert_eq!(
-        consumer.streams().collect::<Vec<_>>(),
-        f.partition_streams()
-    );
-    applies_all(consumer.run_until(all_applied(count.clone())), &count).await;
+    reads_the_partitions_and_applies_all(&f, &count, consumer).await;
 }
