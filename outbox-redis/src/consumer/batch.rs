@@ -78,36 +78,9 @@ where
             match self.attempt_batch(&deliveries).await {
                 Ok(outcomes) => {
                     for (i, outcome) in runs.into_iter().zip(outcomes) {
-                        let job = &jobs[i];
-                        match outcome {
-                            Ok(Processed::Applied) => {
-                                self.count(Count::Consumed, Some(&job.stream));
-                                acks.push(i);
-                            }
-                            Ok(Processed::Duplicate) => {
-                                self.count(Count::Duplicate, Some(&job.stream));
-                                acks.push(i);
-                            }
-                            Err(e) if e.is_poison() => {
-                                ended[i] = self
-                                    .dead_letter(job, &outbox_core::error_chain(&e).to_string())
-                                    .await;
-                            }
-                            Err(e) if e.is_transient() => {
-                                // Only its savepoint rolled back: it runs again on its own.
-                                tracing::debug!(error = %outbox_core::error_chain(&e), "transient database conflict; running the message again on its own");
-                                self.count(Count::Conflict, Some(&job.stream));
-                                ended[i] = self.process_inner(job).await;
-                            }
-                            Err(e) => {
-                                ended[i] = self
-                                    .failed(
-                                        job,
-                                        &outbox_core::error_chain(&e).to_string(),
-                                        e.is_outage(),
-                                    )
-                                    .await;
-                            }
+                        match self.after_batch(&jobs[i], outcome).await {
+                            Some(outcome) => ended[i] = outcome,
+                            None => acks.push(i),
                         }
                     }
                 }
@@ -146,6 +119,37 @@ where
             }
         }
         ended
+    }
+
+    /// How `job` ended after its batch's transaction committed, given its own outcome
+    /// there; `None`: applied or a duplicate, to be acknowledged with the batch.
+    async fn after_batch(
+        &self,
+        job: &Job,
+        outcome: Result<Processed, outbox_core::Error>,
+    ) -> Option<Outcome> {
+        let e = match outcome {
+            Ok(Processed::Applied) => {
+                self.count(Count::Consumed, Some(&job.stream));
+                return None;
+            }
+            Ok(Processed::Duplicate) => {
+                self.count(Count::Duplicate, Some(&job.stream));
+                return None;
+            }
+            Err(e) => e,
+        };
+        let reason = outbox_core::error_chain(&e).to_string();
+        Some(if e.is_poison() {
+            self.dead_letter(job, &reason).await
+        } else if e.is_transient() {
+            // Only its savepoint rolled back: it runs again on its own.
+            tracing::debug!(error = %reason, "transient database conflict; running the message again on its own");
+            self.count(Count::Conflict, Some(&job.stream));
+            self.process_inner(job).await
+        } else {
+            self.failed(job, &reason, e.is_outage()).await
+        })
     }
 
     /// Runs the batch's store transaction. `Err`: the whole batch failed and nothing

@@ -15,7 +15,7 @@ use redis::streams::StreamReadReply;
 use redis::{FromRedisValue, ParsingError, RedisResult, Value};
 
 use super::super::{Consumer, Job, duration_ms};
-use crate::conn::{by_slot, query_all};
+use crate::conn::{Conn, Connector, by_slot, query_all};
 use crate::lease::{Lease, eval};
 
 /// `KEYS[1]` the stream, `KEYS[2]` its lease; `ARGV`: the lease's value, the group, the
@@ -141,26 +141,37 @@ where
             }
         }
         if read.jobs.is_empty() && read.lost.is_empty() && !tops.is_empty() {
-            if inner.cluster {
-                tokio::time::sleep(inner.config.block.min(CLUSTER_POLL)).await;
-                return Ok(read);
-            }
-            let mut wait = redis::cmd("XREAD");
-            wait.arg("BLOCK")
-                .arg(duration_ms(inner.config.block))
-                .arg("STREAMS");
-            for (stream, _) in &tops {
-                wait.arg(&***stream);
-            }
-            for (_, top) in &tops {
-                wait.arg(top);
-            }
-            let woken: RedisResult<Value> = wait.query_async(&mut conn).await;
-            if let Err(e) = woken {
-                connector.check(&e).await;
-                return Err(e);
-            }
+            self.wait_for_new(connector, &mut conn, &tops).await?;
         }
         Ok(read)
+    }
+
+    /// Nothing read on any held stream: waits up to the block for a new entry on one of
+    /// them, past its `top` (on a cluster, whose streams may be on several nodes, a
+    /// short sleep instead).
+    async fn wait_for_new(
+        &self,
+        connector: &Connector,
+        conn: &mut Conn,
+        tops: &[(&Arc<str>, String)],
+    ) -> RedisResult<()> {
+        let block = self.inner.config.block;
+        if self.inner.cluster {
+            tokio::time::sleep(block.min(CLUSTER_POLL)).await;
+            return Ok(());
+        }
+        let mut wait = redis::cmd("XREAD");
+        wait.arg("BLOCK").arg(duration_ms(block)).arg("STREAMS");
+        for (stream, _) in tops {
+            wait.arg(&***stream);
+        }
+        for (_, top) in tops {
+            wait.arg(top);
+        }
+        let woken: RedisResult<Value> = wait.query_async(conn).await;
+        if let Err(e) = &woken {
+            connector.check(e).await;
+        }
+        woken.map(drop)
     }
 }

@@ -211,20 +211,7 @@ where
                 continue;
             };
             let lease = Arc::new(lease);
-            let taken = match self.taken(conn, stream, &lease).await {
-                // Redis lost its data (a restart without persistence, a `FLUSHALL`, a
-                // failover to an empty replica): only the groups' creation brings the
-                // stream back, and no read does it for a consumer that holds nothing.
-                Err(e) if e.code() == Some("NOGROUP") => {
-                    tracing::warn!(stream = &**stream, error = %e, "consumer group missing; recreating it");
-                    match self.create_groups(conn).await {
-                        Ok(()) => self.taken(conn, stream, &lease).await,
-                        Err(e) => Err(e),
-                    }
-                }
-                taken => taken,
-            };
-            match taken {
+            match self.taken_or_recreated(conn, stream, &lease).await {
                 Ok(None) => {
                     // Lost between its acquisition and its takeover (this process was
                     // stopped meanwhile): another consumer holds it now.
@@ -259,6 +246,26 @@ where
             }
         }
         Ok(())
+    }
+
+    /// [`taken`](Self::taken), after creating the groups again if Redis lost them (a
+    /// restart without persistence, a `FLUSHALL`, a failover to an empty replica): only
+    /// their creation brings the stream back, and no read does it for a consumer that
+    /// holds nothing.
+    async fn taken_or_recreated(
+        &self,
+        conn: &mut Conn,
+        stream: &Arc<str>,
+        lease: &Lease,
+    ) -> RedisResult<Option<(Vec<Job>, Vec<Vec<u8>>)>> {
+        match self.taken(conn, stream, lease).await {
+            Err(e) if e.code() == Some("NOGROUP") => {
+                tracing::warn!(stream = &**stream, error = %e, "consumer group missing; recreating it");
+                self.create_groups(conn).await?;
+                self.taken(conn, stream, lease).await
+            }
+            taken => taken,
+        }
     }
 
     /// What taking `stream` over under `lease` brings: its pending entries and its
