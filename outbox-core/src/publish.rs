@@ -20,6 +20,12 @@ pub enum RejectKind {
     /// topic, not of the message. The message stays NEW with its retries untouched; the
     /// relay logs an error, counts `outbox_relay_topic_errors_total` and backs off.
     Topic,
+    /// The publisher did not send the message because an earlier message of its key in
+    /// the same call was not taken: sent, it would overtake that message (contract item
+    /// 7). Not a fault of this message nor of the broker: it stays NEW with its retries
+    /// untouched, and the relay neither backs off nor spends a retry; it goes out after
+    /// the earlier message of its key.
+    Held,
 }
 
 /// One message the broker did not publish, and why ([`RejectKind`]). Only
@@ -49,6 +55,12 @@ impl Rejected {
     /// [`RejectKind::Topic`]): no retry is spent.
     pub fn topic(reason: impl Into<String>) -> Self {
         Self::of_kind(RejectKind::Topic, reason)
+    }
+
+    /// A message not sent because an earlier message of its key in the same call was
+    /// not taken (see [`RejectKind::Held`]): no retry is spent, no backoff.
+    pub fn held(reason: impl Into<String>) -> Self {
+        Self::of_kind(RejectKind::Held, reason)
     }
 
     /// A rejection of `kind`.

@@ -588,7 +588,8 @@ struct Halted {
 impl Halted {
     fn note(&mut self, topic: &str, rejected: &Rejected) {
         match rejected.kind {
-            RejectKind::Message => {}
+            // Held back behind an earlier message of its key: that one's fate decides.
+            RejectKind::Message | RejectKind::Held => {}
             RejectKind::Unavailable => {
                 self.unavailable += 1;
                 self.first_unavailable
@@ -1088,6 +1089,29 @@ mod tests {
         assert_eq!(db.row("7:Ping").unwrap().status, Status::Sent);
         assert_eq!(relay.run_once().await.unwrap().sent, 1);
         assert_eq!(relay.publisher.order(), ["0:Moved"]);
+    }
+
+    /// A message the publisher held back behind an earlier one of its key stays NEW with
+    /// its retries untouched, without the relay backing off, and goes out after it.
+    #[tokio::test]
+    async fn a_held_message_spends_no_retry_and_no_backoff() {
+        let db = MemoryDb::new(());
+        db.transaction(|tx| {
+            tx.emit(moved(0, "a"))?;
+            tx.emit(moved(1, "a"))?;
+            tx.emit(moved(2, "b"))
+        })
+        .unwrap();
+        let picky = Picky::rejecting("0:Moved", 1);
+        picky.refuse("1:Moved", RejectKind::Held, 1);
+        let relay = Relay::new(db.clone(), picky)
+            .with_config(config(5, 10))
+            .unwrap();
+        let report = relay.run_once().await.unwrap();
+        assert_eq!((report.sent, report.retried), (1, 1), "{report:?}");
+        let row = db.row("1:Moved").unwrap();
+        assert_eq!((row.status, row.retries), (Status::New, 0));
+        assert_eq!(relay.publisher.order(), ["2:Moved"]);
     }
 
     /// A [`MemoryDb`] that lets the relay claim ahead, counting the batches it holds.
