@@ -14,6 +14,7 @@ use redis::streams::{
 use crate::Result;
 use crate::consumer::DEAD_LETTER_FIELDS;
 use crate::entry::{REDRIVE_GROUP_FIELD, value_bytes};
+use crate::lease::eval;
 
 /// An entry of a dead-letter stream: why the consumer gave up, and the original entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,8 +105,10 @@ where
 
 /// Puts a dead letter back on its stream for the group that gave up on it: its original
 /// fields are added as a new entry (`XADD`), with [`REDRIVE_GROUP_FIELD`] naming that
-/// group, and the dead letter deleted (`XDEL`), in one transaction. Returns `false` if it
-/// was not there (redriven or purged already).
+/// group, and the dead letter deleted (`XDEL`), in one script that appends only if its
+/// delete removed the dead letter: of two operators redriving the same dead letter at
+/// once, one appends and the other gets `false`. Returns `false` if it was not there
+/// (redriven or purged already).
 ///
 /// Every group of the stream reads the new entry, but only the group named applies it:
 /// the others acknowledge it without running a handler or asking their inbox, so a
@@ -124,22 +127,30 @@ where
             "dead letter {id} of {dead_stream} names no stream or no group"
         )));
     }
-    let mut pipe = redis::pipe();
-    pipe.atomic();
-    let xadd = pipe.cmd("XADD").arg(&dead.stream).arg("*");
+    let mut redrive = eval(REDRIVE, 2);
+    redrive.arg(&dead.stream).arg(dead_stream).arg(id);
     // A dead letter of an entry redriven before carries the field already.
     let original = dead
         .fields
         .iter()
         .filter(|(f, _)| *f != REDRIVE_GROUP_FIELD);
     for (field, value) in original {
-        xadd.arg(field).arg(value.as_slice());
+        redrive.arg(field).arg(value.as_slice());
     }
-    xadd.arg(REDRIVE_GROUP_FIELD).arg(&dead.group).ignore();
-    pipe.cmd("XDEL").arg(dead_stream).arg(id).ignore();
-    pipe.query_async::<()>(conn).await?;
-    Ok(true)
+    redrive.arg(REDRIVE_GROUP_FIELD).arg(&dead.group);
+    let appended: bool = redrive.query_async(conn).await?;
+    Ok(appended)
 }
+
+/// The redrive's one atomic step: `KEYS[1]` the stream, `KEYS[2]` the dead-letter stream
+/// (one hash slot, see [`conn`](crate::conn)); `ARGV[1]` the dead letter's id, then the
+/// entry's fields and values. The delete decides: a second redrive of the same dead
+/// letter, read before the first one ran, finds it gone and appends nothing.
+const REDRIVE: &str = r"
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+return 1
+";
 
 /// Deletes a dead letter; returns whether it was there.
 pub async fn purge_dead_letter<C>(conn: &mut C, dead_stream: &str, id: &str) -> Result<bool>
