@@ -7,6 +7,7 @@ pub mod names;
 pub mod plans;
 pub mod ports;
 pub mod redis_keys;
+pub mod scratch_nats;
 pub mod scratch_postgres;
 pub mod scratch_redis;
 pub mod scratch_sentinel;
@@ -18,11 +19,12 @@ pub use http::{HttpResponse, http_get};
 pub use isolated::{Engine, Isolated, MariadbUser, mariadb, psql};
 pub use names::{unique, unique_prefix};
 pub use redis_keys::delete_redis_keys;
+pub use scratch_nats::ScratchNats;
 pub use scratch_postgres::ScratchPostgres;
 pub use scratch_redis::{PasswordRedis, ScratchRedis};
 pub use scratch_sentinel::ScratchSentinel;
 pub use secrets::assert_hidden;
-pub use services::{database_url, mysql_url, redis_url};
+pub use services::{database_url, mysql_url, nats_url, redis_url};
 pub use wait::{
     PATIENCE, eventually, eventually_within, wait_until, wait_until_explained, wait_until_within,
 };

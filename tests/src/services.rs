@@ -16,3 +16,8 @@ pub fn mysql_url() -> String {
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
+
+/// `NATS_URL`, or the local NATS server (with JetStream).
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
