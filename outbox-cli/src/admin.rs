@@ -25,12 +25,18 @@ use outbox_redis::redis;
 use serde_json::json;
 
 use crate::backend::{Database, with_conn};
+use crate::broker::{Broker, Timeouts};
 use crate::error::CliError;
 
 /// The longest a probe's checks may take. Kubernetes gives a probe one second by
 /// default (`timeoutSeconds: 1`); an answer within that is a 503 the kubelet can read,
 /// rather than a timeout it cannot tell from a hung process.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(800);
+/// A probe's own Redis connection: within the probe's time.
+const PROBE_TIMEOUTS: Timeouts = Timeouts {
+    connect: PROBE_TIMEOUT,
+    response: PROBE_TIMEOUT,
+};
 /// How often the histograms' old samples are dropped: a recorder installed without the
 /// exporter's own listener needs this upkeep from its owner.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -39,7 +45,7 @@ const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 struct Admin {
     metrics: PrometheusHandle,
     db: Database,
-    redis: redis::Client,
+    broker: Broker,
     ready_max_age: Duration,
 }
 
@@ -49,13 +55,9 @@ struct Admin {
 pub(crate) async fn serve(
     addr: SocketAddr,
     db: Database,
-    redis_url: &str,
+    broker: Broker,
     ready_max_age: Duration,
 ) -> Result<(), CliError> {
-    let redis = redis::Client::open(redis_url).map_err(|source| CliError::RedisUrl {
-        url: crate::backend::redact(redis_url),
-        source: source.into(),
-    })?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| CliError::Admin { addr, source })?;
@@ -73,7 +75,7 @@ pub(crate) async fn serve(
     let state = Arc::new(Admin {
         metrics,
         db,
-        redis,
+        broker,
         ready_max_age,
     });
     let app = Router::new()
@@ -166,10 +168,11 @@ impl Admin {
         }
     }
 
-    /// A `PING` on a new connection.
+    /// A `PING` on a new connection (to the primary Sentinel names now; to any node of
+    /// a cluster).
     async fn ping_redis(&self) -> Result<(), String> {
         let ping = async {
-            let mut conn = self.redis.get_multiplexed_async_connection().await?;
+            let mut conn = self.broker.connect(PROBE_TIMEOUTS).await?;
             redis::cmd("PING").query_async::<String>(&mut conn).await
         };
         match tokio::time::timeout(PROBE_TIMEOUT, ping).await {

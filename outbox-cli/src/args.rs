@@ -26,9 +26,18 @@ message to the partition of its ordering key; give every relay the same counts. 
 relay records them in <PREFIX>partitions: consumers compare their own counts with them
 and warn when they differ, and `outbox streams` shows them.
 
+The broker URL names the topology: redis:// or rediss:// one server,
+redis+cluster://HOST:PORT,HOST:PORT a Redis Cluster (streams are hash-tagged:
+<PREFIX>{<TOPIC>}), redis+sentinel://HOST:PORT,HOST:PORT/MASTER the primary that Redis
+Sentinel names, followed through failovers. --durability replicas=1 keeps a row NEW
+until a replica has its entry, so that a failover loses nothing the relay marked SENT.
+
 Examples:
-  outbox relay --redis-url redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464
-  outbox relay --redis-url redis://127.0.0.1:6379 --partitions order.paid=8";
+  outbox relay --broker redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464
+  outbox relay --broker redis://127.0.0.1:6379 --partitions order.paid=8
+  outbox relay --broker redis+cluster://10.0.0.1:7000,10.0.0.2:7000
+  outbox relay --broker redis+sentinel://:PASS@10.0.0.1:26379,10.0.0.2:26379/mymaster \\
+      --durability replicas=1,timeout=500ms";
 
 const TRIM_HELP: &str = "\
 Only entries every consumer group has acknowledged are removed: an entry still pending
@@ -36,8 +45,10 @@ for some group, or not yet read by some group, stays. Streams without a consumer
 are left alone, and dead-letter streams are skipped (the consumer bounds those). Safe to
 run at any time, e.g. from cron; does not need --database-url.
 
+On a Redis Cluster (--broker redis+cluster://…) every primary's streams are trimmed.
+
 Example:
-  outbox trim --redis-url redis://127.0.0.1:6379 --stream-prefix outbox:";
+  outbox trim --broker redis://127.0.0.1:6379 --stream-prefix outbox:";
 
 const STREAMS_HELP: &str = "\
 For each topic under the prefix: the partition count publishers recorded, then each of
@@ -46,8 +57,10 @@ consumer group the entries pending and not yet delivered (lag, Redis 7+) and, on
 partition streams, the consumer holding the partition's lease and for how long. Keys
 that are not streams (leases, the hash of partition counts) are never listed.
 
+On a Redis Cluster (--broker redis+cluster://…) the streams of every primary are listed.
+
 Example:
-  outbox streams --redis-url redis://127.0.0.1:6379 --json";
+  outbox streams --broker redis+cluster://10.0.0.1:7000,10.0.0.2:7000 --json";
 
 const PARTITIONS_HELP: &str = "\
 Relays keep the partitions by themselves; `maintain` is for cron or for a setup whose
@@ -133,7 +146,7 @@ takes `Authorization: Bearer <token>`; --public-reads opens the reads. Redrive a
 non-loopback --addr is refused. /healthz is open. The token is never logged.
 
 Example:
-  OUTBOX_SERVE_TOKEN=$(openssl rand -hex 16) outbox serve --redis-url redis://127.0.0.1:6379";
+  OUTBOX_SERVE_TOKEN=$(openssl rand -hex 16) outbox serve --broker redis://127.0.0.1:6379";
 
 /// `outbox serve`.
 #[cfg(feature = "serve")]
@@ -156,10 +169,10 @@ pub(crate) struct ServeArgs {
     /// Redrive and purge still need the token.
     #[arg(long)]
     pub(crate) public_reads: bool,
-    /// Redis URL, for the consumer groups and their dead-letter streams (left out
+    /// The broker, for the consumer groups and their dead-letter streams (left out
     /// without it).
-    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
-    pub(crate) redis_url: Option<String>,
+    #[command(flatten)]
+    pub(crate) broker: BrokerArg,
     /// Prefix of the outbox's stream names (as `outbox relay --stream-prefix`).
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
     pub(crate) stream_prefix: String,
@@ -242,9 +255,9 @@ pub(crate) struct StatusArgs {
 /// `outbox relay`.
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
-    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
-    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
-    pub(crate) redis_url: String,
+    /// The broker.
+    #[command(flatten)]
+    pub(crate) broker: BrokerArg,
     /// Messages claimed and published per round trip.
     #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) batch_size: u32,
@@ -276,6 +289,13 @@ pub(crate) struct RelayArgs {
     /// (Redis's limit: a larger one made every XADD fail).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=i64::MAX as u64), value_name = "N")]
     pub(crate) max_stream_len: Option<u64>,
+    /// What a message must reach before its row is marked SENT: `reply` (the primary
+    /// answered the XADD), `replicas=N[,timeout=T]` (WAIT: N replicas have it) or
+    /// `aof=local|N|local+N[,timeout=T]` (WAITAOF, Redis 7.2+: fsynced to the primary's
+    /// AOF, to N replicas' AOF, or both). T defaults to 1s and must stay under 5s. A wait
+    /// not met in time is an outage: the rows stay NEW and spend no attempt.
+    #[arg(long, default_value = "reply", value_parser = crate::broker::parse_durability, value_name = "DURABILITY")]
+    pub(crate) durability: outbox_redis::Durability,
     /// Claim order: `per-key` publishes the messages of one ordering key in id order, also
     /// across retries and with several relays; `unordered` claims with plain SKIP LOCKED,
     /// faster, for consumers that do not need order.
@@ -302,12 +322,44 @@ pub(crate) struct RelayArgs {
     pub(crate) ready_max_age: std::time::Duration,
 }
 
+/// `--broker` (alias `--redis-url`), shared by every command that reaches the broker.
+#[derive(Debug, Args)]
+pub(crate) struct BrokerArg {
+    /// Broker URL: redis://HOST:PORT[/DB] or rediss://… (one Redis),
+    /// redis+cluster://HOST:PORT,HOST:PORT… (a Redis Cluster, through these seed nodes),
+    /// redis+sentinel://HOST:PORT,HOST:PORT…/MASTER[/DB] (the primary these sentinels
+    /// monitor as MASTER). Credentials go before the hosts (`redis://:PASS@HOST`); they
+    /// are the data nodes'. `--redis-url` is the old name; without either, OUTBOX_BROKER,
+    /// else REDIS_URL.
+    #[arg(
+        long = "broker",
+        alias = "redis-url",
+        env = "OUTBOX_BROKER",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub(crate) url: Option<String>,
+}
+
+impl BrokerArg {
+    /// The URL given: `--broker` or `--redis-url`, else `OUTBOX_BROKER`, else
+    /// `REDIS_URL` (read here, not by clap, so that `REDIS_URL` left in an environment
+    /// never conflicts with a `--broker` given on the command line).
+    pub(crate) fn given(&self) -> Option<String> {
+        self.url.clone().or_else(|| {
+            std::env::var("REDIS_URL")
+                .ok()
+                .filter(|url| !url.is_empty())
+        })
+    }
+}
+
 /// `outbox trim`.
 #[derive(Debug, Args)]
 pub(crate) struct TrimArgs {
-    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
-    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
-    pub(crate) redis_url: String,
+    /// The broker.
+    #[command(flatten)]
+    pub(crate) broker: BrokerArg,
     /// Trim every stream whose name starts with PREFIX (as `outbox relay --stream-prefix`).
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
     pub(crate) stream_prefix: String,
@@ -322,9 +374,9 @@ pub(crate) struct TrimArgs {
 /// `outbox streams`.
 #[derive(Debug, Args)]
 pub(crate) struct StreamsArgs {
-    /// Redis URL, e.g. redis://127.0.0.1:6379 or rediss://user:pass@host:6380/0.
-    #[arg(long, env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
-    pub(crate) redis_url: String,
+    /// The broker.
+    #[command(flatten)]
+    pub(crate) broker: BrokerArg,
     /// List the streams whose name starts with PREFIX (as `outbox relay --stream-prefix`).
     #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
     pub(crate) stream_prefix: String,

@@ -60,12 +60,24 @@ pub(crate) enum CliError {
     /// No message has this id or msg_id.
     #[error("no outbox message with {0}")]
     NotFound(String),
-    /// The Redis URL is malformed.
-    #[error("invalid Redis URL `{url}`")]
-    RedisUrl {
-        /// The URL, password hidden.
+    /// No broker URL from `--broker`, `--redis-url`, `OUTBOX_BROKER` or `REDIS_URL`.
+    #[error("no broker URL: pass --broker (or --redis-url), or set OUTBOX_BROKER or REDIS_URL")]
+    MissingBroker,
+    /// The broker URL does not parse.
+    #[error("invalid broker URL `{url}`")]
+    BrokerUrl {
+        /// The URL, passwords hidden.
         url: String,
-        /// The client's error.
+        /// What is wrong with it.
+        source: crate::broker::BrokerUrlError,
+    },
+    /// The relay's options do not suit the broker (a stream prefix with braces on a
+    /// cluster).
+    #[error("cannot publish to `{url}` with these options")]
+    BrokerConfig {
+        /// The URL, passwords hidden.
+        url: String,
+        /// The publisher's refusal.
         source: outbox_redis::Error,
     },
     /// Redis could not be reached.
@@ -141,7 +153,12 @@ impl CliError {
     /// The process exit code: 2 for usage errors (like clap's), 1 for everything else.
     pub(crate) fn exit_code(&self) -> u8 {
         match self {
-            Self::MissingDatabaseUrl | Self::UnsupportedUrl(_) | Self::PartitionsTwice(_) => 2,
+            Self::MissingDatabaseUrl
+            | Self::UnsupportedUrl(_)
+            | Self::PartitionsTwice(_)
+            | Self::MissingBroker
+            | Self::BrokerUrl { .. }
+            | Self::BrokerConfig { .. } => 2,
             #[cfg(feature = "serve")]
             Self::ServeWithoutToken { .. } => 2,
             _ => 1,
@@ -183,7 +200,7 @@ impl CliError {
                 };
                 (backend.to_string(), url, compose, "--database-url")
             }
-            Self::RedisConnect { url, .. } => ("Redis".to_owned(), url, "redis", "--redis-url"),
+            Self::RedisConnect { url, .. } => ("Redis".to_owned(), url, "redis", "--broker"),
             _ => return None,
         };
         let chain = self.root_cause().to_ascii_lowercase();

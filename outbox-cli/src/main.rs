@@ -4,6 +4,7 @@
 mod admin;
 mod args;
 mod backend;
+mod broker;
 mod commands;
 mod error;
 mod output;

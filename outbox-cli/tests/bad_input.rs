@@ -432,7 +432,7 @@ fn unreachable_hosts_are_reported_without_the_password() {
                     url.replace(secret, "***")
                 ),
                 "hint: start it (from the outbox repository: `bash scripts/services.sh` on Debian/Ubuntu",
-                "`docker compose up -d redis` elsewhere) or fix --redis-url",
+                "`docker compose up -d redis` elsewhere) or fix --broker",
             ],
             Some(secret),
         );

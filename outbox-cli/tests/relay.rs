@@ -259,14 +259,18 @@ fn sqlite_relay_serves_metrics_is_alone_and_stops_on_sigint() {
 #[test]
 fn relay_start_failures_are_reported() {
     let db = TestDb::sqlite();
-    // --migrate runs before the Redis URL is looked at: the tables exist afterwards.
+    // A broker URL that does not parse is a usage error, reported before anything
+    // connects or migrates: the tables are still missing afterwards.
     db.outbox()
         .args(["relay", "--migrate", "--redis-url", "not a url"])
         .timeout(PATIENCE)
         .assert()
-        .code(1)
-        .stderr(contains("error: invalid Redis URL `not a url`"));
-    assert_eq!(db.status()["due"], 0);
+        .code(2)
+        .stderr(contains("error: invalid broker URL `not a url`"))
+        .stderr(contains(
+            "caused by: not a URL: expected e.g. redis://HOST:PORT",
+        ));
+    assert!(!db.sqlite_path().exists(), "nothing was migrated");
     outbox()
         .args([
             "--database-url",

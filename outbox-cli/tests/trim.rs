@@ -195,6 +195,6 @@ fn trim_reports_an_unreachable_redis() {
     outbox()
         .args(["trim", "--redis-url", "not a url"])
         .assert()
-        .code(1)
-        .stderr(contains("error: invalid Redis URL"));
+        .code(2)
+        .stderr(contains("error: invalid broker URL `not a url`"));
 }

@@ -1,5 +1,6 @@
 //! `outbox relay`: the relay engine of `outbox-core` over the backend's relay store and
-//! the Redis Streams publisher, until SIGINT or SIGTERM.
+//! the Redis Streams publisher (one server, a cluster or through Sentinel, as the broker
+//! URL says), until SIGINT or SIGTERM.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +15,8 @@ use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::args::RelayArgs;
-use crate::backend::{BackendKind, Database, redact, with_conn};
+use crate::backend::{BackendKind, Database, with_conn};
+use crate::broker::Broker;
 use crate::error::CliError;
 
 /// How long the pool waits for a connection before reporting the database down.
@@ -23,9 +25,16 @@ const POOL_TIMEOUT: Duration = Duration::from_secs(10);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs the relay until a signal; returns the error that stopped it otherwise.
-pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
-    // A usage error, reported before anything connects.
+pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<(), CliError> {
+    // Usage errors, reported before anything connects.
     let publisher_config = publisher_config(args)?;
+    let publisher =
+        broker
+            .publisher(publisher_config)
+            .map_err(|source| CliError::BrokerConfig {
+                url: broker.display().to_owned(),
+                source,
+            })?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -46,10 +55,18 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
     // relay would wait out forever.
     with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     drop(conn);
-    let publisher = publisher(args, publisher_config)?;
     let config = config(args);
-    log_start(db, args);
+    log_start(db, broker, args);
     let stop = Stop { started, stop };
+    let parts = Parts {
+        runtime: &runtime,
+        publisher,
+        config,
+        db,
+        broker,
+        args,
+        stop,
+    };
     let result = match db.kind {
         BackendKind::Postgres => {
             // Keepalives: a relay cut off from its database notices within a minute.
@@ -58,14 +75,14 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
                 .with_listener(db.target.clone())
                 .with_order(args.order.into())
                 .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, db, args, stop)
+            serve(store, parts)
         }
         BackendKind::Mysql => {
             let store =
                 MysqlRelayStore::new(pool::<MysqlConnection>(db, &db.target, args.pool_size)?)
                     .with_order(args.order.into())
                     .with_stall_timeout(args.stall_timeout);
-            serve(&runtime, store, publisher, config, db, args, stop)
+            serve(store, parts)
         }
         BackendKind::Sqlite => {
             let pool = outbox_diesel::sqlite_pool(&db.target, args.pool_size)
@@ -73,18 +90,20 @@ pub(super) fn run(db: &Database, args: &RelayArgs) -> Result<(), CliError> {
             let store = SqliteRelayStore::new(pool)
                 .map_err(|e| CliError::RelayStart(e.into()))?
                 .with_order(args.order.into());
-            serve(&runtime, store, publisher, config, db, args, stop)
+            serve(store, parts)
         }
     };
     runtime.shutdown_timeout(SHUTDOWN_GRACE);
     result
 }
 
-fn log_start(db: &Database, args: &RelayArgs) {
+fn log_start(db: &Database, broker: &Broker, args: &RelayArgs) {
     tracing::info!(
         backend = %db.kind,
         database = %db.display(),
-        redis = %redact(&args.redis_url),
+        broker = %broker.display(),
+        topology = broker.topology_name(),
+        durability = ?args.durability,
         stream_prefix = %args.stream_prefix,
         batch_size = args.batch_size,
         poll_interval = ?args.poll_interval,
@@ -107,25 +126,26 @@ fn partitions(args: &RelayArgs) -> String {
 
 /// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
 /// on return (which gives up the SQLite relay lock).
-fn serve<S: RelayStore>(
-    runtime: &Runtime,
-    store: S,
-    publisher: RedisPublisher,
-    config: RelayConfig,
-    db: &Database,
-    args: &RelayArgs,
-    stop: Stop,
-) -> Result<(), CliError> {
+fn serve<S: RelayStore>(store: S, parts: Parts<'_>) -> Result<(), CliError> {
+    let Parts {
+        runtime,
+        publisher,
+        config,
+        db,
+        broker,
+        args,
+        stop,
+    } = parts;
     let relay = Relay::new(store, publisher)
         .with_config(config)
         .map_err(CliError::RelayStart)?;
     runtime.block_on(async {
         #[cfg(feature = "admin")]
         if let Some(addr) = args.admin_addr {
-            crate::admin::serve(addr, db.clone(), &args.redis_url, args.ready_max_age).await?;
+            crate::admin::serve(addr, db.clone(), broker.clone(), args.ready_max_age).await?;
         }
         #[cfg(not(feature = "admin"))]
-        let _ = db;
+        let _ = (db, broker);
         let mut stopping = stop.stop.clone();
         let mut stopped = stop.stop;
         let shutdown = async move {
@@ -158,7 +178,8 @@ fn publisher_config(args: &RelayArgs) -> Result<PublisherConfig, CliError> {
         .with_max_len(
             args.max_stream_len
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        );
+        )
+        .with_durability(args.durability);
     for p in &args.partitions {
         // Two counts for one topic would leave which one wins to the order of the flags.
         if config.partitions.contains_key(&p.topic) {
@@ -167,15 +188,6 @@ fn publisher_config(args: &RelayArgs) -> Result<PublisherConfig, CliError> {
         config = config.with_partitions(p.topic.clone(), p.partitions);
     }
     Ok(config)
-}
-
-fn publisher(args: &RelayArgs, config: PublisherConfig) -> Result<RedisPublisher, CliError> {
-    RedisPublisher::new(args.redis_url.as_str())
-        .and_then(|p| p.with_config(config))
-        .map_err(|source| CliError::RedisUrl {
-            url: redact(&args.redis_url),
-            source,
-        })
 }
 
 fn config(args: &RelayArgs) -> RelayConfig {
@@ -208,6 +220,17 @@ fn pool_error(db: &Database, source: outbox_diesel::Error) -> CliError {
         url: db.display(),
         source,
     }
+}
+
+/// What the relay runs with, whatever its store.
+struct Parts<'a> {
+    runtime: &'a Runtime,
+    publisher: RedisPublisher,
+    config: RelayConfig,
+    db: &'a Database,
+    broker: &'a Broker,
+    args: &'a RelayArgs,
+    stop: Stop,
 }
 
 /// The stop request, and whether the relay has started (claims may be in hand).

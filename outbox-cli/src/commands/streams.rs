@@ -4,20 +4,25 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 
-use outbox_redis::redis::{self, aio::MultiplexedConnection};
+use outbox_redis::redis;
 
 use crate::args::StreamsArgs;
+use crate::broker::{Broker, BrokerConn};
 use crate::error::CliError;
 use crate::output::{self, GroupReport, LeaseReport, StreamReport, TopicStreams};
 use crate::scan;
 
 /// Reads the prefix's streams and prints them.
-pub(super) fn run(args: &StreamsArgs, out: &mut impl Write) -> Result<(), CliError> {
+pub(super) fn run(
+    broker: &Broker,
+    args: &StreamsArgs,
+    out: &mut impl Write,
+) -> Result<(), CliError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    let topics = runtime.block_on(read(args))?;
+    let topics = runtime.block_on(read(broker, args))?;
     if args.json {
         output::json(out, &topics)?;
     } else {
@@ -27,9 +32,9 @@ pub(super) fn run(args: &StreamsArgs, out: &mut impl Write) -> Result<(), CliErr
 }
 
 /// Every topic with a stream under the prefix or a recorded partition count, sorted.
-async fn read(args: &StreamsArgs) -> Result<Vec<TopicStreams>, CliError> {
+async fn read(broker: &Broker, args: &StreamsArgs) -> Result<Vec<TopicStreams>, CliError> {
     let prefix = &args.stream_prefix;
-    let mut conn = scan::connect(&args.redis_url).await?;
+    let mut conn = scan::connect(broker).await?;
     let all = scan::streams(&mut conn, prefix)
         .await
         .map_err(redis_error)?;
@@ -73,7 +78,7 @@ fn topic_streams(topic: String, recorded_partitions: Option<u32>) -> TopicStream
 /// One stream's length, dead letters and groups (with the lease of each group that an
 /// ordered consumer holds).
 async fn stream_report(
-    conn: &mut MultiplexedConnection,
+    conn: &mut BrokerConn,
     stream: &str,
     partition: Option<u32>,
     all: &BTreeSet<String>,
@@ -119,7 +124,7 @@ async fn stream_report(
     })
 }
 
-async fn xlen(conn: &mut MultiplexedConnection, stream: &str) -> Result<u64, CliError> {
+async fn xlen(conn: &mut BrokerConn, stream: &str) -> Result<u64, CliError> {
     redis::cmd("XLEN")
         .arg(stream)
         .query_async(conn)

@@ -1,20 +1,22 @@
 //! `outbox trim`: [`outbox_redis::trim_acknowledged`] on every stream of a prefix,
-//! partition streams included (dead-letter streams and keys of other types are skipped).
+//! partition streams included (dead-letter streams and keys of other types are skipped),
+//! on every primary of a cluster.
 
 use std::io::Write;
 
 use crate::args::TrimArgs;
+use crate::broker::Broker;
 use crate::error::CliError;
 use crate::{output, scan};
 
 /// Finds the prefix's streams and trims each to what some consumer group still needs.
-pub(super) fn run(args: &TrimArgs, out: &mut impl Write) -> Result<(), CliError> {
+pub(super) fn run(broker: &Broker, args: &TrimArgs, out: &mut impl Write) -> Result<(), CliError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
     let reports = runtime.block_on(async {
-        let mut conn = scan::connect(&args.redis_url).await?;
+        let mut conn = scan::connect(broker).await?;
         let streams = scan::streams(&mut conn, &args.stream_prefix)
             .await
             .map_err(|e| CliError::Redis(e.into()))?;

@@ -134,7 +134,7 @@ async fn act(
     Ok(Json(done).into_response())
 }
 
-/// `GET /api/groups`: `null` without `--redis-url`.
+/// `GET /api/groups`: `null` without `--broker`.
 pub(super) async fn groups(State(app): State<Arc<App>>) -> Result<Response, Failure> {
     Ok(Json(data::groups(&app).await?).into_response())
 }

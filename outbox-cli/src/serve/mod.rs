@@ -30,22 +30,19 @@ mod pages;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::args::ServeArgs;
+use crate::backend::Database;
+use crate::broker::Broker;
+use crate::error::CliError;
 use axum::Router;
 use axum::routing::{get, post};
-use outbox_redis::redis;
-
-use crate::args::ServeArgs;
-use crate::backend::{Database, redact};
-use crate::error::CliError;
 
 /// What the handlers share.
 pub(crate) struct App {
     /// The outbox's database.
     db: Database,
-    /// Redis, when `--redis-url` was given.
-    redis: Option<redis::Client>,
-    /// The Redis URL, password hidden.
-    redis_display: Option<String>,
+    /// The broker, when `--broker` (or `--redis-url`) was given.
+    redis: Option<Broker>,
     /// Prefix of the outbox's streams.
     prefix: String,
     /// Suffix of the consumers' dead-letter streams.
@@ -57,20 +54,13 @@ pub(crate) struct App {
 /// Checks the arguments, binds the address and serves until SIGINT or SIGTERM.
 pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
     check_exposure(args.addr, args.token.as_deref())?;
-    let redis = args
-        .redis_url
-        .as_deref()
-        .map(|url| {
-            redis::Client::open(url).map_err(|source| CliError::RedisUrl {
-                url: redact(url),
-                source: source.into(),
-            })
-        })
-        .transpose()?;
+    let redis = match args.broker.given() {
+        Some(_) => Some(crate::commands::broker(&args.broker)?),
+        None => None,
+    };
     let app = Arc::new(App {
         db,
         redis,
-        redis_display: args.redis_url.as_deref().map(redact),
         prefix: args.stream_prefix,
         dead_suffix: args.dead_letter_suffix,
         auth: auth::Auth::new(args.token, args.public_reads),

@@ -224,7 +224,7 @@ pub(super) async fn dead_letters(
             @if dead.outbox.is_empty() { p.muted { "None." } } @else { (outbox_table(&dead.outbox)) }
             h2 { "Consumers (" (dead.consumers_total) ")" }
             @if !dead.redis {
-                p.muted { "Not read: start with --redis-url to see the consumers' dead-letter streams." }
+                p.muted { "Not read: start with --broker to see the consumers' dead-letter streams." }
             } @else if let Some(error) = &dead.redis_error {
                 p.err #redis-error { "Cannot read them from Redis: " (error) }
             } @else if dead.consumers.is_empty() {
@@ -531,7 +531,7 @@ pub(super) async fn groups(State(app): State<Arc<App>>) -> Response {
     };
     let body = html! {
         @match groups {
-            None => p.muted { "Start with --redis-url to see the consumer groups." },
+            None => p.muted { "Start with --broker to see the consumer groups." },
             Some(groups) if groups.is_empty() => p { "No consumer groups on the streams of this prefix." },
             Some(groups) => table #groups {
                 tr { th { "stream" } th { "group" } th.num { "lag" } th.num { "pending" } th { "oldest pending" } th { "last delivered" } th { "consumers (pending, idle)" } }

@@ -77,9 +77,9 @@ pub(crate) async fn apply(
     if consumer.is_empty() {
         return Ok(done);
     }
-    let mut conn = redis_conn(app).await?.ok_or_else(|| {
-        Failure::bad_request("no --redis-url: consumer dead letters are not served")
-    })?;
+    let mut conn = redis_conn(app)
+        .await?
+        .ok_or_else(|| Failure::bad_request("no --broker: consumer dead letters are not served"))?;
     for (dead_stream, id) in consumer {
         if !app.serves(dead_stream) {
             done.skipped += 1;

@@ -75,7 +75,7 @@ pub(crate) struct DeadPage {
     pub(crate) consumers_total: usize,
     /// Whether a source had more than could be scanned (the oldest are left out).
     pub(crate) truncated: bool,
-    /// Whether the consumers' dead letters were read (`--redis-url` given).
+    /// Whether the consumers' dead letters were read (`--broker` given).
     pub(crate) redis: bool,
     /// Why the consumers' dead letters could not be read (Redis down, say): the
     /// outbox's are shown all the same.

@@ -10,10 +10,10 @@ mod overview;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use outbox_redis::redis::aio::MultiplexedConnection;
-use outbox_redis::redis::{self, AsyncConnectionConfig};
+use outbox_redis::redis;
 
 use super::App;
+use crate::broker::{BrokerConn, Timeouts};
 
 pub(crate) use actions::{Action, apply};
 pub(crate) use dead_letters::{
@@ -97,26 +97,20 @@ fn entry_ms(id: &str) -> Option<i64> {
     ms.parse().ok()
 }
 
-/// A Redis connection, if `--redis-url` was given.
-async fn redis_conn(app: &App) -> Result<Option<MultiplexedConnection>, Failure> {
-    let Some(client) = &app.redis else {
+/// A connection to the broker, if `--broker` was given.
+async fn redis_conn(app: &App) -> Result<Option<BrokerConn>, Failure> {
+    let Some(broker) = &app.redis else {
         return Ok(None);
     };
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(REDIS_TIMEOUT))
-        .set_response_timeout(Some(REDIS_TIMEOUT));
-    Ok(Some(
-        client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?,
-    ))
+    let timeouts = Timeouts {
+        connect: REDIS_TIMEOUT,
+        response: REDIS_TIMEOUT,
+    };
+    Ok(Some(broker.connect(timeouts).await?))
 }
 
 /// The streams named `<prefix>…`, sorted, dead-letter streams and the others apart.
-async fn streams(
-    app: &App,
-    conn: &mut MultiplexedConnection,
-) -> Result<(Vec<String>, Vec<String>), Failure> {
+async fn streams(app: &App, conn: &mut BrokerConn) -> Result<(Vec<String>, Vec<String>), Failure> {
     Ok(crate::scan::streams(conn, &app.prefix)
         .await?
         .into_iter()

@@ -13,7 +13,7 @@ pub(crate) const CHART_MINUTES: u32 = 15;
 pub(crate) struct Overview {
     /// The database URL, password hidden.
     pub(crate) database: String,
-    /// The Redis URL, password hidden (`null` without `--redis-url`).
+    /// The broker URL, passwords hidden (`null` without `--broker`).
     pub(crate) redis: Option<String>,
     /// Due NEW messages.
     pub(crate) due: u64,
@@ -83,7 +83,7 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         with_conn!(&mut conn, c => outbox_diesel::published_per_minute(c, CHART_MINUTES))?;
     Ok(Overview {
         database: app.db.display(),
-        redis: app.redis_display.clone(),
+        redis: app.redis.as_ref().map(|b| b.display().to_owned()),
         due: backlog.due,
         oldest_due_age_seconds: backlog.oldest_due_age.map(|d| d.as_secs_f64()),
         dead: backlog.dead,
