@@ -1,0 +1,410 @@
+//! pgoutput's row messages (protocol version 1): `Relation`, which describes a table's
+//! columns, and `Insert`, a new row in text format. pgwire-replication hands us
+//! `Begin` and `Commit` itself and every other message as raw bytes; the others
+//! (`Update`, `Delete`, `Truncate`, `Type`, `Origin`) do not reach us, or carry nothing
+//! the relay needs (the publication publishes inserts only).
+//!
+//! See <https://www.postgresql.org/docs/current/protocol-logicalrep-message-formats.html>.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{Envelope, Headers, MsgId, StoredMessage};
+
+use crate::{CdcError, Result};
+
+/// A pgoutput message the relay acts on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Message {
+    /// A table's description, sent before its first row of a session and after each
+    /// change of its columns.
+    Relation(Relation),
+    /// A new row of relation `relation`: each column's text, `None` for NULL.
+    Insert {
+        relation: u32,
+        values: Vec<Option<String>>,
+    },
+    /// Anything else: ignored.
+    Other(u8),
+}
+
+/// A table as a `Relation` message describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Relation {
+    pub(crate) id: u32,
+    pub(crate) namespace: String,
+    pub(crate) name: String,
+    pub(crate) columns: Vec<String>,
+}
+
+/// A cursor over one message's bytes; every read checks the length.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(CdcError::Decode(format!(
+                "pgoutput message truncated in {what}"
+            )));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn u16(&mut self, what: &str) -> Result<u16> {
+        let b = self.take(2, what)?;
+        Ok(u16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// A NUL-terminated string.
+    fn cstr(&mut self, what: &str) -> Result<String> {
+        let end = self
+            .0
+            .iter()
+            .position(|&b| b == 0)
+            .ok_or_else(|| CdcError::Decode(format!("unterminated string in {what}")))?;
+        let s = String::from_utf8(self.0[..end].to_vec())
+            .map_err(|_| CdcError::Decode(format!("{what} is not UTF-8")))?;
+        self.0 = &self.0[end + 1..];
+        Ok(s)
+    }
+}
+
+/// Decodes one pgoutput message (the payload of an `XLogData`).
+pub(crate) fn decode(data: &[u8]) -> Result<Message> {
+    let mut r = Reader(data);
+    match r.u8("message tag")? {
+        b'R' => relation(&mut r).map(Message::Relation),
+        b'I' => {
+            let relation = r.u32("Insert relation")?;
+            match r.u8("Insert tuple tag")? {
+                b'N' => Ok(Message::Insert {
+                    relation,
+                    values: tuple(&mut r)?,
+                }),
+                other => Err(CdcError::Decode(format!(
+                    "Insert with tuple tag {:?}, expected 'N'",
+                    other as char
+                ))),
+            }
+        }
+        other => Ok(Message::Other(other)),
+    }
+}
+
+fn relation(r: &mut Reader<'_>) -> Result<Relation> {
+    let id = r.u32("Relation id")?;
+    let namespace = r.cstr("Relation namespace")?;
+    let name = r.cstr("Relation name")?;
+    let _replica_identity = r.u8("Relation replica identity")?;
+    let n = r.u16("Relation column count")?;
+    let mut columns = Vec::with_capacity(usize::from(n));
+    for _ in 0..n {
+        let _flags = r.u8("column flags")?;
+        columns.push(r.cstr("column name")?);
+        let _type_oid = r.u32("column type")?;
+        let _typmod = r.u32("column type modifier")?;
+    }
+    Ok(Relation {
+        id,
+        namespace,
+        name,
+        columns,
+    })
+}
+
+fn tuple(r: &mut Reader<'_>) -> Result<Vec<Option<String>>> {
+    let n = r.u16("tuple column count")?;
+    let mut values = Vec::with_capacity(usize::from(n));
+    for _ in 0..n {
+        let value = match r.u8("tuple column kind")? {
+            b'n' => None,
+            b't' => {
+                let len = r.u32("text value length")? as usize;
+                let bytes = r.take(len, "text value")?;
+                Some(
+                    String::from_utf8(bytes.to_vec())
+                        .map_err(|_| CdcError::Decode("a text value is not UTF-8".into()))?,
+                )
+            }
+            // 'u' (unchanged TOAST) only comes with updates; 'b' only in binary mode,
+            // which the relay does not ask for.
+            other => {
+                return Err(CdcError::Decode(format!(
+                    "unexpected tuple column kind {:?}",
+                    other as char
+                )));
+            }
+        };
+        values.push(value);
+    }
+    Ok(values)
+}
+
+/// The column positions of the outbox table in a relation, by name, so that a table
+/// whose columns were added or reordered still decodes.
+#[derive(Debug, Clone)]
+pub(crate) struct OutboxColumns {
+    at: HashMap<&'static str, usize>,
+}
+
+/// The columns a message needs.
+const NEEDED: [&str; 10] = [
+    "id",
+    "msg_id",
+    "topic",
+    "event_type",
+    "msg_key",
+    "schema_version",
+    "payload",
+    "headers",
+    "retries",
+    "created_at",
+];
+
+impl OutboxColumns {
+    /// The positions of [`NEEDED`] in `relation`, or which is missing.
+    pub(crate) fn of(relation: &Relation) -> Result<Self> {
+        let mut at = HashMap::new();
+        for name in NEEDED {
+            let i = relation
+                .columns
+                .iter()
+                .position(|c| c == name)
+                .ok_or_else(|| {
+                    CdcError::Decode(format!(
+                        "relation {}.{} has no column `{name}`",
+                        relation.namespace, relation.name
+                    ))
+                })?;
+            at.insert(name, i);
+        }
+        Ok(Self { at })
+    }
+
+    fn text<'v>(&self, values: &'v [Option<String>], name: &str) -> Result<&'v str> {
+        values
+            .get(self.at[name])
+            .and_then(|v| v.as_deref())
+            .ok_or_else(|| CdcError::Decode(format!("column `{name}` is NULL or missing")))
+    }
+
+    /// The row's id, if it can be read: what an unreadable row is recorded under.
+    pub(crate) fn id(&self, values: &[Option<String>]) -> Option<i64> {
+        self.text(values, "id").ok()?.parse().ok()
+    }
+
+    /// An inserted outbox row as the relay's message. The values are the server's text
+    /// output: the replication session runs with `DateStyle = ISO` and `TimeZone = UTC`
+    /// (see the relay's startup options), so `created_at` reads as `2024-05-01
+    /// 12:00:00.123456+00`.
+    pub(crate) fn message(&self, values: &[Option<String>]) -> Result<StoredMessage> {
+        let t = |name: &'static str| self.text(values, name);
+        let id: i64 = t("id")?
+            .parse()
+            .map_err(|_| CdcError::Decode("id is not a number".into()))?;
+        let bad = |what: String| CdcError::Decode(format!("row {id}: {what}"));
+        let msg_id = MsgId::new(t("msg_id")?).map_err(|e| bad(e.to_string()))?;
+        let headers: Headers = serde_json::from_str(t("headers")?)
+            .map_err(|e| bad(format!("headers are not a JSON object of strings: {e}")))?;
+        let created_at = timestamp(t("created_at")?).ok_or_else(|| bad("bad created_at".into()))?;
+        let number = |name: &'static str| -> Result<u32> {
+            let v: i64 = t(name)?
+                .parse()
+                .map_err(|_| bad(format!("{name} is not a number")))?;
+            Ok(u32::try_from(v).unwrap_or(0))
+        };
+        Ok(StoredMessage {
+            id,
+            retries: number("retries")?,
+            envelope: Envelope {
+                msg_id,
+                topic: t("topic")?.to_owned(),
+                event_type: t("event_type")?.to_owned(),
+                key: t("msg_key")?.to_owned(),
+                schema_version: number("schema_version")?,
+                payload: t("payload")?.to_owned(),
+                headers,
+                created_at,
+            },
+        })
+    }
+}
+
+/// A `timestamptz` in ISO output at UTC: `2024-05-01 12:00:00.123456+00` (fraction
+/// optional).
+fn timestamp(text: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f%#z")
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cstr(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(s.as_bytes());
+        out.push(0);
+    }
+
+    fn relation_bytes(id: u32, columns: &[&str]) -> Vec<u8> {
+        let mut out = vec![b'R'];
+        out.extend_from_slice(&id.to_be_bytes());
+        cstr(&mut out, "public");
+        cstr(&mut out, "outbox");
+        out.push(b'd');
+        out.extend_from_slice(&(columns.len() as u16).to_be_bytes());
+        for c in columns {
+            out.push(0);
+            cstr(&mut out, c);
+            out.extend_from_slice(&25u32.to_be_bytes());
+            out.extend_from_slice(&(-1i32).to_be_bytes());
+        }
+        out
+    }
+
+    fn insert_bytes(id: u32, values: &[Option<&str>]) -> Vec<u8> {
+        let mut out = vec![b'I'];
+        out.extend_from_slice(&id.to_be_bytes());
+        out.push(b'N');
+        out.extend_from_slice(&(values.len() as u16).to_be_bytes());
+        for v in values {
+            match v {
+                None => out.push(b'n'),
+                Some(s) => {
+                    out.push(b't');
+                    out.extend_from_slice(&(s.len() as u32).to_be_bytes());
+                    out.extend_from_slice(s.as_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// The unpartitioned table's columns, in its order.
+    const TABLE: [&str; 14] = [
+        "id",
+        "msg_id",
+        "topic",
+        "event_type",
+        "msg_key",
+        "schema_version",
+        "payload",
+        "headers",
+        "status",
+        "retries",
+        "next_retry_at",
+        "created_at",
+        "sent_at",
+        "last_error",
+    ];
+
+    fn row() -> Vec<Option<&'static str>> {
+        vec![
+            Some("42"),
+            Some("order-1:OrderPaid"),
+            Some("order.paid"),
+            Some("OrderPaid"),
+            Some("order-1"),
+            Some("2"),
+            Some(r#"{"amount": 5}"#),
+            Some(r#"{"traceparent": "00-ab"}"#),
+            Some("0"),
+            Some("0"),
+            Some("2024-05-01 12:00:00.5+00"),
+            Some("2024-05-01 12:00:00.123456+00"),
+            None,
+            None,
+        ]
+    }
+
+    #[test]
+    fn a_relation_and_an_insert_decode_into_the_message() {
+        let Message::Relation(rel) = decode(&relation_bytes(7, &TABLE)).unwrap() else {
+            panic!("not a relation");
+        };
+        assert_eq!((rel.id, rel.name.as_str()), (7, "outbox"));
+        assert_eq!(rel.columns.len(), 14);
+        let cols = OutboxColumns::of(&rel).unwrap();
+        let Message::Insert { relation, values } = decode(&insert_bytes(7, &row())).unwrap() else {
+            panic!("not an insert");
+        };
+        assert_eq!(relation, 7);
+        let m = cols.message(&values).unwrap();
+        assert_eq!(m.id, 42);
+        assert_eq!(m.retries, 0);
+        assert_eq!(m.envelope.msg_id.as_str(), "order-1:OrderPaid");
+        assert_eq!(m.envelope.key, "order-1");
+        assert_eq!(m.envelope.schema_version, 2);
+        assert_eq!(m.envelope.payload, r#"{"amount": 5}"#);
+        assert_eq!(m.envelope.headers["traceparent"], "00-ab");
+        assert_eq!(
+            m.envelope.created_at.to_rfc3339(),
+            "2024-05-01T12:00:00.123456+00:00"
+        );
+    }
+
+    #[test]
+    fn columns_are_found_by_name_in_any_order() {
+        let mut reordered = TABLE;
+        reordered.reverse();
+        let Message::Relation(rel) = decode(&relation_bytes(9, &reordered)).unwrap() else {
+            panic!("not a relation");
+        };
+        let mut values: Vec<Option<String>> = row().iter().map(|v| v.map(str::to_owned)).collect();
+        values.reverse();
+        let m = OutboxColumns::of(&rel).unwrap().message(&values).unwrap();
+        assert_eq!(m.id, 42);
+        assert_eq!(m.envelope.topic, "order.paid");
+    }
+
+    #[test]
+    fn a_relation_without_a_needed_column_is_refused() {
+        let Message::Relation(rel) = decode(&relation_bytes(1, &TABLE[..5])).unwrap() else {
+            panic!("not a relation");
+        };
+        let err = OutboxColumns::of(&rel).unwrap_err().to_string();
+        assert!(err.contains("schema_version"), "{err}");
+    }
+
+    #[test]
+    fn truncated_and_unknown_input_is_an_error_not_a_panic() {
+        let full = insert_bytes(7, &row());
+        for cut in 0..full.len() {
+            // Every prefix decodes to an error (or, for the empty one, too): never a panic.
+            assert!(decode(&full[..cut]).is_err(), "prefix of {cut} bytes");
+        }
+        assert_eq!(decode(b"Y\0\0").unwrap(), Message::Other(b'Y'));
+        let mut nulls = row();
+        nulls[1] = None;
+        let Message::Relation(rel) = decode(&relation_bytes(7, &TABLE)).unwrap() else {
+            panic!("not a relation");
+        };
+        let cols = OutboxColumns::of(&rel).unwrap();
+        let values: Vec<Option<String>> = nulls.iter().map(|v| v.map(str::to_owned)).collect();
+        assert!(
+            cols.message(&values)
+                .unwrap_err()
+                .to_string()
+                .contains("msg_id")
+        );
+    }
+
+    #[test]
+    fn timestamps_read_with_and_without_a_fraction() {
+        assert!(timestamp("2024-05-01 12:00:00+00").is_some());
+        assert!(timestamp("2024-05-01 12:00:00.1+00").is_some());
+        assert!(timestamp("not a time").is_none());
+    }
+}

@@ -1,0 +1,552 @@
+//! Holding the slot: the backfill, then the stream of commits, published in commit order
+//! and confirmed after the broker took them; the retry round and the reports between.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use diesel::RunQueryDsl as _;
+use diesel::sql_types::{BigInt, Text};
+use outbox_core::{Publisher, StoredMessage};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+
+use crate::decode::{Message, OutboxColumns, decode};
+use crate::deliver::Deliverer;
+use crate::park::{ROW_COLUMNS, RowMessage, Writes, blocked_keys, db, due_heads};
+use crate::relay::Stop;
+use crate::watermark::Watermark;
+use crate::{CdcError, Result, setup};
+
+/// Why a session ended without an error.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The shutdown signal: the slot was released.
+    Stopped,
+    /// The slot is no longer this session's (taken over while this process was stopped
+    /// or slow): nothing more was published.
+    Lost,
+}
+
+/// A transaction read from the stream.
+struct Commit {
+    end_lsn: Lsn,
+    commit_time: DateTime<Utc>,
+    messages: Vec<StoredMessage>,
+    /// Rows that cannot be read: id, why. They become DEAD.
+    unreadable: Vec<(i64, String)>,
+}
+
+/// One holder's session on the slot.
+pub(crate) struct Session<'a, P> {
+    pub(crate) d: Deliverer<'a, P>,
+    pub(crate) client: ReplicationClient,
+    /// The server process serving this session (for the fence).
+    pub(crate) walsender: i32,
+    pub(crate) slot: String,
+    relations: HashMap<u32, Option<OutboxColumns>>,
+    open: Option<Commit>,
+    ready: Vec<Commit>,
+    /// A keepalive's position, confirmable once nothing is in hand.
+    idle_ack: Option<Lsn>,
+    confirmed: Lsn,
+    blocked: HashSet<String>,
+    /// When the slot was last seen to be this session's.
+    verified_at: Instant,
+    watermark: Watermark,
+    outages: u32,
+    paused_until: Option<Instant>,
+}
+
+/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+fn pg_time(micros: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(micros.saturating_add(PG_EPOCH_MICROS)).unwrap_or_default()
+}
+
+impl<'a, P: Publisher> Session<'a, P> {
+    pub(crate) fn new(
+        d: Deliverer<'a, P>,
+        client: ReplicationClient,
+        walsender: i32,
+        slot: String,
+        confirmed: Lsn,
+    ) -> Self {
+        Self {
+            d,
+            client,
+            walsender,
+            slot,
+            relations: HashMap::new(),
+            open: None,
+            ready: Vec::new(),
+            idle_ack: None,
+            confirmed,
+            blocked: HashSet::new(),
+            verified_at: Instant::now(),
+            watermark: Watermark::default(),
+            outages: 0,
+            paused_until: None,
+        }
+    }
+
+    /// Runs the session until shutdown, a lost slot, or an error (the caller backs off
+    /// from an outage and acquires the slot again).
+    pub(crate) async fn run<F: Future<Output = ()>>(
+        mut self,
+        stop: &mut Stop<'_, F>,
+    ) -> Result<Ended> {
+        let ended = self.run_inner(stop).await;
+        metrics::gauge!("outbox_cdc_holder").set(0.0);
+        if matches!(ended, Ok(Ended::Stopped)) {
+            // CopyDone: the server releases the slot at once, for the next holder.
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.client.shutdown()).await;
+        }
+        ended
+    }
+
+    async fn run_inner<F: Future<Output = ()>>(&mut self, stop: &mut Stop<'_, F>) -> Result<Ended> {
+        metrics::gauge!("outbox_cdc_holder").set(1.0);
+        self.blocked = db(self.d.pool, blocked_keys).await?;
+        if let Some(ended) = self.backfill(stop).await? {
+            return Ok(ended);
+        }
+        let mut next_retry = Instant::now();
+        let mut next_report = Instant::now();
+        loop {
+            let deadline = next_retry.min(next_report);
+            if let Some(ended) = self.step(stop, deadline).await? {
+                return Ok(ended);
+            }
+            let now = Instant::now();
+            if now >= next_retry {
+                next_retry = now + self.d.config.retry_poll;
+                if let Err(e) = self.retry_round().await {
+                    tracing::warn!(error = %outbox_core::error_chain(&e), "retrying parked messages failed; tried again later");
+                }
+            }
+            if now >= next_report {
+                next_report = now + self.d.config.lag_interval;
+                self.report().await;
+            }
+        }
+    }
+
+    /// Reads what the stream has (waiting until `deadline` if nothing is in hand),
+    /// publishes the complete commits and confirms them.
+    async fn step<F: Future<Output = ()>>(
+        &mut self,
+        stop: &mut Stop<'_, F>,
+        deadline: Instant,
+    ) -> Result<Option<Ended>> {
+        if let Some(until) = self.paused_until {
+            // After an outage: publish the same commits again, reading nothing more.
+            tokio::select! {
+                biased;
+                () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                () = tokio::time::sleep_until(until.min(deadline).into()) => {}
+            }
+            if Instant::now() < until {
+                return Ok(None);
+            }
+            self.paused_until = None;
+        } else if self.ready.is_empty() {
+            tokio::select! {
+                biased;
+                () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                ev = self.client.recv() => self.handle(ev?)?,
+                () = tokio::time::sleep_until(deadline.into()) => return Ok(None),
+            }
+            self.read_ready()?;
+        }
+        if self.ready.is_empty() {
+            self.ack_idle();
+            return Ok(None);
+        }
+        if !self.still_holder().await? {
+            return Ok(Some(Ended::Lost));
+        }
+        match self.publish_ready().await {
+            Ok(()) => {
+                self.outages = 0;
+                Ok(None)
+            }
+            Err(e) if e.is_outage() => {
+                self.outages = self.outages.saturating_add(1);
+                let pause = self.d.config.outage_backoff.pause(self.outages);
+                tracing::warn!(error = %outbox_core::error_chain(&e), ?pause, "CDC relay paused after an outage; the same commits are published again");
+                metrics::counter!("outbox_relay_outages_total").increment(1);
+                self.paused_until = Some(Instant::now() + pause);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes the events already received, without waiting, until a batch is full.
+    fn read_ready(&mut self) -> Result<()> {
+        let limit = self.d.config.batch_size;
+        while self.ready.iter().map(|c| c.messages.len()).sum::<usize>() < limit {
+            let ev = {
+                let recv = self.client.recv();
+                let mut recv = std::pin::pin!(recv);
+                match futures_now(recv.as_mut()) {
+                    Some(ev) => ev,
+                    None => break,
+                }
+            };
+            self.handle(ev?)?;
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, ev: Option<ReplicationEvent>) -> Result<()> {
+        let Some(ev) = ev else {
+            return Err(CdcError::Replication("the replication stream ended".into()));
+        };
+        match ev {
+            ReplicationEvent::Begin { .. } => {
+                self.open = Some(Commit {
+                    end_lsn: Lsn::ZERO,
+                    commit_time: Utc::now(),
+                    messages: Vec::new(),
+                    unreadable: Vec::new(),
+                });
+            }
+            ReplicationEvent::XLogData { data, .. } => self.row(&data)?,
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                let mut commit = self
+                    .open
+                    .take()
+                    .ok_or_else(|| CdcError::Decode("a Commit without its Begin".into()))?;
+                commit.end_lsn = end_lsn;
+                commit.commit_time = pg_time(commit_time_micros);
+                self.idle_ack = None;
+                self.ready.push(commit);
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // Everything before the keepalive's position was sent before it: with
+                // nothing in hand and no transaction open, it is all confirmed.
+                if self.open.is_none() {
+                    self.idle_ack = Some(wal_end);
+                }
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// A pgoutput row message inside a transaction.
+    fn row(&mut self, data: &[u8]) -> Result<()> {
+        match decode(data)? {
+            Message::Relation(rel) => {
+                let columns = if rel.name == "outbox" {
+                    Some(OutboxColumns::of(&rel)?)
+                } else {
+                    None
+                };
+                self.relations.insert(rel.id, columns);
+            }
+            Message::Insert { relation, values } => {
+                let Some(columns) = self.relations.get(&relation) else {
+                    return Err(CdcError::Decode(format!(
+                        "an Insert into relation {relation} before its Relation message"
+                    )));
+                };
+                let Some(columns) = columns else {
+                    return Ok(());
+                };
+                let open = self
+                    .open
+                    .as_mut()
+                    .ok_or_else(|| CdcError::Decode("an Insert outside a transaction".into()))?;
+                match columns.message(&values) {
+                    Ok(m) => open.messages.push(m),
+                    Err(e) => match columns.id(&values) {
+                        Some(id) => open.unreadable.push((id, e.to_string())),
+                        None => return Err(e),
+                    },
+                }
+            }
+            Message::Other(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Confirms a keepalive's position when nothing is in hand, so that an idle slot (or
+    /// one whose commits touch only other tables) does not hold WAL back.
+    fn ack_idle(&mut self) {
+        if let Some(lsn) = self.idle_ack.take()
+            && self.open.is_none()
+            && lsn > self.confirmed
+        {
+            self.confirmed = lsn;
+            self.client.update_applied_lsn(lsn);
+        }
+    }
+
+    /// Whether the slot is still this session's. Trusted for half the takeover time
+    /// since it was last seen so; after that (a busy relay every few seconds, and at
+    /// once a process that was stopped and resumes) asked of the server, so that a
+    /// holder that was taken over publishes nothing more.
+    async fn still_holder(&mut self) -> Result<bool> {
+        if self.verified_at.elapsed() < self.d.config.takeover_after / 2 {
+            return Ok(true);
+        }
+        let (slot, pid) = (self.slot.clone(), self.walsender);
+        let ours = db(self.d.pool, move |c| {
+            #[derive(diesel::QueryableByName)]
+            struct Row {
+                #[diesel(sql_type = diesel::sql_types::Bool)]
+                ours: bool,
+            }
+            let rows: Vec<Row> = diesel::sql_query(
+                "SELECT coalesce(active_pid = $2, false) AS ours FROM pg_replication_slots \
+                 WHERE slot_name = $1",
+            )
+            .bind::<Text, _>(slot)
+            .bind::<diesel::sql_types::Integer, _>(pid)
+            .load(c)?;
+            Ok(rows.first().is_some_and(|r| r.ours))
+        })
+        .await?;
+        if ours {
+            self.verified_at = Instant::now();
+        } else {
+            tracing::warn!(slot = %self.slot, "the slot was taken over: this relay publishes nothing more and waits");
+        }
+        Ok(ours)
+    }
+
+    /// Publishes the complete commits in hand and confirms the last one.
+    async fn publish_ready(&mut self) -> Result<()> {
+        let messages: Vec<StoredMessage> = self
+            .ready
+            .iter()
+            .flat_map(|c| c.messages.iter().cloned())
+            .collect();
+        self.d.deliver(&messages, &mut self.blocked).await?;
+        let unreadable: Vec<(i64, String)> = self
+            .ready
+            .iter()
+            .flat_map(|c| c.unreadable.iter().cloned())
+            .collect();
+        if !unreadable.is_empty() {
+            let writes = Writes {
+                dead: unreadable,
+                ..Writes::default()
+            };
+            db(self.d.pool, move |c| writes.apply(c)).await?;
+        }
+        if let Some(last) = self.ready.last() {
+            self.confirmed = self.confirmed.max(last.end_lsn);
+            self.client.update_applied_lsn(self.confirmed);
+        }
+        self.ready.clear();
+        Ok(())
+    }
+
+    /// Publishes the NEW rows that committed before the slot existed (`outbox_cdc`'s
+    /// backfill range), in id order, before the first commit of the stream; each batch
+    /// moves the range's start (one UPDATE of `outbox_cdc`, none of `outbox`).
+    async fn backfill<F: Future<Output = ()>>(
+        &mut self,
+        stop: &mut Stop<'_, F>,
+    ) -> Result<Option<Ended>> {
+        let limit = i64::try_from(self.d.config.batch_size).unwrap_or(i64::MAX);
+        loop {
+            let rows = db(self.d.pool, move |c| backfill_batch(c, limit)).await?;
+            let Some(rows) = rows else { return Ok(None) };
+            if !self.still_holder().await? {
+                return Ok(Some(Ended::Lost));
+            }
+            let last = rows.last().map_or(0, RowMessage::id);
+            let (messages, unreadable) = split_rows(rows);
+            // Rows that failed under the polling relay wait for their retry time, parked,
+            // and hold back the later rows of their keys.
+            for m in messages.iter().filter(|m| m.retries > 0) {
+                self.blocked.insert(m.envelope.key.clone());
+            }
+            let mut outages = 0u32;
+            while let Err(e) = self.d.deliver(&messages, &mut self.blocked).await {
+                if !e.is_outage() {
+                    return Err(e);
+                }
+                outages = outages.saturating_add(1);
+                let pause = self.d.config.outage_backoff.pause(outages);
+                tracing::warn!(error = %outbox_core::error_chain(&e), ?pause, "CDC backfill paused after an outage");
+                tokio::select! {
+                    biased;
+                    () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                    () = tokio::time::sleep(pause) => {}
+                }
+            }
+            db(self.d.pool, move |c| {
+                Writes {
+                    dead: unreadable,
+                    ..Writes::default()
+                }
+                .apply(c)?;
+                diesel::sql_query(
+                    "UPDATE outbox_cdc SET backfill_from = greatest(backfill_from, $1)",
+                )
+                .bind::<BigInt, _>(last)
+                .execute(c)?;
+                Ok(())
+            })
+            .await?;
+            metrics::gauge!("outbox_cdc_backfilled_through").set(last as f64);
+        }
+    }
+
+    /// Publishes the parked messages whose retry time has come, the first of each key,
+    /// round after round while they succeed; refreshes the blocked keys.
+    async fn retry_round(&mut self) -> Result<()> {
+        let limit = self.d.config.batch_size;
+        for _ in 0..10 {
+            let heads = db(self.d.pool, move |c| due_heads(c, limit)).await?;
+            if heads.is_empty() {
+                break;
+            }
+            if !self.still_holder().await? {
+                return Ok(());
+            }
+            let (messages, unreadable) = split_rows(heads);
+            let mut writes = Writes {
+                dead: unreadable,
+                ..Writes::default()
+            };
+            let outcomes = self.d.call(&messages).await?;
+            for (m, outcome) in messages.iter().zip(outcomes) {
+                match outcome {
+                    Ok(()) => writes.sent.push(m.id),
+                    Err(rejected) => {
+                        writes.refused(m, rejected.reason, &self.d.config.retry);
+                    }
+                }
+            }
+            let progressed = !writes.sent.is_empty() || !writes.dead.is_empty();
+            metrics::counter!("outbox_relay_published_total").increment(writes.sent.len() as u64);
+            db(self.d.pool, move |c| writes.apply(c)).await?;
+            if !progressed {
+                break;
+            }
+        }
+        self.blocked = db(self.d.pool, blocked_keys).await?;
+        metrics::gauge!("outbox_cdc_parked_keys").set(self.blocked.len() as f64);
+        Ok(())
+    }
+
+    /// Refreshes the lag gauges and the report in `outbox_cdc`, and moves the relayed
+    /// watermark. Failures are logged: the next report tries again.
+    async fn report(&mut self) {
+        let oldest = self
+            .ready
+            .first()
+            .or(self.open.as_ref())
+            .map(|c| c.commit_time);
+        let age = oldest.map_or(0.0, |t| {
+            (Utc::now() - t).to_std().unwrap_or_default().as_secs_f64()
+        });
+        metrics::gauge!("outbox_cdc_oldest_unconfirmed_seconds").set(age);
+        let every = self.d.config.lag_interval;
+        let confirmed = self.confirmed;
+        let mut watermark = std::mem::take(&mut self.watermark);
+        let reported = db(self.d.pool, move |c| {
+            let through = watermark.advance(c, confirmed)?;
+            let bytes = report(c, oldest, every, through)?;
+            Ok((watermark, bytes))
+        })
+        .await;
+        match reported {
+            Ok((watermark, bytes)) => {
+                self.watermark = watermark;
+                metrics::gauge!("outbox_cdc_lag_bytes").set(bytes as f64);
+            }
+            Err(e) => {
+                tracing::warn!(error = %outbox_core::error_chain(&e), "CDC relay report failed")
+            }
+        }
+    }
+}
+
+/// Polls `fut` once: its output if it is ready now.
+fn futures_now<F: Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    match fut.poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// The next backfill batch: NEW rows in the range not parked yet, in id order. `None`
+/// when the range is done (its start then moved to its end).
+fn backfill_batch(c: &mut diesel::PgConnection, limit: i64) -> Result<Option<Vec<RowMessage>>> {
+    let Some(mode) = setup::cdc_mode(c)? else {
+        return Err(CdcError::NotSetUp);
+    };
+    let (from, upto) = mode.backfill;
+    if from >= upto {
+        return Ok(None);
+    }
+    let rows: Vec<RowMessage> = diesel::sql_query(format!(
+        "SELECT {ROW_COLUMNS} FROM outbox o WHERE o.status = 0 AND o.id > $1 AND o.id <= $2 \
+         AND NOT EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id) \
+         ORDER BY o.id LIMIT $3"
+    ))
+    .bind::<BigInt, _>(from)
+    .bind::<BigInt, _>(upto)
+    .bind::<BigInt, _>(limit)
+    .load(c)?;
+    if rows.is_empty() {
+        diesel::sql_query("UPDATE outbox_cdc SET backfill_from = backfill_upto").execute(c)?;
+        return Ok(None);
+    }
+    Ok(Some(rows))
+}
+
+/// The readable rows as messages, and the unreadable ones with the reason.
+fn split_rows(rows: Vec<RowMessage>) -> (Vec<StoredMessage>, Vec<(i64, String)>) {
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut unreadable = Vec::new();
+    for r in rows {
+        match r.into_message() {
+            Ok(m) => messages.push(m),
+            Err(bad) => unreadable.push(bad),
+        }
+    }
+    (messages, unreadable)
+}
+
+/// Writes the relay's report into `outbox_cdc`; the slot's lag in bytes.
+fn report(
+    c: &mut diesel::PgConnection,
+    oldest: Option<DateTime<Utc>>,
+    every: Duration,
+    through: Option<i64>,
+) -> Result<i64> {
+    diesel::sql_query(
+        "UPDATE outbox_cdc SET reported_at = now(), oldest_unconfirmed_at = $1, \
+         report_every_ms = $2, relayed_through = greatest(relayed_through, coalesce($3, 0))",
+    )
+    .bind::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, _>(oldest)
+    .bind::<BigInt, _>(i64::try_from(every.as_millis()).unwrap_or(i64::MAX))
+    .bind::<diesel::sql_types::Nullable<BigInt>, _>(through)
+    .execute(c)?;
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
+        bytes: Option<i64>,
+    }
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint AS bytes \
+         FROM outbox_cdc c JOIN pg_replication_slots s ON s.slot_name = c.slot_name",
+    )
+    .load(c)?;
+    Ok(rows.first().and_then(|r| r.bytes).unwrap_or(0))
+}
