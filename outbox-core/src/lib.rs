@@ -14,6 +14,7 @@
 extern crate self as outbox_core;
 
 mod async_inbox;
+mod consumer;
 mod dispatch;
 mod error;
 mod error_chain;
@@ -34,6 +35,7 @@ mod store;
 pub mod trace;
 
 pub use async_inbox::{AsyncInbox, TxFuture};
+pub use consumer::{AsyncStore, ConsumerStore};
 pub use dispatch::{
     AsyncHandler, AsyncTxHandler, Delivery, Dispatcher, Handler, Prepared, panic_message,
 };
@@ -68,4 +70,10 @@ pub mod __private {
     pub use std::string::{String, ToString};
 
     pub use crate::msg_id::id_part;
+
+    /// The consumer runners' side of [`ConsumerStore`](crate::ConsumerStore): how a
+    /// store runs its transactions and where. For the broker crates, not for users.
+    pub mod consumer {
+        pub use crate::consumer::{Executor, StoreRun, Transactions, block_on, waker};
+    }
 }
