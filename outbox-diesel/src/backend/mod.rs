@@ -20,10 +20,12 @@ use outbox_core::{Envelope, RelayBatchOutcome, StoredMessage};
 
 use crate::{EmitOptions, Result};
 
+mod consumed;
 mod record;
 mod row;
 mod sql;
 
+pub(crate) use consumed::{ConsumedInsert, ConsumedSql};
 #[cfg(feature = "postgres")]
 pub(crate) use record::ClaimRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]

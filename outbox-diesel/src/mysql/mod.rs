@@ -11,7 +11,7 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel::{MysqlConnection, QueryableByName, RunQueryDsl};
 use outbox_core::{Envelope, MsgId};
 
-use crate::backend::{Database, Dialect, RecordRow, ResultRow};
+use crate::backend::{ConsumedInsert, ConsumedSql, Database, Dialect, RecordRow, ResultRow};
 use crate::backend::{FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, in_list, with_msg_ids};
 use crate::{EmitOptions, Result};
 
@@ -283,33 +283,14 @@ mod nonblocking {
     }
 }
 
-/// `INSERT IGNORE INTO consumed_msg ..`: 0 rows when already consumed, no error, so the
-/// consumer's transaction goes on. The inputs are validated first (msg_id and group
-/// lengths), so IGNORE has nothing else to hide.
-struct ConsumedInsert<'a> {
-    group: &'a str,
-    msg_id: &'a str,
+/// `INSERT IGNORE INTO consumed_msg ..`: 0 rows when already consumed, no error. The
+/// inputs are validated first (msg_id and group lengths), so IGNORE has nothing else to
+/// hide.
+impl ConsumedSql for Mysql {
+    const HEAD: &'static str =
+        "INSERT IGNORE INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (";
+    const TAIL: &'static str = ", UTC_TIMESTAMP(6))";
 }
-
-impl QueryId for ConsumedInsert<'_> {
-    type QueryId = ConsumedInsert<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Mysql> for ConsumedInsert<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        out.push_sql(
-            "INSERT IGNORE INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (",
-        );
-        out.push_bind_param::<Text, str>(self.group)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(self.msg_id)?;
-        out.push_sql(", UTC_TIMESTAMP(6))");
-        Ok(())
-    }
-}
-
-impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
 impl Database for MysqlConnection {
     const MIGRATION: &'static str = crate::migrate::MYSQL_UP;

@@ -6,29 +6,13 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::QueryResult;
 use diesel::sql_types::{Array, Text};
 
+use crate::backend::ConsumedSql;
+
 /// `INSERT INTO consumed_msg .. ON CONFLICT DO NOTHING`, prepared once per connection.
-pub(super) struct ConsumedInsert<'a> {
-    pub(super) group: &'a str,
-    pub(super) msg_id: &'a str,
+impl ConsumedSql for Pg {
+    const HEAD: &'static str = "INSERT INTO consumed_msg (consumer_group, msg_id) VALUES (";
+    const TAIL: &'static str = ") ON CONFLICT DO NOTHING";
 }
-
-impl QueryId for ConsumedInsert<'_> {
-    type QueryId = ConsumedInsert<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Pg> for ConsumedInsert<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO consumed_msg (consumer_group, msg_id) VALUES (");
-        out.push_bind_param::<Text, str>(self.group)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(self.msg_id)?;
-        out.push_sql(") ON CONFLICT DO NOTHING");
-        Ok(())
-    }
-}
-
-impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
 /// The dedup rows of a whole batch in one statement, prepared once per connection (the
 /// ids travel as one array, so the text is the same for every batch size):

@@ -105,12 +105,13 @@ pub use partition::{
 };
 pub use store::{PgRelayStore, with_keepalives};
 
+use crate::backend::ConsumedInsert;
 use claim::{
     MarkSent, begin_claim_sql, claim, claim_per_key, claim_sql, mark_sent_and_commit_sql,
     per_key_claim_sql,
 };
 use emit::insert;
-use inbox::{ConsumedDelete, ConsumedInsert, ConsumedInsertBatch};
+use inbox::{ConsumedDelete, ConsumedInsertBatch};
 #[cfg(feature = "async-postgres")]
 mod nonblocking;
 

@@ -3,12 +3,11 @@
 use diesel::connection::AnsiTransactionManager;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, QueryResult};
-use diesel::sql_types::Text;
 use diesel::sqlite::Sqlite;
 use diesel::{RunQueryDsl, SqliteConnection};
 use outbox_core::{Envelope, MsgId};
 
-use crate::backend::{Database, ResultRow};
+use crate::backend::{ConsumedInsert, ConsumedSql, Database, ResultRow};
 use crate::backend::{
     Dialect, FIND_ONE, MsgIdRow, Row, TAKE_BACK, chunks, first_outside_sql, head_is_due,
     with_msg_ids,
@@ -159,28 +158,11 @@ fn insert(conn: &mut SqliteConnection, envelopes: &[Envelope]) -> Result<()> {
 }
 
 /// `INSERT INTO consumed_msg .. ON CONFLICT DO NOTHING`, cached.
-struct ConsumedInsert<'a> {
-    group: &'a str,
-    msg_id: &'a str,
+impl ConsumedSql for Sqlite {
+    const HEAD: &'static str =
+        "INSERT INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (";
+    const TAIL: &'static str = concat!(", ", now!(), ") ON CONFLICT DO NOTHING");
 }
-
-impl QueryId for ConsumedInsert<'_> {
-    type QueryId = ConsumedInsert<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Sqlite> for ConsumedInsert<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Sqlite>) -> QueryResult<()> {
-        out.push_sql("INSERT INTO consumed_msg (consumer_group, msg_id, consumed_at) VALUES (");
-        out.push_bind_param::<Text, str>(self.group)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, str>(self.msg_id)?;
-        out.push_sql(concat!(", ", now!(), ") ON CONFLICT DO NOTHING"));
-        Ok(())
-    }
-}
-
-impl<Conn> RunQueryDsl<Conn> for ConsumedInsert<'_> {}
 
 impl Database for SqliteConnection {
     const MIGRATION: &'static str = crate::migrate::SQLITE_UP;
