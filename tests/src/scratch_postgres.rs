@@ -33,6 +33,21 @@ impl ScratchPostgres {
 
     /// `initdb`, then starts the server and waits until it accepts connections.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// [`start`](Self::start) with logical decoding on: `wal_level = logical`, 10
+    /// replication slots and WAL senders, for the CDC relay's tests.
+    pub fn start_logical() -> Self {
+        Self::start_with(&[
+            ("wal_level", "logical"),
+            ("max_replication_slots", "10"),
+            ("max_wal_senders", "10"),
+        ])
+    }
+
+    /// [`start`](Self::start) with server settings (`-c name=value`) added.
+    pub fn start_with(settings: &[(&str, &str)]) -> Self {
         let dir = std::env::temp_dir().join(unique("scratch-pg"));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let pwfile = dir.join("pw");
@@ -77,6 +92,11 @@ impl ScratchPostgres {
             .arg(&data)
             .args(["-p", &port.to_string()])
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+            .args(
+                settings
+                    .iter()
+                    .flat_map(|(k, v)| ["-c".to_owned(), format!("{k}={v}")]),
+            )
             .arg("-c")
             .arg(format!("unix_socket_directories={}", dir.display()))
             .stdout(Stdio::null())
@@ -98,6 +118,16 @@ impl ScratchPostgres {
             },
         );
         server
+    }
+
+    /// `postgres://postgres:<right password>@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        self.url_with_password(Self::PASSWORD)
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// `postgres://postgres:<password>@127.0.0.1:<port>/postgres`.
