@@ -6,7 +6,8 @@
 //!   from either; a readiness or startup probe on it keeps it out of rotation instead.
 //! - `/readyz`: 200 while the oldest due message is younger than `--ready-max-age`, 503
 //!   once it is older (the relays are not keeping up or cannot publish) or when the
-//!   database does not answer.
+//!   database does not answer. In CDC mode (`outbox migrate --cdc`) the age is the oldest
+//!   commit the slot has not confirmed, and a lost slot is a 503 saying how to recover.
 //!
 //! Each probe opens its own database connection, so it neither waits behind the relay's
 //! pool nor reports a pooled connection the server already dropped as healthy.
@@ -24,8 +25,9 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox_redis::redis;
 use serde_json::json;
 
-use crate::backend::{Database, with_conn};
+use crate::backend::{Conn, Database, with_conn};
 use crate::broker::{Broker, Timeouts};
+use crate::cdc::CdcStatus;
 use crate::error::CliError;
 
 /// The longest a probe's checks may take. Kubernetes gives a probe one second by
@@ -118,7 +120,22 @@ async fn readyz(State(admin): State<Arc<Admin>>) -> Response {
             false,
             &json!({"status": "unavailable", "database": format!("down: {e}")}),
         ),
-        Ok(backlog) => {
+        // CDC mode: the rows stay NEW; what is behind is what the slot has not confirmed.
+        Ok((_, Some(cdc))) => {
+            let ready = cdc.ready(admin.ready_max_age);
+            let status = match (ready, cdc.lost) {
+                (_, true) => "slot lost",
+                (true, false) => "ready",
+                (false, false) => "lagging",
+            };
+            let body = json!({
+                "status": status,
+                "cdc": cdc,
+                "max_age_seconds": max_age,
+            });
+            respond(ready, &body)
+        }
+        Ok((backlog, None)) => {
             let age = backlog.oldest_due_age.unwrap_or_default();
             let ready = age <= admin.ready_max_age;
             let body = json!({
@@ -154,12 +171,19 @@ fn respond(ok: bool, body: &serde_json::Value) -> Response {
 
 impl Admin {
     /// The backlog, read on a new connection: proves the database answers queries on
-    /// the outbox table, not only connections.
-    async fn backlog(&self) -> Result<outbox_core::Backlog, String> {
+    /// the outbox table, not only connections; on PostgreSQL in CDC mode, also the
+    /// slot's state.
+    async fn backlog(&self) -> Result<(outbox_core::Backlog, Option<CdcStatus>), String> {
         let db = self.db.clone();
         let read = tokio::task::spawn_blocking(move || {
             let mut conn = db.connect(false).map_err(|e| root_cause(&e))?;
-            with_conn!(&mut conn, c => outbox_diesel::backlog(c)).map_err(|e| root_cause(&e))
+            let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))
+                .map_err(|e| root_cause(&e))?;
+            let cdc = match &mut conn {
+                Conn::Pg(c) => crate::cdc::status(c).map_err(|e| root_cause(&e))?,
+                _ => None,
+            };
+            Ok((backlog, cdc))
         });
         match tokio::time::timeout(PROBE_TIMEOUT, read).await {
             Ok(Ok(result)) => result,

@@ -225,6 +225,16 @@ pub(crate) struct MigrateArgs {
     /// msg_id dedup window).
     #[arg(long, default_value = "7d", value_parser = humantime::parse_duration, requires = "partitioned", value_name = "DURATION")]
     pub(crate) retention: Duration,
+    /// PostgreSQL: also set up the CDC relay (`outbox relay --cdc`, docs/cdc.md): the
+    /// publication of the outbox's inserts and the logical replication slot. Needs
+    /// `wal_level = logical` and a role with REPLICATION. Idempotent.
+    #[arg(long)]
+    pub(crate) cdc: bool,
+    /// With --cdc: recreate a slot the server invalidated or lost (stop the CDC relays
+    /// first); the messages committed since the old slot's position are published from
+    /// the table (some again: the consumers' inbox absorbs them).
+    #[arg(long, requires = "cdc")]
+    pub(crate) recover_slot: bool,
 }
 
 /// `outbox partitions`.
@@ -308,6 +318,13 @@ pub(crate) struct RelayArgs {
     /// Run `outbox migrate` before starting.
     #[arg(long)]
     pub(crate) migrate: bool,
+    /// PostgreSQL: relay from the database's log (logical decoding) instead of polling
+    /// the table: commit order, no UPDATE per message. Set it up first with
+    /// `outbox migrate --cdc` (docs/cdc.md). Relays of one database share its slot, one
+    /// reading at a time; the others wait and take over. --order and --poll-interval do
+    /// not apply (the log is in commit order and pushes new commits).
+    #[arg(long)]
+    pub(crate) cdc: bool,
     /// Serve, at http://ADDR: /metrics (Prometheus: backlog, published, failures, batch
     /// timings), /healthz (200 when the database and Redis answer, else 503 naming the
     /// one down) and /readyz (200 while the oldest due message is younger than

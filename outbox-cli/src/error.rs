@@ -25,6 +25,12 @@ pub(crate) enum CliError {
          (docs/table-partitions.md says why)"
     )]
     PostgresOnly(&'static str),
+    /// `--cdc` asked of MySQL/MariaDB or SQLite.
+    #[error(
+        "--cdc reads PostgreSQL's log only: MySQL/MariaDB and SQLite use the polling relay \
+         (docs/cdc.md, \"MySQL and MariaDB\", says what a binlog relay would need)"
+    )]
+    CdcPostgresOnly,
     /// `outbox partitions maintain` could not do every step.
     #[error("{0} partition maintenance step(s) failed (listed above); the next run tries again")]
     MaintenanceFailed(usize),
@@ -97,6 +103,9 @@ pub(crate) enum CliError {
     /// The relay stopped on an error that is not an outage.
     #[error("the relay stopped on an error")]
     Relay(#[source] outbox_core::Error),
+    /// The CDC relay's setup, start check or run failed (`--cdc`).
+    #[error("the CDC relay (--cdc)")]
+    Cdc(#[from] outbox_cdc::CdcError),
     /// The async runtime or the signal handlers could not be set up.
     #[error("cannot set up the runtime or the signal handlers")]
     Runtime(#[source] io::Error),
@@ -184,6 +193,7 @@ impl CliError {
             Self::RelayStart(e) | Self::Relay(e) if e.is_relay_conflict() => {
                 Some(RELAY_CONFLICT_HINT)
             }
+            Self::Cdc(e) => crate::cdc::hint(e),
             _ => None,
         }
     }

@@ -5,6 +5,7 @@ mod admin;
 mod args;
 mod backend;
 mod broker;
+mod cdc;
 mod commands;
 mod error;
 mod output;

@@ -50,14 +50,66 @@ pub(super) fn run(
             db.kind,
             db.display()
         )?;
-        return Ok(());
+    } else {
+        with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
+        writeln!(
+            out,
+            "outbox tables are up to date ({}: {})",
+            db.kind,
+            db.display()
+        )?;
     }
-    with_conn!(&mut conn, c => outbox_diesel::migrate(c))?;
+    if args.cdc {
+        let Conn::Pg(c) = &mut conn else {
+            return Err(CliError::CdcPostgresOnly);
+        };
+        cdc_setup(c, args.recover_slot, out)?;
+    }
+    Ok(())
+}
+
+/// `--cdc`: the publication and the slot (or, with `recover_slot`, a new slot for a lost
+/// one), after the tables.
+fn cdc_setup(
+    c: &mut diesel::PgConnection,
+    recover_slot: bool,
+    out: &mut impl Write,
+) -> Result<(), CliError> {
+    let report = if recover_slot {
+        outbox_cdc::recover_lost_slot(c)?
+    } else {
+        outbox_cdc::setup(c, &outbox_cdc::CdcConfig::default())?
+    };
+    let (from, upto) = report.backfill;
     writeln!(
         out,
-        "outbox tables are up to date ({}: {})",
-        db.kind,
-        db.display()
+        "CDC relay set up: publication {}, slot {}{}; {}",
+        if report.publication_created {
+            "created"
+        } else {
+            "in place"
+        },
+        if report.slot_created {
+            "created"
+        } else {
+            "in place"
+        },
+        if report.partitioned {
+            " (partitioned table)"
+        } else {
+            ""
+        },
+        if upto > from {
+            format!(
+                "NEW rows with ids {} to {upto} are published first (backfill)",
+                from + 1
+            )
+        } else {
+            "nothing to backfill".to_owned()
+        }
     )?;
+    // A slot that exists but cannot serve (invalidated) is reported now, not at the
+    // relay's start.
+    outbox_cdc::check(c)?;
     Ok(())
 }

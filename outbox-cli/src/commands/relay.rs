@@ -19,6 +19,8 @@ use crate::backend::{BackendKind, Database, with_conn};
 use crate::broker::Broker;
 use crate::error::CliError;
 
+mod cdc;
+
 /// How long the pool waits for a connection before reporting the database down.
 const POOL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long blocking database work may take to finish once the relay has stopped.
@@ -27,6 +29,9 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Runs the relay until a signal; returns the error that stopped it otherwise.
 pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<(), CliError> {
     // Usage errors, reported before anything connects.
+    if args.cdc && db.kind != BackendKind::Postgres {
+        return Err(CliError::CdcPostgresOnly);
+    }
     let publisher_config = publisher_config(args)?;
     let publisher =
         broker
@@ -68,6 +73,7 @@ pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<()
         stop,
     };
     let result = match db.kind {
+        BackendKind::Postgres if args.cdc => cdc::serve(parts),
         BackendKind::Postgres => {
             // Keepalives: a relay cut off from its database notices within a minute.
             let url = outbox_diesel::with_keepalives(&db.target);

@@ -88,10 +88,14 @@ pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
             "Database " code { (o.database) }
             @if let Some(redis) = &o.redis { " · Redis " code { (redis) } }
         }
-        div.cards {
-            div.card { b #due { (o.due) } "due messages" }
-            div.card { b #oldest { (o.oldest_due_age_seconds.map_or("–".to_owned(), seconds)) } "oldest due" }
-            div.card { b #dead { (o.dead) } "dead letters" }
+        @if let Some(cdc) = &o.cdc {
+            (cdc_cards(cdc, o.dead))
+        } @else {
+            div.cards {
+                div.card { b #due { (o.due) } "due messages" }
+                div.card { b #oldest { (o.oldest_due_age_seconds.map_or("–".to_owned(), seconds)) } "oldest due" }
+                div.card { b #dead { (o.dead) } "dead letters" }
+            }
         }
         h2 { "Published, last " (data::CHART_MINUTES) " minutes" }
         (chart(&o.published))
@@ -122,6 +126,28 @@ pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
         }
     };
     page(StatusCode::OK, "Overview", body)
+}
+
+/// CDC mode's cards: the slot's lag and oldest unconfirmed commit in place of the due
+/// messages (the CDC relay leaves its rows NEW), and a lost slot with its recovery.
+fn cdc_cards(cdc: &crate::cdc::CdcStatus, dead: u64) -> Markup {
+    html! {
+        p.muted {
+            "CDC relay, slot " code { (cdc.slot) } " · "
+            @match cdc.holder_pid {
+                Some(pid) => { "read by walsender " (pid) }
+                None => { "no relay reading it now" }
+            }
+            " · NEW counts below include published messages (their rows stay NEW)"
+        }
+        @if let Some(hint) = cdc.hint { p.err #cdc-lost { (hint) } }
+        div.cards {
+            div.card { b #lag { (cdc.lag_bytes.map_or("–".to_owned(), crate::cdc::bytes)) } "slot lag" }
+            div.card { b #oldest { (cdc.oldest_unconfirmed_age_seconds.map_or("–".to_owned(), seconds)) } "oldest unconfirmed" }
+            div.card { b #parked { (cdc.parked) } "parked for retry" }
+            div.card { b #dead { (dead) } "dead letters" }
+        }
+    }
 }
 
 /// Bars of messages per second and a line of the mean latency, per minute.

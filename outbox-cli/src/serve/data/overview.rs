@@ -27,6 +27,10 @@ pub(crate) struct Overview {
     pub(crate) published: Vec<Minute>,
     /// Relays seen.
     pub(crate) relays: Relays,
+    /// CDC mode (`outbox migrate --cdc`): the slot's state, which is then the backlog
+    /// (`due` and the NEW counts include the messages the CDC relay published, whose rows
+    /// stay NEW); `null` with the polling relay.
+    pub(crate) cdc: Option<crate::cdc::CdcStatus>,
 }
 
 /// One topic's counts.
@@ -90,6 +94,10 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         topics: topics.into_iter().map(TopicCounts::from).collect(),
         published: minutes.into_iter().map(Minute::from).collect(),
         relays: relays(app, &mut conn)?,
+        cdc: match &mut conn {
+            Conn::Pg(c) => crate::cdc::status(c).map_err(|e| Failure::server(e.to_string()))?,
+            _ => None,
+        },
     })
 }
 

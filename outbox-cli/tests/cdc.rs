@@ -1,0 +1,159 @@
+//! `outbox migrate --cdc`, `outbox relay --cdc`, `outbox status` and `/readyz` in CDC
+//! mode, against a private PostgreSQL cluster with `wal_level = logical` (the shared
+//! server runs `replica`).
+
+mod fixtures;
+
+use std::net::TcpListener;
+
+use diesel::{Connection as _, PgConnection};
+use fixtures::process::Background;
+use fixtures::relay::Streams;
+use fixtures::{Ping, outbox, redis_url};
+use outbox_diesel::Emit as _;
+use outbox_tests::ScratchPostgres;
+use predicates::str::contains;
+
+fn emit(url: &str, ns: impl IntoIterator<Item = u32>) {
+    let mut c = PgConnection::establish(url).expect("connect");
+    let events: Vec<Ping> = ns.into_iter().map(|n| Ping { n }).collect();
+    c.transaction(|c| {
+        c.emit_all(events)?;
+        Ok::<_, diesel::result::Error>(())
+    })
+    .expect("emit");
+}
+
+fn status(url: &str) -> serde_json::Value {
+    let out = outbox()
+        .args(["--database-url", url, "status", "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    serde_json::from_slice(&out).expect("status prints JSON")
+}
+
+fn free_addr() -> std::net::SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+}
+
+fn cdc_relay(url: &str, streams: &Streams, admin: std::net::SocketAddr) -> Background {
+    let admin = admin.to_string();
+    Background::spawn(
+        &[
+            "--database-url",
+            url,
+            "relay",
+            "--cdc",
+            "--broker",
+            &redis_url(),
+            "--stream-prefix",
+            &streams.prefix,
+            "--admin-addr",
+            &admin,
+        ],
+        "info",
+    )
+}
+
+fn get(addr: std::net::SocketAddr, path: &str) -> String {
+    outbox_tests::http_get(addr, path, std::time::Duration::from_secs(30)).text
+}
+
+#[test]
+fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
+    let pg = ScratchPostgres::start_logical();
+    let url = pg.url();
+    // Committed before the slot exists: published by the backfill.
+    outbox()
+        .args(["--database-url", &url, "migrate"])
+        .assert()
+        .success();
+    emit(&url, 1..=3);
+    outbox()
+        .args(["--database-url", &url, "migrate", "--cdc"])
+        .assert()
+        .success()
+        .stdout(contains("CDC relay set up"));
+    let s = status(&url);
+    assert_eq!(s["cdc"]["slot"], "outbox_cdc", "{s}");
+    assert_eq!(s["cdc"]["lost"], false, "{s}");
+    assert!(s["due"].is_null(), "no NEW-row backlog in CDC mode: {s}");
+
+    let streams = Streams::new();
+    let admin = free_addr();
+    let mut relay = cdc_relay(&url, &streams, admin);
+    streams.wait_for(3, &mut relay);
+    emit(&url, 4..=6);
+    emit(&url, [7]);
+    let published = streams.wait_for(7, &mut relay);
+    let expected: Vec<String> = (1..=7).map(|n| format!("{n}:Ping")).collect();
+    assert_eq!(published, expected, "every message once, in commit order");
+    let ready = get(admin, "/readyz");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    assert!(ready.contains("\"cdc\""), "{ready}");
+    assert!(get(admin, "/metrics").contains("outbox_relay_published_total"));
+
+    relay.signal("TERM");
+    let exit = relay.wait();
+    assert!(
+        exit.success(),
+        "exit {exit} after SIGTERM; log:\n{}",
+        relay.log()
+    );
+}
+
+#[test]
+fn a_lost_slot_is_reported_with_its_recovery_and_recovered() {
+    let pg = ScratchPostgres::start_logical();
+    let url = pg.url();
+    outbox()
+        .args(["--database-url", &url, "migrate", "--cdc"])
+        .assert()
+        .success();
+    // What max_slot_wal_keep_size does, as far as the relay can tell: the slot is gone.
+    let mut c = PgConnection::establish(&url).expect("connect");
+    diesel::RunQueryDsl::execute(
+        diesel::sql_query("SELECT pg_drop_replication_slot('outbox_cdc')"),
+        &mut c,
+    )
+    .expect("drop the slot");
+    emit(&url, 1..=2);
+
+    let s = status(&url);
+    assert_eq!(s["cdc"]["lost"], true, "{s}");
+    let text = outbox()
+        .args(["--database-url", &url, "status"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8(text).expect("utf-8");
+    assert!(text.contains("--recover-slot"), "{text}");
+
+    let streams = Streams::new();
+    let mut refused = cdc_relay(&url, &streams, free_addr());
+    let exit = refused.wait();
+    assert!(!exit.success(), "a relay on a lost slot must stop");
+    assert!(
+        refused.log().contains("--recover-slot"),
+        "{}",
+        refused.log()
+    );
+
+    outbox()
+        .args(["--database-url", &url, "migrate", "--cdc", "--recover-slot"])
+        .assert()
+        .success();
+    let mut relay = cdc_relay(&url, &streams, free_addr());
+    let published = streams.wait_for(2, &mut relay);
+    assert_eq!(published, ["1:Ping", "2:Ping"]);
+    assert_eq!(status(&url)["cdc"]["lost"], false);
+    relay.signal("TERM");
+    assert!(relay.wait().success(), "log:\n{}", relay.log());
+}
