@@ -6,6 +6,7 @@
 //! on the `PATH`).
 
 mod fixtures;
+mod serve_support;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -16,6 +17,7 @@ use fixtures::{TestDb, outbox, redis_url, unique};
 use outbox_tests::ScratchSentinel;
 use outbox_tests::scratch_sentinel::sync_query;
 use predicates::str::contains;
+use serve_support::Server;
 
 /// How long one step may take: generous, for a busy machine.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -86,6 +88,7 @@ fn relay_through_sentinel_follows_a_failover_and_waits_for_a_replica() {
         sentinels.join(","),
         ScratchSentinel::MASTER
     );
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], outbox_tests::ports::free_port()));
     let mut relay = Background::spawn(
         &[
             "--database-url",
@@ -99,6 +102,8 @@ fn relay_through_sentinel_follows_a_failover_and_waits_for_a_replica() {
             "100ms",
             "--durability",
             "replicas=1,timeout=500ms",
+            "--admin-addr",
+            &admin.to_string(),
         ],
         "info",
     );
@@ -292,6 +297,24 @@ fn relay_streams_and_trim_reach_every_node_of_a_cluster() {
         assert_eq!(report["removed"], removed, "{stream}: {reports}");
         assert_eq!(length(&mut conn, stream), before[p] - removed, "{stream}");
     }
+
+    // The operator's page lists the group of every partition, whichever node holds it.
+    let server = Server::start(&db.url, &["--broker", &broker, "--stream-prefix", &prefix]);
+    let groups = server.json("/api/groups");
+    let mut listed: Vec<(String, String)> = (groups.as_array().expect("groups").iter())
+        .map(|g| {
+            (
+                g["stream"].as_str().unwrap().to_owned(),
+                g["group"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    listed.sort();
+    let expected: Vec<(String, String)> = streams
+        .iter()
+        .map(|s| (s.clone(), "g".to_owned()))
+        .collect();
+    assert_eq!(listed, expected, "{groups}");
 }
 
 /// Broker URLs and durabilities that do not parse: usage errors (exit 2) that say what
@@ -307,7 +330,7 @@ fn bad_broker_urls_and_durabilities_are_usage_errors_without_passwords() {
         ),
         (
             format!("redis+cluster://:{secret}@127.0.0.1:x"),
-            "`127.0.0.1:x` is not an address",
+            "refused the node `127.0.0.1:x`",
         ),
         (
             format!("redis+cluster://:{secret}@h1:1/3"),

@@ -89,7 +89,7 @@ pub(crate) enum BrokerUrlError {
     #[error("unknown parameter `{0}` (this scheme takes {1})")]
     UnknownParameter(String, &'static str),
     /// A `%` escape that does not decode to UTF-8.
-    #[error("a %-escape in the credentials does not decode to UTF-8")]
+    #[error("a %-escape in sentinel_username or sentinel_password does not decode to UTF-8")]
     BadEscape,
     /// The redis crate refused an address (its words; they never quote the password).
     #[error("{what}")]

@@ -225,7 +225,7 @@ fn redis_scheme(tls: bool) -> &'static str {
 fn node(url: &str, host: &str) -> Result<ConnectionInfo, BrokerUrlError> {
     url.into_connection_info()
         .map_err(|source| BrokerUrlError::Redis {
-            what: format!("`{host}` is not an address the redis crate takes (HOST:PORT)"),
+            what: format!("the redis crate refused the node `{host}` (HOST:PORT)"),
             source,
         })
 }

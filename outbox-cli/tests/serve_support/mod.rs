@@ -42,6 +42,7 @@ impl Server {
             std::env::temp_dir().join(format!("{}.log", outbox_tests::unique("outbox_serve")));
         let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
             .env_remove("DATABASE_URL")
+            .env_remove("OUTBOX_BROKER")
             .env_remove("REDIS_URL")
             .env_remove("OUTBOX_SERVE_TOKEN")
             .env("RUST_LOG", "info")
