@@ -15,7 +15,9 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use outbox_core::{Delivery, Envelope, Handler, HandlerError, Publisher as _, StoredMessage};
 use outbox_diesel::{PgInbox, PgPool};
 use outbox_examples::AccountTransferred;
-use outbox_redis::{Consumer, ConsumerConfig, OrderedConfig, PublisherConfig, RedisPublisher};
+use outbox_redis::{
+    AfterDeadLetter, Consumer, ConsumerConfig, OrderedConfig, PublisherConfig, RedisPublisher,
+};
 use outbox_tests::{Isolated, redis_url, unique, unique_prefix};
 
 const TOPIC: &str = "account.transferred";
@@ -235,4 +237,73 @@ async fn a_redrive_is_skipped_by_an_ordered_consumer_and_applied_in_batch_mode()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_is_skipped_in_batch_mode_and_applied_by_an_ordered_consumer() {
     a_redrive_reaches_only_the_group_that_gave_up(batch(), ordered()).await;
+}
+
+/// An ordered group that blocks a key after a dead letter (`AfterDeadLetter::Block`)
+/// still acknowledges another group's redrive of that key at once: the redrive is none of
+/// its business, and must not wait behind the block for an operator (nor hold a pending
+/// entry, and the read-ahead, meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_groups_redrive_does_not_wait_behind_a_key_this_ordered_group_blocked() {
+    let f = Fixture::new();
+    f.publish().await;
+    let broken = Arc::new(AtomicBool::new(true));
+    let blocker = Record {
+        group: unique("blocker"),
+        broken: Arc::clone(&broken),
+    };
+    let ledger = Record {
+        group: unique("ledger"),
+        broken,
+    };
+    let blocking = || {
+        ordered().with_ordered(
+            OrderedConfig::default()
+                .with_lease_ttl(Duration::from_secs(2))
+                .with_after_dead_letter(AfterDeadLetter::Block),
+        )
+    };
+    let first = f.consumer(blocking(), blocker.clone());
+    run_until(&first, |c| c.stats().dead_lettered == 1).await;
+    let gave_up = f.consumer(single(), ledger.clone());
+    run_until(&gave_up, |c| c.stats().dead_lettered == 1).await;
+
+    let mut redis = redis::Client::open(redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let stream = format!("{}{TOPIC}", f.prefix);
+    let blocked = outbox_redis::blocked_keys(&mut redis, &stream, &blocker.group)
+        .await
+        .unwrap();
+    assert_eq!(blocked.len(), 1, "the blocker blocked the key: {blocked:?}");
+    let dead_stream = gave_up.dead_letter_stream(&stream);
+    let dead = outbox_redis::dead_letters(&mut redis, &dead_stream, 10)
+        .await
+        .unwrap();
+    let ledgers: Vec<_> = dead.iter().filter(|d| d.group == ledger.group).collect();
+    assert_eq!(ledgers.len(), 1);
+    assert!(
+        outbox_redis::redrive_dead_letter(&mut redis, &dead_stream, &ledgers[0].id)
+            .await
+            .unwrap()
+    );
+
+    let again = f.consumer(blocking(), blocker.clone());
+    run_until(&again, |c| c.stats().redrives_for_others == 1).await;
+    let groups = outbox_redis::consumer_groups(&mut redis, &stream)
+        .await
+        .unwrap();
+    let blockers = groups.iter().find(|g| g.name == blocker.group).unwrap();
+    assert_eq!(
+        blockers.pending, 0,
+        "the redrive acknowledged: {blockers:?}"
+    );
+    let still = outbox_redis::blocked_keys(&mut redis, &stream, &blocker.group)
+        .await
+        .unwrap();
+    assert_eq!(still, blocked, "the key stays blocked for an operator");
+    assert_eq!(f.applied_by(&blocker.group), 0);
+    outbox_tests::delete_redis_keys(&f.prefix);
 }

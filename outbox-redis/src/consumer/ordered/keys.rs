@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::super::Job;
 use super::super::lanes::entry_key;
+use crate::entry::redriven_for_another;
 
 /// A key of a stream: a key's order holds within its stream (its partition).
 pub(super) type KeyId = (Arc<str>, Vec<u8>);
@@ -39,12 +40,35 @@ pub(super) struct Keys {
     ready: VecDeque<KeyId>,
     /// The entries queued (running included), by stream and id: an entry is queued once.
     entries: HashSet<EntryId>,
+    /// The consumer's group: another group's redrive queues under a key of its own.
+    group: Arc<str>,
 }
 
 /// An entry of a stream.
 pub(super) type EntryId = (Arc<str>, String);
 
 impl Keys {
+    /// The queues of `group`'s consumer.
+    pub(super) fn new(group: &str) -> Self {
+        Self {
+            group: group.into(),
+            ..Self::default()
+        }
+    }
+
+    /// The queue `job` goes to: its key's, but for another group's redrive, which this
+    /// group only acknowledges. It gets a queue of its own (`0xFF` and its entry id: no
+    /// UTF-8 key starts so), not to wait behind its key's earlier entries, or forever
+    /// behind a key this group blocked.
+    fn key_id(&self, job: &Job) -> KeyId {
+        let key = if redriven_for_another(&job.entry.map, &self.group).is_some() {
+            [&[0xFF][..], job.entry.id.as_bytes()].concat()
+        } else {
+            entry_key(&job.entry)
+        };
+        (Arc::clone(&job.stream), key)
+    }
+
     /// Queues `job` behind the earlier entries of its key, unless it is queued already.
     pub(super) fn push(&mut self, job: Job) {
         if !self
@@ -53,7 +77,7 @@ impl Keys {
         {
             return;
         }
-        let id: KeyId = (Arc::clone(&job.stream), entry_key(&job.entry));
+        let id = self.key_id(&job);
         let queue = self.queues.entry(id.clone()).or_insert_with(|| Queue {
             jobs: VecDeque::new(),
             state: State::Idle,
@@ -111,7 +135,7 @@ impl Keys {
     /// `retry_at` (or, `blocked`, for an operator). A key of a stream dropped meanwhile
     /// is ignored.
     pub(super) fn done(&mut self, job: Job, settled: bool, retry_at: Instant, blocked: bool) {
-        let id: KeyId = (Arc::clone(&job.stream), entry_key(&job.entry));
+        let id = self.key_id(&job);
         let Some(queue) = self.queues.get_mut(&id) else {
             return;
         };

@@ -193,7 +193,7 @@ where
             consumer: consumer.clone(),
             span,
             held: HashMap::new(),
-            keys: Keys::default(),
+            keys: Keys::new(&consumer.inner.group),
             tasks: JoinSet::new(),
             running: HashMap::new(),
             task_limit,
