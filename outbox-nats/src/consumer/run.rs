@@ -1,0 +1,238 @@
+//! [`Consumer::run_until`]: the streams and durable consumers it sets up, and its
+//! readers' pulls.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use futures_util::StreamExt as _;
+use outbox_core::ConsumerStore;
+use tokio::sync::watch;
+
+use super::health::Count;
+use super::process::Outcome;
+use super::screen::Job;
+use super::{Consumer, StartFrom, Topic};
+use crate::streams::ensure_stream;
+use crate::{Error, Result};
+
+impl<I, C> Consumer<I, C>
+where
+    I: ConsumerStore<Conn = C>,
+    C: 'static,
+{
+    /// Reads and applies messages until `shutdown` completes, then stops pulling,
+    /// finishes the messages in hand (for at most
+    /// [`shutdown_timeout`](super::ConsumerConfig::shutdown_timeout); a message cut
+    /// off is delivered again after `ack_wait`) and returns.
+    ///
+    /// At start it creates each handled topic's stream when missing (and checks it
+    /// when present, see [`StreamSettings`](crate::StreamSettings)), the dead-letter
+    /// stream, and the group's durable pull consumer on each stream. While NATS is
+    /// unreachable it waits and tries again; a stream with other settings is
+    /// [`Error::StreamMismatch`].
+    pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let work = async {
+            let Some(readers) = self.set_up(stop_rx.clone()).await? else {
+                return Ok(());
+            };
+            self.inner.health.running.store(true, Ordering::Relaxed);
+            let reads = readers
+                .into_iter()
+                .map(|(topic, consumer)| self.read(topic, consumer, stop_rx.clone()));
+            futures_util::future::join_all(reads).await;
+            Ok(())
+        };
+        tokio::pin!(work);
+        tokio::pin!(shutdown);
+        let result = tokio::select! {
+            result = &mut work => result,
+            () = &mut shutdown => {
+                let _ = stop_tx.send(true);
+                let grace = self.inner.config.shutdown_timeout + self.inner.config.fetch_wait;
+                match tokio::time::timeout(grace, &mut work).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        tracing::warn!("shutdown timed out with messages in hand; they are delivered again after ack_wait");
+                        Ok(())
+                    }
+                }
+            }
+        };
+        self.inner.health.running.store(false, Ordering::Relaxed);
+        result
+    }
+
+    /// The streams and durable consumers, tried again after each outage until they are
+    /// there (`Some`) or the run is stopped (`None`).
+    async fn set_up(
+        &self,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<Option<Vec<(Topic, PullConsumer)>>> {
+        let mut failures = 0;
+        loop {
+            match self.try_set_up().await {
+                Ok(readers) => return Ok(Some(readers)),
+                Err(e) if e.is_outage() => {
+                    failures += 1;
+                    self.inner.health.nats(Some(e.to_string()));
+                    tracing::warn!(error = %e, "nats unavailable while setting up the consumer; trying again");
+                    if self.pause(self.outage_delay(failures), &mut stop).await {
+                        return Ok(None);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn try_set_up(&self) -> Result<Vec<(Topic, PullConsumer)>> {
+        let inner = &self.inner;
+        let naming = &inner.config.naming;
+        let dead = inner.config.streams.clone().with_max_age(Duration::ZERO);
+        ensure_stream(
+            &inner.js,
+            &naming.dead_letter_stream(),
+            vec![naming.dead_letter_subjects()],
+            &dead,
+        )
+        .await?;
+        let mut readers = Vec::with_capacity(inner.topics.len());
+        for topic in &inner.topics {
+            let subjects = naming.stream_subjects(&topic.name, topic.partitions);
+            ensure_stream(&inner.js, &topic.stream, subjects, &inner.config.streams).await?;
+            readers.push((topic.clone(), self.durable(topic).await?));
+        }
+        Ok(readers)
+    }
+
+    /// The group's durable pull consumer on `topic`'s stream, created when missing.
+    /// The server's own delivery limit is off (`max_deliver` -1): the consumer decides
+    /// when a message is dead, and writes it to the dead-letter stream with its reason.
+    async fn durable(&self, topic: &Topic) -> Result<PullConsumer> {
+        let inner = &self.inner;
+        let config = pull::Config {
+            durable_name: Some(inner.group.clone()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: inner.config.ack_wait,
+            max_deliver: -1,
+            deliver_policy: match inner.config.start_from {
+                StartFrom::Beginning => DeliverPolicy::All,
+                StartFrom::New => DeliverPolicy::New,
+            },
+            max_ack_pending: 10_000,
+            ..Default::default()
+        };
+        let unavailable = |e: &dyn std::fmt::Display| {
+            Error::Unavailable(format!("consumer {} on {}: {e}", inner.group, topic.stream))
+        };
+        let stream = inner
+            .js
+            .get_stream_no_info(&*topic.stream)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        stream
+            .get_or_create_consumer(&inner.group, config)
+            .await
+            .map_err(|e| match e.kind() {
+                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => Error::Refused {
+                    what: format!("create consumer {} on {}", inner.group, topic.stream),
+                    reason: js.to_string(),
+                },
+                _ => unavailable(&e),
+            })
+    }
+
+    /// Waits `delay`, or less if the run is stopped; returns whether it was.
+    async fn pause(&self, delay: Duration, stop: &mut watch::Receiver<bool>) -> bool {
+        if *stop.borrow() {
+            return true;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => *stop.borrow(),
+            _ = stop.changed() => true,
+        }
+    }
+
+    /// One reader: pulls from `consumer` and applies what comes, until stopped.
+    async fn read(&self, topic: Topic, consumer: PullConsumer, mut stop: watch::Receiver<bool>) {
+        let mut failures = 0;
+        while !*stop.borrow() {
+            self.inner.health.round();
+            let outage = match self.pull(&topic, &consumer).await {
+                Ok(outage) => {
+                    failures = 0;
+                    self.inner.health.nats(None);
+                    outage
+                }
+                Err(e) => {
+                    failures += 1;
+                    self.count(Count::NatsError, 1);
+                    self.inner.health.nats(Some(e.clone()));
+                    tracing::warn!(stream = %topic.stream, error = %e, "pull failed");
+                    true
+                }
+            };
+            if outage
+                && self
+                    .pause(self.outage_delay(failures.max(1)), &mut stop)
+                    .await
+            {
+                break;
+            }
+        }
+    }
+
+    /// One pull: its messages applied as they arrive, concurrently in single mode, a
+    /// batch of those ready at a time in batch mode. Returns whether one met an outage;
+    /// `Err` when the pull itself failed.
+    async fn pull(&self, topic: &Topic, consumer: &PullConsumer) -> Result<bool, String> {
+        let config = &self.inner.config;
+        let messages = consumer
+            .batch()
+            .max_messages(config.fetch_count)
+            .expires(config.fetch_wait)
+            .messages()
+            .await
+            .map_err(|e| e.to_string())?;
+        // A pull the server does not end (the connection dropped) is cut off here; the
+        // messages already taken are still finished.
+        let deadline = tokio::time::sleep(config.fetch_wait + Duration::from_secs(2));
+        let outage = AtomicBool::new(false);
+        let failed = std::sync::Mutex::new(None::<String>);
+        let jobs = messages.take_until(deadline).filter_map(|m| {
+            let job = match m {
+                Ok(msg) => Job::new(msg, topic),
+                Err(e) => {
+                    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                    None
+                }
+            };
+            std::future::ready(job)
+        });
+        match config.batch_size {
+            None => {
+                jobs.for_each_concurrent(config.max_in_flight, |job| async {
+                    if self.process(job).await == Outcome::Outage {
+                        outage.store(true, Ordering::Relaxed);
+                    }
+                })
+                .await;
+            }
+            Some(n) => {
+                let mut batches = std::pin::pin!(jobs.ready_chunks(n));
+                while let Some(batch) = batches.next().await {
+                    if self.process_batch(batch).await == Outcome::Outage {
+                        outage.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(outage.into_inner()),
+        }
+    }
+}
