@@ -160,6 +160,25 @@ fn relay_through_sentinel_follows_a_failover_and_waits_for_a_replica() {
     assert!(msg_ids_at(second, &stream).is_superset(&pings(1..=160)));
     assert_eq!(db.status()["dead"], 0);
     relay.stop();
+
+    // `streams` asks the sentinels for the primary too.
+    let listed = outbox()
+        .args([
+            "streams",
+            "--broker",
+            &broker,
+            "--stream-prefix",
+            &prefix,
+            "--json",
+        ])
+        .timeout(PATIENCE)
+        .output()
+        .unwrap();
+    assert!(listed.status.success(), "{listed:?}");
+    let topics: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let shown = &topics[0]["streams"][0];
+    assert_eq!(shown["stream"], stream.as_str(), "{topics}");
+    assert!(shown["length"].as_u64() >= Some(160), "{topics}");
 }
 
 /// `outbox relay --broker redis+cluster://…` (two seeds of three nodes) publishes a
@@ -405,6 +424,22 @@ fn bad_broker_urls_and_durabilities_are_usage_errors_without_passwords() {
         .assert()
         .code(2)
         .stderr(contains("error: no broker URL: pass --broker"));
+    // An option the deployment cannot take: a cluster's stream prefix holds no brace.
+    db.outbox()
+        .args([
+            "relay",
+            "--broker",
+            "redis+cluster://127.0.0.1:1",
+            "--stream-prefix",
+            "a{b}:",
+        ])
+        .timeout(PATIENCE)
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "error: cannot publish to `redis+cluster://127.0.0.1:1` with these options",
+        ))
+        .stderr(contains("must not contain `{` or `}` on a Redis Cluster"));
     for (durability, says) in [
         ("replicas=0", "waits for nothing"),
         (
