@@ -443,9 +443,14 @@ fn recover_locked(conn: &mut PgConnection) -> Result<SetupReport> {
     }
     let slot_created = create_slot(conn, &mode.slot)?;
     let upto = max_id(conn)?;
-    // The backfill still to do is kept: it starts at the lower of its start and the
+    // A backfill not finished is kept: it starts at the lower of its start and the
     // watermark.
-    let from = mode.backfill.0.min(mode.relayed_through);
+    let (start, end) = mode.backfill;
+    let from = if start < end {
+        start.min(mode.relayed_through)
+    } else {
+        mode.relayed_through
+    };
     diesel::sql_query("UPDATE outbox_cdc SET backfill_from = $1, backfill_upto = $2")
         .bind::<BigInt, _>(from)
         .bind::<BigInt, _>(upto)

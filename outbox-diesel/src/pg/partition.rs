@@ -661,6 +661,12 @@ fn orphans(conn: &mut PgConnection, table: &Table) -> Result<Vec<String>> {
 
 /// Why partition `name` must be kept: the NEW and DEAD rows it holds (counted on their
 /// partial indexes); `None` if it holds neither.
+///
+/// In CDC mode (typed-outbox-cdc: a row in `outbox_cdc`) rows stay NEW once published:
+/// a NEW row counts only if the CDC relay may not have published it, that is if it is
+/// above the relayed watermark (`relayed_through`: every NEW row up to it was published
+/// but the parked ones), in the backfill still to do, or parked for a retry
+/// (`outbox_cdc_parked`). No per-row state is written for that.
 fn live_rows(conn: &mut PgConnection, table: &Table, name: &str) -> Result<Option<String>> {
     if !table.has_status {
         return Ok(None);
@@ -672,12 +678,56 @@ fn live_rows(conn: &mut PgConnection, table: &Table, name: &str) -> Result<Optio
         #[diesel(sql_type = BigInt)]
         dead: i64,
     }
+    let cdc = cdc_watermark(conn)?;
+    let new = match cdc {
+        None => format!("SELECT count(*) FROM {name} WHERE status = 0"),
+        Some((through, from, upto)) => format!(
+            "SELECT count(*) FROM {name} o WHERE status = 0 AND (id > {through} \
+             OR (id > {from} AND id <= {upto}) \
+             OR EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id))"
+        ),
+    };
     let r: Row = diesel::sql_query(format!(
-        "SELECT (SELECT count(*) FROM {name} WHERE status = 0) AS new, \
-         (SELECT count(*) FROM {name} WHERE status = 2) AS dead"
+        "SELECT ({new}) AS new, (SELECT count(*) FROM {name} WHERE status = 2) AS dead"
     ))
     .get_result(conn)?;
-    Ok((r.new + r.dead > 0).then(|| format!("holds {} NEW and {} DEAD rows", r.new, r.dead)))
+    let what = if cdc.is_some() {
+        "NEW rows the CDC relay has not published"
+    } else {
+        "NEW"
+    };
+    Ok((r.new + r.dead > 0).then(|| format!("holds {} {what} and {} DEAD rows", r.new, r.dead)))
+}
+
+/// In CDC mode, the relayed watermark and the backfill range still to do (see
+/// [`live_rows`]); `None` otherwise.
+fn cdc_watermark(conn: &mut PgConnection) -> Result<Option<(i64, i64, i64)>> {
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = Bool)]
+        cdc: bool,
+    }
+    #[derive(QueryableByName)]
+    struct Mark {
+        #[diesel(sql_type = BigInt)]
+        relayed_through: i64,
+        #[diesel(sql_type = BigInt)]
+        backfill_from: i64,
+        #[diesel(sql_type = BigInt)]
+        backfill_upto: i64,
+    }
+    let exists: Exists = diesel::sql_query("SELECT to_regclass('outbox_cdc') IS NOT NULL AS cdc")
+        .get_result(conn)?;
+    if !exists.cdc {
+        return Ok(None);
+    }
+    let marks: Vec<Mark> = diesel::sql_query(
+        "SELECT relayed_through, backfill_from, backfill_upto FROM outbox_cdc LIMIT 1",
+    )
+    .load(conn)?;
+    Ok(marks
+        .first()
+        .map(|m| (m.relayed_through, m.backfill_from, m.backfill_upto)))
 }
 
 fn partitions_of(conn: &mut PgConnection, table: &Table) -> Result<Vec<Partition>> {

@@ -26,6 +26,8 @@ pub struct PgRelayStore {
     stats: Arc<StatsCheck>,
     maintenance: Arc<Maintenance>,
     floor: Arc<ClaimFloor>,
+    /// No CDC relay owns the outbox (looked at the first claim; see [`cdc_slot`]).
+    not_cdc: Arc<AtomicBool>,
 }
 
 /// What the last claims saw, for the due check before parking.
@@ -52,6 +54,7 @@ impl PgRelayStore {
             stats: Arc::default(),
             maintenance: Arc::default(),
             floor: Arc::default(),
+            not_cdc: Arc::default(),
         }
     }
 
@@ -140,6 +143,47 @@ impl PgRelayStore {
     }
 }
 
+impl PgRelayStore {
+    /// Refuses to relay ([`outbox_core::Error::RelayConflict`], which stops the relay)
+    /// an outbox that the CDC relay (`typed-outbox-cdc`) owns: it publishes every row
+    /// from the log and leaves them NEW, so this relay would publish them all again.
+    async fn refuse_in_cdc_mode(&self) -> Result<(), outbox_core::Error> {
+        let pool = self.pool.clone();
+        match blocking(move || cdc_slot(&mut *pool.get()?)).await? {
+            None => {
+                self.not_cdc.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            Some(slot) => Err(outbox_core::Error::RelayConflict(
+                format!(
+                    "this outbox is relayed by the CDC relay (slot `{slot}`, table outbox_cdc): \
+                     a polling relay would publish every row again; run `outbox relay --cdc`, \
+                     or switch back to polling with outbox_cdc::switch_to_polling first"
+                )
+                .into(),
+            )),
+        }
+    }
+}
+
+/// The CDC relay's slot if CDC mode is on (the `outbox_cdc` table of typed-outbox-cdc
+/// holds a row).
+fn cdc_slot(conn: &mut PgConnection) -> Result<Option<String>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        slot: Option<String>,
+    }
+    let exists: Row =
+        diesel::sql_query("SELECT to_regclass('outbox_cdc')::text AS slot").get_result(conn)?;
+    if exists.slot.is_none() {
+        return Ok(None);
+    }
+    let rows: Vec<Row> =
+        diesel::sql_query("SELECT slot_name AS slot FROM outbox_cdc LIMIT 1").load(conn)?;
+    Ok(rows.into_iter().next().and_then(|r| r.slot))
+}
+
 impl RelayStore for PgRelayStore {
     type Batch = LockedBatch<PgConnection>;
 
@@ -159,6 +203,9 @@ impl RelayStore for PgRelayStore {
         // committed in between counts as new; in the claim's transaction, whose settings
         // keep it on the index.)
         let idle = self.listener.is_some() && self.seen.empty.load(Ordering::Relaxed);
+        if !self.not_cdc.load(Ordering::Relaxed) {
+            self.refuse_in_cdc_mode().await?;
+        }
         self.maintenance.start_if_due(&self.pool);
         if self.stats.due(self.seen.empty.load(Ordering::Relaxed)) {
             let pool = self.pool.clone();
