@@ -235,6 +235,11 @@ pub(crate) struct MigrateArgs {
     /// the table (some again: the consumers' inbox absorbs them).
     #[arg(long, requires = "cdc")]
     pub(crate) recover_slot: bool,
+    /// PostgreSQL: leave CDC mode for the polling relay (stop the CDC relays first):
+    /// marks SENT what the CDC relay published, drops the slot and the publication; the
+    /// polling relays then publish the rest (docs/cdc.md, "Switching back").
+    #[arg(long, conflicts_with_all = ["cdc", "print"])]
+    pub(crate) to_polling: bool,
 }
 
 /// `outbox partitions`.

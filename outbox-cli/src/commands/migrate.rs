@@ -59,11 +59,22 @@ pub(super) fn run(
             db.display()
         )?;
     }
-    if args.cdc {
+    if args.cdc || args.to_polling {
         let Conn::Pg(c) = &mut conn else {
             return Err(CliError::CdcPostgresOnly);
         };
-        cdc_setup(c, args.recover_slot, out)?;
+        if args.to_polling {
+            let r = outbox_cdc::switch_to_polling(c)?;
+            writeln!(
+                out,
+                "CDC mode off: {} relayed messages marked SENT (relayed through id {}), {} \
+                 parked ones left NEW; the slot and the publication are dropped: start the \
+                 polling relays",
+                r.marked_sent, r.relayed_through, r.parked
+            )?;
+        } else {
+            cdc_setup(c, args.recover_slot, out)?;
+        }
     }
     Ok(())
 }
