@@ -796,3 +796,123 @@ fn requests_naming_other_hosts_are_refused() {
         }
     }
 }
+
+/// The `name=value` of a `Set-Cookie`.
+fn cookie_pair(set_cookie: &str) -> String {
+    set_cookie.split(';').next().unwrap_or_default().to_owned()
+}
+
+/// Each login is a session of its own, its cookie named by the server's port: a browser
+/// sends every cookie of a host to every port, and two servers on one host must not log
+/// each other out. A logout ends the session it comes with, not the others.
+#[test]
+fn sessions_are_per_server_and_per_login_and_a_logout_ends_one() {
+    let (db, streams) = scenario();
+    let args = [
+        "--redis-url",
+        outbox_tests_redis(),
+        "--stream-prefix",
+        &streams.prefix,
+        "--token",
+        TOKEN,
+    ];
+    let (a, b) = (Server::start(&db.url, &args), Server::start(&db.url, &args));
+    let login = |server: &Server| {
+        let (status, set_cookie, _, page) = server.login(TOKEN, "/");
+        assert_eq!(status, 303, "{page}");
+        cookie_pair(&set_cookie)
+    };
+    let (first, other, at_b) = (login(&a), login(&a), login(&b));
+    assert_ne!(first, other, "each login has a session of its own");
+    let port_of = |server: &Server| server.base.rsplit(':').next().unwrap().to_owned();
+    assert!(
+        first.starts_with(&format!("outbox_session_{}=", port_of(&a))),
+        "{first}"
+    );
+    assert!(
+        at_b.starts_with(&format!("outbox_session_{}=", port_of(&b))),
+        "{at_b}"
+    );
+
+    let (_, overview) = a.get_with("/", &[("Cookie", &first)]);
+    assert!(
+        overview.contains("action=\"/logout\""),
+        "a logout button: {overview}"
+    );
+
+    // The browser's jar holds both servers' cookies and sends them to both.
+    let jar = format!("{first}; {at_b}");
+    assert_eq!(a.get_with("/api/overview", &[("Cookie", &jar)]).0, 200);
+    assert_eq!(b.get_with("/api/overview", &[("Cookie", &jar)]).0, 200);
+    // B's session does not open A, nor A's B.
+    assert_eq!(a.get_with("/api/overview", &[("Cookie", &at_b)]).0, 401);
+    assert_eq!(b.get_with("/api/overview", &[("Cookie", &first)]).0, 401);
+
+    let (status, cleared, location) = a.post_with("/logout", &[("Cookie", &jar)]);
+    assert_eq!((status, location.as_str()), (303, "/login"));
+    assert!(cleared.contains("Max-Age=0"), "{cleared}");
+    assert!(
+        cleared.starts_with(&format!("outbox_session_{}=;", port_of(&a))),
+        "{cleared}"
+    );
+    let (status, _) = a.get_with("/api/overview", &[("Cookie", &first)]);
+    assert_eq!(
+        status, 401,
+        "the cookie of a session logged out opens nothing"
+    );
+    assert_eq!(a.get_with("/api/overview", &[("Cookie", &other)]).0, 200);
+    assert_eq!(b.get_with("/api/overview", &[("Cookie", &at_b)]).0, 200);
+}
+
+/// Past a burst, wrong tokens wait their turn, one a second for the whole server, so a
+/// guesser gets nowhere fast; the right token meanwhile is answered at once.
+#[test]
+fn wrong_tokens_are_slowed_down_and_the_right_one_is_not() {
+    let (db, streams) = scenario();
+    let server = Server::start(
+        &db.url,
+        &[
+            "--redis-url",
+            outbox_tests_redis(),
+            "--stream-prefix",
+            &streams.prefix,
+            "--token",
+            TOKEN,
+        ],
+    );
+    // The burst: answered as they come.
+    for guess in 0..10 {
+        let (status, _, _, _) = server.login(&format!("guess-{guess}"), "/");
+        assert_eq!(status, 401);
+    }
+    // Five more at once: they queue, a second apart.
+    let started = std::time::Instant::now();
+    let finished = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for guess in 0..5 {
+            let (server, finished) = (&server, &finished);
+            s.spawn(move || {
+                let (status, _, _, _) = server.login(&format!("more-{guess}"), "/");
+                assert_eq!(status, 401);
+                finished.lock().unwrap().push(("wrong", started.elapsed()));
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let (status, _, _, _) = server.login(TOKEN, "/");
+        assert_eq!(status, 303);
+        finished.lock().unwrap().push(("right", started.elapsed()));
+    });
+    let finished = finished.into_inner().unwrap();
+    assert_eq!(
+        finished[0].0, "right",
+        "the right token waited for the guesses: {finished:?}"
+    );
+    let (_, last) = finished.last().unwrap();
+    assert!(
+        *last >= std::time::Duration::from_secs(4),
+        "five guesses past the burst took {last:?}"
+    );
+    // A wrong bearer token is a guess too.
+    let (status, _) = server.get_with("/api/overview", &[("Authorization", "Bearer nope")]);
+    assert_eq!(status, 401);
+}

@@ -108,8 +108,9 @@ async fn act(
     sel: &Selection,
 ) -> Result<Response, Failure> {
     if let Err(denied) = app.auth.check_api(headers) {
+        let denied = app.auth.refused(denied).await;
         return Ok((
-            StatusCode::FORBIDDEN,
+            denied.status(StatusCode::FORBIDDEN),
             Json(json!({"error": denied.message()})),
         )
             .into_response());

@@ -10,14 +10,15 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
 use axum::http::header::{LOCATION, SET_COOKIE, WWW_AUTHENTICATE};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use maud::html;
 use serde_json::json;
 
 use super::App;
+use super::auth::Denied;
 use super::pages::page;
 
 /// Middleware on the read routes: passes reads the server may serve, answers 401 to others.
@@ -29,7 +30,18 @@ pub(super) async fn require_reader(
     let Err(denied) = app.auth.check_read(request.headers()) else {
         return next.run(request).await;
     };
+    let denied = match app.auth.tried(request.headers()) {
+        true => match app.auth.refused(Denied::BadToken).await {
+            Denied::Throttled => Denied::Throttled,
+            _ => denied,
+        },
+        false => denied,
+    };
     let uri = request.uri();
+    if denied == Denied::Throttled {
+        let error = Json(json!({"error": denied.message()}));
+        return (StatusCode::TOO_MANY_REQUESTS, error).into_response();
+    }
     if uri.path().starts_with("/api/") {
         let error = Json(json!({"error": denied.message()}));
         return (
@@ -66,10 +78,25 @@ pub(super) async fn login(State(app): State<Arc<App>>, body: Bytes) -> Response 
         )
             .into_response(),
         Err(denied) => {
+            let denied = app.auth.refused(denied).await;
             tracing::warn!("login refused: {}", denied.message());
-            form(StatusCode::UNAUTHORIZED, next, Some(denied.message()))
+            form(
+                denied.status(StatusCode::UNAUTHORIZED),
+                next,
+                Some(denied.message()),
+            )
         }
     }
+}
+
+/// `POST /logout`: ends the session and sends the browser to the login form.
+pub(super) async fn logout(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let cleared = app.auth.logout(&headers);
+    (
+        StatusCode::SEE_OTHER,
+        [(LOCATION, "/login".to_owned()), (SET_COOKIE, cleared)],
+    )
+        .into_response()
 }
 
 /// The login form, which comes back to `next`.

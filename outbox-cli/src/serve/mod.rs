@@ -12,6 +12,7 @@
 //! | `POST /dead/redrive`, `POST /dead/purge` | `POST /api/dead/redrive`, `POST /api/dead/purge` | act on a selection (token needed) |
 //! | `GET /groups` | `GET /api/groups` | consumer groups: lag, pending, consumers, oldest pending |
 //! | `GET /login`, `POST /login` | | the login form of a server whose reads need the token |
+//! | `POST /logout` | | ends the browser's session |
 //! | `GET /healthz` | | `ok`, for probes: open, it reads and shows nothing |
 //!
 //! With a token, every read needs it too (see [`auth`]) unless `--public-reads` is given.
@@ -26,6 +27,7 @@ mod data;
 mod host;
 mod login;
 mod pages;
+mod throttle;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -63,7 +65,7 @@ pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
         redis,
         prefix: args.stream_prefix,
         dead_suffix: args.dead_letter_suffix,
-        auth: auth::Auth::new(args.token, args.public_reads),
+        auth: auth::Auth::new(args.token, args.public_reads, args.addr.port()),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -130,6 +132,7 @@ fn router(app: Arc<App>, hosts: host::AllowedHosts) -> Router {
         .route("/api/dead/redrive", post(api::redrive))
         .route("/api/dead/purge", post(api::purge))
         .route("/login", get(login::show).post(login::login))
+        .route("/logout", post(login::logout))
         .route("/healthz", get(|| async { "ok\n" }))
         .with_state(app)
         .layer(axum::middleware::from_fn_with_state(

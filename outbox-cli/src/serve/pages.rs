@@ -75,6 +75,7 @@ fn seconds(s: f64) -> String {
 
 /// `GET /`.
 pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
+    let reads_need_token = app.auth.reads_need_token();
     let read = tokio::task::spawn_blocking(move || data::overview(&app)).await;
     let o = match read
         .map_err(|e| Failure::server(e.to_string()))
@@ -123,6 +124,9 @@ pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
         @if o.relays.tracked {
             @if o.relays.seen.is_empty() { p { "None seen." } }
             ul { @for r in &o.relays.seen { li { (r) } } }
+        }
+        @if reads_need_token {
+            form #logout method="post" action="/logout" { button type="submit" { "Log out" } }
         }
     };
     page(StatusCode::OK, "Overview", body)
@@ -504,8 +508,9 @@ async fn act(app: Arc<App>, action: Action, body: &[u8]) -> Response {
             .unwrap_or_default()
     };
     if let Err(denied) = app.auth.check_form(value("csrf"), value("token")) {
+        let denied = app.auth.refused(denied).await;
         return page(
-            StatusCode::FORBIDDEN,
+            denied.status(StatusCode::FORBIDDEN),
             "Refused",
             html! { p.err #refused { (denied.message()) } },
         );

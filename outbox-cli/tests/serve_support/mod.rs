@@ -118,6 +118,30 @@ impl Server {
         (resp.status().as_u16(), cookie, location, body)
     }
 
+    /// `POST path` with these headers and an empty body: the status, the `Set-Cookie`
+    /// and `Location` headers (empty when absent).
+    pub(crate) fn post_with(&self, path: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
+        let mut req = self.agent.post(format!("{}{path}", self.base));
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let resp = req
+            .send_empty()
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        (
+            resp.status().as_u16(),
+            header("set-cookie"),
+            header("location"),
+        )
+    }
+
     /// `GET path` that must answer 200 with JSON.
     pub(crate) fn json(&self, path: &str) -> serde_json::Value {
         let (status, body) = self.get(path);
