@@ -183,6 +183,15 @@ impl StreamSettings {
                 format!("{:?}", found.retention),
             );
         }
+        if let Some(max) = self.max_message_size
+            && i64::from(found.max_message_size) != i64::from(max)
+        {
+            return differs(
+                "max_message_size",
+                max.to_string(),
+                found.max_message_size.to_string(),
+            );
+        }
         if found.storage != self.storage {
             return differs(
                 "storage",

@@ -209,10 +209,11 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 }
             })
             .collect();
-        let js = jetstream::new(self.client);
+        let js = jetstream::new(self.client.clone());
         Ok(Consumer {
             inner: Arc::new(Inner {
                 group: self.group,
+                client: self.client,
                 js,
                 topics,
                 dispatcher: self.dispatcher,

@@ -83,6 +83,7 @@ pub(crate) struct Topic {
 
 pub(crate) struct Inner<I, C> {
     group: String,
+    client: async_nats::Client,
     js: jetstream::Context,
     topics: Vec<Topic>,
     dispatcher: Dispatcher<C>,

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use async_nats::connection::State;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use futures_util::StreamExt as _;
 use outbox_core::ConsumerStore;
@@ -190,6 +191,10 @@ where
     /// `Err` when the pull itself failed.
     async fn pull(&self, topic: &Topic, consumer: &PullConsumer) -> Result<bool, String> {
         let config = &self.inner.config;
+        if self.inner.client.connection_state() != State::Connected {
+            // A pull sent now would wait in the client's buffer: nothing to read.
+            return Err("not connected to the nats server".to_owned());
+        }
         let messages = consumer
             .batch()
             .max_messages(config.fetch_count)
@@ -199,7 +204,11 @@ where
             .map_err(|e| e.to_string())?;
         // A pull the server does not end (the connection dropped) is cut off here; the
         // messages already taken are still finished.
-        let deadline = tokio::time::sleep(config.fetch_wait + Duration::from_secs(2));
+        let cut_off = AtomicBool::new(false);
+        let deadline = async {
+            tokio::time::sleep(config.fetch_wait + Duration::from_secs(2)).await;
+            cut_off.store(true, Ordering::Relaxed);
+        };
         let outage = AtomicBool::new(false);
         let failed = std::sync::Mutex::new(None::<String>);
         let jobs = messages.take_until(deadline).filter_map(|m| {
@@ -232,6 +241,7 @@ where
         }
         match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
+            None if cut_off.into_inner() => Err("the server did not end a pull".to_owned()),
             None => Ok(outage.into_inner()),
         }
     }
