@@ -62,6 +62,7 @@ impl<P: Publisher> Deliverer<'_, P> {
     ) -> Result<()> {
         let outcomes = self.call(chunk).await?;
         let mut refused_here: HashSet<&str> = HashSet::new();
+        let (mut refused, mut dead) = (0usize, 0usize);
         for (m, outcome) in chunk.iter().zip(outcomes) {
             let key = m.envelope.key.as_str();
             match outcome {
@@ -71,15 +72,18 @@ impl<P: Publisher> Deliverer<'_, P> {
                 }
                 Ok(()) => {}
                 Err(rejected) => {
+                    refused += 1;
                     refused_here.insert(key);
                     if writes.refused(m, rejected.reason, &self.config.retry) {
                         blocked.insert(key.to_owned());
                         writes.park.push((m.id, key.to_owned()));
+                    } else {
+                        dead += 1;
                     }
                 }
             }
         }
-        record_published(chunk, writes);
+        record_published(chunk, refused, dead);
         Ok(())
     }
 
@@ -118,9 +122,9 @@ impl<P: Publisher> Deliverer<'_, P> {
     }
 }
 
-/// The relay's counters, as the polling relay names them.
-fn record_published(chunk: &[StoredMessage], writes: &Writes) {
-    let failed = writes.retry.len() + writes.dead.len();
+/// The relay's counters, as the polling relay names them: `refused` of `chunk` failed,
+/// `dead` of them for the last time.
+fn record_published(chunk: &[StoredMessage], refused: usize, dead: usize) {
     let now = Utc::now();
     let lag = metrics::histogram!("outbox_relay_commit_to_publish_seconds");
     for m in chunk {
@@ -132,5 +136,7 @@ fn record_published(chunk: &[StoredMessage], writes: &Writes) {
         );
     }
     metrics::counter!("outbox_relay_published_total")
-        .increment(chunk.len().saturating_sub(failed) as u64);
+        .increment(chunk.len().saturating_sub(refused) as u64);
+    metrics::counter!("outbox_relay_failed_attempts_total").increment(refused as u64);
+    metrics::counter!("outbox_relay_dead_lettered_total").increment(dead as u64);
 }

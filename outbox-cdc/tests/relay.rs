@@ -275,3 +275,94 @@ async fn a_refused_message_is_retried_then_dead_without_holding_back_other_keys(
     let attempts = publisher.attempts.lock().unwrap().clone();
     assert_eq!(attempts.iter().filter(|m| *m == "k1:0").count(), 4);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redriven_dead_message_is_published_and_lag_is_reported() {
+    let db = Db::start(false);
+    db.setup(&fast());
+    let (inner, name) = publisher();
+    // d:0 is refused once and dies at once (one attempt).
+    let publisher = std::sync::Arc::new(Refusing::new(inner, &[("d:0", 1)]));
+    let retry = outbox_core::RetryPolicy::default().with_max_attempts(1);
+    let (stop, task) = spawn_relay(&db, publisher, fast().with_retry(retry));
+    insert_each(&db, "d", 0..3);
+    wait_for_all(&name, &[msg_id("d", 1), msg_id("d", 2)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while db.scalar("SELECT count(*) AS v FROM outbox WHERE status = 2") == 0 {
+        assert!(std::time::Instant::now() < deadline, "d:0 never dead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(outbox_cdc::redrive(&mut db.conn(), None).unwrap(), 1);
+    let got = wait_for_all(&name, &[msg_id("d", 0)]);
+    assert_eq!(got.last().map(String::as_str), Some("d:0"), "{got:?}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM outbox_cdc_parked"), 0);
+
+    // The relay's report: a slot that keeps up, a relay that reports.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let lag = outbox_cdc::lag(&mut db.conn()).unwrap();
+    assert!(lag.relay_reporting, "{lag:?}");
+    assert!(lag.active_pid.is_some(), "{lag:?}");
+    assert!(lag.bytes.is_some_and(|b| b < 1 << 20), "{lag:?}");
+    assert_eq!((lag.parked, lag.backfill_left), (0, 0), "{lag:?}");
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+
+    // No relay: the slot falls behind as rows commit, and the age shows it.
+    insert_each(&db, "e", 0..5);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let lag = outbox_cdc::lag(&mut db.conn()).unwrap();
+    assert!(!lag.relay_reporting, "{lag:?}");
+    assert_eq!(lag.active_pid, None);
+    assert!(lag.bytes.is_some_and(|b| b > 0), "{lag:?}");
+    assert!(
+        lag.oldest_unconfirmed_age
+            .is_some_and(|a| a >= Duration::from_millis(600)),
+        "{lag:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_start_check_names_what_the_server_lacks() {
+    use diesel::Connection as _;
+    // The shared PostgreSQL runs with wal_level = replica.
+    let mut shared = diesel::PgConnection::establish(&outbox_tests::database_url()).unwrap();
+    let err = outbox_cdc::check_server(&mut shared).unwrap_err();
+    assert!(
+        matches!(&err, outbox_cdc::CdcError::WalLevelNotLogical { found } if found == "replica"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("wal_level = logical"), "{err}");
+
+    let db = Db::start(false);
+    // CDC mode not set up yet.
+    let err = outbox_cdc::check(&mut db.conn()).unwrap_err();
+    assert!(matches!(err, outbox_cdc::CdcError::NotSetUp), "{err}");
+    // A role without REPLICATION.
+    db.conn()
+        .batch_execute("CREATE ROLE app LOGIN PASSWORD 'app-pass'")
+        .unwrap();
+    let url = db.url.replace(
+        &format!("postgres:{}@", outbox_tests::ScratchPostgres::PASSWORD),
+        "app:app-pass@",
+    );
+    let mut app = diesel::PgConnection::establish(&url).unwrap();
+    let err = outbox_cdc::setup(&mut app, &fast()).unwrap_err();
+    assert!(
+        matches!(&err, outbox_cdc::CdcError::MissingReplicationPrivilege { role } if role == "app"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("ALTER ROLE \"app\" REPLICATION"),
+        "{err}"
+    );
+    // A slot dropped behind the relay's back.
+    db.setup(&fast());
+    db.conn()
+        .batch_execute("SELECT pg_drop_replication_slot('outbox_cdc')")
+        .unwrap();
+    let err = outbox_cdc::check(&mut db.conn()).unwrap_err();
+    assert!(
+        matches!(err, outbox_cdc::CdcError::SlotMissing { .. }),
+        "{err}"
+    );
+}
