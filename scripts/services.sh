@@ -6,6 +6,7 @@
 #   PostgreSQL 127.0.0.1:5432  trust auth over local TCP, databases `test` and `root`
 #   MariaDB    127.0.0.1:3306  root with an empty password over TCP, database `test`
 #   Redis      127.0.0.1:6379
+#   NATS       127.0.0.1:4222  with JetStream (store in /var/lib/nats-server)
 #
 # Usage: bash scripts/services.sh           install what is missing, start what is down
 #        bash scripts/services.sh --check   say what is up, down or missing; change nothing
@@ -30,10 +31,14 @@ as_root() {
 pg_up() { command -v pg_isready >/dev/null && pg_isready -h 127.0.0.1 -p 5432 -q; }
 redis_up() { command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; }
 mysql_up() { command -v mysqladmin >/dev/null && mysqladmin -h 127.0.0.1 -uroot status >/dev/null 2>&1; }
+# The server's first line (INFO) says whether JetStream is on.
+nats_info() { timeout 2 bash -c 'exec 3<>/dev/tcp/127.0.0.1/4222; head -n1 <&3' 2>/dev/null; }
+nats_up() { nats_info | grep -q '^INFO'; }
 
 pg_installed() { command -v pg_ctlcluster >/dev/null && [ -n "$(ls /etc/postgresql 2>/dev/null)" ]; }
 redis_installed() { command -v redis-server >/dev/null; }
 mysql_installed() { [ -x /usr/sbin/mariadbd ]; }
+nats_installed() { command -v nats-server >/dev/null; }
 
 pg_ready() { # the tests' logins: postgres to `test`, root to `root`, no password
     psql -w -h 127.0.0.1 -U postgres -d test -qAtc 'SELECT 1' >/dev/null 2>&1 \
@@ -41,6 +46,7 @@ pg_ready() { # the tests' logins: postgres to `test`, root to `root`, no passwor
 }
 mysql_ready() { mysql -h 127.0.0.1 -uroot -e 'USE test' >/dev/null 2>&1; }
 redis_ready() { true; }
+nats_ready() { nats_info | grep -q '"jetstream":true'; }
 
 state() { # up-fn installed-fn
     if "$1"; then echo "up"; elif "$2"; then echo "down"; else echo "missing"; fi
@@ -50,7 +56,8 @@ if $check; then
     ok=true
     for s in "PostgreSQL 127.0.0.1:5432:pg_up:pg_installed:pg_ready" \
         "MariaDB 127.0.0.1:3306:mysql_up:mysql_installed:mysql_ready" \
-        "Redis 127.0.0.1:6379:redis_up:redis_installed:redis_ready"; do
+        "Redis 127.0.0.1:6379:redis_up:redis_installed:redis_ready" \
+        "NATS 127.0.0.1:4222:nats_up:nats_installed:nats_ready"; do
         IFS=: read -r name port up installed ready <<<"$s"
         st=$(state "$up" "$installed")
         case $st in
@@ -69,6 +76,7 @@ need=()
 pg_installed || need+=(postgresql)
 mysql_installed || need+=(mariadb-server)
 redis_installed || need+=(redis-server)
+nats_installed || need+=(nats-server)
 fresh_mysql=false
 [[ " ${need[*]} " == *" mariadb-server "* ]] && fresh_mysql=true
 if [ ${#need[@]} -gt 0 ]; then
@@ -91,6 +99,13 @@ fi
 if ! redis_up; then
     redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
+fi
+if ! nats_up; then
+    as_root install -d /var/lib/nats-server
+    # By its own pid file: a test's private nats-server must not count as this one.
+    as_root start-stop-daemon --start --background --make-pidfile --pidfile /run/nats-server-ci.pid \
+        --exec "$(command -v nats-server)" -- \
+        -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log
 fi
 # A fresh MariaDB's root logs in by unix socket only, so "up" for a fresh install is the
 # socket's answer; the package's own start may not have run (no init system), and
@@ -150,6 +165,11 @@ SQL
 fi
 
 wait_for Redis redis_up
+wait_for NATS nats_up
+if ! nats_ready; then
+    echo "the NATS server on 127.0.0.1:4222 runs without JetStream; restart it with -js" >&2
+    exit 1
+fi
 wait_for MariaDB mysql_up
 pg_isready -h 127.0.0.1 -p 5432
 redis-cli -h 127.0.0.1 -p 6379 ping

@@ -55,12 +55,13 @@
 //! | `redis` | no | [`redis`]: the Redis Streams publisher and the consumer runner |
 //! | `redis-cluster` | no | Redis Cluster for both |
 //! | `redis-sentinel` | no | Redis Sentinel for both, failovers followed |
+//! | `nats` | no | [`nats`]: the NATS JetStream publisher and the consumer runner |
 //! | `http` | no | a consumer's `/healthz` and `/readyz` as an axum `Router` |
 //! | `opentelemetry` | no | W3C trace context from emit through the relay to the handler |
 //! | `memory` | no | in-memory database and broker for unit tests without services (a dev-dependency's feature) |
 //!
 //! Name at least one of `postgres`, `mysql`, `sqlite` for the database side, and `redis`
-//! for the broker. The parts are also published on their own (`typed-outbox-core`,
+//! or `nats` for the broker. The parts are also published on their own (`typed-outbox-core`,
 //! `-derive`, `-diesel`, `-redis`, each with its own features) for crates that need one
 //! of them only.
 #![doc(test(attr(deny(warnings))))]
@@ -89,6 +90,14 @@ pub mod diesel {
 pub mod redis {
     #[doc(inline)]
     pub use outbox_redis::*;
+}
+
+/// The broker side on NATS JetStream (`typed-outbox-nats`): the relay's publisher and
+/// the consumer runner, with the same handlers and inboxes as the Redis side.
+#[cfg(feature = "nats")]
+pub mod nats {
+    #[doc(inline)]
+    pub use outbox_nats::*;
 }
 
 // The workspace README's example, compiled (not run: it needs the services) as a doc test.
