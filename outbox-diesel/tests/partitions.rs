@@ -435,6 +435,48 @@ fn a_transaction_open_across_the_retention_boundary_emits_and_is_claimed() {
     assert_eq!(claim_all(&db), [msg("long")]);
 }
 
+/// A prepared transaction (two-phase commit) holds its rows' partition past retention
+/// like an open one: it has no session, so only its locks tell, and once it commits its
+/// row is claimed. On a private server: the shared one allows no prepared transactions.
+#[test]
+fn a_prepared_transaction_across_the_retention_boundary_is_claimed_once_committed() {
+    let server = outbox_tests::ScratchPostgres::start_with(&[("max_prepared_transactions", "4")]);
+    let db = TestDb {
+        engine: outbox_tests::Engine::Postgres,
+        name: outbox_tests::unique("prepared"),
+        url: server.url(),
+    };
+    let mut c = Pg::connect(&db);
+    let report = outbox_diesel::migrate_partitioned(&mut c, &seconds(3, 1)).unwrap();
+    assert_eq!(report.failed, [], "{report:?}");
+    let mut writer = Pg::connect(&db);
+    exec(&mut writer, "BEGIN");
+    writer.emit(paid("two-phase")).unwrap();
+    let part = partition_of(&mut writer, &msg("two-phase"));
+    exec(&mut writer, "PREPARE TRANSACTION 'outbox_two_phase'");
+    drop(writer);
+    // Its partition has ended, and its retention too.
+    std::thread::sleep(Duration::from_millis(3000));
+    // Its partition is kept; so are the others: their detach would wait for it (and
+    // fail after a while, at every run).
+    let report = maintain(&mut c);
+    assert!(
+        report.kept.iter().any(|(n, _)| *n == part),
+        "{part}: {report:?}"
+    );
+    let others: Vec<_> = report.kept.iter().filter(|(n, _)| *n != part).collect();
+    assert!(
+        !others.is_empty()
+            && others
+                .iter()
+                .all(|(_, why)| why.contains("outbox_two_phase")),
+        "{report:?}"
+    );
+    exec(&mut c, "COMMIT PREPARED 'outbox_two_phase'");
+    maintain(&mut c);
+    assert_eq!(claim_all(&db), [msg("two-phase")]);
+}
+
 /// An unpartitioned outbox becomes the first partition with its rows and ids: its NEW
 /// rows are claimed, its msg_ids are still refused, new ids follow the old ones, and once
 /// it expires with only SENT rows it is dropped without taking the id sequence along.

@@ -51,10 +51,13 @@ const IDLE_LIMIT: Duration = Duration::from_secs(10);
 /// How long `DETACH .. CONCURRENTLY` waits for the transactions that may still see the
 /// partition (a long report, `pg_dump`) before it gives up until the next run.
 const DETACH_TIMEOUT: Duration = Duration::from_secs(30);
-/// The first open transaction that may still write to partition `$1`, which ends at `$2`:
-/// a session of this database whose transaction began before that end (a row's time is
-/// its transaction's start), or whose start this role may not see (another role's,
-/// without `pg_read_all_stats`); or a prepared transaction that wrote to it.
+/// The first open transaction that may still write to partition `$1` of table `$3`,
+/// which ends at `$2`: a session of this database whose transaction began before that end
+/// (a row's time is its transaction's start), or whose start this role may not see
+/// (another role's, without `pg_read_all_stats`); or a prepared transaction that wrote to
+/// it. A prepared transaction that holds the table itself writes nothing more, but the
+/// detach would wait for it (`DETACH_TIMEOUT` at every run, each partition): a two-phase
+/// commit left undecided keeps every partition until it is committed or rolled back.
 const OPEN_WRITER: &str = "SELECT coalesce((SELECT CASE WHEN a.xact_start IS NULL \
      THEN format('a transaction of another role is open (pid %s; grant pg_read_all_stats \
      to see when it began)', a.pid) \
@@ -65,7 +68,13 @@ const OPEN_WRITER: &str = "SELECT coalesce((SELECT CASE WHEN a.xact_start IS NUL
      WHERE v.pid = a.pid AND v.locktype = 'virtualxid')) LIMIT 1), \
      (SELECT 'a prepared transaction wrote to it' FROM pg_locks l \
      WHERE l.pid IS NULL AND l.relation = to_regclass($1) AND l.mode = 'RowExclusiveLock' \
-     LIMIT 1)) AS reason";
+     LIMIT 1), \
+     (SELECT format('prepared transaction %L holds %s: its detach would wait for it \
+     (COMMIT PREPARED or ROLLBACK PREPARED it; see pg_prepared_xacts)', x.gid, $3) \
+     FROM pg_locks l JOIN pg_prepared_xacts x ON x.transaction = l.transactionid \
+     WHERE l.pid IS NULL AND l.locktype = 'transactionid' AND EXISTS (SELECT 1 FROM pg_locks t \
+     WHERE t.pid IS NULL AND t.virtualtransaction = l.virtualtransaction \
+     AND t.relation = to_regclass($3)) LIMIT 1)) AS reason";
 /// Longest interval and retention a policy takes.
 const MAX_POLICY_SECS: u64 = 100 * 365 * 86_400;
 
@@ -531,7 +540,7 @@ fn drop_expired(
         // would not wait for one that has not written yet, whose insert would then fail.
         let keep = match live_rows(conn, table, &p.name)? {
             Some(reason) => Some(reason),
-            None => open_writer(conn, &p)?,
+            None => open_writer(conn, table, &p)?,
         };
         if let Some(reason) = keep {
             report.kept.push((p.name, reason));
@@ -551,7 +560,7 @@ fn drop_expired(
 }
 
 /// Why an open transaction may still write to partition `p` ([`OPEN_WRITER`]), if one may.
-fn open_writer(conn: &mut PgConnection, p: &Partition) -> Result<Option<String>> {
+fn open_writer(conn: &mut PgConnection, table: &Table, p: &Partition) -> Result<Option<String>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = Nullable<Text>)]
@@ -561,6 +570,7 @@ fn open_writer(conn: &mut PgConnection, p: &Partition) -> Result<Option<String>>
     let row: Row = diesel::sql_query(OPEN_WRITER)
         .bind::<Text, _>(&p.name)
         .bind::<Timestamptz, _>(to)
+        .bind::<Text, _>(table.name)
         .get_result(conn)?;
     Ok(row.reason)
 }
