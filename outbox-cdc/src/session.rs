@@ -113,8 +113,9 @@ impl<'a, P: Publisher> Session<'a, P> {
         }
         let mut next_retry = Instant::now();
         let mut next_report = Instant::now();
+        let mut next_upkeep = Instant::now();
         loop {
-            let deadline = next_retry.min(next_report);
+            let deadline = next_retry.min(next_report).min(next_upkeep);
             if let Some(ended) = self.step(stop, deadline).await? {
                 return Ok(ended);
             }
@@ -129,7 +130,35 @@ impl<'a, P: Publisher> Session<'a, P> {
                 next_report = now + self.d.config.lag_interval;
                 self.report().await;
             }
+            if now >= next_upkeep {
+                next_upkeep = now + self.upkeep().await;
+            }
         }
+    }
+
+    /// Partition upkeep, as the polling relay does it: the partitions ahead made and the
+    /// expired ones dropped (those the CDC relay has published, see
+    /// [`outbox_diesel::maintain_partitions`]). The time until the next run.
+    async fn upkeep(&self) -> Duration {
+        const MAX_EVERY: Duration = Duration::from_secs(600);
+        let ran = db(self.d.pool, |c| {
+            let Some(policy) = outbox_diesel::partition_policy(c)? else {
+                return Ok(MAX_EVERY);
+            };
+            let report = outbox_diesel::maintain_partitions(c)?;
+            for (name, reason) in &report.kept {
+                tracing::warn!(partition = %name, "expired partition kept: {reason}");
+            }
+            for name in &report.dropped {
+                tracing::info!(partition = %name, "expired partition detached and dropped");
+            }
+            Ok((policy.interval / 4).clamp(Duration::from_secs(1), MAX_EVERY))
+        })
+        .await;
+        ran.unwrap_or_else(|e| {
+            tracing::warn!(error = %outbox_core::error_chain(&e), "partition maintenance failed; tried again in a minute");
+            Duration::from_secs(60)
+        })
     }
 
     /// Reads what the stream has (waiting until `deadline` if nothing is in hand),
