@@ -373,3 +373,46 @@ fn pg_partitioned_rows_attached_back_below_the_floor_are_claimed_at_once() {
 fn pg_a_key_s_row_below_the_floor_goes_out_before_its_later_row() {
     a_key_s_row_below_the_floor_goes_out_before_its_later_row::<Pg>();
 }
+
+/// A prepared transaction (two-phase commit) that emitted a row holds the floor below it
+/// however many later rows are sent, though it has no session any more; once committed,
+/// its row is claimed. On a private server: the shared one allows no prepared
+/// transactions.
+#[test]
+fn pg_a_prepared_transaction_holds_the_floor_below_its_row() {
+    let server = outbox_tests::ScratchPostgres::start_with(&[("max_prepared_transactions", "4")]);
+    let db = fixtures::TestDb {
+        engine: outbox_tests::Engine::Postgres,
+        name: outbox_tests::unique("prepared"),
+        url: server.url(),
+    };
+    let mut c = Pg::connect(&db);
+    outbox_diesel::migrate(&mut c).unwrap();
+    let mut late = Pg::connect(&db);
+    exec(&mut late, "BEGIN");
+    late.emit(Moved { n: 1000 }).unwrap();
+    let late_id = Pg::scalar(
+        &mut late,
+        "SELECT id AS n FROM outbox WHERE msg_id = '1000:Moved'",
+    );
+    exec(&mut late, "PREPARE TRANSACTION 'outbox_late'");
+    drop(late);
+    emit(&mut c, 0..20);
+    runtime().block_on(async {
+        let store = Pg::store(&db);
+        claim_until(&store, Duration::from_secs(10), |_, sent| sent.len() == 20).await;
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            assert!(send_due(&store).await.is_empty());
+            assert!(
+                store.claim_floor() <= late_id,
+                "the floor {} passed the prepared transaction's row {late_id}",
+                store.claim_floor()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        exec(&mut c, "COMMIT PREPARED 'outbox_late'");
+        let sent = claim_until(&store, Duration::from_secs(10), |_, sent| !sent.is_empty()).await;
+        assert_eq!(sent, ["1000:Moved"]);
+    });
+}
