@@ -366,3 +366,31 @@ async fn the_start_check_names_what_the_server_lacks() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_outage_spends_no_retry_and_loses_nothing() {
+    let db = Db::start(false);
+    db.setup(&fast());
+    let (inner, name) = publisher();
+    // The first 5 publish calls fail as a whole (the broker down).
+    let publisher = std::sync::Arc::new(
+        outbox_core::FlakyPublisher::new(inner, outbox_core::FailAs::Outage).fail_first(5),
+    );
+    insert_each(&db, "o", 0..30);
+    let (stop, task) = spawn_relay(&db, publisher.clone(), fast());
+    let all: Vec<String> = (0..30).map(|n| msg_id("o", n)).collect();
+    let got = wait_for_all(&name, &all);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+    assert_eq!(publisher.failures(), 5, "the outage was injected");
+    assert_eq!(firsts(&got), all);
+    assert_eq!(
+        db.scalar("SELECT coalesce(sum(retries), 0)::bigint AS v FROM outbox"),
+        0
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE status <> 0"),
+        0
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM outbox_cdc_parked"), 0);
+}
