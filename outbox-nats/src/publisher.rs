@@ -257,7 +257,10 @@ fn classify(e: &PublishError) -> Rejected {
             // messages; every message of the topic is refused until it has room.
             Some(code) if code == ErrorCode::STREAM_STORE_FAILED => Rejected::topic(error_text(e)),
             // JetStream not ready (a leader election, a restart).
-            Some(code) if code.0 == 10008 || code == ErrorCode::JETSTREAM_NOT_ENABLED => {
+            Some(code)
+                if code == ErrorCode::CLUSTER_NOT_AVAILABLE
+                    || code == ErrorCode::JETSTREAM_NOT_ENABLED =>
+            {
                 Rejected::unavailable(error_text(e))
             }
             Some(_) => Rejected::new(error_text(e)),

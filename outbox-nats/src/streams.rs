@@ -230,10 +230,7 @@ pub(crate) async fn ensure_stream(
                 GetStreamErrorKind::JetStream(js_err)
                     if js_err.error_code() == ErrorCode::STREAM_NOT_FOUND => {}
                 GetStreamErrorKind::JetStream(js_err) => {
-                    return Err(Error::Refused {
-                        what: format!("get stream {name}"),
-                        reason: js_err.to_string(),
-                    });
+                    return Err(refused(format!("get stream {name}"), &js_err));
                 }
                 _ => return Err(Error::Unavailable(format!("stream {name}: {e}"))),
             },
@@ -251,10 +248,7 @@ pub(crate) async fn ensure_stream(
                 CreateStreamErrorKind::JetStream(js_err)
                     if js_err.error_code() == ErrorCode::STREAM_NAME_EXIST => {}
                 CreateStreamErrorKind::JetStream(js_err) => {
-                    return Err(Error::Refused {
-                        what: format!("create stream {name}"),
-                        reason: js_err.to_string(),
-                    });
+                    return Err(refused(format!("create stream {name}"), &js_err));
                 }
                 _ => return Err(Error::Unavailable(format!("create stream {name}: {e}"))),
             },
@@ -263,6 +257,25 @@ pub(crate) async fn ensure_stream(
     Err(Error::Unavailable(format!(
         "stream {name} was created and removed while it was checked"
     )))
+}
+
+/// The server's answer to a stream request: an outage while the cluster has no
+/// JetStream leader or too few peers for the replicas (a node down, an election), a
+/// refusal otherwise.
+pub(crate) fn refused(what: String, e: &jetstream::Error) -> Error {
+    let code = e.error_code();
+    if code == ErrorCode::CLUSTER_NOT_AVAILABLE
+        || code == ErrorCode::CLUSTER_NO_PEERS
+        || code == ErrorCode::INSUFFICIENT_RESOURCES
+        || e.code() == 503
+    {
+        Error::Unavailable(format!("{what}: {e}"))
+    } else {
+        Error::Refused {
+            what,
+            reason: e.to_string(),
+        }
+    }
 }
 
 fn facts(config: &Config) -> StreamFacts {

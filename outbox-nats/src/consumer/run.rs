@@ -15,7 +15,7 @@ use super::health::Count;
 use super::process::Outcome;
 use super::screen::Job;
 use super::{Consumer, StartFrom, Topic};
-use crate::streams::ensure_stream;
+use crate::streams::{ensure_stream, refused};
 use crate::{Error, Result};
 
 impl<I, C> Consumer<I, C>
@@ -138,10 +138,10 @@ where
             .get_or_create_consumer(&inner.group, config)
             .await
             .map_err(|e| match e.kind() {
-                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => Error::Refused {
-                    what: format!("create consumer {} on {}", inner.group, topic.stream),
-                    reason: js.to_string(),
-                },
+                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => refused(
+                    format!("create consumer {} on {}", inner.group, topic.stream),
+                    &js,
+                ),
                 _ => unavailable(&e),
             })
     }
