@@ -113,6 +113,12 @@ pub(crate) struct Args {
     /// How long the crashed server stays down (default 45s with --ci, else 45–60 s).
     #[arg(long, value_parser = humantime::parse_duration, requires = "db_restart")]
     db_down: Option<Duration>,
+    /// The relays run `outbox relay --cdc` (PostgreSQL logical decoding, outbox-cdc) on
+    /// a private cluster of the run's own with `wal_level = logical` (set up with
+    /// `outbox migrate --cdc`): one reads the slot, the others wait and take it over
+    /// (a SIGSTOPped holder is taken over after 10 s). PostgreSQL only.
+    #[arg(long)]
+    cdc: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -155,6 +161,8 @@ pub(crate) struct Config {
     pub(crate) keep: bool,
     /// `--db-restart`: how long the server stays down (`None`: random, 45–60 s).
     pub(crate) db_restart: Option<Option<Duration>>,
+    /// `--cdc`: the CDC relay, on a private logical cluster.
+    pub(crate) cdc: bool,
 }
 
 impl Config {
@@ -220,6 +228,7 @@ impl Config {
             db_restart: a
                 .db_restart
                 .then_some(a.db_down.or(a.ci.then_some(Duration::from_secs(45)))),
+            cdc: a.cdc,
         })
     }
 }
@@ -254,6 +263,9 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
     outbox_core::Partitions::new(a.partitions)?;
     if a.async_inbox && a.backend != Backend::Postgres {
         return Err("--async-inbox runs on PostgreSQL only (--backend postgres)".into());
+    }
+    if a.cdc && a.backend != Backend::Postgres {
+        return Err("--cdc runs on PostgreSQL only (--backend postgres)".into());
     }
     if a.partitioned && a.backend != Backend::Postgres {
         return Err("--partitioned runs on PostgreSQL only (--backend postgres)".into());

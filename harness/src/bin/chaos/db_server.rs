@@ -27,6 +27,8 @@ pub(crate) struct DbServer {
     port: u16,
     /// The server's files (data directory, socket, log).
     dir: PathBuf,
+    /// PostgreSQL with logical decoding on (`--cdc`).
+    logical: bool,
     child: Option<Child>,
 }
 
@@ -86,8 +88,9 @@ fn run_logged(mut cmd: Command, log: &Path, what: &str) -> Result<(), BoxError> 
 }
 
 impl DbServer {
-    /// Creates the server's files under `dir` and starts it.
-    pub(crate) fn start(backend: Backend, dir: &Path) -> Result<Self, BoxError> {
+    /// Creates the server's files under `dir` and starts it; `logical`: PostgreSQL with
+    /// `wal_level = logical` and room for the CDC relay's slot and WAL senders.
+    pub(crate) fn start(backend: Backend, dir: &Path, logical: bool) -> Result<Self, BoxError> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let dir = dir.join(match backend {
             Backend::Postgres => "postgres",
@@ -98,6 +101,7 @@ impl DbServer {
             backend,
             port,
             dir,
+            logical,
             child: None,
         };
         let log = server.log();
@@ -210,6 +214,16 @@ impl DbServer {
                     "-c",
                     "max_connections=200",
                 ]);
+                if self.logical {
+                    c.args([
+                        "-c",
+                        "wal_level=logical",
+                        "-c",
+                        "max_replication_slots=10",
+                        "-c",
+                        "max_wal_senders=10",
+                    ]);
+                }
                 c.arg("-c")
                     .arg(format!("unix_socket_directories={}", self.dir.display()));
                 c

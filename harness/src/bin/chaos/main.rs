@@ -66,6 +66,15 @@
 //! SIGTERM with exit 0; the producers retry their transactions and look up the outcome
 //! of a commit the crash cut off. Nothing else happens during the fault.
 //!
+//! `--cdc` runs the relays as `outbox relay --cdc` (the CDC relay of `outbox-cdc`:
+//! PostgreSQL logical decoding, no UPDATE per message) on a private cluster of the run's
+//! own with `wal_level = logical`, set up with `outbox migrate --cdc`: one relay reads the
+//! slot, the others wait; a SIGKILLed or SIGTERMed holder's slot is taken at once, a
+//! SIGSTOPped one's after the 10 s takeover. The same faults and checks, but that the
+//! outbox rows stay NEW (the stream and the handler carry the checks); with
+//! `--db-restart` the cluster is crashed as above and the relays resume from the slot's
+//! confirmed position.
+//!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
 //! kind, two Redis outages, the last 12–20 s), under two minutes in all (150 s of faults
 //! with `--partitioned`).

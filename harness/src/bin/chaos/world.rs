@@ -123,12 +123,13 @@ impl<'c> World<'c> {
     /// run's database and starts the relays and the consumers.
     pub(crate) fn start(&mut self) -> Result<(), BoxError> {
         let c = self.c;
-        let admin_url = match c.db_restart {
-            Some(_) => self
-                .server
-                .insert(DbServer::start(c.backend, &self.dir)?)
-                .admin_url(),
-            None => c.admin_url.clone(),
+        // The shared server's wal_level is `replica`: --cdc brings a logical one.
+        let admin_url = if c.db_restart.is_some() || c.cdc {
+            self.server
+                .insert(DbServer::start(c.backend, &self.dir, c.cdc)?)
+                .admin_url()
+        } else {
+            c.admin_url.clone()
         };
         // The held transaction's key comes after the producers' keys.
         self.db = Some(Database::create(
@@ -138,6 +139,9 @@ impl<'c> World<'c> {
             c.keys + usize::from(self.hold_open),
             c.partitioned,
         )?);
+        if c.cdc {
+            self.migrate_cdc()?;
+        }
         let redis = self.redis.insert(RedisServer::start(&self.dir)?);
         let common = Common {
             redis_url: redis.url(),
@@ -160,6 +164,24 @@ impl<'c> World<'c> {
         }
         for p in &mut self.procs {
             p.start()?;
+        }
+        Ok(())
+    }
+
+    /// `--cdc`: `outbox migrate --cdc` on the run's database (the publication and the
+    /// slot), as an operator sets the CDC relay up.
+    fn migrate_cdc(&mut self) -> Result<(), BoxError> {
+        let url = self.db().harness_url("chaos-setup");
+        let out = std::process::Command::new(&self.c.outbox_bin)
+            .args(["--database-url", &url, "migrate", "--cdc"])
+            .output()?;
+        if !out.status.success() {
+            return Err(format!(
+                "outbox migrate --cdc failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
         }
         Ok(())
     }
@@ -202,6 +224,9 @@ impl<'c> World<'c> {
         if c.partitions > 1 {
             let partitions = format!("{}={}", Tick::TOPICS[0], c.partitions);
             args.extend(["--partitions".into(), partitions.into()]);
+        }
+        if c.cdc {
+            args.push("--cdc".into());
         }
         args
     }
@@ -291,6 +316,8 @@ impl<'c> World<'c> {
                 db.sample_partitions(false)?;
             }
             let (committed, applied, new) = db.progress()?;
+            // The CDC relay leaves its rows NEW: every message applied is the end.
+            let new = if self.c.cdc { 0 } else { new };
             if applied >= committed && new == 0 {
                 return Ok(Some(now));
             }
