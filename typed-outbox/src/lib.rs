@@ -56,6 +56,7 @@
 //! | `redis-cluster` | no | Redis Cluster for both |
 //! | `redis-sentinel` | no | Redis Sentinel for both, failovers followed |
 //! | `nats` | no | [`nats`]: the NATS JetStream publisher and the consumer runner |
+//! | `cdc` | no | [`cdc`]: the CDC relay, PostgreSQL logical decoding of the outbox's inserts in commit order, no UPDATE per message (implies `postgres`) |
 //! | `http` | no | a consumer's `/healthz` and `/readyz` as an axum `Router` |
 //! | `opentelemetry` | no | W3C trace context from emit through the relay to the handler |
 //! | `memory` | no | in-memory database and broker for unit tests without services (a dev-dependency's feature) |
@@ -98,6 +99,15 @@ pub mod redis {
 pub mod nats {
     #[doc(inline)]
     pub use outbox_nats::*;
+}
+
+/// The CDC relay (`typed-outbox-cdc`): the outbox's committed inserts read from
+/// PostgreSQL's logical decoding and published in commit order, with no UPDATE per
+/// message.
+#[cfg(feature = "cdc")]
+pub mod cdc {
+    #[doc(inline)]
+    pub use outbox_cdc::*;
 }
 
 // The workspace README's example, compiled (not run: it needs the services) as a doc test.
