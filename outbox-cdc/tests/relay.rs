@@ -394,3 +394,46 @@ async fn a_broker_outage_spends_no_retry_and_loses_nothing() {
     );
     assert_eq!(db.scalar("SELECT count(*) AS v FROM outbox_cdc_parked"), 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_replication_connection_reconnects_and_loses_nothing() {
+    let db = Db::start(false);
+    db.setup(&fast());
+    let (publisher, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher, fast());
+    let url = db.url.clone();
+    let producer = std::thread::spawn(move || {
+        let mut c = diesel::PgConnection::establish(&url).unwrap();
+        for n in 0..200 {
+            insert(&mut c, "r", n);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    // The relay's server process ended under it, twice (an operator, a failover).
+    for _ in 0..2 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while db.scalar("SELECT count(*) AS v FROM pg_replication_slots WHERE active") == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the relay never held the slot"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        db.conn()
+            .batch_execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE active",
+            )
+            .unwrap();
+    }
+    producer.join().unwrap();
+    let all: Vec<String> = (0..200).map(|n| msg_id("r", n)).collect();
+    let got = wait_for_all(&name, &all);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+    assert_eq!(
+        firsts(&got),
+        all,
+        "nothing lost, first copies in commit order"
+    );
+}
