@@ -7,6 +7,10 @@
 //! - relay: one relay into Redis against a pure-SQL claim-and-mark drain, per-key
 //!   against unordered claims with one and two relays, commit→XADD latency at a steady
 //!   1,000 messages/s, resident memory while draining a 1M-row backlog;
+//! - cdc: the CDC relay (`outbox-cdc`) beside the polling relay on a private cluster with
+//!   `wal_level = logical`: backlog drain against the polling relay and against the same
+//!   entries published from memory (the broker's own limit), commit→XADD latency at the
+//!   steady rate, rows updated and dead tuples per message, the database's CPU per message;
 //! - consumer: single mode against a plain SQL loop doing the same writes, batch mode
 //!   against single mode, and two consumers in batch mode against single mode when
 //!   handlers update one row per key over 64 keys;
@@ -37,6 +41,7 @@ use clap::Parser;
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, PgConnection};
 
+mod cdc;
 mod consumer;
 mod consumer_part;
 mod cpu;
@@ -67,7 +72,8 @@ struct Args {
     /// Rounds per ratio (each round measures the figure and its baseline).
     #[arg(long)]
     rounds: Option<usize>,
-    /// Only these parts (comma-separated): relay, latency, memory, consumer, emit,
+    /// Only these parts (comma-separated): relay, latency, memory, cdc (the CDC relay
+    /// beside the polling relay on a private `wal_level = logical` cluster), consumer, emit,
     /// async-emit, plots, scale (= horizon, a drain with the horizon held back, and size,
     /// the claim against 50M rows), day, stream (Redis memory per stream entry and what
     /// the trim leaves). Without it, every part but scale (about half an hour), day (a
@@ -288,6 +294,9 @@ async fn run_parts(
         let result = relay_part::part(args, sizes, &bench, figures).await;
         bench.cleanup().await;
         result?;
+    }
+    if args.runs("cdc") {
+        cdc::part(sizes, svc, figures).await?;
     }
     if args.runs("consumer") {
         let deadline = Duration::from_secs(if args.tiny { 20 } else { 60 });

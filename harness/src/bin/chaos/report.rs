@@ -28,6 +28,9 @@ pub(crate) struct EndState {
     kept: usize,
     steps_failed: usize,
     min_margin: Option<f64>,
+    /// `--cdc`: slot takeovers from a silent holder (a SIGSTOPped relay), from the
+    /// relays' logs.
+    takeovers: usize,
 }
 
 /// How the run ended, besides its end state.
@@ -93,6 +96,7 @@ impl World<'_> {
             kept,
             steps_failed,
             min_margin: self.db.as_ref().and_then(|d| d.min_margin),
+            takeovers: takeovers_in_logs(&self.procs),
         })
     }
 
@@ -273,7 +277,7 @@ impl Verdict<'_> {
         println!(
             "chaos seed={} backend={} events={} partitions={}{} faults: {} | lost={} double_applied={} \
              order={:.3}% order_breaks={} handler_order_breaks={} stream_duplicates={} rolled_back_seen={} dead={} \
-             dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={}{}{} \
+             dead_letters={} bad_sums={} stuck_consumers={} unexpected_exits={} bad_sigterms={} leftovers={}{}{}{} \
              drain={} | {}",
             c.seed,
             c.backend.name(),
@@ -305,6 +309,12 @@ impl Verdict<'_> {
                     p.dropped.values().sum::<usize>()
                 )),
             tally.db.as_ref().map_or(String::new(), db_restart_fields),
+            // Only with --cdc.
+            if c.cdc {
+                format!(" slot_takeovers={}", end.takeovers)
+            } else {
+                String::new()
+            },
             ending
                 .drained_after
                 .map_or("timeout".to_owned(), |d| format!("{:.1}s", d.as_secs_f64())),
@@ -394,6 +404,16 @@ fn maintenance_in_logs(procs: &[Proc]) -> (usize, usize) {
         }
     }
     (kept.len(), failed)
+}
+
+/// `--cdc`: the slot taken over from a holder that sent no status update (SIGSTOPped).
+fn takeovers_in_logs(procs: &[Proc]) -> usize {
+    procs
+        .iter()
+        .filter(|p| p.role == Role::Relay)
+        .filter_map(|p| std::fs::read_to_string(p.log_path()).ok())
+        .map(|text| text.matches("takes the slot over").count())
+        .sum()
 }
 
 /// Processes other than this one whose command line names the run.
