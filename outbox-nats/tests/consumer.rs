@@ -14,7 +14,7 @@ use outbox_core::{
     StoredMessage,
 };
 use outbox_nats::{AsyncStore, Consumer, ConsumerConfig, Naming, NatsPublisher, PublisherConfig};
-use outbox_tests::{eventually, nats_url, unique};
+use outbox_tests::{DropStreams, eventually, nats_url, unique};
 
 #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
 #[outbox(topic = "points.earned")]
@@ -59,6 +59,7 @@ impl Handler<PointsEarned> for AddPoints {
 }
 
 struct Fixture {
+    _streams: DropStreams,
     naming: Naming,
     client: async_nats::Client,
     publisher: NatsPublisher,
@@ -77,6 +78,7 @@ impl Fixture {
         )
         .unwrap();
         Self {
+            _streams: DropStreams::new(nats_url(), naming.stream_prefix.clone()),
             naming,
             client,
             publisher,
@@ -392,4 +394,42 @@ async fn a_bad_group_name_or_no_handler_is_refused_at_build() {
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("handler"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_deleted_under_a_running_consumer_is_set_up_again() {
+    let f = Fixture::new().await;
+    f.publish(&[earned("a1", "fay", 1), earned("a2", "fay", 1)])
+        .await;
+    let db = MemoryDb::new(Ledger::new());
+    let consumer = f.consumer(&unique("g"), AddPoints::default(), &db);
+    let running = spawn(&consumer);
+    eventually("the first two applied", || consumer.stats().consumed == 2).await;
+
+    let js = jetstream::new(f.client.clone());
+    js.delete_stream(f.naming.stream("points.earned"))
+        .await
+        .unwrap();
+    // The publisher's first call meets no stream (no responders: an outage), its next
+    // creates it again.
+    let batch: Vec<StoredMessage> = [earned("b1", "fay", 1), earned("b2", "fay", 1)]
+        .iter()
+        .enumerate()
+        .map(|(i, e)| StoredMessage {
+            id: i as i64,
+            retries: 0,
+            envelope: Envelope::from_event(e, 1 << 20).unwrap(),
+        })
+        .collect();
+    let first = f.publisher.publish(&batch).await;
+    assert!(first.as_ref().is_err_and(|e| e.is_outage()), "{first:?}");
+    let again = f.publisher.publish(&batch).await.unwrap();
+    assert!(again.iter().all(Result::is_ok), "{again:?}");
+
+    eventually("the two after the delete applied", || {
+        consumer.stats().consumed == 4
+    })
+    .await;
+    assert_eq!(db.read(|l| l["fay"]), 4);
+    stop(running).await;
 }

@@ -17,7 +17,7 @@ use outbox_diesel::{ClaimOrder, Emit as _, PgInbox, PgPool, PgRelayStore};
 use outbox_nats::{
     Consumer, ConsumerConfig, Naming, NatsPublisher, PublisherConfig, StreamSettings,
 };
-use outbox_tests::{Isolated, ScratchNats, eventually_within, nats_url, unique};
+use outbox_tests::{DropStreams, Isolated, ScratchNats, eventually_within, nats_url, unique};
 
 #[derive(Debug, serde::Serialize, serde::Deserialize, OutboxEvent)]
 #[outbox(topic = "account.credited", key = account)]
@@ -58,6 +58,7 @@ impl Handler<Credited> for Apply {
 
 struct Env {
     _schema: Isolated,
+    _streams: DropStreams,
     pool: PgPool,
     naming: Naming,
     group: String,
@@ -78,6 +79,7 @@ impl Env {
         .unwrap();
         let id = unique("e");
         Self {
+            _streams: DropStreams::new(nats_url(), format!("S{id}_")),
             naming: Naming::new(id.clone(), format!("S{id}_")).unwrap(),
             _schema: schema,
             pool,

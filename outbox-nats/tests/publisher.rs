@@ -8,12 +8,17 @@ use async_nats::jetstream;
 use chrono::Utc;
 use outbox_core::{Envelope, Headers, MsgId, Partitions, Publisher, RejectKind, StoredMessage};
 use outbox_nats::{Naming, NatsPublisher, PublisherConfig, StreamSettings};
-use outbox_tests::{ScratchNats, nats_url, unique};
+use outbox_tests::{DropStreams, ScratchNats, nats_url, unique};
 
-/// Names of this test alone: subjects `t_<pid>_<hex>.<topic>`, streams `T_<pid>_<hex>_..`.
-fn naming() -> Naming {
+/// Names of this test alone (subjects `t_<pid>_<hex>.<topic>`, streams
+/// `St_<pid>_<hex>_..`), and their streams' removal when the test ends.
+fn naming() -> (Naming, DropStreams) {
     let id = unique("t");
-    Naming::new(id.clone(), format!("S{id}_")).unwrap()
+    let streams = format!("S{id}_");
+    (
+        Naming::new(id, streams.clone()).unwrap(),
+        DropStreams::new(nats_url(), streams),
+    )
 }
 
 fn message(id: i64, topic: &str, key: &str, payload: &str) -> StoredMessage {
@@ -64,7 +69,7 @@ async fn stored(js: &jetstream::Context, stream: &str) -> Vec<(String, String, S
 
 #[tokio::test]
 async fn a_batch_lands_in_order_on_its_topics_subjects_with_the_msg_id() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let config = PublisherConfig::default().with_naming(naming.clone());
     let (publisher, js) = publisher(config).await;
     let batch = [
@@ -108,7 +113,7 @@ async fn a_batch_lands_in_order_on_its_topics_subjects_with_the_msg_id() {
 
 #[tokio::test]
 async fn a_republish_inside_the_duplicate_window_is_dropped_by_the_server() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let (publisher, js) = publisher(PublisherConfig::default().with_naming(naming.clone())).await;
     let batch: Vec<StoredMessage> = (1..=20)
         .map(|i| message(i, "order.paid", "k", "{}"))
@@ -134,7 +139,7 @@ async fn a_republish_inside_the_duplicate_window_is_dropped_by_the_server() {
 
 #[tokio::test]
 async fn a_partitioned_topic_has_a_subject_per_partition() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let eight = Partitions::new(8).unwrap();
     let config = PublisherConfig::default()
         .with_naming(naming.clone())
@@ -161,7 +166,7 @@ async fn a_partitioned_topic_has_a_subject_per_partition() {
 
 #[tokio::test]
 async fn a_refused_message_holds_the_rest_of_its_key_and_spends_a_retry() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let streams = StreamSettings::default().with_max_message_size(2048);
     let config = PublisherConfig::default()
         .with_naming(naming.clone())
@@ -191,7 +196,7 @@ async fn a_refused_message_holds_the_rest_of_its_key_and_spends_a_retry() {
 
 #[tokio::test]
 async fn a_stream_with_other_settings_is_refused_with_a_typed_error() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let client = client(&nats_url()).await;
     let js = jetstream::new(client.clone());
     let stream = naming.stream("order.paid");
@@ -226,7 +231,7 @@ async fn a_stream_with_other_settings_is_refused_with_a_typed_error() {
 
 #[tokio::test]
 async fn a_missing_stream_is_refused_when_creation_is_off() {
-    let naming = naming();
+    let (naming, _streams) = naming();
     let streams = StreamSettings::default().with_create(false);
     let config = PublisherConfig::default()
         .with_naming(naming)
@@ -239,7 +244,7 @@ async fn a_missing_stream_is_refused_when_creation_is_off() {
 #[tokio::test]
 async fn a_server_down_is_an_outage_of_the_whole_call_and_back_it_takes_the_batch() {
     let mut server = ScratchNats::start();
-    let naming = naming();
+    let (naming, _streams) = naming();
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .connect(server.url())

@@ -18,6 +18,10 @@ use super::{Consumer, StartFrom, Topic};
 use crate::streams::{ensure_stream, refused};
 use crate::{Error, Result};
 
+/// Pulls failed in a row after which a reader sets its stream and durable consumer up
+/// again.
+const REFIND_AFTER: u32 = 3;
+
 impl<I, C> Consumer<I, C>
 where
     I: ConsumerStore<Conn = C>,
@@ -146,6 +150,17 @@ where
             })
     }
 
+    /// `topic`'s stream and the group's durable consumer on it, checked or created again.
+    async fn refind(&self, topic: &Topic) -> Result<PullConsumer> {
+        let inner = &self.inner;
+        let subjects = inner
+            .config
+            .naming
+            .stream_subjects(&topic.name, topic.partitions);
+        ensure_stream(&inner.js, &topic.stream, subjects, &inner.config.streams).await?;
+        self.durable(topic).await
+    }
+
     /// Waits `delay`, or less if the run is stopped; returns whether it was.
     async fn pause(&self, delay: Duration, stop: &mut watch::Receiver<bool>) -> bool {
         if *stop.borrow() {
@@ -158,10 +173,25 @@ where
     }
 
     /// One reader: pulls from `consumer` and applies what comes, until stopped.
-    async fn read(&self, topic: Topic, consumer: PullConsumer, mut stop: watch::Receiver<bool>) {
+    async fn read(
+        &self,
+        topic: Topic,
+        mut consumer: PullConsumer,
+        mut stop: watch::Receiver<bool>,
+    ) {
         let mut failures = 0;
         while !*stop.borrow() {
             self.inner.health.round();
+            if failures >= REFIND_AFTER && failures % REFIND_AFTER == 0 {
+                // The server may have come back without the stream or the durable
+                // consumer (memory storage, an operator's delete): set them up again.
+                match self.refind(&topic).await {
+                    Ok(found) => consumer = found,
+                    Err(e) => {
+                        tracing::warn!(stream = %topic.stream, error = %e, "cannot set the stream up again")
+                    }
+                }
+            }
             let outage = match self.pull(&topic, &consumer).await {
                 Ok(outage) => {
                     failures = 0;
