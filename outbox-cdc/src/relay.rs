@@ -57,7 +57,9 @@ impl<P: Publisher> CdcRelay<P> {
     /// A relay with the default [`CdcConfig`] that reads the slot over a replication
     /// connection to `database_url` (see [`ReplicationTarget`] for what it reads of the
     /// URL), and runs its queries (the start check, the backfill, the failure path, the
-    /// reports) on `pool`, a pool of the same database.
+    /// reports) on `pool`, a pool of the same database. Two to four connections are
+    /// plenty; give the pool a short `connection_timeout` (r2d2's default is 30 s), as
+    /// every outage of the database waits that long per attempt.
     pub fn new(database_url: &str, pool: PgPool, publisher: P) -> Result<Self> {
         Ok(Self {
             pool,
