@@ -158,6 +158,11 @@ pub(crate) enum CliError {
 const RELAY_CONFLICT_HINT: &str = "stop the other relay: SQLite takes one per database file \
      (a relay that crashed or was killed holds nothing, so a restart needs no wait)";
 
+/// The advice when a polling relay meets an outbox in CDC mode.
+const CDC_MODE_HINT: &str = "this outbox is in CDC mode (`outbox migrate --cdc`): run \
+     `outbox relay --cdc`, or stop the CDC relays and run `outbox migrate --to-polling` first \
+     (docs/cdc.md, \"Switching between the relays\")";
+
 impl CliError {
     /// The process exit code: 2 for usage errors (like clap's), 1 for everything else.
     pub(crate) fn exit_code(&self) -> u8 {
@@ -189,6 +194,12 @@ impl CliError {
         match self {
             Self::Database(_) | Self::Pool { .. } | Self::Relay(_) if missing_table => {
                 Some("the outbox tables are missing: run `outbox migrate` first")
+            }
+            // outbox-diesel's refusal of a polling relay on an outbox in CDC mode.
+            Self::RelayStart(e) | Self::Relay(e)
+                if e.is_relay_conflict() && lower.contains("cdc relay") =>
+            {
+                Some(CDC_MODE_HINT)
             }
             Self::RelayStart(e) | Self::Relay(e) if e.is_relay_conflict() => {
                 Some(RELAY_CONFLICT_HINT)

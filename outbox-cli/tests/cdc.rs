@@ -81,10 +81,27 @@ fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
         .stdout(contains("CDC relay set up"));
     let s = status(&url);
     assert_eq!(s["cdc"]["slot"], "outbox_cdc", "{s}");
+    // A polling relay started by mistake must not publish the table again.
+    let streams = Streams::new();
+    let mut polling = Background::spawn(
+        &[
+            "--database-url",
+            &url,
+            "relay",
+            "--broker",
+            &redis_url(),
+            "--stream-prefix",
+            &streams.prefix,
+        ],
+        "info",
+    );
+    let exit = polling.wait();
+    assert!(!exit.success(), "a polling relay in CDC mode must stop");
+    assert!(polling.log().contains("--to-polling"), "{}", polling.log());
+    assert!(streams.msg_ids().is_empty(), "it published nothing");
     assert_eq!(s["cdc"]["lost"], false, "{s}");
     assert!(s["due"].is_null(), "no NEW-row backlog in CDC mode: {s}");
 
-    let streams = Streams::new();
     let admin = free_addr();
     let mut relay = cdc_relay(&url, &streams, admin);
     streams.wait_for(3, &mut relay);
