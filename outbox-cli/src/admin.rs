@@ -1,8 +1,8 @@
 //! `outbox relay --admin-addr`: the relay's HTTP endpoint for Prometheus and Kubernetes.
 //!
 //! - `/metrics`: the Prometheus text format (what the relay records through `metrics`).
-//! - `/healthz`: 200 when the database and Redis both answer, 503 otherwise; the JSON
-//!   body says which is down and why. A liveness probe on it restarts a relay cut off
+//! - `/healthz`: 200 when the database and the broker (Redis or NATS) both answer, 503
+//!   otherwise; the JSON body says which is down and why. A liveness probe on it restarts a relay cut off
 //!   from either; a readiness or startup probe on it keeps it out of rotation instead.
 //! - `/readyz`: 200 while the oldest due message is younger than `--ready-max-age`, 503
 //!   once it is older (the relays are not keeping up or cannot publish) or when the
@@ -26,7 +26,7 @@ use outbox_redis::redis;
 use serde_json::json;
 
 use crate::backend::{Conn, Database, with_conn};
-use crate::broker::{Broker, Timeouts};
+use crate::broker::{Broker, BrokerKind, Timeouts};
 use crate::cdc::CdcStatus;
 use crate::error::CliError;
 
@@ -103,12 +103,16 @@ async fn metrics_text(State(admin): State<Arc<Admin>>) -> Response {
 }
 
 async fn healthz(State(admin): State<Arc<Admin>>) -> Response {
-    let (db, redis) = tokio::join!(admin.backlog(), admin.ping_redis());
-    let up = db.is_ok() && redis.is_ok();
+    let (db, broker) = tokio::join!(admin.backlog(), admin.ping_broker());
+    let up = db.is_ok() && broker.is_ok();
+    let name = match admin.broker.kind() {
+        BrokerKind::Redis(_) => "redis",
+        BrokerKind::Nats(_) => "nats",
+    };
     let body = json!({
         "status": if up { "ok" } else { "unavailable" },
         "database": state(db.map(drop)),
-        "redis": state(redis),
+        name: state(broker),
     });
     respond(up, &body)
 }
@@ -193,8 +197,18 @@ impl Admin {
     }
 
     /// A `PING` on a new connection (to the primary Sentinel names now; to any node of
-    /// a cluster).
-    async fn ping_redis(&self) -> Result<(), String> {
+    /// a cluster); on NATS, a new connection and a round trip (`flush`).
+    async fn ping_broker(&self) -> Result<(), String> {
+        if let BrokerKind::Nats(servers) = self.broker.kind() {
+            let ping = async {
+                let client = servers.connect(PROBE_TIMEOUT).await?;
+                client.flush().await.map_err(|e| e.to_string())
+            };
+            return match tokio::time::timeout(PROBE_TIMEOUT, ping).await {
+                Ok(result) => result,
+                Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+            };
+        }
         let ping = async {
             let mut conn = self.broker.connect(PROBE_TIMEOUTS).await?;
             redis::cmd("PING").query_async::<String>(&mut conn).await

@@ -31,13 +31,17 @@ redis+cluster://HOST:PORT,HOST:PORT a Redis Cluster (streams are hash-tagged:
 <PREFIX>{<TOPIC>}), redis+sentinel://HOST:PORT,HOST:PORT/MASTER the primary that Redis
 Sentinel names, followed through failovers. --durability replicas=1 keeps a row NEW
 until a replica has its entry, so that a failover loses nothing the relay marked SENT.
+nats://HOST:PORT[,HOST:PORT] is NATS JetStream: a stream per topic (<PREFIX><TOPIC>,
+created with --replicas and --duplicate-window, or checked), each message with
+Nats-Msg-Id = its msg_id; a row is marked SENT once the server acknowledged it.
 
 Examples:
   outbox relay --broker redis://127.0.0.1:6379 --admin-addr 127.0.0.1:9464
   outbox relay --broker redis://127.0.0.1:6379 --partitions order.paid=8
   outbox relay --broker redis+cluster://10.0.0.1:7000,10.0.0.2:7000
   outbox relay --broker redis+sentinel://:PASS@10.0.0.1:26379,10.0.0.2:26379/mymaster \\
-      --durability replicas=1,timeout=500ms";
+      --durability replicas=1,timeout=500ms
+  outbox relay --broker nats://10.0.0.1:4222,10.0.0.2:4222 --replicas 3";
 
 const TRIM_HELP: &str = "\
 Only entries every consumer group has acknowledged are removed: an entry still pending
@@ -58,6 +62,10 @@ partition streams, the consumer holding the partition's lease and for how long. 
 that are not streams (leases, the hash of partition counts) are never listed.
 
 On a Redis Cluster (--broker redis+cluster://…) the streams of every primary are listed.
+On NATS (--broker nats://…) each JetStream stream under the prefix is a topic (all its
+partitions' subjects in one stream): its messages, and per durable consumer (a group)
+the messages delivered and not acknowledged (pending) and not delivered yet (lag); the
+dead letters are the stream <PREFIX>DEAD.
 
 Example:
   outbox streams --broker redis+cluster://10.0.0.1:7000,10.0.0.2:7000 --json";
@@ -112,7 +120,8 @@ pub(crate) enum Command {
     Migrate(MigrateArgs),
     /// Show the backlog: due NEW messages, the age of the oldest one, DEAD messages.
     Status(StatusArgs),
-    /// Publish committed messages to Redis Streams until SIGINT or SIGTERM.
+    /// Publish committed messages to Redis Streams or NATS JetStream until SIGINT or
+    /// SIGTERM.
     #[command(after_help = RELAY_HELP)]
     Relay(Box<RelayArgs>),
     /// List, inspect, re-drive and purge dead letters (DEAD messages).
@@ -292,9 +301,26 @@ pub(crate) struct RelayArgs {
     /// Failed attempts after which a message is dead-lettered (outages never count).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..), value_name = "N")]
     pub(crate) max_attempts: u32,
-    /// Prefix of stream names: topic `order.paid` goes to `<PREFIX>order.paid`.
-    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
-    pub(crate) stream_prefix: String,
+    /// Prefix of stream names: topic `order.paid` goes to `<PREFIX>order.paid` on Redis
+    /// (default `outbox:`), to the stream `<PREFIX>order_paid` on NATS (default
+    /// `OUTBOX_`).
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) stream_prefix: Option<String>,
+    /// NATS: prefix of the subjects: topic `order.paid` is published on
+    /// `<PREFIX>.order.paid` (`<PREFIX>.order.paid.p<n>` when partitioned). Default
+    /// `outbox`.
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) subject_prefix: Option<String>,
+    /// NATS: copies of each message in the streams the relay creates, 1 to 5 (3 on a
+    /// cluster: a publish is acknowledged once a majority stored it). An existing stream
+    /// with another count is refused, not changed. Default 1.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=5), value_name = "N")]
+    pub(crate) replicas: Option<u8>,
+    /// NATS: how long the server remembers a msg_id, dropping a copy the relay
+    /// publishes again within it (after a crash before the SENT mark). Cover the
+    /// relay's longest stop between a publish and its mark. Default 2m.
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) duplicate_window: Option<Duration>,
     /// Spread TOPIC over N partition streams `<PREFIX><TOPIC>:<p>` by ordering key, N from
     /// 1 to 1024. Repeat for each partitioned topic; every relay needs the same counts.
     #[arg(long = "partitions", value_parser = parse_partitions, value_name = "TOPIC=N")]
@@ -350,9 +376,10 @@ pub(crate) struct BrokerArg {
     /// Broker URL: redis://HOST:PORT[/DB] or rediss://… (one Redis),
     /// redis+cluster://HOST:PORT,HOST:PORT… (a Redis Cluster, through these seed nodes),
     /// redis+sentinel://HOST:PORT,HOST:PORT…/MASTER[/DB] (the primary these sentinels
-    /// monitor as MASTER). Credentials go before the hosts (`redis://:PASS@HOST`); they
-    /// are the data nodes'. `--redis-url` is the old name; without either, OUTBOX_BROKER,
-    /// else REDIS_URL.
+    /// monitor as MASTER), nats://HOST:PORT,HOST:PORT… or nats+tls://… (NATS JetStream:
+    /// `outbox relay` and `outbox streams`). Credentials go before the hosts
+    /// (`redis://:PASS@HOST`, `nats://USER:PASS@HOST`); they are the data nodes'.
+    /// `--redis-url` is the old name; without either, OUTBOX_BROKER, else REDIS_URL.
     #[arg(
         long = "broker",
         alias = "redis-url",
@@ -399,9 +426,10 @@ pub(crate) struct StreamsArgs {
     /// The broker.
     #[command(flatten)]
     pub(crate) broker: BrokerArg,
-    /// List the streams whose name starts with PREFIX (as `outbox relay --stream-prefix`).
-    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
-    pub(crate) stream_prefix: String,
+    /// List the streams whose name starts with PREFIX (as `outbox relay --stream-prefix`;
+    /// default `outbox:` on Redis, `OUTBOX_` on NATS).
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) stream_prefix: Option<String>,
     /// Streams whose name ends with SUFFIX are dead-letter streams, counted with the
     /// stream they came from.
     #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]

@@ -86,6 +86,44 @@ pub(crate) enum CliError {
         /// The publisher's refusal.
         source: outbox_redis::Error,
     },
+    /// An option of `outbox relay` that the broker of the URL does not take.
+    #[error("{option} applies to {applies_to} brokers only, not to `{url}`")]
+    BrokerOption {
+        /// The option.
+        option: &'static str,
+        /// The URL, passwords hidden.
+        url: String,
+        /// The brokers that take it.
+        applies_to: &'static str,
+    },
+    /// A command that reaches Redis only was given a NATS broker.
+    #[error("`outbox {command}` reaches Redis only (NATS: `outbox relay`, `outbox streams`)")]
+    RedisOnly {
+        /// The subcommand.
+        command: &'static str,
+        /// Which broker was given.
+        source: crate::broker::NotRedis,
+    },
+    /// The NATS publisher refused the relay's options (a prefix, a stream setting), or
+    /// its client could not be set up.
+    #[error("cannot publish to `{url}` with these options")]
+    NatsConfig {
+        /// The URL, passwords hidden.
+        url: String,
+        /// The publisher's refusal.
+        source: outbox_nats::Error,
+    },
+    /// NATS could not be reached.
+    #[error("cannot connect to NATS `{url}`: {reason}")]
+    NatsConnect {
+        /// The URL, passwords hidden.
+        url: String,
+        /// The client's words.
+        reason: String,
+    },
+    /// A NATS JetStream request failed.
+    #[error("NATS JetStream request failed: {0}")]
+    Nats(String),
     /// Redis could not be reached.
     #[error("cannot connect to Redis `{url}`")]
     RedisConnect {
@@ -172,7 +210,10 @@ impl CliError {
             | Self::PartitionsTwice(_)
             | Self::MissingBroker
             | Self::BrokerUrl { .. }
-            | Self::BrokerConfig { .. } => 2,
+            | Self::BrokerConfig { .. }
+            | Self::BrokerOption { .. }
+            | Self::RedisOnly { .. }
+            | Self::NatsConfig { .. } => 2,
             #[cfg(feature = "serve")]
             Self::ServeWithoutToken { .. } => 2,
             _ => 1,

@@ -11,11 +11,16 @@
 //! cluster or sentinel URL itself, so each host of a list becomes a `redis://` URL of
 //! its own that the crate then checks. The credentials are the data nodes' (the
 //! cluster's nodes, the primary); sentinels that require a password of their own take
-//! `?sentinel_password=…` (and `sentinel_username=…`). A NATS broker will be one more
-//! scheme (`nats://`).
+//! `?sentinel_password=…` (and `sentinel_username=…`).
+//!
+//! | `nats://[[USER:PASS|TOKEN]@]HOST:PORT[,HOST:PORT…]`, `nats+tls://…` | NATS JetStream, one server or a cluster through these seeds |
+//!
+//! NATS serves `outbox relay` and `outbox streams`; the commands that read or change
+//! Redis streams (`trim`, `serve`) refuse it ([`Broker::redis`]).
 
 mod conn;
 mod durability;
+mod nats;
 mod url;
 
 use std::time::Duration;
@@ -25,6 +30,7 @@ use outbox_redis::{PublisherConfig, RedisPublisher, SentinelConfig};
 
 pub(crate) use self::conn::BrokerConn;
 pub(crate) use self::durability::parse_durability;
+pub(crate) use self::nats::NatsServers;
 pub(crate) use self::url::redact;
 use self::url::{Scheme, Split};
 
@@ -37,11 +43,13 @@ pub(crate) struct Broker {
     kind: BrokerKind,
 }
 
-/// The brokers the command reaches. NATS will be one more variant.
+/// The brokers the command reaches.
 #[derive(Debug, Clone)]
-enum BrokerKind {
+pub(crate) enum BrokerKind {
     /// Redis, in one of its topologies.
     Redis(Topology),
+    /// NATS JetStream.
+    Nats(NatsServers),
 }
 
 /// How a Redis deployment is reached.
@@ -64,9 +72,18 @@ pub(crate) enum BrokerUrlError {
     /// A scheme no broker has.
     #[error("unknown scheme `{0}`: use {SCHEMES}")]
     UnknownScheme(String),
-    /// `nats://`: the NATS broker is not in this build.
-    #[error("NATS brokers are not supported by this build of `outbox` yet; use {SCHEMES}")]
-    Nats,
+    /// A NATS URL with a path: NATS has no databases.
+    #[error("a NATS URL names servers only: drop the path `{0}`")]
+    NatsPath(String),
+    /// The NATS client refused one server of the list (its words never quote the
+    /// password).
+    #[error("the NATS client refused the server `{host}` (HOST:PORT)")]
+    NatsServer {
+        /// The host as written.
+        host: String,
+        /// The client's error.
+        source: std::io::Error,
+    },
     /// A cluster or sentinel URL without any host.
     #[error("names no host: list them as HOST:PORT,HOST:PORT")]
     NoHost,
@@ -106,7 +123,7 @@ pub(crate) enum BrokerUrlError {
 
 /// The schemes, for messages.
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
-                       redis+sentinel:// or rediss+sentinel://";
+                       redis+sentinel://, rediss+sentinel://, nats:// or nats+tls://";
 
 /// What the relay's publisher and the stream commands' connections need to know about
 /// their time limits.
@@ -122,7 +139,7 @@ impl Broker {
     /// Parses `url`; only its syntax is checked, nothing connects.
     pub(crate) fn parse(url: &str) -> Result<Self, BrokerUrlError> {
         let split = Split::of(url)?;
-        let topology = match split.scheme {
+        let kind = match split.scheme {
             Scheme::Single => Topology::Single(url.into_connection_info().map_err(|source| {
                 BrokerUrlError::Redis {
                     what: "the redis crate refused the URL".to_owned(),
@@ -131,11 +148,16 @@ impl Broker {
             })?),
             Scheme::Cluster { tls } => Topology::Cluster(split.cluster_nodes(tls)?),
             Scheme::Sentinel { tls } => Topology::Sentinel(Box::new(split.sentinel_config(tls)?)),
-            Scheme::Nats => return Err(BrokerUrlError::Nats),
+            Scheme::Nats { tls } => {
+                return Ok(Self {
+                    display: redact(url),
+                    kind: BrokerKind::Nats(NatsServers::new(split.nats_servers(tls)?)),
+                });
+            }
         };
         Ok(Self {
             display: redact(url),
-            kind: BrokerKind::Redis(topology),
+            kind: BrokerKind::Redis(kind),
         })
     }
 
@@ -144,28 +166,43 @@ impl Broker {
         &self.display
     }
 
-    /// The Redis deployment this broker is.
-    pub(crate) fn redis(&self) -> &Topology {
-        let BrokerKind::Redis(topology) = &self.kind;
-        topology
+    /// Which broker this is.
+    pub(crate) fn kind(&self) -> &BrokerKind {
+        &self.kind
     }
 
-    /// `single`, `cluster` or `sentinel`, for logs.
-    pub(crate) fn topology_name(&self) -> &'static str {
-        match self.redis() {
-            Topology::Single(_) => "single",
-            Topology::Cluster(_) => "cluster",
-            Topology::Sentinel(_) => "sentinel",
+    /// The Redis deployment this broker is; refuses a NATS broker, for the commands
+    /// that reach Redis only.
+    pub(crate) fn redis(&self) -> Result<&Topology, NotRedis> {
+        match &self.kind {
+            BrokerKind::Redis(topology) => Ok(topology),
+            BrokerKind::Nats(_) => Err(NotRedis {
+                url: self.display.clone(),
+            }),
         }
     }
 
-    /// The relay's publisher to this broker, with `config`. Refuses a config the
-    /// deployment cannot take (a stream prefix with braces on a cluster).
+    /// `single`, `cluster` or `sentinel` (Redis), `nats`, for logs.
+    pub(crate) fn topology_name(&self) -> &'static str {
+        match &self.kind {
+            BrokerKind::Redis(Topology::Single(_)) => "single",
+            BrokerKind::Redis(Topology::Cluster(_)) => "cluster",
+            BrokerKind::Redis(Topology::Sentinel(_)) => "sentinel",
+            BrokerKind::Nats(_) => "nats",
+        }
+    }
+
+    /// The relay's Redis publisher to this broker, with `config`. Refuses a config the
+    /// deployment cannot take (a stream prefix with braces on a cluster), and a NATS
+    /// broker.
     pub(crate) fn publisher(
         &self,
         config: PublisherConfig,
     ) -> outbox_redis::Result<RedisPublisher> {
-        let publisher = match self.redis() {
+        let topology = self.redis().map_err(|e| {
+            outbox_redis::Error::from(outbox_core::InvalidConfig::new("broker", e.to_string()))
+        })?;
+        let publisher = match topology {
             Topology::Single(info) => RedisPublisher::new(info.clone()),
             Topology::Cluster(nodes) => RedisPublisher::cluster(nodes.clone()),
             Topology::Sentinel(config) => RedisPublisher::sentinel((**config).clone()),
@@ -175,9 +212,26 @@ impl Broker {
 
     /// A connection for the stream commands and the pages, opened within
     /// `timeouts.connect`.
+    /// A NATS broker is refused here as an invalid client configuration: the commands
+    /// check [`Broker::redis`] before they connect.
     pub(crate) async fn connect(&self, timeouts: Timeouts) -> Result<BrokerConn, RedisError> {
-        BrokerConn::open(self.redis(), timeouts).await
+        let topology = self.redis().map_err(|e| {
+            RedisError::from((
+                outbox_redis::redis::ErrorKind::InvalidClientConfig,
+                "not a Redis broker",
+                e.to_string(),
+            ))
+        })?;
+        BrokerConn::open(topology, timeouts).await
     }
+}
+
+/// A NATS broker given to what reaches Redis only.
+#[derive(Debug, thiserror::Error)]
+#[error("`{url}` is a NATS broker; this reaches Redis only")]
+pub(crate) struct NotRedis {
+    /// The URL, passwords hidden.
+    url: String,
 }
 
 #[cfg(test)]
@@ -188,7 +242,7 @@ mod tests {
 
     fn parse(url: &str) -> Topology {
         match Broker::parse(url) {
-            Ok(b) => b.redis().clone(),
+            Ok(b) => b.redis().expect("a Redis broker").clone(),
             Err(e) => panic!("{url}: {e}"),
         }
     }
@@ -283,7 +337,12 @@ mod tests {
             ("not a url", "not a URL"),
             ("", "not a URL"),
             ("ftp://:s3cret@h", "unknown scheme `ftp`"),
-            ("nats://:s3cret@h:4222", "NATS"),
+            ("nats://:s3cret@h:notaport", "`h:notaport`"),
+            ("nats://:s3cret@h:99999", "`h:99999`"),
+            ("nats://:s3cret@h:4222/x", "drop the path `/x`"),
+            ("nats://:s3cret@h:4222?x=1", "unknown parameter `x`"),
+            ("nats://:s3cret@", "names no host"),
+            ("nats://:s3cret@h1:1,,h2:2", "empty host"),
             ("redis://:s3cret@h:notaport", "refused the URL"),
             ("redis+cluster://:s3cret@", "names no host"),
             ("redis+cluster://:s3cret@h1:1,,h2:2", "empty host"),
@@ -318,6 +377,44 @@ mod tests {
             assert!(text.contains(says), "{url}: {text}");
             assert!(!text.contains("s3cret"), "{url}: {text}");
         }
+    }
+
+    #[test]
+    fn nats_urls_list_servers_and_are_no_redis() {
+        let broker = Broker::parse("nats://u:s3cret@h1:4222,[::1]:4223/").unwrap();
+        let BrokerKind::Nats(servers) = broker.kind() else {
+            panic!("not NATS: {broker:?}");
+        };
+        let addrs: Vec<_> = servers
+            .addrs()
+            .iter()
+            .map(|a| {
+                (
+                    a.host().to_owned(),
+                    a.port(),
+                    a.password().map(str::to_owned),
+                )
+            })
+            .collect();
+        assert_eq!(
+            addrs,
+            [
+                ("h1".into(), 4222, Some("s3cret".into())),
+                ("::1".into(), 4223, Some("s3cret".into()))
+            ]
+        );
+        assert_eq!(broker.display(), "nats://u:***@h1:4222,[::1]:4223/");
+        assert_eq!(broker.topology_name(), "nats");
+        let refused = broker.redis().unwrap_err().to_string();
+        assert!(refused.contains("NATS broker"), "{refused}");
+        assert!(!refused.contains("s3cret"), "{refused}");
+        let Ok(tls) = Broker::parse("nats+tls://h:4222") else {
+            panic!("nats+tls refused");
+        };
+        let BrokerKind::Nats(servers) = tls.kind() else {
+            panic!("not NATS");
+        };
+        assert!(servers.addrs()[0].tls_required());
     }
 
     #[test]

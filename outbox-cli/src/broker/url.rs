@@ -1,6 +1,7 @@
 //! A broker URL taken apart: scheme, credentials, host list, path and parameters; and
 //! the same URL with its passwords hidden.
 
+use outbox_nats::async_nats::ServerAddr;
 use outbox_redis::SentinelConfig;
 use outbox_redis::redis::sentinel::SentinelNodeConnectionInfo;
 use outbox_redis::redis::{ConnectionInfo, IntoConnectionInfo as _, TlsMode};
@@ -22,8 +23,12 @@ pub(super) enum Scheme {
         /// TLS to the sentinels and to the primary.
         tls: bool,
     },
-    /// `nats://`, reserved for the NATS broker.
-    Nats,
+    /// `nats://` (`nats+tls://` with TLS): NATS JetStream, one server or a cluster
+    /// through these seeds.
+    Nats {
+        /// TLS to every server.
+        tls: bool,
+    },
 }
 
 impl Scheme {
@@ -36,7 +41,8 @@ impl Scheme {
             "rediss+cluster" => Self::Cluster { tls: true },
             "redis+sentinel" => Self::Sentinel { tls: false },
             "rediss+sentinel" => Self::Sentinel { tls: true },
-            "nats" | "nats+tls" => Self::Nats,
+            "nats" => Self::Nats { tls: false },
+            "nats+tls" => Self::Nats { tls: true },
             _ => return Err(BrokerUrlError::UnknownScheme(scheme.to_owned())),
         })
     }
@@ -107,6 +113,32 @@ impl<'a> Split<'a> {
                     self.fragment()
                 );
                 node(&url, host)
+            })
+            .collect()
+    }
+
+    /// The servers of a NATS URL, each with the URL's credentials (`USER:PASS@` or a
+    /// token `TOKEN@`); a NATS URL takes no path and no parameters.
+    pub(super) fn nats_servers(&self, tls: bool) -> Result<Vec<ServerAddr>, BrokerUrlError> {
+        if !matches!(self.path, "" | "/") {
+            return Err(BrokerUrlError::NatsPath(self.path.to_owned()));
+        }
+        if let Some((name, _)) = self.query.first() {
+            return Err(BrokerUrlError::UnknownParameter(
+                (*name).to_owned(),
+                "no parameters",
+            ));
+        }
+        let scheme = if tls { "tls" } else { "nats" };
+        self.hosts()?
+            .into_iter()
+            .map(|host| {
+                format!("{scheme}://{}{host}", self.credentials())
+                    .parse::<ServerAddr>()
+                    .map_err(|source| BrokerUrlError::NatsServer {
+                        host: host.to_owned(),
+                        source,
+                    })
             })
             .collect()
     }

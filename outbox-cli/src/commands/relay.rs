@@ -1,6 +1,6 @@
 //! `outbox relay`: the relay engine of `outbox-core` over the backend's relay store and
-//! the Redis Streams publisher (one server, a cluster or through Sentinel, as the broker
-//! URL says), until SIGINT or SIGTERM.
+//! the broker URL's publisher (Redis Streams on one server, a cluster or through
+//! Sentinel; NATS JetStream), until SIGINT or SIGTERM.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use diesel::{MysqlConnection, PgConnection};
-use outbox_core::{Relay, RelayConfig, RelayStore, RetryPolicy};
+use outbox_core::{Publisher, Relay, RelayConfig, RelayStore, RetryPolicy};
 use outbox_diesel::{MysqlRelayStore, PgRelayStore, SqliteRelayStore};
 use outbox_redis::{PublisherConfig, RedisPublisher};
 use tokio::runtime::Runtime;
@@ -16,10 +16,11 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::args::RelayArgs;
 use crate::backend::{BackendKind, Database, with_conn};
-use crate::broker::Broker;
+use crate::broker::{Broker, BrokerKind, NatsServers};
 use crate::error::CliError;
 
 mod cdc;
+mod nats;
 
 /// How long the pool waits for a connection before reporting the database down.
 const POOL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -32,14 +33,7 @@ pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<()
     if args.cdc && db.kind != BackendKind::Postgres {
         return Err(CliError::CdcPostgresOnly);
     }
-    let publisher_config = publisher_config(args)?;
-    let publisher =
-        broker
-            .publisher(publisher_config)
-            .map_err(|source| CliError::BrokerConfig {
-                url: broker.display().to_owned(),
-                source,
-            })?;
+    let publisher = Chosen::of(broker, args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -60,11 +54,61 @@ pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<()
     // relay would wait out forever.
     with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     drop(conn);
+    let stop = Stop { started, stop };
+    let result = match publisher {
+        Chosen::Redis(publisher) => relay_with(*publisher, &runtime, db, broker, args, stop),
+        Chosen::Nats(servers, config) => runtime
+            .block_on(nats::publisher(&servers, config, broker))
+            .and_then(|publisher| relay_with(publisher, &runtime, db, broker, args, stop)),
+    };
+    runtime.shutdown_timeout(SHUTDOWN_GRACE);
+    result
+}
+
+/// The publisher the broker URL asks for, checked before anything connects.
+enum Chosen {
+    /// To Redis, ready (boxed: it is large beside the other).
+    Redis(Box<RedisPublisher>),
+    /// To NATS, once connected (the client needs the runtime).
+    Nats(NatsServers, outbox_nats::PublisherConfig),
+}
+
+impl Chosen {
+    /// The publisher for `broker` with the options of `args`; options the broker
+    /// cannot take are usage errors.
+    fn of(broker: &Broker, args: &RelayArgs) -> Result<Self, CliError> {
+        match broker.kind() {
+            BrokerKind::Redis(_) => {
+                let publisher =
+                    broker
+                        .publisher(publisher_config(broker, args)?)
+                        .map_err(|source| CliError::BrokerConfig {
+                            url: broker.display().to_owned(),
+                            source,
+                        })?;
+                Ok(Self::Redis(Box::new(publisher)))
+            }
+            BrokerKind::Nats(servers) => Ok(Self::Nats(
+                servers.clone(),
+                nats::publisher_config(broker, args)?,
+            )),
+        }
+    }
+}
+
+/// Runs the relay of the database's backend with `publisher` until a signal.
+fn relay_with<P: Publisher>(
+    publisher: P,
+    runtime: &Runtime,
+    db: &Database,
+    broker: &Broker,
+    args: &RelayArgs,
+    stop: Stop,
+) -> Result<(), CliError> {
     let config = config(args);
     log_start(db, broker, args);
-    let stop = Stop { started, stop };
     let parts = Parts {
-        runtime: &runtime,
+        runtime,
         publisher,
         config,
         db,
@@ -72,7 +116,7 @@ pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<()
         args,
         stop,
     };
-    let result = match db.kind {
+    match db.kind {
         BackendKind::Postgres if args.cdc => cdc::serve(parts),
         BackendKind::Postgres => {
             // Keepalives: a relay cut off from its database notices within a minute.
@@ -98,9 +142,7 @@ pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<()
                 .with_order(args.order.into());
             serve(store, parts)
         }
-    };
-    runtime.shutdown_timeout(SHUTDOWN_GRACE);
-    result
+    }
 }
 
 fn log_start(db: &Database, broker: &Broker, args: &RelayArgs) {
@@ -110,7 +152,7 @@ fn log_start(db: &Database, broker: &Broker, args: &RelayArgs) {
         broker = %broker.display(),
         topology = broker.topology_name(),
         durability = ?args.durability,
-        stream_prefix = %args.stream_prefix,
+        stream_prefix = args.stream_prefix.as_deref().unwrap_or("(default)"),
         batch_size = args.batch_size,
         poll_interval = ?args.poll_interval,
         max_attempts = args.max_attempts,
@@ -132,7 +174,7 @@ fn partitions(args: &RelayArgs) -> String {
 
 /// Runs `store` → `publisher` on `runtime` until SIGINT or SIGTERM. The store is dropped
 /// on return (which gives up the SQLite relay lock).
-fn serve<S: RelayStore>(store: S, parts: Parts<'_>) -> Result<(), CliError> {
+fn serve<S: RelayStore, P: Publisher>(store: S, parts: Parts<'_, P>) -> Result<(), CliError> {
     let Parts {
         runtime,
         publisher,
@@ -177,10 +219,24 @@ fn serve<S: RelayStore>(store: S, parts: Parts<'_>) -> Result<(), CliError> {
     })
 }
 
-/// The publisher's config from the arguments; refuses a topic given two counts.
-fn publisher_config(args: &RelayArgs) -> Result<PublisherConfig, CliError> {
+/// The Redis publisher's config from the arguments; refuses a topic given two counts,
+/// and the NATS-only options.
+fn publisher_config(broker: &Broker, args: &RelayArgs) -> Result<PublisherConfig, CliError> {
+    let nats_only = [
+        (args.subject_prefix.is_some(), "--subject-prefix"),
+        (args.replicas.is_some(), "--replicas (Redis: --durability)"),
+        (args.duplicate_window.is_some(), "--duplicate-window"),
+    ];
+    if let Some((_, option)) = nats_only.into_iter().find(|(given, _)| *given) {
+        return Err(CliError::BrokerOption {
+            option,
+            url: broker.display().to_owned(),
+            applies_to: "NATS",
+        });
+    }
+    let prefix = args.stream_prefix.as_deref();
     let mut config = PublisherConfig::default()
-        .with_stream_prefix(args.stream_prefix.clone())
+        .with_stream_prefix(prefix.unwrap_or(outbox_redis::DEFAULT_STREAM_PREFIX))
         .with_max_len(
             args.max_stream_len
                 .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
@@ -228,10 +284,10 @@ fn pool_error(db: &Database, source: outbox_diesel::Error) -> CliError {
     }
 }
 
-/// What the relay runs with, whatever its store.
-struct Parts<'a> {
+/// What the relay runs with, whatever its store and its broker.
+struct Parts<'a, P> {
     runtime: &'a Runtime,
-    publisher: RedisPublisher,
+    publisher: P,
     config: RelayConfig,
     db: &'a Database,
     broker: &'a Broker,

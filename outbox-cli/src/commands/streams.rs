@@ -3,14 +3,20 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
+use std::time::Duration;
 
 use outbox_redis::redis;
 
 use crate::args::StreamsArgs;
-use crate::broker::{Broker, BrokerConn};
+use crate::broker::{Broker, BrokerConn, BrokerKind};
 use crate::error::CliError;
 use crate::output::{self, GroupReport, LeaseReport, StreamReport, TopicStreams};
 use crate::scan;
+
+mod nats;
+
+/// How long connecting to NATS and each JetStream request may take.
+const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reads the prefix's streams and prints them.
 pub(super) fn run(
@@ -22,18 +28,39 @@ pub(super) fn run(
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    let topics = runtime.block_on(read(broker, args))?;
+    let (topics, prefix) = match broker.kind() {
+        BrokerKind::Redis(_) => {
+            let prefix = args
+                .stream_prefix
+                .as_deref()
+                .unwrap_or(outbox_redis::DEFAULT_STREAM_PREFIX);
+            (runtime.block_on(read(broker, prefix, args))?, prefix)
+        }
+        BrokerKind::Nats(servers) => {
+            let prefix = args
+                .stream_prefix
+                .as_deref()
+                .unwrap_or(outbox_nats::DEFAULT_STREAM_PREFIX);
+            (
+                runtime.block_on(nats::read(servers, broker, prefix))?,
+                prefix,
+            )
+        }
+    };
     if args.json {
         output::json(out, &topics)?;
     } else {
-        output::streams(out, &topics, &args.stream_prefix)?;
+        output::streams(out, &topics, prefix)?;
     }
     Ok(())
 }
 
 /// Every topic with a stream under the prefix or a recorded partition count, sorted.
-async fn read(broker: &Broker, args: &StreamsArgs) -> Result<Vec<TopicStreams>, CliError> {
-    let prefix = &args.stream_prefix;
+async fn read(
+    broker: &Broker,
+    prefix: &str,
+    args: &StreamsArgs,
+) -> Result<Vec<TopicStreams>, CliError> {
     let mut conn = scan::connect(broker).await?;
     let all = scan::streams(&mut conn, prefix)
         .await

@@ -57,7 +57,8 @@ pub(crate) struct App {
 pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
     check_exposure(args.addr, args.token.as_deref())?;
     let redis = match args.broker.given() {
-        Some(_) => Some(crate::commands::broker(&args.broker)?),
+        // The page reads Redis streams and groups only, for now.
+        Some(_) => Some(crate::commands::redis_broker(&args.broker, "serve")?),
         None => None,
     };
     let app = Arc::new(App {

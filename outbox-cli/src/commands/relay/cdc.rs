@@ -7,14 +7,14 @@ use std::sync::atomic::Ordering;
 
 use diesel::PgConnection;
 use outbox_cdc::{CdcConfig, CdcRelay};
-use outbox_core::RetryPolicy;
+use outbox_core::{Publisher, RetryPolicy};
 
 use super::{Parts, pool};
 use crate::error::CliError;
 
 /// Runs the CDC relay on `parts` until SIGINT or SIGTERM, or an error that is not an
 /// outage (CDC mode not set up, the server unable to serve it, a lost slot).
-pub(super) fn serve(parts: Parts<'_>) -> Result<(), CliError> {
+pub(super) fn serve<P: Publisher>(parts: Parts<'_, P>) -> Result<(), CliError> {
     let Parts {
         runtime,
         publisher,
