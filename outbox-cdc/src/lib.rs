@@ -50,7 +50,7 @@ pub use error::{CdcError, Result};
 pub use relay::CdcRelay;
 pub use setup::{
     CDC_TABLES_SQL, CdcMode, Lag, SetupReport, SlotState, SwitchReport, cdc_mode, check,
-    check_server, lag, recover_lost_slot, redrive, setup, switch_to_polling,
+    check_server, lag, purge_relayed, recover_lost_slot, redrive, setup, switch_to_polling,
 };
 pub use target::ReplicationTarget;
 

@@ -656,3 +656,30 @@ pub fn redrive(conn: &mut PgConnection, ids: Option<&[i64]>) -> Result<u64> {
         .bind::<diesel::sql_types::Array<BigInt>, _>(ids)
         .execute(conn)? as u64)
 }
+
+/// Retention of the unpartitioned layout in CDC mode (what `outbox purge` must call
+/// then): deletes up to `limit` rows the CDC relay published (NEW, up to the relayed
+/// watermark, not parked, not in the backfill still to do) that were emitted more than
+/// `older_than` ago, oldest first, and SENT rows as old (published before CDC mode).
+/// DEAD rows stay. Returns how many rows were deleted; call it until it returns less than
+/// `limit`. On the partitioned layout dropping partitions does this without deletes
+/// ([`outbox_diesel::maintain_partitions`]).
+pub fn purge_relayed(conn: &mut PgConnection, older_than: Duration, limit: u32) -> Result<u64> {
+    let Some(mode) = cdc_mode(conn)? else {
+        return Err(CdcError::NotSetUp);
+    };
+    let secs = i64::try_from(older_than.as_secs()).unwrap_or(i64::MAX);
+    Ok(diesel::sql_query(
+        "DELETE FROM outbox WHERE id IN (SELECT o.id FROM outbox o \
+         WHERE o.created_at < now() - make_interval(secs => $1) \
+         AND (o.status = 1 OR (o.status = 0 AND o.id <= $2 AND NOT (o.id > $3 AND o.id <= $4) \
+         AND NOT EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id))) \
+         ORDER BY o.id LIMIT $5)",
+    )
+    .bind::<BigInt, _>(secs)
+    .bind::<BigInt, _>(mode.relayed_through)
+    .bind::<BigInt, _>(mode.backfill.0)
+    .bind::<BigInt, _>(mode.backfill.1)
+    .bind::<BigInt, _>(i64::from(limit))
+    .execute(conn)? as u64)
+}

@@ -226,3 +226,41 @@ async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
         "{report:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn purge_relayed_deletes_published_rows_only() {
+    let db = Db::start(false);
+    db.setup(&fast());
+    let (inner, name) = publisher();
+    let publisher = std::sync::Arc::new(Refusing::new(inner, &[("x:0", u32::MAX)]));
+    let retry = outbox_core::RetryPolicy::default().with_max_attempts(1000);
+    let (stop, task) = spawn_relay(&db, publisher, fast().with_retry(retry));
+    insert_each(&db, "x", 0..1); // refused for ever: parked
+    insert_each(&db, "p", 0..5);
+    wait_for_all(&name, &ids(0..5));
+    wait_watermark(&db).await;
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    insert_each(&db, "p", 5..8); // above the watermark: not known to be published
+
+    let mut c = db.conn();
+    assert_eq!(
+        outbox_cdc::purge_relayed(&mut c, Duration::from_secs(3600), 100).unwrap(),
+        0,
+        "nothing is old enough"
+    );
+    assert_eq!(
+        outbox_cdc::purge_relayed(&mut c, Duration::ZERO, 3).unwrap(),
+        3
+    );
+    assert_eq!(
+        outbox_cdc::purge_relayed(&mut c, Duration::ZERO, 100).unwrap(),
+        2
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE msg_id IN ('x:0', 'p:5', 'p:6', 'p:7')"),
+        4,
+        "the parked row and the rows above the watermark stay"
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM outbox"), 4);
+}
