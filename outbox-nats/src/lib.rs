@@ -1,4 +1,25 @@
 #![doc = include_str!("../README.md")]
+//!
+//! ## Messages
+//!
+//! The payload is the event's JSON; the envelope's other fields are headers
+//! ([`MESSAGE_HEADERS`]): `Nats-Msg-Id`, `Outbox-Msg-Id`, `Outbox-Topic`, `Outbox-Type`,
+//! `Outbox-Version`, `Outbox-Key`, `Outbox-Headers` (a JSON object) and
+//! `Outbox-Created-At`. A dead letter adds the `Outbox-Dead-*` headers
+//! ([`DEAD_REASON_HEADER`] and its siblings); a redriven message adds
+//! [`REDRIVE_GROUP_HEADER`].
+//!
+//! ## Features
+//!
+//! None: the crate uses async-nats with JetStream and without its `server_2_10`+
+//! features, so that it works against NATS 2.9.
+//!
+//! ## Metrics
+//!
+//! Through the [`metrics`](https://docs.rs/metrics) facade:
+//! `outbox_nats_publish_rejected_total`, `outbox_nats_publish_duplicates_total`, and the
+//! consumer's `outbox_consumer_*_total` labelled `group` and `broker = "nats"` (the same
+//! counts as [`Consumer::stats`]).
 #![doc(test(attr(deny(warnings))))]
 
 mod config;
