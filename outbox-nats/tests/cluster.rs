@@ -2,8 +2,6 @@
 //! stream's leader is killed (SIGKILL) while the relay publishes and the consumer
 //! applies; nothing is lost, nothing applied twice, no retry spent.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use diesel::connection::SimpleConnection as _;
@@ -82,23 +80,76 @@ async fn leader(
     nodes.iter().position(|n| name == format!("n{}", n.port()))
 }
 
+fn database(schema: &Isolated) -> PgPool {
+    let pool: PgPool = Pool::builder()
+        .max_size(6)
+        .build(ConnectionManager::new(&schema.url))
+        .unwrap();
+    let mut conn = pool.get().unwrap();
+    outbox_diesel::migrate(&mut *conn).unwrap();
+    conn.batch_execute("CREATE TABLE applied (n BIGINT NOT NULL); INSERT INTO applied VALUES (0)")
+        .unwrap();
+    pool
+}
+
+/// Creates the R3 stream once the cluster has elected its JetStream leader: until then
+/// stream requests fail as an outage.
+async fn create_stream(publisher: &NatsPublisher) {
+    for _ in 0..60 {
+        match publisher.ensure_streams(["ledger.posted"]).await {
+            Ok(()) => return,
+            Err(e) => {
+                assert!(e.is_outage(), "{e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    panic!("the R3 stream was not created within 30 s");
+}
+
+fn backoff() -> OutageBackoff {
+    OutageBackoff::default()
+        .with_min(Duration::from_millis(50))
+        .with_max(Duration::from_millis(500))
+}
+
+/// A task that runs `run` until the returned sender is used or dropped.
+fn spawn_until<F, Fut, E>(
+    run: F,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), E>>,
+)
+where
+    F: FnOnce(tokio::sync::oneshot::Receiver<()>) -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    (tx, tokio::spawn(run(rx)))
+}
+
+/// Emits `n` messages, one every 10 ms, in their own transactions.
+fn produce(pool: PgPool, n: u64) -> tokio::task::JoinHandle<()> {
+    tokio::task::spawn_blocking(move || {
+        let mut conn = pool.get().unwrap();
+        for i in 0..n {
+            conn.transaction::<_, outbox_diesel::Error, _>(|c| {
+                c.emit(Posted { id: i })?;
+                Ok(())
+            })
+            .unwrap();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_stream_leader_of_an_r3_stream_loses_nothing() {
     const N: usize = 400;
     let mut nodes = ScratchNats::start_cluster();
     let schema = Isolated::postgres("natscl");
-    let pool: PgPool = Pool::builder()
-        .max_size(6)
-        .build(ConnectionManager::new(&schema.url))
-        .unwrap();
-    {
-        let mut conn = pool.get().unwrap();
-        outbox_diesel::migrate(&mut *conn).unwrap();
-        conn.batch_execute(
-            "CREATE TABLE applied (n BIGINT NOT NULL); INSERT INTO applied VALUES (0)",
-        )
-        .unwrap();
-    }
+    let pool = database(&schema);
     let id = unique("cl");
     let naming = Naming::new(id.clone(), format!("S{id}_")).unwrap();
     let streams = StreamSettings::default().with_replicas(3);
@@ -108,101 +159,55 @@ async fn killing_the_stream_leader_of_an_r3_stream_loses_nothing() {
         .with_streams(streams.clone())
         .with_ack_timeout(Duration::from_secs(2));
     let publisher = NatsPublisher::new(client.clone(), config).unwrap();
-    // The cluster elects its JetStream leader first: until then stream requests fail
-    // as an outage.
-    let mut created = false;
-    for _ in 0..60 {
-        match publisher.ensure_streams(["ledger.posted"]).await {
-            Ok(()) => {
-                created = true;
-                break;
-            }
-            Err(e) => {
-                assert!(e.is_outage(), "{e}");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-    }
-    assert!(created, "the R3 stream was created");
+    create_stream(&publisher).await;
 
-    let backoff = OutageBackoff::default()
-        .with_min(Duration::from_millis(50))
-        .with_max(Duration::from_millis(500));
-    let relay = Relay::new(
-        PgRelayStore::new(pool.clone()).with_order(ClaimOrder::PerKey),
-        publisher,
-    )
-    .with_config(
-        RelayConfig::default()
-            .with_batch_size(20)
-            .with_poll_interval(Duration::from_millis(50))
-            .with_outage_backoff(backoff.clone()),
-    )
-    .unwrap();
+    let store = PgRelayStore::new(pool.clone()).with_order(ClaimOrder::PerKey);
+    let relay_config = RelayConfig::default()
+        .with_batch_size(20)
+        .with_poll_interval(Duration::from_millis(50))
+        .with_outage_backoff(backoff());
+    let relay = Relay::new(store, publisher)
+        .with_config(relay_config)
+        .unwrap();
+    let consumer_config = ConsumerConfig::default()
+        .with_naming(naming.clone())
+        .with_streams(streams)
+        .with_fetch_wait(Duration::from_millis(300))
+        .with_ack_wait(Duration::from_secs(5))
+        .with_outage_backoff(backoff());
     let consumer = Consumer::builder(client.clone(), unique("g"))
         .handle::<Posted, _>(Count)
         .idempotency(PgInbox::new(pool.clone()))
-        .with_config(
-            ConsumerConfig::default()
-                .with_naming(naming.clone())
-                .with_streams(streams)
-                .with_fetch_wait(Duration::from_millis(300))
-                .with_ack_wait(Duration::from_secs(5))
-                .with_outage_backoff(backoff),
-        )
+        .with_config(consumer_config)
         .build()
         .unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let (relay_stop, relay_stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay_task = tokio::spawn(async move {
+    let relay = spawn_until(|stop| async move {
         relay
             .run_until(async {
-                let _ = relay_stopped.await;
+                let _ = stop.await;
             })
             .await
     });
-    let (consumer_stop, consumer_stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer_task = {
-        let consumer = consumer.clone();
-        tokio::spawn(async move {
-            consumer
-                .run_until(async {
-                    let _ = consumer_stopped.await;
-                })
-                .await
-        })
-    };
-    // The producer: one message every 10 ms.
-    let emitted = Arc::new(AtomicUsize::new(0));
-    let producer = {
-        let (pool, emitted, stop) = (pool.clone(), Arc::clone(&emitted), Arc::clone(&stop));
-        tokio::task::spawn_blocking(move || {
-            let mut conn = pool.get().unwrap();
-            for i in 0..N as u64 {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                conn.transaction::<_, outbox_diesel::Error, _>(|c| {
-                    c.emit(Posted { id: i })?;
-                    Ok(())
-                })
-                .unwrap();
-                emitted.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-    };
+    let consumer = spawn_until(|stop| async move {
+        consumer
+            .run_until(async {
+                let _ = stop.await;
+            })
+            .await
+    });
+    let producer = produce(pool.clone(), N as u64);
+
     eventually_within("a third applied", Duration::from_secs(60), || {
         applied(&pool) as usize >= N / 3
     })
     .await;
     let js = async_nats::jetstream::new(client.clone());
-    let victim = leader(&js, &naming.stream("ledger.posted"), &nodes)
+    let stream = naming.stream("ledger.posted");
+    let victim = leader(&js, &stream, &nodes)
         .await
         .expect("the stream has a leader among the nodes");
     nodes[victim].stop();
     producer.await.unwrap();
-    assert_eq!(emitted.load(Ordering::Relaxed), N);
     eventually_within("every message applied", Duration::from_secs(120), || {
         applied(&pool) as usize == N
     })
@@ -210,11 +215,18 @@ async fn killing_the_stream_leader_of_an_r3_stream_loses_nothing() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(applied(&pool) as usize, N, "none applied twice");
     assert_eq!(retried(&pool), 0, "every row SENT, no retry spent");
-    let new_leader = leader(&js, &naming.stream("ledger.posted"), &nodes).await;
+    let new_leader = leader(&js, &stream, &nodes).await;
     assert!(new_leader.is_some_and(|l| l != victim), "{new_leader:?}");
-    let _ = relay_stop.send(());
-    let _ = consumer_stop.send(());
-    relay_task.await.unwrap().unwrap();
-    consumer_task.await.unwrap().unwrap();
-    stop.store(true, Ordering::Relaxed);
+    let _ = relay.0.send(());
+    relay
+        .1
+        .await
+        .unwrap()
+        .expect("the relay ran without a fatal error");
+    let _ = consumer.0.send(());
+    consumer
+        .1
+        .await
+        .unwrap()
+        .expect("the consumer ran without a fatal error");
 }
