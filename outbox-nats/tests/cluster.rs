@@ -144,6 +144,35 @@ fn produce(pool: PgPool, n: u64) -> tokio::task::JoinHandle<()> {
     })
 }
 
+fn relay(pool: &PgPool, publisher: NatsPublisher) -> Relay<PgRelayStore, NatsPublisher> {
+    let store = PgRelayStore::new(pool.clone()).with_order(ClaimOrder::PerKey);
+    let config = RelayConfig::default()
+        .with_batch_size(20)
+        .with_poll_interval(Duration::from_millis(50))
+        .with_outage_backoff(backoff());
+    Relay::new(store, publisher).with_config(config).unwrap()
+}
+
+fn consumer(
+    client: async_nats::Client,
+    naming: &Naming,
+    streams: StreamSettings,
+    pool: &PgPool,
+) -> Consumer<PgInbox> {
+    let config = ConsumerConfig::default()
+        .with_naming(naming.clone())
+        .with_streams(streams)
+        .with_fetch_wait(Duration::from_millis(300))
+        .with_ack_wait(Duration::from_secs(5))
+        .with_outage_backoff(backoff());
+    Consumer::builder(client, unique("g"))
+        .handle::<Posted, _>(Count)
+        .idempotency(PgInbox::new(pool.clone()))
+        .with_config(config)
+        .build()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_stream_leader_of_an_r3_stream_loses_nothing() {
     const N: usize = 400;
@@ -161,26 +190,8 @@ async fn killing_the_stream_leader_of_an_r3_stream_loses_nothing() {
     let publisher = NatsPublisher::new(client.clone(), config).unwrap();
     create_stream(&publisher).await;
 
-    let store = PgRelayStore::new(pool.clone()).with_order(ClaimOrder::PerKey);
-    let relay_config = RelayConfig::default()
-        .with_batch_size(20)
-        .with_poll_interval(Duration::from_millis(50))
-        .with_outage_backoff(backoff());
-    let relay = Relay::new(store, publisher)
-        .with_config(relay_config)
-        .unwrap();
-    let consumer_config = ConsumerConfig::default()
-        .with_naming(naming.clone())
-        .with_streams(streams)
-        .with_fetch_wait(Duration::from_millis(300))
-        .with_ack_wait(Duration::from_secs(5))
-        .with_outage_backoff(backoff());
-    let consumer = Consumer::builder(client.clone(), unique("g"))
-        .handle::<Posted, _>(Count)
-        .idempotency(PgInbox::new(pool.clone()))
-        .with_config(consumer_config)
-        .build()
-        .unwrap();
+    let relay = relay(&pool, publisher);
+    let consumer = consumer(client.clone(), &naming, streams, &pool);
     let relay = spawn_until(|stop| async move {
         relay
             .run_until(async {
