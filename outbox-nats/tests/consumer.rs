@@ -433,3 +433,55 @@ async fn a_stream_deleted_under_a_running_consumer_is_set_up_again() {
     assert_eq!(db.read(|l| l["fay"]), 4);
     stop(running).await;
 }
+
+/// Takes its time: a message in hand when shutdown comes.
+#[derive(Clone, Default)]
+struct Slow(Arc<AtomicU32>);
+
+impl Handler<PointsEarned> for Slow {
+    type Conn = MemoryTx<Ledger>;
+    fn handle(
+        &self,
+        e: PointsEarned,
+        tx: &mut Self::Conn,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(800));
+        *tx.data().entry(e.who).or_default() += e.points;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_message_in_hand_and_acknowledges_it() {
+    let f = Fixture::new().await;
+    f.publish(&[earned("s1", "gus", 3)]).await;
+    let (group, db, slow) = (unique("g"), MemoryDb::new(Ledger::new()), Slow::default());
+    let build = |handler: Slow| {
+        Consumer::builder(f.client.clone(), group.as_str())
+            .handle::<PointsEarned, _>(handler)
+            .idempotency(db.clone())
+            .with_config(f.config().with_ack_wait(Duration::from_secs(1)))
+            .build()
+            .unwrap()
+    };
+    let consumer = build(slow.clone());
+    let running = spawn(&consumer);
+    eventually("the handler started", || slow.0.load(Ordering::SeqCst) == 1).await;
+    stop(running).await;
+    assert_eq!(
+        db.read(|l| l.get("gus").copied()),
+        Some(3),
+        "finished before returning"
+    );
+    assert_eq!(consumer.stats().consumed, 1);
+
+    // Acknowledged: past ack_wait, a new process of the group gets nothing again.
+    let again = Slow::default();
+    let consumer = build(again.clone());
+    let running = spawn(&consumer);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(again.0.load(Ordering::SeqCst), 0, "not delivered again");
+    stop(running).await;
+}
