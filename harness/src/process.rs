@@ -53,10 +53,11 @@ impl Stop {
 
 /// A consumer process's `main`: logs to stderr, runs `serve` until it returns on a
 /// two-thread runtime, then exits with 0, or 1 on an error (printed).
-pub fn main<F, Fut>(name: &'static str, serve: F) -> ExitCode
+pub fn main<F, Fut, T>(name: &'static str, serve: F) -> ExitCode
 where
     F: FnOnce(Stop) -> Fut,
-    Fut: Future<Output = Result<ConsumerStats, BoxError>>,
+    Fut: Future<Output = Result<T, BoxError>>,
+    T: std::fmt::Debug,
 {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -129,6 +130,50 @@ where
     if wait_for_redis(consumer, &stop).await? {
         consumer.run_until(stop.wait()).await?;
     }
+    Ok(consumer.stats())
+}
+
+/// Runs the NATS `consumer` until `stop`, serving its probes on `admin_addr`
+/// (`/healthz`: live, `/readyz`: ready, as [`outbox_nats::ConsumerHealth`] says); its
+/// counts. The NATS consumer waits for the server by itself.
+pub async fn run_nats<I>(
+    consumer: &outbox_nats::Consumer<I>,
+    admin_addr: Option<SocketAddr>,
+    stop: Stop,
+) -> Result<outbox_nats::ConsumerStats, BoxError>
+where
+    I: ConsumerStore + 'static,
+    I::Conn: 'static,
+    outbox_nats::Consumer<I>: Send + Sync,
+{
+    if let Some(addr) = admin_addr {
+        use axum::http::StatusCode;
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let code = |ok: bool| {
+            if ok {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        };
+        let (live, ready) = (consumer.clone(), consumer.clone());
+        let app = axum::Router::new()
+            .route(
+                "/healthz",
+                axum::routing::get(move || async move { code(live.health().is_live()) }),
+            )
+            .route(
+                "/readyz",
+                axum::routing::get(move || async move { code(ready.health().is_ready()) }),
+            );
+        let name = stop.name;
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                eprintln!("{name}: the admin endpoint stopped: {e}");
+            }
+        });
+    }
+    consumer.run_until(stop.wait()).await?;
     Ok(consumer.stats())
 }
 

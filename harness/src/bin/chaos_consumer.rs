@@ -9,6 +9,11 @@
 //! each message's sequence number to a per-key sum in the dedup transaction. It stops on
 //! SIGTERM or SIGINT, finishing the messages in hand, and then exits with 0. With
 //! `--admin-addr` it serves the consumer's probes (`outbox_redis::health_router`).
+//!
+//! With `--nats-url` (instead of `--redis-url`) it is the NATS consumer
+//! (`outbox_nats::Consumer`, a durable pull consumer of the group) with the same handler
+//! and inbox; its connection is named `chaos-consumer-<pid>-nats`, which the run's
+//! check that every consumer reads looks for. It has no ordered mode.
 
 use std::process::ExitCode;
 
@@ -31,8 +36,18 @@ struct Args {
     #[arg(long)]
     database_url: String,
     /// The Redis the relays publish to.
+    #[arg(
+        long,
+        required_unless_present = "nats_url",
+        conflicts_with = "nats_url"
+    )]
+    redis_url: Option<String>,
+    /// The NATS server the relays publish to (`outbox relay --broker nats://…`).
     #[arg(long)]
-    redis_url: String,
+    nats_url: Option<String>,
+    /// NATS: the relays' `--subject-prefix`.
+    #[arg(long, default_value = outbox_nats::DEFAULT_SUBJECT_PREFIX)]
+    subject_prefix: String,
     /// The relays' `--stream-prefix`.
     #[arg(long)]
     stream_prefix: String,
@@ -73,6 +88,16 @@ enum Backend {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.nats_url.is_some() {
+        return process::main("chaos_consumer", |stop| async move {
+            match (args.backend, args.async_inbox) {
+                (Backend::Postgres, false) => nats::serve::<PgConnection>(&args, stop).await,
+                (Backend::Mysql, false) => nats::serve::<MysqlConnection>(&args, stop).await,
+                (Backend::Postgres, true) => nats::serve_async(&args, stop).await,
+                (Backend::Mysql, true) => Err("--async-inbox runs on PostgreSQL only".into()),
+            }
+        });
+    }
     process::main("chaos_consumer", |stop| async move {
         match (args.backend, args.async_inbox) {
             (Backend::Postgres, false) => serve::<PgConnection>(&args, stop).await,
@@ -88,7 +113,7 @@ where
     C: ChaosDb + OutboxConnection + R2D2Connection,
 {
     let pool = process::pool::<C>(&args.database_url, args.pool_size).await?;
-    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
+    let consumer = Consumer::builder(redis_url(args), args.group.as_str())
         .with_config(config(args)?)
         .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
         .idempotency(DieselInbox::new(pool))
@@ -100,12 +125,68 @@ where
 /// transaction's `AsyncPgConnection`.
 async fn serve_async(args: &Args, stop: Stop) -> Result<ConsumerStats, BoxError> {
     let inbox = AsyncPgInbox::connect(&args.database_url, args.pool_size as usize)?;
-    let consumer = Consumer::builder(args.redis_url.as_str(), args.group.as_str())
+    let consumer = Consumer::builder(redis_url(args), args.group.as_str())
         .with_config(config(args)?)
         .handle_tx::<Tick, _>(ApplyTickAsync::new(args.fault_one_in))
         .idempotency_async(inbox)
         .build()?;
     process::run(&consumer, args.admin_addr, stop).await
+}
+
+fn redis_url(args: &Args) -> &str {
+    args.redis_url.as_deref().unwrap_or_default()
+}
+
+/// The NATS consumer: the same handler and inboxes.
+mod nats {
+    use outbox_nats::{Consumer, ConsumerConfig, ConsumerStats, Naming};
+
+    use super::*;
+
+    pub(super) async fn serve<C>(args: &Args, stop: Stop) -> Result<ConsumerStats, BoxError>
+    where
+        C: ChaosDb + OutboxConnection + R2D2Connection,
+    {
+        let pool = process::pool::<C>(&args.database_url, args.pool_size).await?;
+        let consumer = Consumer::builder(client(args).await?, args.group.as_str())
+            .with_config(config(args)?)
+            .handle::<Tick, _>(ApplyTick::<C>::new(args.fault_one_in))
+            .idempotency(DieselInbox::new(pool))
+            .build()?;
+        process::run_nats(&consumer, args.admin_addr, stop).await
+    }
+
+    pub(super) async fn serve_async(args: &Args, stop: Stop) -> Result<ConsumerStats, BoxError> {
+        let inbox = AsyncPgInbox::connect(&args.database_url, args.pool_size as usize)?;
+        let consumer = Consumer::builder(client(args).await?, args.group.as_str())
+            .with_config(config(args)?)
+            .handle_tx::<Tick, _>(ApplyTickAsync::new(args.fault_one_in))
+            .idempotency_async(inbox)
+            .build()?;
+        process::run_nats(&consumer, args.admin_addr, stop).await
+    }
+
+    /// A client that keeps (re)connecting, named after this process.
+    async fn client(args: &Args) -> Result<outbox_nats::async_nats::Client, BoxError> {
+        let url = args.nats_url.as_deref().unwrap_or_default();
+        Ok(outbox_nats::async_nats::ConnectOptions::new()
+            .name(format!("chaos-consumer-{}-nats", std::process::id()))
+            .retry_on_initial_connect()
+            .connect(url)
+            .await?)
+    }
+
+    /// The default config but for the prefixes, the partitions and batch mode.
+    fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
+        let naming = Naming::new(args.subject_prefix.as_str(), args.stream_prefix.as_str())?;
+        let config = ConsumerConfig::default()
+            .with_naming(naming)
+            .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
+        Ok(match args.batch_size {
+            Some(n) => config.with_batch_size(n),
+            None => config,
+        })
+    }
 }
 
 /// The default config but for the stream prefix, the partitions, ordered and batch mode.

@@ -119,6 +119,19 @@ pub(crate) struct Args {
     /// (a SIGSTOPped holder is taken over after 10 s). PostgreSQL only.
     #[arg(long)]
     cdc: bool,
+    /// The broker: `redis` (a private `redis-server`) or `nats` (a private
+    /// `nats-server -js`: `outbox relay --broker nats://…`, the NATS consumer; its
+    /// outages are the server SIGKILLed or SIGTERMed and started again on its store;
+    /// no `client_kill`, which nats-server 2.9 cannot do; no `--ordered`, which the NATS
+    /// consumer does not have).
+    #[arg(long, value_enum, default_value_t = Broker::Redis)]
+    broker: Broker,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Broker {
+    Redis,
+    Nats,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -163,6 +176,8 @@ pub(crate) struct Config {
     pub(crate) db_restart: Option<Option<Duration>>,
     /// `--cdc`: the CDC relay, on a private logical cluster.
     pub(crate) cdc: bool,
+    /// `--broker`.
+    pub(crate) broker: Broker,
 }
 
 impl Config {
@@ -229,6 +244,7 @@ impl Config {
                 .db_restart
                 .then_some(a.db_down.or(a.ci.then_some(Duration::from_secs(45)))),
             cdc: a.cdc,
+            broker: a.broker,
         })
     }
 }
@@ -266,6 +282,9 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
     }
     if a.cdc && a.backend != Backend::Postgres {
         return Err("--cdc runs on PostgreSQL only (--backend postgres)".into());
+    }
+    if a.broker == Broker::Nats && a.ordered {
+        return Err("--ordered: the NATS consumer has no ordered mode yet".into());
     }
     if a.partitioned && a.backend != Backend::Postgres {
         return Err("--partitioned runs on PostgreSQL only (--backend postgres)".into());

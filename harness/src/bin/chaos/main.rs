@@ -91,12 +91,14 @@
 //! `producer.rs`, `db.rs`, `db_server.rs`, `redis_server.rs`, `db_restart.rs`,
 //! `check.rs`, `probe.rs`).
 
+mod broker;
 mod check;
 mod config;
 mod db;
 mod db_restart;
 mod db_server;
 mod faults;
+mod nats_server;
 mod plan;
 mod probe;
 mod procs;

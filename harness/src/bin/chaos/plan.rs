@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{Broker, Config};
 use crate::{BoxError, db};
 
 /// The kinds of process-level faults, in the plan.
@@ -70,6 +70,10 @@ impl Plan {
             .map(|f| (Duration::from_secs_f64(rng.f64() * before.max(0.0)), f))
             .collect();
         faults.sort_by_key(|&(t, _)| t);
+        // Drawn all the same, so that a seed's other faults do not depend on the broker.
+        if c.broker == Broker::Nats {
+            faults.retain(|&(_, f)| f != Fault::ClientKill);
+        }
         let outages = redis_outages(c, rng, d, last_start, last_len)?;
         let db_restart = match c.db_restart {
             None => None,

@@ -9,9 +9,12 @@ use std::time::{Duration, Instant};
 use outbox_core::OutboxEvent as _;
 use outbox_harness::chaos::{Tick, key_name};
 
+use crate::broker::BrokerServer;
+use crate::config::Broker;
 use crate::config::Config;
 use crate::db::Database;
 use crate::db_server::DbServer;
+use crate::nats_server::NatsServer;
 use crate::plan::Plan;
 use crate::procs::{Proc, Role};
 use crate::producer::{self, Producers};
@@ -26,7 +29,8 @@ pub(crate) struct World<'c> {
     /// Names the run's database, stream prefix and directory.
     pub(crate) tag: String,
     pub(crate) procs: Vec<Proc>,
-    pub(crate) redis: Option<RedisServer>,
+    /// The private broker: Redis, or NATS with `--broker nats` (the name stays).
+    pub(crate) redis: Option<Box<dyn BrokerServer>>,
     pub(crate) db: Option<Database>,
     /// `--db-restart`: the private database server that holds `db`.
     pub(crate) server: Option<DbServer>,
@@ -115,8 +119,8 @@ impl<'c> World<'c> {
         self.db.as_mut().expect("created")
     }
 
-    pub(crate) fn redis(&mut self) -> &mut RedisServer {
-        self.redis.as_mut().expect("started")
+    pub(crate) fn redis(&mut self) -> &mut dyn BrokerServer {
+        self.redis.as_deref_mut().expect("started")
     }
 
     /// Starts the servers (the database's with `--db-restart`, Redis), creates the
@@ -142,14 +146,14 @@ impl<'c> World<'c> {
         if c.cdc {
             self.migrate_cdc()?;
         }
-        let redis = self.redis.insert(RedisServer::start(&self.dir)?);
-        let common = Common {
-            redis_url: redis.url(),
-            prefix: format!("{}:", self.tag),
-        };
+        let common = self.start_broker()?;
         let topic = Tick::TOPICS[0];
-        // The streams `<prefix><topic>:<p>` when partitioned (docs/partitions.md).
-        self.streams = if c.partitions > 1 {
+        // The streams `<prefix><topic>:<p>` when partitioned (docs/partitions.md); on
+        // NATS one stream holds the topic's partition subjects.
+        self.streams = if let Some(subjects) = &common.subject_prefix {
+            let naming = outbox_nats::Naming::new(subjects.as_str(), common.prefix.as_str())?;
+            vec![naming.stream(topic)]
+        } else if c.partitions > 1 {
             (0..c.partitions)
                 .map(|p| format!("{}{topic}:{p}", common.prefix))
                 .collect()
@@ -166,6 +170,31 @@ impl<'c> World<'c> {
             p.start()?;
         }
         Ok(())
+    }
+
+    /// Starts the private broker; what the relays and the consumers are told of it.
+    fn start_broker(&mut self) -> Result<Common, BoxError> {
+        let (server, prefix, subject_prefix): (Box<dyn BrokerServer>, _, _) = match self.c.broker {
+            Broker::Redis => (
+                Box::new(RedisServer::start(&self.dir)?),
+                format!("{}:", self.tag),
+                None,
+            ),
+            Broker::Nats => {
+                let prefix = format!("{}_", self.tag.to_uppercase());
+                (
+                    Box::new(NatsServer::start(&self.dir, &prefix)?),
+                    prefix,
+                    Some(self.tag.clone()),
+                )
+            }
+        };
+        let broker_url = self.redis.insert(server).url();
+        Ok(Common {
+            broker_url,
+            prefix,
+            subject_prefix,
+        })
     }
 
     /// `--cdc`: `outbox migrate --cdc` on the run's database (the publication and the
@@ -214,13 +243,16 @@ impl<'c> World<'c> {
             "relay".into(),
             "--database-url".into(),
             database_url.into(),
-            "--redis-url".into(),
-            common.redis_url.clone().into(),
+            "--broker".into(),
+            common.broker_url.clone().into(),
             "--stream-prefix".into(),
             common.prefix.clone().into(),
             "--admin-addr".into(),
             format!("127.0.0.1:{admin_port}").into(),
         ];
+        if let Some(subjects) = &common.subject_prefix {
+            args.extend(["--subject-prefix".into(), subjects.into()]);
+        }
         if c.partitions > 1 {
             let partitions = format!("{}={}", Tick::TOPICS[0], c.partitions);
             args.extend(["--partitions".into(), partitions.into()]);
@@ -246,8 +278,11 @@ impl<'c> World<'c> {
             c.backend.name().into(),
             "--database-url".into(),
             database_url.into(),
-            "--redis-url".into(),
-            common.redis_url.clone().into(),
+            match c.broker {
+                Broker::Redis => "--redis-url".into(),
+                Broker::Nats => "--nats-url".into(),
+            },
+            common.broker_url.clone().into(),
             "--stream-prefix".into(),
             common.prefix.clone().into(),
             "--group".into(),
@@ -257,6 +292,9 @@ impl<'c> World<'c> {
             "--partitions".into(),
             c.partitions.to_string().into(),
         ];
+        if let Some(subjects) = &common.subject_prefix {
+            args.extend(["--subject-prefix".into(), subjects.into()]);
+        }
         if c.ordered {
             args.push("--ordered".into());
         }
@@ -340,7 +378,7 @@ impl<'c> World<'c> {
     /// `<host>-<pid>-<random>` by default) must issue an `XREADGROUP` within 10 s (its
     /// blocking read lasts 2 s).
     pub(crate) fn stuck_consumers(&self) -> Result<Vec<String>, BoxError> {
-        let redis = self.redis.as_ref().expect("started");
+        let redis = self.redis.as_deref().expect("started");
         let readers = redis.readers(Duration::from_secs(10))?;
         Ok(self
             .procs
@@ -368,8 +406,10 @@ impl<'c> World<'c> {
 
 /// What every relay and consumer of the run is given alike.
 struct Common {
-    redis_url: String,
+    broker_url: String,
     prefix: String,
+    /// NATS: the subject prefix.
+    subject_prefix: Option<String>,
 }
 
 /// A loopback port that was free a moment ago.

@@ -1,0 +1,218 @@
+//! The run's private `nats-server -js` (`--broker nats`): its store in the run's
+//! directory, so that stopping it (even with SIGKILL) and starting it again on the same
+//! port is an outage of the relays and the consumers.
+
+use std::collections::{HashMap, HashSet};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use outbox_nats::async_nats::{self, jetstream};
+
+use crate::BoxError;
+use crate::probe;
+use crate::procs::{signal, with_parent_death};
+
+pub(crate) struct NatsServer {
+    port: u16,
+    /// The HTTP monitoring port (`/healthz`, `/connz`).
+    monitor: u16,
+    dir: PathBuf,
+    /// The consumers' dead-letter stream (`<stream prefix>DEAD`).
+    dead_stream: String,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a server on free loopback ports, its store in `dir`; the relays use
+    /// `stream_prefix`.
+    pub(crate) fn start(dir: &Path, stream_prefix: &str) -> Result<Self, BoxError> {
+        let free = || -> std::io::Result<u16> {
+            Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+        };
+        let mut server = Self {
+            port: free()?,
+            monitor: free()?,
+            dir: dir.to_owned(),
+            dead_stream: format!("{stream_prefix}DEAD"),
+            child: None,
+        };
+        server.up()?;
+        Ok(server)
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub(crate) fn is_up(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Starts the server (same ports, same store) and waits until JetStream serves
+    /// (`/healthz`: 200 once the streams are recovered).
+    pub(crate) fn up(&mut self) -> Result<(), BoxError> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("nats.log"))?;
+        let child = with_parent_death("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "--server_name", "chaos"])
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-m",
+                &self.monitor.to_string(),
+            ])
+            .arg("-sd")
+            .arg(self.dir.join("jetstream"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if probe::status(self.monitor, "/healthz") == Some(200) {
+                return Ok(());
+            }
+            if let Some(c) = self.child.as_mut()
+                && let Some(status) = c.try_wait()?
+            {
+                self.child = None;
+                return Err(format!(
+                    "nats-server on port {} exited at start ({status}); see {}",
+                    self.port,
+                    self.dir.join("nats.log").display()
+                )
+                .into());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("nats-server on port {} did not start", self.port).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the server: with SIGKILL (`crash`) or SIGTERM (a clean shutdown).
+    pub(crate) fn down(&mut self, crash: bool) -> Result<(), BoxError> {
+        if let Some(mut child) = self.child.take() {
+            signal(&child, if crash { "KILL" } else { "TERM" })?;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while child.try_wait()?.is_none() {
+                if Instant::now() > deadline {
+                    child.kill()?;
+                    child.wait()?;
+                    return Err("nats-server ignored SIGTERM for 30 s".into());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on a JetStream context of a new connection, on a runtime of its own.
+    fn with_js<T>(
+        &self,
+        f: impl AsyncFnOnce(jetstream::Context) -> Result<T, BoxError>,
+    ) -> Result<T, BoxError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let client = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(5))
+                .connect(self.url())
+                .await?;
+            f(jetstream::new(client)).await
+        })
+    }
+
+    /// Every message of `stream`: `(sequence, Nats-Msg-Id)`, in sequence order.
+    pub(crate) fn read_stream(&self, stream: &str) -> Result<Vec<(String, String)>, BoxError> {
+        self.with_js(async |js| {
+            let Ok(mut s) = js.get_stream(stream).await else {
+                return Ok(Vec::new());
+            };
+            let state = s.info().await?.state.clone();
+            let mut out = Vec::new();
+            for seq in state.first_sequence..=state.last_sequence {
+                // A sequence with no message (none here: nothing is deleted) is skipped.
+                let Ok(m) = s.get_raw_message(seq).await else {
+                    continue;
+                };
+                let msg_id = m
+                    .headers
+                    .get("Nats-Msg-Id")
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default();
+                out.push((seq.to_string(), msg_id));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Messages in `stream`; `<stream>:dead` counts the dead-letter stream.
+    pub(crate) fn len(&self, stream: &str) -> Result<u64, BoxError> {
+        let name = if stream.ends_with(":dead") {
+            self.dead_stream.as_str()
+        } else {
+            stream
+        };
+        self.with_js(async |js| match js.get_stream(name).await {
+            Ok(mut s) => Ok(s.info().await?.state.messages),
+            Err(_) => Ok(0),
+        })
+    }
+
+    /// The names of the connections that sent messages (a pull is a request message)
+    /// within `window`: `/connz` read twice, `window` apart.
+    pub(crate) fn readers(&self, window: Duration) -> Result<HashSet<String>, BoxError> {
+        let first = self.connz()?;
+        std::thread::sleep(window);
+        let second = self.connz()?;
+        Ok(second
+            .into_iter()
+            .filter(|(name, n)| first.get(name).is_some_and(|before| n > before))
+            .map(|(name, _)| name)
+            .collect())
+    }
+
+    /// Named connections and the messages each has sent (`in_msgs`).
+    fn connz(&self) -> Result<HashMap<String, u64>, BoxError> {
+        use std::io::{Read as _, Write as _};
+        // HTTP/1.0: the answer comes whole, not chunked.
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.monitor))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /connz?limit=1024 HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b)
+            .ok_or("/connz: no body")?;
+        let connz: serde_json::Value = serde_json::from_str(body)?;
+        let conns = connz["connections"].as_array().cloned().unwrap_or_default();
+        Ok(conns
+            .iter()
+            .filter_map(|c| Some((c["name"].as_str()?.to_owned(), c["in_msgs"].as_u64()?)))
+            .collect())
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
