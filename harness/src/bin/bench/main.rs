@@ -4,7 +4,8 @@
 //! rounds alternating (baseline first in one round, last in the next), on PostgreSQL
 //! (`DATABASE_URL`, default the local `test` database) and Redis (`REDIS_URL`):
 //!
-//! - relay: one relay into Redis against a pure-SQL claim-and-mark drain, per-key
+//! - relay: one relay into Redis against a pure-SQL claim-and-mark drain, one relay into
+//!   NATS JetStream (`NATS_URL`) beside one into Redis, per-key
 //!   against unordered claims with one and two relays, commit→XADD latency at a steady
 //!   1,000 messages/s, resident memory while draining a 1M-row backlog;
 //! - cdc: the CDC relay (`outbox-cdc`) beside the polling relay on a private cluster with

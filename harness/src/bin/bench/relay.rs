@@ -1,5 +1,5 @@
-//! The relay on PostgreSQL + Redis: drain rates against a pure-SQL drain, commit→XADD
-//! latency, resident memory over a large backlog.
+//! The relay on PostgreSQL + Redis (or NATS JetStream): drain rates against a pure-SQL
+//! drain, commit→XADD latency, resident memory over a large backlog.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -8,9 +8,12 @@ use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
 use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
-use outbox_core::{Error, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage};
+use outbox_core::{
+    Error, OutboxEvent as _, PublishOutcomes, Publisher, Relay, RelayConfig, StoredMessage,
+};
 use outbox_diesel::{ClaimOrder, Emit as _, PartitionPolicy, PgRelayStore};
 use outbox_examples::AccountTransferred;
+use outbox_nats::async_nats;
 use outbox_redis::{PublisherConfig, RedisPublisher};
 
 use crate::{BoxError, Service};
@@ -21,6 +24,9 @@ pub(crate) enum Sink {
     /// Takes every message and counts it: the relay's cost without a broker.
     Count,
     Redis,
+    /// NATS JetStream (`NATS_URL`, default the local server): a stream of the bench's
+    /// own, deleted before each run so that the duplicate window drops nothing.
+    Nats,
 }
 
 pub(crate) struct RelayBench {
@@ -29,6 +35,10 @@ pub(crate) struct RelayBench {
     schema: String,
     prefix: String,
     conn: Mutex<PgConnection>,
+    /// A client that connects in the background: parts without NATS never wait on it.
+    nats: async_nats::Client,
+    /// The stream and subject prefixes of the NATS runs.
+    naming: outbox_nats::Naming,
 }
 
 impl RelayBench {
@@ -60,6 +70,14 @@ impl RelayBench {
             schema,
             prefix: format!("bench{}:", std::process::id()),
             conn: Mutex::new(conn),
+            nats: async_nats::ConnectOptions::new()
+                .retry_on_initial_connect()
+                .connect(outbox_tests::nats_url())
+                .await?,
+            naming: outbox_nats::Naming::new(
+                format!("bench{}", std::process::id()),
+                format!("BENCH{}_", std::process::id()),
+            )?,
         };
         bench.clear_streams().await?;
         Ok(bench)
@@ -68,6 +86,7 @@ impl RelayBench {
     pub(crate) async fn cleanup(&self) {
         self.svc.drop_schema(&self.schema);
         let _ = self.clear_streams().await;
+        let _ = self.clear_nats().await;
     }
 
     /// `n` NEW rows with ~200-byte payloads over `keys` keys, in one statement.
@@ -173,6 +192,10 @@ impl RelayBench {
                         .with_max_len(max_len),
                 )?,
             )),
+            Sink::Nats => AnyPublisher::Nats(Box::new(outbox_nats::NatsPublisher::new(
+                self.nats.clone(),
+                outbox_nats::PublisherConfig::default().with_naming(self.naming.clone()),
+            )?)),
         })
     }
 
@@ -193,6 +216,9 @@ impl RelayBench {
         batch: usize,
     ) -> Result<f64, BoxError> {
         self.clear_streams().await?;
+        if sink == Sink::Nats {
+            self.clear_nats().await?;
+        }
         let published = Arc::new(AtomicUsize::new(0));
         let mut relays = Vec::new();
         for _ in 0..instances {
@@ -351,6 +377,18 @@ impl RelayBench {
         Ok((before, peak.load(Ordering::Relaxed), rss_kib(), rate))
     }
 
+    /// Deletes the NATS stream of the bench's topic, if there: a run publishes the
+    /// msg_ids of the last again, which the duplicate window would drop.
+    async fn clear_nats(&self) -> Result<(), BoxError> {
+        let js = async_nats::jetstream::new(self.nats.clone());
+        let stream = self.naming.stream(AccountTransferred::TOPICS[0]);
+        match js.delete_stream(&stream).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.to_string().contains("not found") => Ok(()),
+            Err(e) => Err(format!("delete stream {stream}: {e}").into()),
+        }
+    }
+
     async fn clear_streams(&self) -> Result<(), BoxError> {
         let mut conn = redis::Client::open(self.svc.redis_url.as_str())?
             .get_multiplexed_async_connection()
@@ -388,6 +426,7 @@ struct ClaimedRow {
 pub(crate) enum AnyPublisher {
     Count,
     Redis(Box<RedisPublisher>),
+    Nats(Box<outbox_nats::NatsPublisher>),
 }
 
 impl Publisher for AnyPublisher {
@@ -395,6 +434,7 @@ impl Publisher for AnyPublisher {
         match self {
             Self::Count => Ok(vec![Ok(()); batch.len()]),
             Self::Redis(redis) => redis.publish(batch).await,
+            Self::Nats(nats) => nats.publish(batch).await,
         }
     }
 }

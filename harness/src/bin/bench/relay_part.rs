@@ -33,7 +33,7 @@ pub(crate) async fn part(
 }
 
 /// The relay runs of the ratios: name, relays, sink, claim order.
-const RUNS: [(&str, usize, Sink, ClaimOrder); 5] = [
+const RUNS: [(&str, usize, Sink, ClaimOrder); 6] = [
     (
         "1 relay → Redis, unordered",
         1,
@@ -63,6 +63,12 @@ const RUNS: [(&str, usize, Sink, ClaimOrder); 5] = [
         1,
         Sink::Count,
         ClaimOrder::Unordered,
+    ),
+    (
+        "1 relay → NATS JetStream, per-key",
+        1,
+        Sink::Nats,
+        ClaimOrder::PerKey,
     ),
 ];
 
@@ -130,7 +136,17 @@ async fn ratios(
         ratio(3, 1),
         Target::None,
     );
-    for (i, name) in [(0, "pure-SQL drain"), (1, "1 relay → Redis, unordered")] {
+    push(
+        "relay → NATS beside relay → Redis, 1 relay, per-key",
+        "relay → NATS / relay → Redis",
+        ratio(6, 2),
+        Target::None,
+    );
+    for (i, name) in [
+        (0, "pure-SQL drain"),
+        (1, "1 relay → Redis, unordered"),
+        (6, "1 relay → NATS, per-key"),
+    ] {
         let mut f = Figure::absolute("relay", name, "msg/s", Target::None);
         f.values = rates[i].clone();
         figures.push(f);
