@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{BoxError, Service};
 
+mod nats;
+
 /// One message per account row: handlers never touch the same row.
 #[derive(Debug, Serialize, Deserialize, OutboxEvent)]
 struct PointsEarned {
@@ -145,6 +147,8 @@ pub(crate) struct ConsumerBench {
     url: String,
     schema: String,
     prefix: String,
+    /// Names the schema, the Redis streams and the NATS streams.
+    tag: String,
     pub(crate) messages: usize,
     /// How long a consumer run may take before it is stopped and its rate so far taken.
     deadline: Duration,
@@ -177,11 +181,13 @@ impl ConsumerBench {
             url,
             schema,
             prefix: format!("bench:{tag}:"),
+            tag,
             messages,
             deadline,
             groups: Default::default(),
         };
         bench.publish().await?;
+        bench.publish_nats().await?;
         Ok(bench)
     }
 
@@ -416,6 +422,7 @@ impl ConsumerBench {
 
     pub(crate) async fn cleanup(&self) {
         self.svc.drop_schema(&self.schema);
+        self.cleanup_nats().await;
         if let Ok(client) = redis::Client::open(self.svc.redis_url.as_str())
             && let Ok(mut conn) = client.get_multiplexed_async_connection().await
         {

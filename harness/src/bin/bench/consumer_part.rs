@@ -1,13 +1,13 @@
 //! The consumer part: single mode against a plain SQL loop doing the same writes, batch
 //! mode against single mode, ordered against unordered over partitions, and the async
-//! inbox.
+//! inbox; the NATS consumer against the plain SQL loop.
 
 use crate::consumer::{ConsumerBench, Load, Mode};
 use crate::stats::{Figure, Target};
 use crate::{BoxError, Sizes, order, progress};
 
 /// The consumer part's measurements, by their place (`--consumer-figures`).
-const NAMES: [&str; 14] = [
+const NAMES: [&str; 16] = [
     "plain SQL loop, 1 connection",
     "consumer single mode, 1 in flight",
     "consumer batch mode, 1 in flight",
@@ -22,11 +22,13 @@ const NAMES: [&str; 14] = [
     "8 partitions, 3 consumers, 8 in flight, ordered",
     "consumer single mode, async inbox, 1 in flight",
     "consumer single mode, async inbox, 8 in flight",
+    "NATS consumer single mode, 1 in flight",
+    "NATS consumer single mode, 8 in flight",
 ];
 
 /// The ratios: name, what is compared, the measurements (by place in [`NAMES`]) over
 /// each other, and the target.
-const RATIOS: [(&str, &str, usize, usize, Target); 9] = [
+const RATIOS: [(&str, &str, usize, usize, Target); 11] = [
     (
         "single mode, 1 in flight",
         "consumer / plain SQL loop",
@@ -88,6 +90,21 @@ const RATIOS: [(&str, &str, usize, usize, Target); 9] = [
         "async inbox (diesel-async), single mode, 8 in flight",
         "consumer / plain SQL loop",
         13,
+        3,
+        Target::None,
+    ),
+    // NATS beside Redis: shown, not judged; the same handler, inbox and writes.
+    (
+        "NATS consumer, single mode, 1 in flight",
+        "NATS consumer / plain SQL loop",
+        14,
+        0,
+        Target::None,
+    ),
+    (
+        "NATS consumer, single mode, 8 in flight",
+        "NATS consumer / plain SQL loop",
+        15,
         3,
         Target::None,
     ),
@@ -154,6 +171,8 @@ async fn measure(bench: &ConsumerBench, i: usize) -> Result<f64, BoxError> {
         }
         12 => bench.async_consumer(1).await?,
         13 => bench.async_consumer(8).await?,
+        14 => bench.nats_consumer(1).await?,
+        15 => bench.nats_consumer(8).await?,
         _ => unreachable!("one rate per name"),
     })
 }
