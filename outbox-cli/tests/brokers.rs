@@ -11,11 +11,10 @@ mod serve_support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use fixtures::cluster::ScratchCluster;
 use fixtures::process::Background;
 use fixtures::{TestDb, outbox, redis_url, unique};
-use outbox_tests::ScratchSentinel;
 use outbox_tests::scratch_sentinel::sync_query;
+use outbox_tests::{ScratchCluster, ScratchSentinel};
 use predicates::str::contains;
 use serve_support::Server;
 
@@ -212,7 +211,9 @@ fn relay_streams_and_trim_reach_every_node_of_a_cluster() {
         "info",
     );
     db.emit(1..=40);
-    let mut conn = cluster.conn();
+    let mut conn = redis::cluster::ClusterClient::new(cluster.urls())
+        .and_then(|c| c.get_connection())
+        .expect("a cluster connection");
     let streams: Vec<String> = (0..4)
         .map(|p| format!("{prefix}{{cli.ping:{p}}}"))
         .collect();

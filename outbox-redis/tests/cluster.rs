@@ -6,9 +6,7 @@
 mod fixtures;
 
 use std::collections::HashSet;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fixtures::*;
 use outbox_core::{Delivery, Envelope, Handler, HandlerError, MemoryDb, MemoryTx, Publisher};
@@ -17,155 +15,17 @@ use outbox_redis::redis::cluster_async::ClusterConnection;
 use outbox_redis::redis::cluster_routing::Slot;
 use outbox_redis::redis::{self, Value};
 use outbox_redis::{Consumer, ConsumerConfig, PublisherConfig, RedisPublisher};
+use outbox_tests::ScratchCluster;
 
-/// A Redis Cluster of three masters (no replicas) in a temporary directory. Dropping it
-/// kills the servers and removes the directory.
-struct Cluster {
-    dir: PathBuf,
-    ports: Vec<u16>,
-    servers: Vec<Child>,
-}
-
-impl Cluster {
-    fn start() -> Self {
-        let dir = std::env::temp_dir().join(outbox_tests::unique("outbox-redis-cluster"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut cluster = Self {
-            dir,
-            ports: Vec::new(),
-            servers: Vec::new(),
-        };
-        while cluster.servers.len() < 3 {
-            cluster.start_node();
-        }
-        let mut create = Command::new("redis-cli");
-        create.arg("--cluster").arg("create");
-        for port in &cluster.ports {
-            create.arg(format!("127.0.0.1:{port}"));
-        }
-        let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("redis-cli must be installed to run the cluster tests");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        for &port in &cluster.ports {
-            loop {
-                let info = cli(port, &["CLUSTER", "INFO"]);
-                if info.contains("cluster_state:ok") {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "node {port} never reached cluster_state:ok: {info}"
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        cluster
-    }
-
-    /// Starts one node on a free port (and a free bus port, the port + 10000), trying
-    /// other ports if another process takes the one picked first.
-    fn start_node(&mut self) {
-        for _ in 0..50 {
-            let port = fastrand::u16(20_000..30_000);
-            if self.ports.contains(&port) || !free(port) || !free(port + 10_000) {
-                continue;
-            }
-            let dir = self.dir.to_str().unwrap();
-            let mut server = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--cluster-enabled", "yes"])
-                .arg("--cluster-config-file")
-                .arg(format!("{dir}/nodes-{port}.conf"))
-                .args(["--save", "", "--appendonly", "no", "--dir", dir])
-                .arg("--logfile")
-                .arg(format!("{dir}/redis-{port}.log"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed to run the cluster tests");
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                if server.try_wait().unwrap().is_some() {
-                    break; // lost the port to another process: pick another one
-                }
-                if cli(port, &["PING"]).trim() == "PONG" {
-                    self.ports.push(port);
-                    self.servers.push(server);
-                    return;
-                }
-                if Instant::now() > deadline {
-                    let _ = server.kill();
-                    let _ = server.wait();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        panic!("could not start a redis-server node");
-    }
-
-    fn urls(&self) -> Vec<String> {
-        self.ports
-            .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
-            .collect()
-    }
-
-    /// A cluster connection for checks.
-    async fn conn(&self) -> ClusterConnection {
-        ClusterClient::builder(self.urls())
-            .response_timeout(Duration::from_secs(10))
-            .build()
-            .unwrap()
-            .get_async_connection()
-            .await
-            .unwrap()
-    }
-
-    /// How many keys each node holds.
-    fn keys_per_node(&self) -> Vec<usize> {
-        self.ports
-            .iter()
-            .map(|&p| cli(p, &["DBSIZE"]).trim().parse().unwrap())
-            .collect()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for server in &mut self.servers {
-            let _ = server.kill();
-            let _ = server.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-/// `redis-cli -p <port> <args>`; its output, or the empty string if it failed.
-fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .arg("-p")
-        .arg(port.to_string())
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .expect("redis-cli must be installed to run the cluster tests");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// A cluster connection for checks.
+async fn conn(cluster: &ScratchCluster) -> ClusterConnection {
+    ClusterClient::builder(cluster.urls())
+        .response_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap()
 }
 
 async fn keyslot(conn: &mut ClusterConnection, key: &str) -> i64 {
@@ -184,7 +44,7 @@ fn with_topic(mut envelope: Envelope, topic: &str) -> Envelope {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes() {
-    let cluster = Cluster::start();
+    let cluster = ScratchCluster::start();
     let publisher = RedisPublisher::cluster(cluster.urls()).unwrap();
     assert!(publisher.is_cluster());
     let topics = [
@@ -198,7 +58,7 @@ async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes()
     let outcomes = publisher.publish(&batch).await.unwrap();
     assert_eq!(outcomes, vec![Ok(()); 40]);
 
-    let mut conn = cluster.conn().await;
+    let mut conn = conn(&cluster).await;
     let mut slots = HashSet::new();
     for (t, topic) in topics.iter().enumerate() {
         let stream = publisher.stream_for(topic);
@@ -235,7 +95,7 @@ async fn a_batch_over_several_topics_lands_per_topic_in_order_across_the_nodes()
 /// its keys' order; the count is recorded in `outbox:partitions`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_streams_are_hash_tagged_per_partition_and_keep_key_order() {
-    let cluster = Cluster::start();
+    let cluster = ScratchCluster::start();
     let eight = outbox_core::Partitions::new(8).unwrap();
     let publisher = RedisPublisher::cluster(cluster.urls())
         .unwrap()
@@ -252,7 +112,7 @@ async fn partition_streams_are_hash_tagged_per_partition_and_keep_key_order() {
     let outcomes = publisher.publish(&batch).await.unwrap();
     assert_eq!(outcomes, vec![Ok(()); 32]);
 
-    let mut conn = cluster.conn().await;
+    let mut conn = conn(&cluster).await;
     let mut slots = HashSet::new();
     let mut seen = 0;
     for p in 0..8 {
@@ -289,7 +149,7 @@ async fn partition_streams_are_hash_tagged_per_partition_and_keep_key_order() {
 /// `WAIT 0` is met, `WAIT 1` is an outage that marks nothing published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_pipelines_and_replica_waits_work_per_node() {
-    let cluster = Cluster::start();
+    let cluster = ScratchCluster::start();
     let topics = ["order.paid", "order.refunded", "invoice.sent"];
     let batch = stored((0..30).map(|n| with_topic(paid(n), topics[n % topics.len()])));
     let config = |replicas| {
@@ -305,7 +165,7 @@ async fn split_pipelines_and_replica_waits_work_per_node() {
         .with_config(config(0))
         .unwrap();
     assert_eq!(publisher.publish(&batch).await.unwrap(), vec![Ok(()); 30]);
-    let mut conn = cluster.conn().await;
+    let mut conn = conn(&cluster).await;
     for (t, topic) in topics.iter().enumerate() {
         let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(publisher.stream_for(topic))
@@ -395,7 +255,7 @@ fn refund(n: usize) -> Envelope {
 }
 
 fn cluster_consumer(
-    cluster: &Cluster,
+    cluster: &ScratchCluster,
     config: ConsumerConfig,
     group: &str,
     db: &MemoryDb<Applied>,
@@ -422,7 +282,7 @@ async fn pending(conn: &mut ClusterConnection, stream: &str, group: &str) -> usi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_applies_every_message_once_across_slots_in_single_and_batch_mode() {
-    let cluster = Cluster::start();
+    let cluster = ScratchCluster::start();
     let publisher = RedisPublisher::cluster(cluster.urls()).unwrap();
     let batch = stored((1..=30).map(paid).chain((1..=10).map(refund)));
     // Published twice: the second copies are duplicates to the consumers.
@@ -480,7 +340,7 @@ async fn a_group_applies_every_message_once_across_slots_in_single_and_batch_mod
             "{s:?}"
         );
     }
-    let mut conn = cluster.conn().await;
+    let mut conn = conn(&cluster).await;
     for stream in &streams {
         assert_eq!(pending(&mut conn, stream, "points").await, 0, "{stream}");
     }
@@ -493,8 +353,8 @@ async fn a_group_applies_every_message_once_across_slots_in_single_and_batch_mod
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_and_exhausted_entries_go_to_the_dead_stream_in_the_same_slot() {
-    let cluster = Cluster::start();
-    let mut conn = cluster.conn().await;
+    let cluster = ScratchCluster::start();
+    let mut conn = conn(&cluster).await;
     let db = MemoryDb::new(Applied::new());
     let handler = Recorder::with(|_, e| {
         if e.order_id == "order-2" {
@@ -604,7 +464,7 @@ impl Handler<Step> for InOrder {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_consumers_share_partitions_in_their_own_slots_and_keep_key_order() {
-    let cluster = Cluster::start();
+    let cluster = ScratchCluster::start();
     let publisher = RedisPublisher::cluster(cluster.urls())
         .unwrap()
         .with_config(PublisherConfig::default().with_partitions_of::<Step>())
@@ -647,7 +507,7 @@ async fn ordered_consumers_share_partitions_in_their_own_slots_and_keep_key_orde
     db.read(|a| assert_eq!(a.get("violations"), None, "{a:?}"));
     let consumed: u64 = consumers.iter().map(|c| c.stats().consumed).sum();
     assert_eq!(consumed, 100);
-    let mut conn = cluster.conn().await;
+    let mut conn = conn(&cluster).await;
     for stream in &streams {
         assert_eq!(pending(&mut conn, stream, "ordered").await, 0, "{stream}");
     }
