@@ -38,6 +38,7 @@ mod config;
 mod decode;
 mod deliver;
 mod error;
+mod heartbeat;
 mod park;
 mod relay;
 mod session;

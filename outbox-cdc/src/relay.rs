@@ -37,6 +37,8 @@ impl<F: Future<Output = ()>> Stop<'_, F> {
 pub struct CdcRelay<P> {
     pool: PgPool,
     target: ReplicationTarget,
+    /// For the heartbeat's own connection (see `heartbeat.rs`). Never printed.
+    url: String,
     publisher: P,
     config: CdcConfig,
     /// This process's name on the server (`application_name`), unique per relay.
@@ -64,6 +66,7 @@ impl<P: Publisher> CdcRelay<P> {
         Ok(Self {
             pool,
             target: ReplicationTarget::from_url(database_url)?,
+            url: database_url.to_owned(),
             publisher,
             config: CdcConfig::default(),
             name: format!("outbox-cdc-{}-{:08x}", std::process::id(), fastrand_u32()),
@@ -136,6 +139,12 @@ impl<P: Publisher> CdcRelay<P> {
             return Ok(Ended::Stopped);
         };
         tracing::info!(slot = %self.config.slot, %confirmed, "CDC relay holds the slot");
+        // Beats while the session lives (dropped with this function's frame).
+        let _heartbeat = crate::heartbeat::Heartbeat::start(
+            self.url.clone(),
+            self.name.clone(),
+            self.config.status_interval,
+        );
         let d = Deliverer {
             pool: &self.pool,
             publisher: &self.publisher,
@@ -226,9 +235,9 @@ impl<P: Publisher> CdcRelay<P> {
         }
     }
 
-    /// Ends the session of a holder that has sent no status update for
-    /// [`CdcConfig::takeover_after`]: it died without its connection closing, or it
-    /// is stopped (SIGSTOP) or frozen. Its server process would otherwise keep the slot
+    /// Ends the session of a holder whose heartbeat (or, without one, whose status
+    /// updates) stopped for [`CdcConfig::takeover_after`]: it died without its
+    /// connection closing, or it is stopped (SIGSTOP) or frozen. Its server process would otherwise keep the slot
     /// until `wal_sender_timeout`.
     async fn take_over_if_silent(&self, pid: i32) -> Result<()> {
         let after = i64::try_from(self.config.takeover_after.as_millis()).unwrap_or(i64::MAX);
@@ -238,9 +247,13 @@ impl<P: Publisher> CdcRelay<P> {
                 #[diesel(sql_type = diesel::sql_types::Bool)]
                 ended: bool,
             }
+            // The holder's heartbeat session if it has one (see heartbeat.rs), else its
+            // replication session's last status update.
             let rows: Vec<Row> = diesel::sql_query(
                 "SELECT pg_terminate_backend(r.pid) AS ended FROM pg_stat_replication r \
-                 WHERE r.pid = $1 AND coalesce(r.reply_time, r.backend_start) \
+                 WHERE r.pid = $1 AND coalesce((SELECT max(greatest(a.query_start, a.state_change)) \
+                 FROM pg_stat_activity a WHERE a.application_name = r.application_name \
+                 AND a.backend_type = 'client backend'), r.reply_time, r.backend_start) \
                  < now() - make_interval(secs => $2 / 1000.0)",
             )
             .bind::<Integer, _>(pid)

@@ -306,6 +306,13 @@ impl<'a, P: Publisher> Session<'a, P> {
         Ok(())
     }
 
+    /// Confirms `lsn`: every commit up to it was published (or parked, or dead). The
+    /// server hears of it at the next status update (within `status_interval`).
+    fn confirm(&mut self, lsn: Lsn) {
+        self.confirmed = lsn;
+        self.client.update_applied_lsn(lsn);
+    }
+
     /// Confirms a keepalive's position when nothing is in hand, so that an idle slot (or
     /// one whose commits touch only other tables) does not hold WAL back.
     fn ack_idle(&mut self) {
@@ -313,8 +320,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             && self.open.is_none()
             && lsn > self.confirmed
         {
-            self.confirmed = lsn;
-            self.client.update_applied_lsn(lsn);
+            self.confirm(lsn);
         }
     }
 
@@ -372,8 +378,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             db(self.d.pool, move |c| writes.apply(c)).await?;
         }
         if let Some(last) = self.ready.last() {
-            self.confirmed = self.confirmed.max(last.end_lsn);
-            self.client.update_applied_lsn(self.confirmed);
+            self.confirm(self.confirmed.max(last.end_lsn));
         }
         self.ready.clear();
         Ok(())

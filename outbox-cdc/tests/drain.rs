@@ -70,6 +70,20 @@ async fn drain_rate_cdc_beside_polling() {
     let cdc = start.elapsed();
     tx.send(()).unwrap();
     task.await.unwrap().unwrap();
+    // The same transaction committed while the relay runs.
+    let (_, name) = publisher();
+    let (tx, task) = spawn_relay(&db, publisher_for(&name), fast());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let start = Instant::now();
+    backlog(&db, "l");
+    let inserted = start.elapsed();
+    wait_len(&name, N as usize);
+    let live = start.elapsed();
+    tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    eprintln!(
+        "one transaction of {N} while the relay runs: inserted in {inserted:?}, published after {live:?}"
+    );
     eprintln!(
         "drain of {N}: polling {:.0}/s, CDC {:.0}/s ({:.2}x)",
         f64::from(N) / polling.as_secs_f64(),

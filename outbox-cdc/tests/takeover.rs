@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use diesel::connection::SimpleConnection as _;
 use outbox_cdc::CdcRelay;
 
 const CHILD_URL: &str = "OUTBOX_CDC_CHILD_URL";
@@ -213,4 +214,94 @@ fn a_waiting_relay_takes_over_from_a_frozen_holder_which_then_publishes_nothing_
     let got = stream(&name);
     assert_eq!(firsts(&got).len(), 400);
     eprintln!("copies on the stream: {} for 400 messages", got.len());
+}
+
+/// The application names that held the slot, sampled every 20 ms until `stop`.
+fn sample_holders(
+    url: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<std::collections::BTreeSet<String>> {
+    std::thread::spawn(move || {
+        use diesel::{Connection as _, RunQueryDsl as _};
+        #[derive(diesel::QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            name: String,
+        }
+        let mut c = diesel::PgConnection::establish(&url).expect("connect");
+        let mut seen = std::collections::BTreeSet::new();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let rows: Vec<Row> = diesel::sql_query(
+                "SELECT r.application_name || '/' || r.pid AS name FROM pg_stat_replication r \
+                 JOIN pg_replication_slots s ON s.active_pid = r.pid",
+            )
+            .load(&mut c)
+            .unwrap_or_default();
+            seen.extend(rows.into_iter().map(|r| r.name));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        seen
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_transaction_does_not_make_the_holder_look_frozen() {
+    let db = Db::start(false);
+    let config = fast().with_takeover_after(Duration::from_millis(600));
+    db.setup(&config);
+    let (publisher, name) = publisher();
+    let (stop_a, task_a) = spawn_relay(&db, publisher, config.clone());
+    wait_until_held(&db).await;
+    let (stop_b, task_b) = spawn_relay(&db, publisher_for(&name), config);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = sample_holders(db.url.clone(), stop.clone());
+    // One transaction of 20,000 rows, streamed for about as long as takeover_after:
+    // the waiting relay must not take it for a frozen holder (its heartbeat, not the
+    // walsender's reply_time, which the server reads late while it streams).
+    const N: u32 = 20_000;
+    db.conn()
+        .batch_execute(&format!(
+            "INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+             SELECT 'big:' || g, '{TOPIC}', 'Ping', 'big', '{{}}' FROM generate_series(0, {}) g",
+            N - 1
+        ))
+        .unwrap();
+    let inserted = Instant::now();
+    let client = redis::Client::open(outbox_tests::redis_url()).unwrap();
+    let mut c = client.get_connection().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut first = None;
+    loop {
+        let len: u64 = redis::cmd("XLEN").arg(&name).query(&mut c).unwrap();
+        if len > 0 && first.is_none() {
+            first = Some(inserted.elapsed());
+        }
+        if len >= u64::from(N) {
+            eprintln!(
+                "first entry after {first:?}, all after {:?}",
+                inserted.elapsed()
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {len} of {N} published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let holders = sampler.join().unwrap();
+    stop_a.send(()).unwrap();
+    stop_b.send(()).unwrap();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+    let len: u64 = redis::cmd("XLEN").arg(&name).query(&mut c).unwrap();
+    assert_eq!(holders.len(), 1, "the slot changed hands: {holders:?}");
+    assert_eq!(len, u64::from(N), "the transaction was published once");
+}
+
+async fn wait_until_held(db: &Db) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while db.scalar("SELECT count(*) AS v FROM pg_replication_slots WHERE active") == 0 {
+        assert!(Instant::now() < deadline, "no relay held the slot");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
