@@ -45,6 +45,9 @@ struct Args {
     /// The NATS server the relays publish to (`outbox relay --broker nats://…`).
     #[arg(long)]
     nats_url: Option<String>,
+    /// NATS: copies of each message in the streams (the relays' `--replicas`).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     /// NATS: the relays' `--subject-prefix`.
     #[arg(long, default_value = outbox_nats::DEFAULT_SUBJECT_PREFIX)]
     subject_prefix: String,
@@ -168,19 +171,27 @@ mod nats {
 
     /// A client that keeps (re)connecting, named after this process.
     async fn client(args: &Args) -> Result<outbox_nats::async_nats::Client, BoxError> {
+        // `nats://h:p,h:p`: each server of a cluster.
         let url = args.nats_url.as_deref().unwrap_or_default();
+        let hosts = url.strip_prefix("nats://").unwrap_or(url);
+        let servers = hosts
+            .split(',')
+            .map(|h| format!("nats://{h}").parse())
+            .collect::<Result<Vec<outbox_nats::async_nats::ServerAddr>, _>>()?;
         Ok(outbox_nats::async_nats::ConnectOptions::new()
             .name(format!("chaos-consumer-{}-nats", std::process::id()))
             .retry_on_initial_connect()
-            .connect(url)
+            .connect(servers)
             .await?)
     }
 
     /// The default config but for the prefixes, the partitions and batch mode.
     fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
         let naming = Naming::new(args.subject_prefix.as_str(), args.stream_prefix.as_str())?;
+        let streams = outbox_nats::StreamSettings::default().with_replicas(args.replicas);
         let config = ConsumerConfig::default()
             .with_naming(naming)
+            .with_streams(streams)
             .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
         Ok(match args.batch_size {
             Some(n) => config.with_batch_size(n),

@@ -126,6 +126,11 @@ pub(crate) struct Args {
     /// consumer does not have).
     #[arg(long, value_enum, default_value_t = Broker::Redis)]
     broker: Broker,
+    /// With `--broker nats`: three private servers in one JetStream cluster, the stream
+    /// with three replicas (`outbox relay --replicas 3`); each broker outage is the
+    /// stream's leader SIGKILLed or SIGTERMed, started again after the outage.
+    #[arg(long)]
+    nats_cluster: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -178,6 +183,8 @@ pub(crate) struct Config {
     pub(crate) cdc: bool,
     /// `--broker`.
     pub(crate) broker: Broker,
+    /// `--nats-cluster`.
+    pub(crate) nats_cluster: bool,
 }
 
 impl Config {
@@ -245,6 +252,7 @@ impl Config {
                 .then_some(a.db_down.or(a.ci.then_some(Duration::from_secs(45)))),
             cdc: a.cdc,
             broker: a.broker,
+            nats_cluster: a.nats_cluster,
         })
     }
 }
@@ -282,6 +290,9 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
     }
     if a.cdc && a.backend != Backend::Postgres {
         return Err("--cdc runs on PostgreSQL only (--backend postgres)".into());
+    }
+    if a.nats_cluster && a.broker != Broker::Nats {
+        return Err("--nats-cluster needs --broker nats".into());
     }
     if a.broker == Broker::Nats && a.ordered {
         return Err("--ordered: the NATS consumer has no ordered mode yet".into());

@@ -98,6 +98,7 @@ mod db;
 mod db_restart;
 mod db_server;
 mod faults;
+mod nats_cluster;
 mod nats_server;
 mod plan;
 mod probe;

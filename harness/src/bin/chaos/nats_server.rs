@@ -22,24 +22,39 @@ pub(crate) struct NatsServer {
     /// The consumers' dead-letter stream (`<stream prefix>DEAD`).
     dead_stream: String,
     child: Option<Child>,
+    /// The server's name (`chaos`, or `n1`… in a cluster): its log and store are named
+    /// after it.
+    pub(crate) name: String,
+    /// In a cluster: its route port, the cluster's name and the routes to every node.
+    cluster: Option<(u16, String, String)>,
 }
 
 impl NatsServer {
     /// Starts a server on free loopback ports, its store in `dir`; the relays use
     /// `stream_prefix`.
     pub(crate) fn start(dir: &Path, stream_prefix: &str) -> Result<Self, BoxError> {
-        let free = || -> std::io::Result<u16> {
-            Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-        };
-        let mut server = Self {
-            port: free()?,
-            monitor: free()?,
+        let mut server = Self::node(dir, stream_prefix, "chaos", None)?;
+        server.up()?;
+        Ok(server)
+    }
+
+    /// A server not started yet, on free ports; `cluster`: its route port, the
+    /// cluster's name and the routes.
+    pub(crate) fn node(
+        dir: &Path,
+        stream_prefix: &str,
+        name: &str,
+        cluster: Option<(u16, String, String)>,
+    ) -> Result<Self, BoxError> {
+        Ok(Self {
+            port: free_port()?,
+            monitor: free_port()?,
             dir: dir.to_owned(),
             dead_stream: format!("{stream_prefix}DEAD"),
             child: None,
-        };
-        server.up()?;
-        Ok(server)
+            name: name.to_owned(),
+            cluster,
+        })
     }
 
     pub(crate) fn url(&self) -> String {
@@ -60,25 +75,40 @@ impl NatsServer {
         if self.child.is_some() {
             return Ok(());
         }
+        self.spawn()?;
+        self.wait_ready()
+    }
+
+    /// Starts the process (the nodes of a cluster all start before any is ready).
+    pub(crate) fn spawn(&mut self) -> Result<(), BoxError> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(self.dir.join("nats.log"))?;
-        let child = with_parent_death("nats-server")
-            .args(["-js", "-a", "127.0.0.1", "--server_name", "chaos"])
-            .args([
-                "-p",
-                &self.port.to_string(),
-                "-m",
-                &self.monitor.to_string(),
-            ])
+            .open(self.dir.join(format!("nats-{}.log", self.name)))?;
+        let mut command = with_parent_death("nats-server");
+        command
+            .args(["-js", "-a", "127.0.0.1", "--server_name", &self.name])
+            .args(["-p", &self.port.to_string()])
+            .args(["-m", &self.monitor.to_string()])
             .arg("-sd")
-            .arg(self.dir.join("jetstream"))
+            .arg(self.dir.join(format!("jetstream-{}", self.name)));
+        if let Some((route, name, routes)) = &self.cluster {
+            command
+                .args(["--cluster_name", name, "--routes", routes])
+                .arg("--cluster")
+                .arg(format!("nats://127.0.0.1:{route}"));
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
         self.child = Some(child);
+        Ok(())
+    }
+
+    /// Waits until the server's JetStream serves.
+    pub(crate) fn wait_ready(&mut self) -> Result<(), BoxError> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if probe::status(self.monitor, "/healthz") == Some(200) {
@@ -91,7 +121,7 @@ impl NatsServer {
                 return Err(format!(
                     "nats-server on port {} exited at start ({status}); see {}",
                     self.port,
-                    self.dir.join("nats.log").display()
+                    self.dir.join(format!("nats-{}.log", self.name)).display()
                 )
                 .into());
             }
@@ -120,7 +150,7 @@ impl NatsServer {
     }
 
     /// Runs `f` on a JetStream context of a new connection, on a runtime of its own.
-    fn with_js<T>(
+    pub(crate) fn with_js<T>(
         &self,
         f: impl AsyncFnOnce(jetstream::Context) -> Result<T, BoxError>,
     ) -> Result<T, BoxError> {
@@ -187,7 +217,7 @@ impl NatsServer {
     }
 
     /// Named connections and the messages each has sent (`in_msgs`).
-    fn connz(&self) -> Result<HashMap<String, u64>, BoxError> {
+    pub(crate) fn connz(&self) -> Result<HashMap<String, u64>, BoxError> {
         use std::io::{Read as _, Write as _};
         // HTTP/1.0: the answer comes whole, not chunked.
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.monitor))?;
@@ -206,6 +236,11 @@ impl NatsServer {
             .filter_map(|c| Some((c["name"].as_str()?.to_owned(), c["in_msgs"].as_u64()?)))
             .collect())
     }
+}
+
+/// A loopback port that was free a moment ago.
+pub(crate) fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 impl Drop for NatsServer {

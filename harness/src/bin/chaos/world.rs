@@ -14,6 +14,7 @@ use crate::config::Broker;
 use crate::config::Config;
 use crate::db::Database;
 use crate::db_server::DbServer;
+use crate::nats_cluster::NatsCluster;
 use crate::nats_server::NatsServer;
 use crate::plan::Plan;
 use crate::procs::{Proc, Role};
@@ -182,11 +183,14 @@ impl<'c> World<'c> {
             ),
             Broker::Nats => {
                 let prefix = format!("{}_", self.tag.to_uppercase());
-                (
-                    Box::new(NatsServer::start(&self.dir, &prefix)?),
-                    prefix,
-                    Some(self.tag.clone()),
-                )
+                let server: Box<dyn BrokerServer> = if self.c.nats_cluster {
+                    let naming = outbox_nats::Naming::new(self.tag.as_str(), prefix.as_str())?;
+                    let stream = naming.stream(Tick::TOPICS[0]);
+                    Box::new(NatsCluster::start(&self.dir, &prefix, &stream)?)
+                } else {
+                    Box::new(NatsServer::start(&self.dir, &prefix)?)
+                };
+                (server, prefix, Some(self.tag.clone()))
             }
         };
         let broker_url = self.redis.insert(server).url();
@@ -253,6 +257,9 @@ impl<'c> World<'c> {
         if let Some(subjects) = &common.subject_prefix {
             args.extend(["--subject-prefix".into(), subjects.into()]);
         }
+        if c.nats_cluster {
+            args.extend(["--replicas".into(), "3".into()]);
+        }
         if c.partitions > 1 {
             let partitions = format!("{}={}", Tick::TOPICS[0], c.partitions);
             args.extend(["--partitions".into(), partitions.into()]);
@@ -294,6 +301,9 @@ impl<'c> World<'c> {
         ];
         if let Some(subjects) = &common.subject_prefix {
             args.extend(["--subject-prefix".into(), subjects.into()]);
+        }
+        if c.nats_cluster {
+            args.extend(["--replicas".into(), "3".into()]);
         }
         if c.ordered {
             args.push("--ordered".into());
