@@ -485,3 +485,74 @@ async fn shutdown_finishes_the_message_in_hand_and_acknowledges_it() {
     assert_eq!(again.0.load(Ordering::SeqCst), 0, "not delivered again");
     stop(running).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_delivered_past_the_limit_without_an_outcome_is_dead_lettered_unrun() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use futures_util::StreamExt as _;
+
+    let f = Fixture::new().await;
+    f.publish(&[earned("crashy", "hal", 1)]).await;
+    let group = unique("g");
+    // Two processes of the group took the message and died before any outcome: the
+    // durable consumer delivered it twice, unacknowledged.
+    let js = jetstream::new(f.client.clone());
+    let stream = js
+        .get_stream(f.naming.stream("points.earned"))
+        .await
+        .unwrap();
+    let durable = stream
+        .get_or_create_consumer(
+            &group,
+            pull::Config {
+                durable_name: Some(group.clone()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(1),
+                max_deliver: -1,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let mut batch = durable
+            .batch()
+            .max_messages(1)
+            .expires(Duration::from_secs(3))
+            .messages()
+            .await
+            .unwrap();
+        let taken = batch.next().await.expect("delivered").unwrap();
+        drop(taken); // no ack: the process died
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let db = MemoryDb::new(Ledger::new());
+    let handler = AddPoints::default();
+    let consumer = Consumer::builder(f.client.clone(), group.as_str())
+        .handle::<PointsEarned, _>(handler.clone())
+        .idempotency(db.clone())
+        .with_config(
+            f.config()
+                .with_max_deliveries(2)
+                .with_ack_wait(Duration::from_secs(1)),
+        )
+        .build()
+        .unwrap();
+    let running = spawn(&consumer);
+    eventually("dead-lettered", || consumer.stats().dead_lettered == 1).await;
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        0,
+        "its handler never ran"
+    );
+    let dead = outbox_nats::dead_letters(&js, &f.naming, Some(&group), 10)
+        .await
+        .unwrap();
+    assert!(
+        dead[0].reason.contains("delivery limit exceeded"),
+        "{}",
+        dead[0].reason
+    );
+    stop(running).await;
+}

@@ -132,9 +132,15 @@ where
             self.counted_deliveries(job),
             inner.config.max_deliveries
         );
+        // Where the store's work runs: a blocking inbox must not hold a runtime thread.
+        let (store, msg_id, refusal) = (Arc::clone(inner), envelope.msg_id.clone(), reason.clone());
         let asked = inner
-            .inbox
-            .applied_before(&inner.group, &envelope.msg_id, reason.clone())
+            .executor
+            .run(async move {
+                (store.inbox)
+                    .applied_before(&store.group, &msg_id, refusal)
+                    .await
+            })
             .await;
         match asked {
             StoreRun::Done(Processed::Duplicate) => self.applied(job, Processed::Duplicate).await,
