@@ -60,6 +60,9 @@ pub(crate) async fn part(
         redis_url: svc.redis_url.clone(),
         async_commit: svc.async_commit,
     };
+    println!(
+        "cdc: on a private cluster (initdb; wal_level = logical, fsync = off), both relays alike"
+    );
     let polling = RelayBench::new(&private).await?;
     let cdc = CdcBench::new(&private).await?;
     let result = measure(sizes, &polling, &cdc, figures).await;
@@ -333,13 +336,17 @@ impl CdcBench {
         );
         let first = Arc::clone(&publisher.first);
         let mut ended = None;
-        self.run_relay(publisher, || {
-            let done = published.load(Ordering::Relaxed) >= n;
-            if done && ended.is_none() {
-                ended = Some(Instant::now());
-            }
-            done
-        })
+        self.run_relay(
+            publisher,
+            || {
+                let done = published.load(Ordering::Relaxed) >= n;
+                if done && ended.is_none() {
+                    ended = Some(Instant::now());
+                }
+                done
+            },
+            None,
+        )
         .await?;
         // From the first publish call: the relay's start (its connections, taking the
         // slot, the start check) is left out, as the polling relay's connections are.
@@ -361,6 +368,7 @@ impl CdcBench {
         &self,
         publisher: P,
         mut done: impl FnMut() -> bool,
+        name: Option<tokio::sync::oneshot::Sender<String>>,
     ) -> Result<(), BoxError> {
         let url = self.url.clone();
         let pool = tokio::task::spawn_blocking(move || {
@@ -370,6 +378,9 @@ impl CdcBench {
         })
         .await??;
         let relay = CdcRelay::new(&self.url, pool, publisher)?.with_config(CdcConfig::default())?;
+        if let Some(name) = name {
+            let _ = name.send(relay.application_name().to_owned());
+        }
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let run = relay.run_until(async { stopped.await.unwrap_or(()) });
         let watch = async {
@@ -411,8 +422,35 @@ impl CdcBench {
             Arc::clone(&committed),
             self.filled.fetch_add(total, Ordering::Relaxed),
         );
+        let (name_tx, name) = tokio::sync::oneshot::channel::<String>();
+        let warm_published = Arc::clone(&published);
         let producer = async {
-            tokio::time::sleep(Duration::from_millis(500)).await; // the relay holds the slot
+            // Once this relay holds the slot (the last one's session may linger a moment)
+            // and has settled, as the polling relay is given time to park on LISTEN.
+            let name = name.await?;
+            let wait_url = url.clone();
+            tokio::task::spawn_blocking(move || wait_for_holder(&wait_url, &name)).await??;
+            // And has read up to now: a slot idle since the last run starts behind by all
+            // the WAL written since (the polling runs' too), which a running relay would
+            // have read as it came.
+            let warm = format!("cdc-warm-{tag}");
+            let warm_url = url.clone();
+            let id = tokio::task::spawn_blocking(move || -> Result<String, BoxError> {
+                let mut conn = PgConnection::establish(&warm_url)?;
+                let e = AccountTransferred::new(&warm, "alice", "bob", 1);
+                Ok(conn.transaction(|c| c.emit(e))?.into_string())
+            })
+            .await??;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while !warm_published.lock().unwrap().contains_key(&id) {
+                if Instant::now() > deadline {
+                    return Err::<(), BoxError>(
+                        "the warm-up message was not published in 120 s".into(),
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
             tokio::task::spawn_blocking(move || emit_at(&url, rate, total, tag, &log)).await?
         };
         // A relay stopped before its last confirmation reads the previous run's tail again:
@@ -422,7 +460,8 @@ impl CdcBench {
             let published = published.lock().unwrap();
             published.keys().filter(|k| k.starts_with(&prefix)).count() >= total
         };
-        let (relay, produced) = tokio::join!(self.run_relay(publisher, done), producer);
+        let (relay, produced) =
+            tokio::join!(self.run_relay(publisher, done, Some(name_tx)), producer);
         produced?;
         relay?;
         let published = published.lock().unwrap();
@@ -446,6 +485,32 @@ impl CdcBench {
     /// `(n_tup_upd, n_dead_tup)` summed over the database's tables.
     fn stats(&self) -> Result<(i64, i64), BoxError> {
         table_stats(&mut self.conn.lock().unwrap(), "")
+    }
+}
+
+/// Waits (at most 60 s) until the relay named `name` holds the slot.
+fn wait_for_holder(url: &str, name: &str) -> Result<(), BoxError> {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = PgConnection::establish(url)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let held: N = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_replication_slots s \
+             JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE r.application_name = $1",
+        )
+        .bind::<diesel::sql_types::Text, _>(name)
+        .get_result(&mut conn)?;
+        if held.n > 0 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the CDC relay {name} did not take the slot in 60 s").into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
