@@ -13,6 +13,9 @@ use super::health::Count;
 use super::screen::{Job, Screened};
 use crate::dead_letters::dead_letter_headers;
 
+/// The most messages whose outage deliveries a consumer remembers.
+const MAX_OUTAGE_ENTRIES: usize = 100_000;
+
 /// How the work on one message ended, for the reader's backoff.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -97,6 +100,11 @@ where
     /// Notes a delivery of `job` that does not count against the limit.
     fn uncount(&self, job: &Job) {
         let mut outages = self.inner.outages.lock().unwrap_or_else(|p| p.into_inner());
+        // Bounded: entries of messages another process finished never leave otherwise.
+        // Forgetting them only lets those messages count outages as deliveries.
+        if outages.len() >= MAX_OUTAGE_ENTRIES {
+            outages.clear();
+        }
         *outages.entry(job.key()).or_default() += 1;
     }
 
