@@ -75,6 +75,14 @@
 //! `--db-restart` the cluster is crashed as above and the relays resume from the slot's
 //! confirmed position.
 //!
+//! `--broker nats` runs the relays as `outbox relay --broker nats://…` and the consumers
+//! as the NATS consumer (`chaos_consumer --nats-url`), on a private `nats-server -js`
+//! (`nats_server.rs`) whose outages are the server stopped and started again on its
+//! store; no `client_kill` (nats-server 2.9 cannot drop its clients) and no `--ordered`
+//! (the NATS consumer has none). `--nats-cluster` runs three servers in one JetStream
+//! cluster with a three-replica stream, each outage its leader killed (`nats_cluster.rs`).
+//! `broker.rs` is what the run asks of either broker.
+//!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
 //! kind, two Redis outages, the last 12–20 s), under two minutes in all (150 s of faults
 //! with `--partitioned`).
