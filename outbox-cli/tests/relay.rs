@@ -284,3 +284,69 @@ fn relay_start_failures_are_reported() {
         .code(1)
         .stderr(contains("error: PostgreSQL is not reachable at"));
 }
+
+/// A PostgreSQL that accepts connections but says nothing for longer than the pool's
+/// 10 s start timeout (a stalled proxy; or the relay itself SIGSTOPped while it connects,
+/// as the chaos run found): the relay tries its start once more instead of exiting, and
+/// publishes.
+#[test]
+fn a_start_that_timed_out_without_an_error_is_tried_again() {
+    let db = TestDb::postgres();
+    db.migrate();
+    db.emit(1..=3);
+    let streams = Streams::new();
+    let (scheme_user, rest) = db.url.split_once('@').expect("a URL with a user");
+    let (server, path) = rest.split_once('/').expect("a URL with a database");
+    let proxy = silent_proxy(server, Duration::from_secs(11));
+    let url = format!("{scheme_user}@{proxy}/{path}");
+    let mut relay = fixtures::process::Background::spawn(
+        &[
+            "--database-url",
+            &url,
+            "relay",
+            "--redis-url",
+            &redis_url(),
+            "--stream-prefix",
+            &streams.prefix,
+            "--poll-interval",
+            "100ms",
+        ],
+        "info",
+    );
+    let published = streams.wait_for(3, &mut relay);
+    assert_eq!(published, ["1:Ping", "2:Ping", "3:Ping"]);
+    assert!(relay.log().contains("trying once more"), "{}", relay.log());
+    relay.signal("TERM");
+    assert!(relay.wait().success(), "{}", relay.log());
+}
+
+/// A TCP proxy to `server` that forwards its first connection (the command's look at
+/// the database before the relay starts) at once, and holds the later ones (the pool's)
+/// silent until `silence` after the second one came, then forwards them.
+fn silent_proxy(server: &str, silence: Duration) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = server.to_owned();
+    std::thread::spawn(move || {
+        let mut until = None;
+        for (n, client) in listener.incoming().flatten().enumerate() {
+            let hold = match n {
+                0 => Instant::now(),
+                _ => *until.get_or_insert_with(|| Instant::now() + silence),
+            };
+            let server = server.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(hold.saturating_duration_since(Instant::now()));
+                let Ok(upstream) = std::net::TcpStream::connect(&server) else {
+                    return;
+                };
+                let mut up_read = upstream.try_clone().unwrap();
+                let mut client_write = client.try_clone().unwrap();
+                std::thread::spawn(move || std::io::copy(&mut up_read, &mut client_write));
+                let (mut client_read, mut up_write) = (client, upstream);
+                let _ = std::io::copy(&mut client_read, &mut up_write);
+            });
+        }
+    });
+    addr
+}

@@ -263,16 +263,35 @@ fn config(args: &RelayArgs) -> RelayConfig {
 /// added); errors name `db` with its password hidden. Connections are not tested on
 /// check-out (a `SELECT 1` before each batch): one the server dropped fails its batch
 /// instead, which the relay backs off from as from an outage, and the pool discards it.
+///
+/// A start that timed out without a single failed attempt is tried once more before it
+/// is reported: the process itself was stopped (SIGSTOP, a paused VM) or starved while
+/// its connections were being made, and the time ran out under it (the chaos run's
+/// SIGSTOP during start-up made the relay exit). A database that refuses or fails the
+/// attempts is reported after the first timeout, with what it said.
 fn pool<C: R2D2Connection + 'static>(
     db: &Database,
     url: &str,
     size: u32,
 ) -> Result<Pool<ConnectionManager<C>>, CliError> {
-    Pool::builder()
-        .max_size(size)
-        .test_on_check_out(false)
-        .connection_timeout(POOL_TIMEOUT)
-        .build(ConnectionManager::new(url))
+    let build = || {
+        Pool::builder()
+            .max_size(size)
+            .test_on_check_out(false)
+            .connection_timeout(POOL_TIMEOUT)
+            .build(ConnectionManager::new(url))
+    };
+    build()
+        .or_else(|e| {
+            // r2d2 tells a bare timeout only by its text: its error's cause is private.
+            if e.to_string() != "timed out waiting for connection" {
+                return Err(e);
+            }
+            tracing::warn!(
+                "no connection to the database within {POOL_TIMEOUT:?}; trying once more"
+            );
+            build()
+        })
         .map_err(|e| pool_error(db, e.into()))
 }
 
