@@ -169,8 +169,28 @@ fn relay_to_nats_publishes_each_row_once_in_order_per_key() {
     emit_steps(&db, &keys, 0..30);
     let total = 4 * 30;
 
-    let mut first = relay(&db, &p, &["--replicas", "1", "--duplicate-window", "2m"]);
+    let admin = format!("127.0.0.1:{}", outbox_tests::ports::free_port());
+    let mut first = relay(
+        &db,
+        &p,
+        &[
+            "--replicas",
+            "1",
+            "--duplicate-window",
+            "2m",
+            "--admin-addr",
+            &admin,
+        ],
+    );
     wait_sent(&db, &mut first, total);
+    // The probe reaches NATS, not Redis.
+    let health = outbox_tests::http_get(
+        admin.parse().expect("an address"),
+        "/healthz",
+        Duration::from_secs(5),
+    );
+    assert_eq!(health.status, 200, "{}", health.text);
+    assert!(health.body().contains(r#""nats":"up""#), "{}", health.text);
     // Rows emitted while the relay runs (woken by NOTIFY or its poll).
     emit_steps(&db, &keys, 30..40);
     let total = 4 * 40;
