@@ -626,35 +626,22 @@ pub fn lag(conn: &mut PgConnection) -> Result<Lag> {
     })
 }
 
-/// Re-drives DEAD rows in CDC mode (what `outbox dead redrive` must call then, instead of
-/// [`outbox_diesel::redrive`]): back to NEW with retries reset, due now, last error
-/// cleared, a new id (as [`outbox_diesel::redrive`] gives them), and parked
-/// (`outbox_cdc_parked`), so that the CDC relay's retry round publishes them, each
-/// after the parked messages of its key. The log never shows an UPDATE, so a row
-/// re-driven with [`outbox_diesel::redrive`] in CDC mode would stay NEW unpublished.
-/// `None` re-drives every DEAD row. Returns how many rows changed.
+/// Re-drives DEAD rows in CDC mode: back to NEW with retries reset, due now, last error
+/// cleared, a new id, and parked (`outbox_cdc_parked`), so that the CDC relay's retry
+/// round publishes them, each after the parked messages of its key: the log never shows
+/// the UPDATE. [`outbox_diesel::redrive`] and [`outbox_diesel::redrive_all`] do the same
+/// on their own in CDC mode (what `outbox dead redrive` and the page call); this one
+/// refuses when CDC is not set up. `None` re-drives every DEAD row that decodes (an
+/// unreadable one stays DEAD). Returns how many rows changed.
 pub fn redrive(conn: &mut PgConnection, ids: Option<&[i64]>) -> Result<u64> {
     if cdc_mode(conn)?.is_none() {
         return Err(CdcError::NotSetUp);
     }
-    let filter = if ids.is_some() {
-        "AND id = ANY($1)"
-    } else {
-        "AND $1 IS NOT NULL"
+    let changed = match ids {
+        Some(ids) => outbox_diesel::redrive(conn, ids)?,
+        None => outbox_diesel::redrive_all(conn)?,
     };
-    let sql = format!(
-        "WITH d AS MATERIALIZED (SELECT id FROM outbox WHERE status = 2 {filter} ORDER BY id), \
-         n AS MATERIALIZED (SELECT id AS old, \
-           nextval(pg_get_serial_sequence('outbox', 'id')) AS id FROM d), \
-         u AS (UPDATE outbox o SET status = 0, retries = 0, next_retry_at = now(), \
-           last_error = NULL, id = n.id FROM n WHERE o.id = n.old AND o.status = 2 \
-           RETURNING o.id, o.msg_key) \
-         INSERT INTO outbox_cdc_parked (id, msg_key) SELECT id, msg_key FROM u ORDER BY id"
-    );
-    let ids = ids.unwrap_or(&[]).to_vec();
-    Ok(diesel::sql_query(sql)
-        .bind::<diesel::sql_types::Array<BigInt>, _>(ids)
-        .execute(conn)? as u64)
+    Ok(changed as u64)
 }
 
 /// Retention of the unpartitioned layout in CDC mode (what `outbox purge` must call

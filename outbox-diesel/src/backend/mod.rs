@@ -112,6 +112,12 @@ pub(crate) trait Database: Connection + Sized + 'static {
     /// Runs `sql`, with `bind` as its one text parameter if any; the rows it touched.
     fn execute(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<usize>;
 
+    /// The statement that re-drives the DEAD rows among `ids` (an [`in_list`]): the
+    /// dialect's, unless the database's state asks for another (PostgreSQL in CDC mode).
+    fn redrive_sql(&mut self, ids: &str) -> Result<String> {
+        Ok((Self::DIALECT.redrive)(ids))
+    }
+
     /// The one row of `sql`.
     fn load_one<T: ResultRow>(&mut self, sql: &str) -> QueryResult<T> {
         self.load(sql, None)?

@@ -65,7 +65,8 @@ fn redrive_rows<D: Database>(conn: &mut D, ids: &[i64]) -> Result<usize> {
     if ids.is_empty() {
         return Ok(0);
     }
-    Ok(conn.execute(&(D::DIALECT.redrive)(&in_list(ids)), None)?)
+    let sql = conn.redrive_sql(&in_list(ids))?;
+    Ok(conn.execute(&sql, None)?)
 }
 
 /// Deletes these DEAD rows (others are left alone). Returns how many were deleted.

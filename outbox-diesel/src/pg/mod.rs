@@ -77,16 +77,7 @@ pub(super) const DIALECT: Dialect = Dialect {
     // New ids, in the order of the old ones, from the id sequence: above the relay's
     // claim floor (`ClaimFloor`), so claimed at the next poll whatever transaction is
     // open, and after every row emitted before, as a message emitted now would be.
-    redrive: |ids| {
-        format!(
-            "WITH d AS MATERIALIZED (SELECT id FROM outbox WHERE status = 2 \
-             AND id IN ({ids}) ORDER BY id), \
-             n AS MATERIALIZED (SELECT id AS old, \
-             nextval(pg_get_serial_sequence('outbox', 'id')) AS id FROM d) \
-             UPDATE outbox o SET status = 0, retries = 0, next_retry_at = now(), \
-             last_error = NULL, id = n.id FROM n WHERE o.id = n.old AND o.status = 2"
-        )
-    },
+    redrive: |ids| redrive_sql(ids, false),
     wake_locks: true,
 };
 
@@ -115,9 +106,36 @@ use inbox::{ConsumedDelete, ConsumedInsertBatch};
 #[cfg(feature = "async-postgres")]
 mod nonblocking;
 
+/// [`Dialect::redrive`]'s statement; with `cdc`, the re-driven rows are parked too
+/// (`outbox_cdc_parked`, typed-outbox-cdc's), for the CDC relay's retry round: it reads
+/// the log's inserts only, and would never see this UPDATE. One statement either way.
+fn redrive_sql(ids: &str, cdc: bool) -> String {
+    let (park, returning) = if cdc {
+        (
+            ", u AS (",
+            " RETURNING o.id, o.msg_key) INSERT INTO outbox_cdc_parked (id, msg_key) \
+             SELECT id, msg_key FROM u ORDER BY id",
+        )
+    } else {
+        (" ", "")
+    };
+    format!(
+        "WITH d AS MATERIALIZED (SELECT id FROM outbox WHERE status = 2 \
+         AND id IN ({ids}) ORDER BY id), \
+         n AS MATERIALIZED (SELECT id AS old, \
+         nextval(pg_get_serial_sequence('outbox', 'id')) AS id FROM d){park}\
+         UPDATE outbox o SET status = 0, retries = 0, next_retry_at = now(), \
+         last_error = NULL, id = n.id FROM n WHERE o.id = n.old AND o.status = 2{returning}"
+    )
+}
+
 impl Database for PgConnection {
     const MIGRATION: &'static str = crate::migrate::POSTGRES_UP;
     const DIALECT: Dialect = DIALECT;
+
+    fn redrive_sql(&mut self, ids: &str) -> Result<String> {
+        Ok(redrive_sql(ids, store::cdc_slot(self)?.is_some()))
+    }
 
     fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
         load_rows(self, sql, bind)

@@ -168,7 +168,7 @@ impl PgRelayStore {
 
 /// The CDC relay's slot if CDC mode is on (the `outbox_cdc` table of typed-outbox-cdc
 /// holds a row).
-fn cdc_slot(conn: &mut PgConnection) -> Result<Option<String>> {
+pub(super) fn cdc_slot(conn: &mut PgConnection) -> Result<Option<String>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
