@@ -122,6 +122,25 @@ fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
         "exit {exit} after SIGTERM; log:\n{}",
         relay.log()
     );
+
+    // Retention: the rows stay NEW under CDC, so `purge sent` asks the CDC library which
+    // were published; with --older-than 0s every one of them that the relay reported.
+    let out = outbox()
+        .args([
+            "--database-url",
+            &url,
+            "purge",
+            "sent",
+            "--older-than",
+            "0s",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let out = String::from_utf8(out).expect("utf-8");
+    assert!(out.contains("the CDC relay published"), "{out}");
 }
 
 #[test]
