@@ -37,6 +37,10 @@ pub(crate) fn signal(child: &Child, sig: &str) -> std::io::Result<()> {
     }
 }
 
+/// How long after its exec a process is left alone by SIGTERM (see
+/// [`Proc::sigterm`]): the loader and the runtime's start, on a loaded machine.
+const EXEC_GRACE: Duration = Duration::from_millis(500);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Role {
     Relay,
@@ -200,8 +204,12 @@ impl Proc {
         Ok(())
     }
 
-    /// SIGTERM; [`poll`](Self::poll) reports the exit.
+    /// SIGTERM; [`poll`](Self::poll) reports the exit. Not within [`EXEC_GRACE`] of its
+    /// start: until the program's `main` has run, no program can answer a signal but by
+    /// dying of it (the relay installs its handlers first thing, before it connects, and
+    /// exits 0 from there on).
     pub(crate) fn sigterm(&mut self, now: Instant) -> std::io::Result<()> {
+        std::thread::sleep((self.started + EXEC_GRACE).saturating_duration_since(Instant::now()));
         if let Some(child) = &self.child {
             self.note("SIGTERM");
             signal(child, "TERM")?;
