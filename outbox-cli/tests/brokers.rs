@@ -360,10 +360,6 @@ fn bad_broker_urls_and_durabilities_are_usage_errors_without_passwords() {
             format!("rediss+clustre://:{secret}@h1:1"),
             "unknown scheme `rediss+clustre`",
         ),
-        (
-            format!("nats://:{secret}@127.0.0.1:4222"),
-            "NATS brokers are not supported",
-        ),
         (format!("u:{secret}@127.0.0.1:6379"), "not a URL"),
         (
             format!("redis://:{secret}@127.0.0.1:port"),
