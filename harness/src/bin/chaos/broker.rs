@@ -12,7 +12,7 @@ use crate::redis_server::RedisServer;
 pub(crate) trait BrokerServer {
     /// The URL the relays and the consumers are given.
     fn url(&self) -> String;
-    /// Its client port.
+    /// Its client port (a cluster's: the node an outage takes down).
     fn port(&self) -> u16;
     /// Whether it runs (not in an outage).
     fn is_up(&self) -> bool;

@@ -21,7 +21,27 @@ pub(crate) struct NatsCluster {
 
 impl NatsCluster {
     /// Starts three nodes (`n1`…`n3`) routed to each other; waits until each serves.
+    /// Its six free ports are picked before any node binds them: a node that lost one
+    /// to another process exits at start, and the cluster is started again on new
+    /// ports (three tries).
     pub(crate) fn start(dir: &Path, stream_prefix: &str, stream: &str) -> Result<Self, BoxError> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Self::try_start(dir, stream_prefix, stream) {
+                Err(e) if tries < 3 => {
+                    eprintln!("chaos: the NATS cluster did not start ({e}); again")
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn try_start(dir: &Path, stream_prefix: &str, stream: &str) -> Result<Self, BoxError> {
+        // A failed try's stores name other routes: each try starts empty.
+        for i in 1..=3 {
+            let _ = std::fs::remove_dir_all(dir.join(format!("jetstream-n{i}")));
+        }
         let routes: Vec<u16> = (0..3).map(|_| free_port()).collect::<Result<_, _>>()?;
         let all = routes
             .iter()
@@ -86,8 +106,15 @@ impl BrokerServer for NatsCluster {
             .collect();
         format!("nats://{}", hosts.join(","))
     }
+    /// The port of the node an outage takes down (the stream's leader, or the node
+    /// down now): the run's end checks that it no longer answers once stopped. The
+    /// other nodes stop when the cluster is dropped.
     fn port(&self) -> u16 {
-        self.nodes[0].port()
+        let i = match self.down {
+            Some(i) => i,
+            None => self.leader().unwrap_or(0),
+        };
+        self.nodes[i].port()
     }
     fn is_up(&self) -> bool {
         self.down.is_none()
