@@ -30,8 +30,9 @@ use crate::{Error, PublisherConfig, Result};
 /// that timed out) is acknowledged and dropped by the server if it comes within the
 /// stream's duplicate window.
 ///
-/// A batch is sent whole, in order, on the one connection, and only then are the
-/// acknowledgements awaited: one round trip per batch, not per message. Outcomes:
+/// A batch is sent in waves of at most one message per key, each wave whole before its
+/// acknowledgements are awaited: one round trip per wave, not per message, and a key's
+/// message is never sent before the one ahead of it was stored (see `Call`). Outcomes:
 ///
 /// - acknowledged (also as a duplicate): taken, the row becomes SENT;
 /// - no connection, no responders (no stream leader), a timeout: an outage, no retry
@@ -39,8 +40,7 @@ use crate::{Error, PublisherConfig, Result};
 /// - refused by the server or before sending (too large for the stream or the server,
 ///   a topic that is no subject, a header value with a line break): the message
 ///   spends a retry, and the later messages of its key in the batch are not sent
-///   ([`RejectKind::Held`]) when the refusal is found before sending, so they cannot
-///   overtake it;
+///   ([`RejectKind::Held`]), so they cannot overtake it;
 /// - a stream that is full (`maximum messages/bytes exceeded` with a discard-new policy)
 ///   or that differs from the settings: a fault of the topic, no retry spent.
 #[derive(Debug)]
@@ -299,56 +299,132 @@ impl Publisher for NatsPublisher {
             )));
         }
         let streams = self.streams_of(batch).await?;
-        let mut outcomes: Vec<Option<Result<(), Rejected>>> = vec![None; batch.len()];
-        let mut sent: Vec<(usize, PublishAckFuture)> = Vec::with_capacity(batch.len());
-        // Keys with a message refused before sending: their later messages are held.
-        let mut held: HashMap<&str, String> = HashMap::new();
-        let mut halted: Option<String> = None;
-        for (i, m) in batch.iter().enumerate() {
-            let key = m.envelope.key.as_str();
-            let refused = if let Some(reason) = &halted {
-                Rejected::unavailable(format!("not sent after an earlier failure: {reason}"))
-            } else if let Some(reason) = held.get(key) {
-                Rejected::held(format!(
-                    "held behind an earlier message of key `{key}`: {reason}"
-                ))
-            } else {
-                let facts = match &streams[&m.envelope.topic] {
-                    Ok(facts) => facts,
-                    Err(rejected) => {
-                        held.insert(key, rejected.reason.clone());
-                        outcomes[i] = Some(Err(rejected.clone()));
-                        continue;
-                    }
-                };
-                match self.send(m, facts).await {
-                    Ok(Ok(ack)) => {
-                        sent.push((i, ack));
-                        continue;
-                    }
-                    Ok(Err(rejected)) => {
-                        tracing::debug!(msg_id = %m.envelope.msg_id, reason = %rejected.reason, "nats refused a message before sending");
-                        metrics::counter!("outbox_nats_publish_rejected_total").increment(1);
-                        held.insert(key, rejected.reason.clone());
-                        rejected
-                    }
-                    Err(outage) => {
-                        halted = Some(outage.clone());
-                        Rejected::unavailable(outage)
-                    }
+        let mut call = Call::new(batch.len());
+        loop {
+            let wave = call.next_wave(batch);
+            if wave.is_empty() {
+                break;
+            }
+            let sent = self.send_wave(batch, &streams, &wave, &mut call).await;
+            let (indexes, acks): (Vec<usize>, Vec<PublishAckFuture>) = sent.into_iter().unzip();
+            let acks = futures_util::future::join_all(
+                acks.into_iter().map(std::future::IntoFuture::into_future),
+            )
+            .await;
+            for (i, ack) in indexes.into_iter().zip(acks) {
+                let outcome = self.outcome(&batch[i].envelope.topic, ack).await;
+                call.decide(batch, i, outcome);
+            }
+        }
+        settle(call.outcomes)
+    }
+}
+
+impl NatsPublisher {
+    /// Sends the messages of `wave`; those refused before sending, or not sent after an
+    /// outage, are decided in `call`. The acknowledgements to await.
+    async fn send_wave(
+        &self,
+        batch: &[StoredMessage],
+        streams: &HashMap<String, std::result::Result<StreamFacts, Rejected>>,
+        wave: &[usize],
+        call: &mut Call,
+    ) -> Vec<(usize, PublishAckFuture)> {
+        let mut sent = Vec::with_capacity(wave.len());
+        for &i in wave {
+            let m = &batch[i];
+            if let Some(reason) = &call.halted {
+                let reason = format!("not sent after an earlier failure: {reason}");
+                call.outcomes[i] = Some(Err(Rejected::unavailable(reason)));
+                continue;
+            }
+            let facts = match &streams[&m.envelope.topic] {
+                Ok(facts) => facts,
+                Err(rejected) => {
+                    call.decide(batch, i, Err(rejected.clone()));
+                    continue;
                 }
             };
-            outcomes[i] = Some(Err(refused));
+            match self.send(m, facts).await {
+                Ok(Ok(ack)) => sent.push((i, ack)),
+                Ok(Err(rejected)) => {
+                    tracing::debug!(msg_id = %m.envelope.msg_id, reason = %rejected.reason, "nats refused a message before sending");
+                    metrics::counter!("outbox_nats_publish_rejected_total").increment(1);
+                    call.decide(batch, i, Err(rejected));
+                }
+                Err(outage) => call.decide(batch, i, Err(Rejected::unavailable(outage))),
+            }
         }
-        let (indexes, acks): (Vec<usize>, Vec<PublishAckFuture>) = sent.into_iter().unzip();
-        let acks = futures_util::future::join_all(
-            acks.into_iter().map(std::future::IntoFuture::into_future),
-        )
-        .await;
-        for (i, ack) in indexes.into_iter().zip(acks) {
-            outcomes[i] = Some(self.outcome(&batch[i].envelope.topic, ack).await);
+        sent
+    }
+}
+
+/// One publish call's progress. It goes in waves of at most one message per key: a
+/// key's next message is sent only once the server has acknowledged the one before,
+/// pipelined over the keys (one round trip per wave). A whole batch sent at once could
+/// lose a key's order when the connection dropped mid-batch: a message written before
+/// the drop is lost with the server, while a later one of its key, still queued in the
+/// client, goes out after the reconnect and is stored first. Order across keys is not
+/// kept (no consumer relies on it).
+struct Call {
+    outcomes: Vec<Option<std::result::Result<(), Rejected>>>,
+    /// Keys whose message failed: their later messages are held (no retry spent).
+    held: HashMap<String, String>,
+    /// An outage: nothing more is sent.
+    halted: Option<String>,
+}
+
+impl Call {
+    fn new(len: usize) -> Self {
+        Self {
+            outcomes: vec![None; len],
+            held: HashMap::new(),
+            halted: None,
         }
-        settle(outcomes)
+    }
+
+    /// The first undecided message of each key, in batch order; the messages of held
+    /// keys are decided on the way.
+    fn next_wave(&mut self, batch: &[StoredMessage]) -> Vec<usize> {
+        let mut keys = std::collections::HashSet::new();
+        let mut wave = Vec::new();
+        for (i, m) in batch.iter().enumerate() {
+            if self.outcomes[i].is_some() {
+                continue;
+            }
+            let key = m.envelope.key.as_str();
+            if let Some(reason) = &self.halted {
+                // An outage: what is left is not taken, and the call is an outage if
+                // nothing was.
+                let reason = format!("not sent after an earlier failure: {reason}");
+                self.outcomes[i] = Some(Err(Rejected::unavailable(reason)));
+            } else if let Some(reason) = self.held.get(key) {
+                let reason = format!("held behind an earlier message of key `{key}`: {reason}");
+                self.outcomes[i] = Some(Err(Rejected::held(reason)));
+            } else if keys.insert(key) {
+                wave.push(i);
+            }
+        }
+        wave
+    }
+
+    /// Records message `i`'s outcome; a failure holds its key, an outage stops the call.
+    fn decide(
+        &mut self,
+        batch: &[StoredMessage],
+        i: usize,
+        outcome: std::result::Result<(), Rejected>,
+    ) {
+        if let Err(rejected) = &outcome {
+            if rejected.kind == RejectKind::Unavailable {
+                self.halted.get_or_insert_with(|| rejected.reason.clone());
+            }
+            let key = batch[i].envelope.key.clone();
+            self.held
+                .entry(key)
+                .or_insert_with(|| rejected.reason.clone());
+        }
+        self.outcomes[i] = Some(outcome);
     }
 }
 
@@ -369,4 +445,58 @@ fn settle(
         return Err(outbox_core::Error::broker_unavailable(first.reason.clone()));
     }
     Ok(outcomes)
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::{Envelope, Headers, MsgId};
+
+    use super::*;
+
+    fn batch(keys: &[&str]) -> Vec<StoredMessage> {
+        (0..keys.len())
+            .map(|i| StoredMessage {
+                id: i as i64,
+                retries: 0,
+                envelope: Envelope {
+                    msg_id: MsgId::new(format!("{i}:Paid")).unwrap(),
+                    topic: "order.paid".into(),
+                    event_type: "Paid".into(),
+                    key: keys[i].into(),
+                    schema_version: 1,
+                    payload: "{}".into(),
+                    headers: Headers::new(),
+                    created_at: chrono::Utc::now(),
+                },
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_key_s_next_message_waits_for_the_wave_before_and_a_failure_holds_it() {
+        let batch = batch(&["a", "a", "b", "a", "c", "b"]);
+        let mut call = Call::new(batch.len());
+        assert_eq!(call.next_wave(&batch), [0, 2, 4]);
+        call.decide(&batch, 0, Ok(()));
+        call.decide(&batch, 2, Err(Rejected::new("too large")));
+        call.decide(&batch, 4, Ok(()));
+        // b's later message is held behind its refusal; a goes on.
+        assert_eq!(call.next_wave(&batch), [1]);
+        assert!(matches!(&call.outcomes[5], Some(Err(r)) if r.kind == RejectKind::Held));
+        call.decide(&batch, 1, Ok(()));
+        assert_eq!(call.next_wave(&batch), [3]);
+        call.decide(&batch, 3, Ok(()));
+        assert!(call.next_wave(&batch).is_empty());
+    }
+
+    #[test]
+    fn after_an_outage_nothing_more_is_sent_and_the_rest_is_unavailable() {
+        let batch = batch(&["a", "a", "b"]);
+        let mut call = Call::new(batch.len());
+        assert_eq!(call.next_wave(&batch), [0, 2]);
+        call.decide(&batch, 0, Err(Rejected::unavailable("timed out")));
+        call.decide(&batch, 2, Ok(()));
+        assert!(call.next_wave(&batch).is_empty());
+        assert!(matches!(&call.outcomes[1], Some(Err(r)) if r.kind == RejectKind::Unavailable));
+    }
 }
