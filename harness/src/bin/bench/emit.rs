@@ -1,6 +1,8 @@
 //! Emit against a hand-written diesel insert of the same row on PostgreSQL, one event
 //! per transaction, with and without a relay parked on LISTEN.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection as _;
@@ -63,17 +65,26 @@ pub(crate) struct EmitBench {
 pub(crate) struct ParkedRelay {
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), Error>>,
+    batches: Arc<AtomicU64>,
 }
 
-struct Discard;
+/// A sink that counts the batches it is given: one per relay wake at least, so how
+/// often the emits woke the relay.
+struct Discard(Arc<AtomicU64>);
 
 impl Publisher for Discard {
     async fn publish(&self, batch: &[StoredMessage]) -> Result<PublishOutcomes, Error> {
+        self.0.fetch_add(1, Ordering::Relaxed);
         Ok(vec![Ok(()); batch.len()])
     }
 }
 
 impl ParkedRelay {
+    /// The batches the relay has published so far.
+    pub(crate) fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
     pub(crate) async fn stop(self) -> Result<(), BoxError> {
         let _ = self.stop.send(());
         self.task.await??;
@@ -125,7 +136,8 @@ impl EmitBench {
             Ok(PgRelayStore::connect(&url, 2)?)
         })
         .await??;
-        let relay = Relay::new(store, Discard)
+        let batches = Arc::new(AtomicU64::new(0));
+        let relay = Relay::new(store, Discard(batches.clone()))
             .with_config(RelayConfig::default().with_poll_interval(PARKED_POLL))?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task =
@@ -133,7 +145,11 @@ impl EmitBench {
                 async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await },
             );
         tokio::time::sleep(Duration::from_millis(300)).await; // parked
-        Ok(ParkedRelay { stop, task })
+        Ok(ParkedRelay {
+            stop,
+            task,
+            batches,
+        })
     }
 
     /// Waits until a parked relay has drained the rows of the rounds before, so that
@@ -175,9 +191,7 @@ impl EmitBench {
 
     /// `conns` threads, each `txns` transactions of one row written `way`.
     pub(crate) fn run(&self, way: Way, conns: usize, txns: usize) -> Result<Measured, BoxError> {
-        let round = self
-            .rounds
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let round = self.rounds.fetch_add(1, Ordering::Relaxed);
         let mut connections = (0..conns)
             .map(|_| PgConnection::establish(&self.url))
             .collect::<Result<Vec<_>, _>>()?;
@@ -254,9 +268,7 @@ impl EmitBench {
     ) -> Result<Measured, BoxError> {
         use diesel_async::{AsyncConnection as _, AsyncPgConnection};
 
-        let round = self
-            .rounds
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let round = self.rounds.fetch_add(1, Ordering::Relaxed);
         let mut connections = Vec::with_capacity(conns);
         let mut backends = Vec::with_capacity(conns);
         for _ in 0..conns {
