@@ -71,6 +71,11 @@ pub mod __private {
 
     pub use crate::msg_id::id_part;
 
+    /// The broker-free half of the broker crates' consumer builders.
+    pub mod builder {
+        pub use crate::dispatch::{Routed, Routes};
+    }
+
     /// The consumer runners' side of [`ConsumerStore`](crate::ConsumerStore): how a
     /// store runs its transactions and where. For the broker crates, not for users.
     pub mod consumer {

@@ -1,13 +1,13 @@
 //! Building a consumer: handlers, the idempotency store, the configuration.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_nats::jetstream;
+use outbox_core::__private::builder::Routes;
 use outbox_core::__private::consumer::Transactions;
 use outbox_core::{
-    AsyncInbox, AsyncStore, AsyncTxHandler, ConsumerStore, Dispatcher, Handler, Inbox,
-    InvalidConfig, MAX_CONSUMER_GROUP_LEN, OutboxEvent, Partitions,
+    AsyncInbox, AsyncStore, AsyncTxHandler, ConsumerStore, Handler, Inbox, InvalidConfig,
+    MAX_CONSUMER_GROUP_LEN, OutboxEvent,
 };
 
 use super::{Consumer, ConsumerConfig, Inner, Topic};
@@ -25,20 +25,17 @@ pub struct NoInbox;
 pub struct ConsumerBuilder<C, I = NoInbox> {
     client: async_nats::Client,
     group: String,
-    dispatcher: Dispatcher<C>,
-    error: Option<outbox_core::Error>,
+    /// The handlers, the partition counts their types declare, a registration's error.
+    routes: Routes<C>,
     inbox: I,
     config: ConsumerConfig,
-    /// Each handled topic's partition count, as its event types declare it.
-    declared: BTreeMap<&'static str, Partitions>,
-    conflict: Option<InvalidConfig>,
 }
 
 impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerBuilder")
             .field("group", &self.group)
-            .field("dispatcher", &self.dispatcher)
+            .field("dispatcher", self.routes.dispatcher())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -55,75 +52,49 @@ impl Consumer<NoInbox, ()> {
         ConsumerBuilder {
             client,
             group: group.into(),
-            dispatcher: Dispatcher::new(),
-            error: None,
+            routes: Routes::new(),
             inbox: NoInbox,
             config: ConsumerConfig::default(),
-            declared: BTreeMap::new(),
-            conflict: None,
         }
     }
 }
 
 impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// Routes the event types of `E` to `handler`, run in the store's transaction.
-    pub fn handle<E, H>(self, handler: H) -> Self
+    pub fn handle<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: Handler<E, Conn = C>,
     {
-        self.route::<E>(|d| d.register::<E, H>(handler))
+        self.routes.handle::<E, H>(handler);
+        self
     }
 
     /// Routes the event types of `E` to an [`AsyncHandler`](outbox_core::AsyncHandler)
     /// (an effect outside the database, awaited inside the dedup transaction).
-    pub fn handle_async<E, H>(self, handler: H) -> Self
+    pub fn handle_async<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: outbox_core::AsyncHandler<E>,
     {
-        self.route::<E>(|d| d.register_async::<E, H>(handler))
+        self.routes.handle_async::<E, H>(handler);
+        self
     }
 
     /// Routes the event types of `E` to an [`AsyncTxHandler`], awaited inside the dedup
     /// transaction with its connection (a consumer on an [`AsyncInbox`]).
-    pub fn handle_tx<E, H>(self, handler: H) -> Self
+    pub fn handle_tx<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: AsyncTxHandler<E, Conn = C>,
         C: Send,
     {
-        self.route::<E>(|d| d.register_tx::<E, H>(handler))
-    }
-
-    fn route<E: OutboxEvent>(
-        mut self,
-        register: impl FnOnce(&mut Dispatcher<C>) -> std::result::Result<(), outbox_core::Error>,
-    ) -> Self {
-        if let Err(e) = register(&mut self.dispatcher) {
-            self.error.get_or_insert(e);
-        }
-        let partitions = Partitions::of_event::<E>();
-        for topic in E::TOPICS {
-            match self.declared.insert(topic, partitions) {
-                Some(earlier) if earlier != partitions && self.conflict.is_none() => {
-                    self.conflict = Some(InvalidConfig::new(
-                        "partitions",
-                        format!(
-                            "the event types handled on the topic {topic:?} declare different partition counts ({} and {})",
-                            earlier.get(),
-                            partitions.get()
-                        ),
-                    ));
-                }
-                _ => {}
-            }
-        }
+        self.routes.handle_tx::<E, H>(handler);
         self
     }
 
     /// Registers the step that upgrades a payload of `E`'s schema version `from` to
-    /// `from + 1`; see [`Dispatcher::upgrade`].
+    /// `from + 1`; see [`Dispatcher::upgrade`](outbox_core::Dispatcher::upgrade).
     pub fn upgrade<E: OutboxEvent>(
         mut self,
         from: u32,
@@ -134,9 +105,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         + Sync
         + 'static,
     ) -> Self {
-        if let Err(e) = self.dispatcher.upgrade::<E>(from, step) {
-            self.error.get_or_insert(e);
-        }
+        self.routes.upgrade::<E>(from, step);
         self
     }
 
@@ -160,12 +129,9 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         ConsumerBuilder {
             client: self.client,
             group: self.group,
-            dispatcher: self.dispatcher,
-            error: self.error,
+            routes: self.routes,
             inbox: store,
             config: self.config,
-            declared: self.declared,
-            conflict: self.conflict,
         }
     }
 
@@ -184,29 +150,19 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
     pub fn build(self) -> Result<Consumer<I, C>> {
         check_group(&self.group)?;
         self.config.validate()?;
-        if let Some(e) = self.error {
-            return Err(e.into());
-        }
-        if let Some(e) = self.conflict {
-            return Err(e.into());
-        }
-        if self.dispatcher.topics().is_empty() {
+        let routed = self.routes.finish::<Error>()?;
+        if routed.dispatcher.topics().is_empty() {
             return Err(Error::Core(outbox_core::Error::Config(InvalidConfig::new(
                 "handlers",
                 "a consumer needs at least one handler",
             ))));
         }
         let naming = &self.config.naming;
-        let topics = (self.dispatcher.topics().iter())
-            .map(|&topic| {
-                let partitions = (self.config.partitions.get(topic).copied())
-                    .or_else(|| self.declared.get(topic).copied())
-                    .unwrap_or_default();
-                Topic {
-                    name: Arc::from(topic),
-                    stream: Arc::from(naming.stream(topic)),
-                    partitions,
-                }
+        let topics = (routed.dispatcher.topics().iter())
+            .map(|&topic| Topic {
+                name: Arc::from(topic),
+                stream: Arc::from(naming.stream(topic)),
+                partitions: routed.partitions(&self.config.partitions, topic),
             })
             .collect();
         let js = jetstream::new(self.client.clone());
@@ -216,7 +172,7 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 client: self.client,
                 js,
                 topics,
-                dispatcher: self.dispatcher,
+                dispatcher: routed.dispatcher,
                 executor: <I as Transactions>::EXECUTOR,
                 inbox: self.inbox,
                 config: self.config,

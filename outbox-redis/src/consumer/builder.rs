@@ -1,11 +1,9 @@
 //! Building a consumer: handlers, the idempotency store, the configuration.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use outbox_core::{
-    AsyncInbox, AsyncTxHandler, Dispatcher, Handler, Inbox, InvalidConfig, OutboxEvent, Partitions,
-};
+use outbox_core::__private::builder::{Routed, Routes};
+use outbox_core::{AsyncInbox, AsyncTxHandler, Handler, Inbox, InvalidConfig, OutboxEvent};
 use redis::{IntoConnectionInfo, RedisResult};
 
 use super::health::HealthState;
@@ -27,23 +25,19 @@ pub struct NoInbox;
 pub struct ConsumerBuilder<C, I = NoInbox> {
     target: Result<Target>,
     group: String,
-    dispatcher: Dispatcher<C>,
-    error: Option<outbox_core::Error>,
+    /// The handlers, the partition counts their event types declare
+    /// ([`OutboxEvent::PARTITIONS`], which [`ConsumerConfig::partitions`] overrides) and
+    /// the first registration's error, reported by [`build`](Self::build).
+    routes: Routes<C>,
     inbox: I,
     config: ConsumerConfig,
-    /// Each handled topic's partition count, as its event type declares it
-    /// ([`OutboxEvent::PARTITIONS`]); [`ConsumerConfig::partitions`] overrides it.
-    declared: BTreeMap<&'static str, Partitions>,
-    /// Two handled event types of one topic that declare different counts: which one
-    /// would be read is a guess, so [`build`](Self::build) refuses it.
-    conflict: Option<InvalidConfig>,
 }
 
 impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerBuilder")
             .field("group", &self.group)
-            .field("dispatcher", &self.dispatcher)
+            .field("dispatcher", self.routes.dispatcher())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -52,81 +46,48 @@ impl<C, I> std::fmt::Debug for ConsumerBuilder<C, I> {
 impl<C: 'static, I> ConsumerBuilder<C, I> {
     /// Routes the event types of `E` to `handler`. Registering one event type twice is
     /// reported by [`build`](Self::build).
-    pub fn handle<E, H>(self, handler: H) -> Self
+    pub fn handle<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: Handler<E, Conn = C>,
     {
-        self.route::<E>(|d| d.register::<E, H>(handler))
-    }
-
-    /// The one path of every registration: `register` routes `E`'s types in the
-    /// dispatcher, and the streams to read follow `E`'s topics and partition count, so
-    /// that no way of registering a handler reads other streams than the relay writes.
-    fn route<E: OutboxEvent>(
-        mut self,
-        register: impl FnOnce(&mut Dispatcher<C>) -> std::result::Result<(), outbox_core::Error>,
-    ) -> Self {
-        if let Err(e) = register(&mut self.dispatcher) {
-            self.error.get_or_insert(e);
-        }
-        self.declare::<E>();
+        self.routes.handle::<E, H>(handler);
         self
-    }
-
-    /// Notes the partition count `E` declares for its topics, and a count that differs
-    /// from another handled type's for the same topic.
-    fn declare<E: OutboxEvent>(&mut self) {
-        let partitions = Partitions::of_event::<E>();
-        for topic in E::TOPICS {
-            match self.declared.insert(topic, partitions) {
-                Some(earlier) if earlier != partitions && self.conflict.is_none() => {
-                    self.conflict = Some(InvalidConfig::new(
-                        "partitions",
-                        format!(
-                            "the event types handled on the topic {topic:?} declare different partition counts ({} and {} for {}); declare one count on all of them",
-                            earlier.get(),
-                            partitions.get(),
-                            std::any::type_name::<E>(),
-                        ),
-                    ));
-                }
-                _ => {}
-            }
-        }
     }
 
     /// Routes the event types of `E` to an [`AsyncHandler`](outbox_core::AsyncHandler):
     /// an effect outside the database, awaited inside the dedup transaction, whose
     /// guarantee is at-least-once (see the trait). A type handled twice is reported by
     /// [`build`](ConsumerBuilder::build).
-    pub fn handle_async<E, H>(self, handler: H) -> Self
+    pub fn handle_async<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: outbox_core::AsyncHandler<E>,
     {
-        self.route::<E>(|d| d.register_async::<E, H>(handler))
+        self.routes.handle_async::<E, H>(handler);
+        self
     }
 
     /// Routes the event types of `E` to an [`AsyncTxHandler`]: awaited inside the dedup
     /// transaction with its connection, for a consumer on an [`AsyncInbox`]
     /// ([`idempotency_async`](Self::idempotency_async)). A type handled twice is reported
     /// by [`build`](ConsumerBuilder::build).
-    pub fn handle_tx<E, H>(self, handler: H) -> Self
+    pub fn handle_tx<E, H>(mut self, handler: H) -> Self
     where
         E: OutboxEvent,
         H: AsyncTxHandler<E, Conn = C>,
         C: Send,
     {
-        self.route::<E>(|d| d.register_tx::<E, H>(handler))
+        self.routes.handle_tx::<E, H>(handler);
+        self
     }
 
     /// Registers the step that upgrades a payload of `E`'s schema version `from` to
     /// `from + 1`, so that `E`'s handler receives messages from producers still at an
-    /// older version; see [`Dispatcher::upgrade`]. A payload newer than `E` is
-    /// dead-lettered at once ("produced by a newer service (v4 > v3)"), as is one a step
-    /// refuses. A step out of `E`'s versions, or registered twice, is reported by
-    /// [`build`](ConsumerBuilder::build).
+    /// older version; see [`Dispatcher::upgrade`](outbox_core::Dispatcher::upgrade). A
+    /// payload newer than `E` is dead-lettered at once ("produced by a newer service
+    /// (v4 > v3)"), as is one a step refuses. A step out of `E`'s versions, or
+    /// registered twice, is reported by [`build`](ConsumerBuilder::build).
     pub fn upgrade<E: OutboxEvent>(
         mut self,
         from: u32,
@@ -137,9 +98,7 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         + Sync
         + 'static,
     ) -> Self {
-        if let Err(e) = self.dispatcher.upgrade::<E>(from, step) {
-            self.error.get_or_insert(e);
-        }
+        self.routes.upgrade::<E>(from, step);
         self
     }
 
@@ -168,12 +127,9 @@ impl<C: 'static, I> ConsumerBuilder<C, I> {
         ConsumerBuilder {
             target: self.target,
             group: self.group,
-            dispatcher: self.dispatcher,
-            error: self.error,
+            routes: self.routes,
             inbox: store,
             config: self.config,
-            declared: self.declared,
-            conflict: self.conflict,
         }
     }
 
@@ -230,13 +186,14 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
     /// ([`Error::NoHandler`]); on a cluster also on a stream prefix with a `{` or `}`.
     /// Handled event types of one topic that declare different partition counts
     /// (`#[outbox(partitions = N)]`) are an [`Error::Config`] too.
-    pub fn build(mut self) -> Result<Consumer<I, C>> {
-        self.check()?;
+    pub fn build(self) -> Result<Consumer<I, C>> {
+        let routed = self.routes.finish::<Error>()?;
+        check(&self.group, &self.config, routed.dispatcher.topics())?;
         let target = self.target?;
         let config = self.config;
         let cluster = target.is_cluster();
         check_prefix(&config.stream_prefix, cluster)?;
-        let streams = streams(self.dispatcher.topics(), &self.declared, &config, cluster);
+        let streams = streams(&routed, &config, cluster);
         let consumer_name = config.consumer_name.clone().unwrap_or_else(default_name);
         let readers = readers(&target, &config, &streams)?;
         let commands = target.connector(config.connect_timeout, config.response_timeout)?;
@@ -246,7 +203,7 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 consumer_name,
                 streams,
                 cluster,
-                dispatcher: self.dispatcher,
+                dispatcher: routed.dispatcher,
                 inbox: self.inbox,
                 executor: I::EXECUTOR,
                 config,
@@ -258,64 +215,54 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
             acks: None,
         })
     }
-
-    /// The checks that need no Redis address: the handlers, the config, the group name.
-    fn check(&mut self) -> Result<()> {
-        if let Some(e) = self.error.take() {
-            return Err(e.into());
-        }
-        if let Some(e) = self.conflict.take() {
-            return Err(e.into());
-        }
-        self.config.validate()?;
-        if self.group.is_empty() || self.group.len() > outbox_core::MAX_CONSUMER_GROUP_LEN {
-            return Err(InvalidConfig::new(
-                "group",
-                format!(
-                    "must be 1 to {} bytes long (it is recorded in `consumed_msg`); got {:?}",
-                    outbox_core::MAX_CONSUMER_GROUP_LEN,
-                    self.group
-                ),
-            )
-            .into());
-        }
-        if self.dispatcher.topics().is_empty() {
-            return Err(Error::NoHandler);
-        }
-        if let Some(topic) = (self.config.partitions.keys())
-            .find(|t| !self.dispatcher.topics().contains(&t.as_str()))
-        {
-            return Err(InvalidConfig::new(
-                "partitions",
-                format!("names the topic {topic:?}, which no handler of this consumer reads"),
-            )
-            .into());
-        }
-        Ok(())
-    }
 }
 
-/// The streams of `topics`: one per topic, or one per partition of a topic with a
-/// partition count above one (`<prefix><topic>:<p>`): the config's count, else the one
-/// its event type declares.
-fn streams(
-    topics: &[&str],
-    declared: &BTreeMap<&'static str, Partitions>,
+/// The checks that need no Redis address, after the handlers': the config, the group
+/// name, at least one handler, partition counts only of handled topics.
+fn check(group: &str, config: &ConsumerConfig, topics: &[&str]) -> Result<()> {
+    config.validate()?;
+    if group.is_empty() || group.len() > outbox_core::MAX_CONSUMER_GROUP_LEN {
+        return Err(InvalidConfig::new(
+            "group",
+            format!(
+                "must be 1 to {} bytes long (it is recorded in `consumed_msg`); got {group:?}",
+                outbox_core::MAX_CONSUMER_GROUP_LEN,
+            ),
+        )
+        .into());
+    }
+    if topics.is_empty() {
+        return Err(Error::NoHandler);
+    }
+    if let Some(topic) = (config.partitions.keys()).find(|t| !topics.contains(&t.as_str())) {
+        return Err(InvalidConfig::new(
+            "partitions",
+            format!("names the topic {topic:?}, which no handler of this consumer reads"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The streams of the handled topics: one per topic, or one per partition of a topic
+/// with a partition count above one (`<prefix><topic>:<p>`): the config's count, else
+/// the one its event type declares.
+fn streams<C: 'static>(
+    routed: &Routed<C>,
     config: &ConsumerConfig,
     cluster: bool,
 ) -> Vec<Arc<str>> {
     let prefix = &config.stream_prefix;
     let mut streams = Vec::new();
-    for topic in topics {
-        let partitions = (config.partitions.get(*topic))
-            .or_else(|| declared.get(topic))
-            .filter(|p| p.is_partitioned());
-        match partitions {
-            Some(partitions) => streams.extend(
+    for topic in routed.dispatcher.topics() {
+        let partitions = routed.partitions(&config.partitions, topic);
+        if partitions.is_partitioned() {
+            streams.extend(
                 (0..partitions.get())
                     .map(|p| Arc::from(partition_stream_name(prefix, topic, p, cluster))),
-            ),
-            None => streams.push(Arc::from(stream_name(prefix, topic, cluster))),
+            );
+        } else {
+            streams.push(Arc::from(stream_name(prefix, topic, cluster)));
         }
     }
     streams
@@ -471,12 +418,9 @@ impl Consumer<NoInbox, ()> {
         ConsumerBuilder {
             target,
             group,
-            dispatcher: Dispatcher::new(),
-            error: None,
+            routes: Routes::new(),
             inbox: NoInbox,
             config: ConsumerConfig::default(),
-            declared: BTreeMap::new(),
-            conflict: None,
         }
     }
 }
