@@ -35,7 +35,7 @@ mod store;
 pub mod trace;
 
 pub use async_inbox::{AsyncInbox, TxFuture};
-pub use consumer::{AsyncStore, ConsumerStore};
+pub use consumer::{AsyncStore, ConsumerHealth, ConsumerStore};
 pub use dispatch::{
     AsyncHandler, AsyncTxHandler, Delivery, Dispatcher, Handler, Prepared, panic_message,
 };
@@ -79,6 +79,8 @@ pub mod __private {
     /// The consumer runners' side of [`ConsumerStore`](crate::ConsumerStore): how a
     /// store runs its transactions and where. For the broker crates, not for users.
     pub mod consumer {
-        pub use crate::consumer::{Executor, StoreRun, Transactions, block_on, waker};
+        #[cfg(feature = "http")]
+        pub use crate::consumer::health_router;
+        pub use crate::consumer::{Executor, HealthState, StoreRun, Transactions, block_on, waker};
     }
 }

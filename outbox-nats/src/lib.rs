@@ -11,8 +11,11 @@
 //!
 //! ## Features
 //!
-//! None: the crate uses async-nats with JetStream and without its `server_2_10`+
-//! features, so that it works against NATS 2.9.
+//! - `http`: [`health_router`], a consumer's `/healthz` and `/readyz` as an axum
+//!   `Router` (as outbox-redis's feature of the same name).
+//!
+//! The crate uses async-nats with JetStream and without its `server_2_10`+ features, so
+//! that it works against NATS 2.9.
 //!
 //! ## Metrics
 //!
@@ -27,6 +30,8 @@ mod consumer;
 mod dead_letters;
 mod entry;
 mod error;
+#[cfg(feature = "http")]
+mod http;
 mod naming;
 mod publisher;
 mod streams;
@@ -42,6 +47,8 @@ pub use dead_letters::{
 };
 pub use entry::{MESSAGE_HEADERS, REDRIVE_GROUP_HEADER, envelope_from_message, message_headers};
 pub use error::{Error, Result};
+#[cfg(feature = "http")]
+pub use http::health_router;
 pub use naming::{DEFAULT_STREAM_PREFIX, DEFAULT_SUBJECT_PREFIX, Naming};
 pub use outbox_core::{AsyncStore, ConsumerStore};
 pub use publisher::NatsPublisher;

@@ -163,7 +163,7 @@ async fn the_probes_follow_a_redis_outage_and_the_consumer_recovers() {
         assert_eq!(ready(), 503, "not ready while Redis is down");
         let health = consumer.health();
         assert!(
-            health.redis_failures > 0 && health.last_error.is_some(),
+            health.broker_failures > 0 && health.last_error.is_some(),
             "{health:?}"
         );
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -57,7 +57,7 @@
 //! | `redis-sentinel` | no | Redis Sentinel for both, failovers followed |
 //! | `nats` | no | [`nats`]: the NATS JetStream publisher and the consumer runner |
 //! | `cdc` | no | [`cdc`]: the CDC relay, PostgreSQL logical decoding of the outbox's inserts in commit order, no UPDATE per message (implies `postgres`) |
-//! | `http` | no | a consumer's `/healthz` and `/readyz` as an axum `Router` |
+//! | `http` | no | a consumer's `/healthz` and `/readyz` as an axum `Router` (`redis::health_router`, `nats::health_router`; with `redis` or `nats`) |
 //! | `opentelemetry` | no | W3C trace context from emit through the relay to the handler |
 //! | `memory` | no | in-memory database and broker for unit tests without services (a dev-dependency's feature) |
 //!

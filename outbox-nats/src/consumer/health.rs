@@ -1,9 +1,10 @@
 //! What a running consumer reports: counts ([`ConsumerStats`]) and its state for
-//! probes ([`ConsumerHealth`]).
+//! probes ([`ConsumerHealth`], outbox-core's, the same for every broker).
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub(crate) use outbox_core::__private::consumer::HealthState;
+pub use outbox_core::ConsumerHealth;
 
 /// Counts of what a consumer did since it was built ([`Consumer::stats`](crate::Consumer::stats)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -67,128 +68,6 @@ impl Counters {
             ignored: get(Count::Ignored),
             redrives_for_others: get(Count::RedriveForOthers),
             nats_errors: get(Count::NatsError),
-        }
-    }
-}
-
-/// A snapshot of a consumer's state for liveness and readiness probes
-/// ([`Consumer::health`](crate::Consumer::health)).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ConsumerHealth {
-    /// [`run_until`](crate::Consumer::run_until) is running and its streams and durable
-    /// consumers exist.
-    pub running: bool,
-    /// How long ago a reader last began a pull (`None`: never).
-    pub last_round: Option<Duration>,
-    /// Pulls that failed in a row since NATS last answered one.
-    pub nats_failures: u32,
-    /// Messages in a row that met an outage of the idempotency store.
-    pub store_failures: u32,
-    /// The last failure's text, while the consumer is failing.
-    pub last_error: Option<String>,
-    /// How long a reader may go without a pull before [`is_live`](Self::is_live) says
-    /// no.
-    pub stall_limit: Duration,
-}
-
-impl ConsumerHealth {
-    /// Liveness: the run loop turns (began a pull within
-    /// [`stall_limit`](Self::stall_limit)). Outages do not make a consumer dead: it
-    /// backs off and recovers by itself.
-    pub fn is_live(&self) -> bool {
-        self.running && self.last_round.is_some_and(|age| age <= self.stall_limit)
-    }
-
-    /// Readiness: live, the last pull succeeded, and no message is failing on a store
-    /// outage.
-    pub fn is_ready(&self) -> bool {
-        self.is_live() && self.nats_failures == 0 && self.store_failures == 0
-    }
-}
-
-/// The run loop's side of [`ConsumerHealth`].
-#[derive(Debug)]
-pub(crate) struct HealthState {
-    since: Instant,
-    pub(crate) running: AtomicBool,
-    /// Milliseconds since `since`, plus one (0: never).
-    last_round: AtomicU64,
-    nats_failures: AtomicU32,
-    store_failures: AtomicU32,
-    last_error: Mutex<Option<String>>,
-}
-
-impl Default for HealthState {
-    fn default() -> Self {
-        Self {
-            since: Instant::now(),
-            running: AtomicBool::new(false),
-            last_round: AtomicU64::new(0),
-            nats_failures: AtomicU32::new(0),
-            store_failures: AtomicU32::new(0),
-            last_error: Mutex::new(None),
-        }
-    }
-}
-
-impl HealthState {
-    pub(crate) fn round(&self) {
-        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_round
-            .store(ms.saturating_add(1), Ordering::Relaxed);
-    }
-
-    /// A pull answered (`None`) or failed; returns the failures in a row.
-    pub(crate) fn nats(&self, error: Option<String>) -> u32 {
-        match error {
-            None => {
-                self.nats_failures.store(0, Ordering::Relaxed);
-                self.clear_error();
-                0
-            }
-            Some(e) => {
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                self.nats_failures.fetch_add(1, Ordering::Relaxed) + 1
-            }
-        }
-    }
-
-    /// A message's store run ended in an outage (`Some`) or not; returns the outages in
-    /// a row.
-    pub(crate) fn store(&self, outage: Option<String>) -> u32 {
-        match outage {
-            None => {
-                self.store_failures.store(0, Ordering::Relaxed);
-                0
-            }
-            Some(e) => {
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                self.store_failures.fetch_add(1, Ordering::Relaxed) + 1
-            }
-        }
-    }
-
-    fn clear_error(&self) {
-        if self.store_failures.load(Ordering::Relaxed) == 0 {
-            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        }
-    }
-
-    pub(crate) fn snapshot(&self, stall_limit: Duration) -> ConsumerHealth {
-        let last = self.last_round.load(Ordering::Relaxed);
-        let now = self.since.elapsed();
-        ConsumerHealth {
-            running: self.running.load(Ordering::Relaxed),
-            last_round: (last > 0).then(|| now.saturating_sub(Duration::from_millis(last - 1))),
-            nats_failures: self.nats_failures.load(Ordering::Relaxed),
-            store_failures: self.store_failures.load(Ordering::Relaxed),
-            last_error: self
-                .last_error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-            stall_limit,
         }
     }
 }

@@ -73,7 +73,7 @@ where
     }
 
     async fn applied(&self, job: &Job, processed: Processed) -> Outcome {
-        self.inner.health.store(None);
+        self.inner.health.store_answered();
         self.count(
             match processed {
                 Processed::Applied => Count::Consumed,
@@ -89,7 +89,7 @@ where
     async fn store_outage(&self, job: &Job, e: &outbox_core::Error) -> Outcome {
         self.count(Count::Failure, 1);
         let reason = error_chain(e).to_string();
-        let outages = self.inner.health.store(Some(reason.clone()));
+        let outages = self.inner.health.store_failed(&reason);
         tracing::warn!(entry_id = %job.entry_id(), %reason, "idempotency store unavailable; the message will be retried");
         self.uncount(job);
         let delay = self.outage_delay(outages);
@@ -119,7 +119,7 @@ where
     /// delivery.
     async fn failed(&self, job: &Job, reason: &str) -> Outcome {
         self.count(Count::Failure, 1);
-        self.inner.health.store(None);
+        self.inner.health.store_answered();
         let delivered = self.counted_deliveries(job);
         if delivered >= self.inner.config.max_deliveries {
             tracing::warn!(entry_id = %job.entry_id(), %reason, "handler failed on its last delivery");

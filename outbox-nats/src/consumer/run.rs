@@ -43,7 +43,7 @@ where
             let Some(readers) = self.set_up(stop_rx.clone()).await? else {
                 return Ok(());
             };
-            self.inner.health.running.store(true, Ordering::Relaxed);
+            self.inner.health.set_running(true);
             let reads = readers
                 .into_iter()
                 .map(|(topic, consumer)| self.read(topic, consumer, stop_rx.clone()));
@@ -66,7 +66,7 @@ where
                 }
             }
         };
-        self.inner.health.running.store(false, Ordering::Relaxed);
+        self.inner.health.set_running(false);
         result
     }
 
@@ -82,7 +82,7 @@ where
                 Ok(readers) => return Ok(Some(readers)),
                 Err(e) if e.is_outage() => {
                     failures += 1;
-                    self.inner.health.nats(Some(e.to_string()));
+                    self.inner.health.broker_failed(&e);
                     tracing::warn!(error = %e, "nats unavailable while setting up the consumer; trying again");
                     if self.pause(self.outage_delay(failures), &mut stop).await {
                         return Ok(None);
@@ -195,13 +195,13 @@ where
             let outage = match self.pull(&topic, &consumer).await {
                 Ok(outage) => {
                     failures = 0;
-                    self.inner.health.nats(None);
+                    self.inner.health.broker_answered();
                     outage
                 }
                 Err(e) => {
                     failures += 1;
                     self.count(Count::NatsError, 1);
-                    self.inner.health.nats(Some(e.clone()));
+                    self.inner.health.broker_failed(&e);
                     tracing::warn!(stream = %topic.stream, error = %e, "pull failed");
                     true
                 }

@@ -298,7 +298,7 @@ where
         match jobs {
             Ok(jobs) => {
                 // Redis answered: whatever failed before, it is back.
-                self.consumer.inner.health.redis_answered();
+                self.consumer.inner.health.broker_answered();
                 let fresh: Vec<Job> = jobs
                     .into_iter()
                     // Skips entries claimed back while this consumer still works on them.
@@ -322,11 +322,11 @@ where
             if let Err(e) = self.consumer.ensure_groups().await {
                 let e = outbox_core::error_chain(&e);
                 tracing::warn!(parent: span, error = %e, "cannot recreate consumer groups");
-                health.redis_failed(&e);
+                health.broker_failed(&e);
             }
         } else {
             tracing::warn!(parent: span, error = %e, "redis read failed; backing off");
-            health.redis_failed(&e);
+            health.broker_failed(&e);
         }
     }
 

@@ -510,7 +510,7 @@ where
         let health = &self.consumer.inner.health;
         match read {
             Ok(Ok(read)) => {
-                health.redis_answered();
+                health.broker_answered();
                 for (stream, lease) in &read.lost {
                     self.drop_stream(stream, lease);
                 }
@@ -527,11 +527,11 @@ where
                 if e.code() == Some("NOGROUP") {
                     tracing::warn!(parent: &self.span, error = %e, "consumer group missing; recreating it");
                     if let Err(e) = self.consumer.ensure_groups().await {
-                        health.redis_failed(&outbox_core::error_chain(&e));
+                        health.broker_failed(&outbox_core::error_chain(&e));
                     }
                 } else {
                     tracing::warn!(parent: &self.span, error = %e, "redis read failed; backing off");
-                    health.redis_failed(&e);
+                    health.broker_failed(&e);
                 }
                 if let Some(pause) = health.pause(&self.consumer.inner.config.outage_backoff) {
                     self.paused_until = Instant::now() + pause;
@@ -584,12 +584,12 @@ where
         if let Some(e) = tick.error {
             tracing::warn!(parent: &self.span, error = %e, "lease keeping failed");
             self.consumer.count(super::stats::Count::RedisError, None);
-            self.consumer.inner.health.redis_failed(&e);
+            self.consumer.inner.health.broker_failed(&e);
             return;
         }
         // Redis answered: a consumer that holds no stream reads nothing, and would
         // otherwise stay unready for good after an outage.
-        self.consumer.inner.health.redis_answered();
+        self.consumer.inner.health.broker_answered();
         self.rebalance();
     }
 
