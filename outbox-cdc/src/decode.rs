@@ -6,23 +6,23 @@
 //!
 //! See <https://www.postgresql.org/docs/current/protocol-logicalrep-message-formats.html>.
 
-use std::collections::HashMap;
-
 use chrono::{DateTime, Utc};
 use outbox_core::{Envelope, Headers, MsgId, StoredMessage};
 
 use crate::{CdcError, Result};
 
-/// A pgoutput message the relay acts on.
+/// A pgoutput message the relay acts on, borrowing the bytes it was decoded from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Message {
+pub(crate) enum Message<'a> {
     /// A table's description, sent before its first row of a session and after each
     /// change of its columns.
     Relation(Relation),
-    /// A new row of relation `relation`: each column's text, `None` for NULL.
+    /// A new row of relation `relation`: each column's text (as sent: checked as UTF-8
+    /// when a message reads it), `None` for NULL. Only the columns a message needs are
+    /// copied, once.
     Insert {
         relation: u32,
-        values: Vec<Option<String>>,
+        values: Vec<Option<&'a [u8]>>,
     },
     /// Anything else: ignored.
     Other(u8),
@@ -81,7 +81,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes one pgoutput message (the payload of an `XLogData`).
-pub(crate) fn decode(data: &[u8]) -> Result<Message> {
+pub(crate) fn decode(data: &[u8]) -> Result<Message<'_>> {
     let mut r = Reader(data);
     match r.u8("message tag")? {
         b'R' => relation(&mut r).map(Message::Relation),
@@ -123,7 +123,7 @@ fn relation(r: &mut Reader<'_>) -> Result<Relation> {
     })
 }
 
-fn tuple(r: &mut Reader<'_>) -> Result<Vec<Option<String>>> {
+fn tuple<'a>(r: &mut Reader<'a>) -> Result<Vec<Option<&'a [u8]>>> {
     let n = r.u16("tuple column count")?;
     let mut values = Vec::with_capacity(usize::from(n));
     for _ in 0..n {
@@ -131,11 +131,7 @@ fn tuple(r: &mut Reader<'_>) -> Result<Vec<Option<String>>> {
             b'n' => None,
             b't' => {
                 let len = r.u32("text value length")? as usize;
-                let bytes = r.take(len, "text value")?;
-                Some(
-                    String::from_utf8(bytes.to_vec())
-                        .map_err(|_| CdcError::Decode("a text value is not UTF-8".into()))?,
-                )
+                Some(r.take(len, "text value")?)
             }
             // 'u' (unchanged TOAST) only comes with updates; 'b' only in binary mode,
             // which the relay does not ask for.
@@ -155,11 +151,12 @@ fn tuple(r: &mut Reader<'_>) -> Result<Vec<Option<String>>> {
 /// whose columns were added or reordered still decodes.
 #[derive(Debug, Clone)]
 pub(crate) struct OutboxColumns {
-    at: HashMap<&'static str, usize>,
+    /// The position of each of [`NEEDED`], in its order.
+    at: [usize; NEEDED.len()],
 }
 
 /// The columns a message needs.
-const NEEDED: [&str; 10] = [
+pub(crate) const NEEDED: [&str; 10] = [
     "id",
     "msg_id",
     "topic",
@@ -172,12 +169,24 @@ const NEEDED: [&str; 10] = [
     "created_at",
 ];
 
+/// Indexes into [`NEEDED`].
+const ID: usize = 0;
+const MSG_ID: usize = 1;
+const TOPIC: usize = 2;
+const EVENT_TYPE: usize = 3;
+const MSG_KEY: usize = 4;
+const SCHEMA_VERSION: usize = 5;
+const PAYLOAD: usize = 6;
+const HEADERS: usize = 7;
+const RETRIES: usize = 8;
+const CREATED_AT: usize = 9;
+
 impl OutboxColumns {
     /// The positions of [`NEEDED`] in `relation`, or which is missing.
     pub(crate) fn of(relation: &Relation) -> Result<Self> {
-        let mut at = HashMap::new();
-        for name in NEEDED {
-            let i = relation
+        let mut at = [0; NEEDED.len()];
+        for (slot, name) in at.iter_mut().zip(NEEDED) {
+            *slot = relation
                 .columns
                 .iter()
                 .position(|c| c == name)
@@ -187,53 +196,59 @@ impl OutboxColumns {
                         relation.namespace, relation.name
                     ))
                 })?;
-            at.insert(name, i);
         }
         Ok(Self { at })
     }
 
-    fn text<'v>(&self, values: &'v [Option<String>], name: &str) -> Result<&'v str> {
-        values
-            .get(self.at[name])
-            .and_then(|v| v.as_deref())
-            .ok_or_else(|| CdcError::Decode(format!("column `{name}` is NULL or missing")))
+    /// Column `NEEDED[which]` of the row, as text.
+    fn text<'v, V: AsRef<[u8]>>(&self, values: &'v [Option<V>], which: usize) -> Result<&'v str> {
+        let name = NEEDED[which];
+        let bytes = values
+            .get(self.at[which])
+            .and_then(Option::as_ref)
+            .map(AsRef::as_ref)
+            .ok_or_else(|| CdcError::Decode(format!("column `{name}` is NULL or missing")))?;
+        std::str::from_utf8(bytes)
+            .map_err(|_| CdcError::Decode(format!("column `{name}` is not UTF-8")))
     }
 
     /// The row's id, if it can be read: what an unreadable row is recorded under.
-    pub(crate) fn id(&self, values: &[Option<String>]) -> Option<i64> {
-        self.text(values, "id").ok()?.parse().ok()
+    pub(crate) fn id<V: AsRef<[u8]>>(&self, values: &[Option<V>]) -> Option<i64> {
+        self.text(values, ID).ok()?.parse().ok()
     }
 
     /// An inserted outbox row as the relay's message. The values are the server's text
     /// output: the replication session runs with `DateStyle = ISO` and `TimeZone = UTC`
     /// (see the relay's startup options), so `created_at` reads as `2024-05-01
     /// 12:00:00.123456+00`.
-    pub(crate) fn message(&self, values: &[Option<String>]) -> Result<StoredMessage> {
-        let t = |name: &'static str| self.text(values, name);
-        let id: i64 = t("id")?
+    /// Each value is a column's text as bytes (borrowed from a pgoutput message, or
+    /// owned).
+    pub(crate) fn message<V: AsRef<[u8]>>(&self, values: &[Option<V>]) -> Result<StoredMessage> {
+        let t = |which: usize| self.text(values, which);
+        let id: i64 = t(ID)?
             .parse()
             .map_err(|_| CdcError::Decode("id is not a number".into()))?;
         let bad = |what: String| CdcError::Decode(format!("row {id}: {what}"));
-        let msg_id = MsgId::new(t("msg_id")?).map_err(|e| bad(e.to_string()))?;
-        let headers: Headers = serde_json::from_str(t("headers")?)
+        let msg_id = MsgId::new(t(MSG_ID)?).map_err(|e| bad(e.to_string()))?;
+        let headers: Headers = serde_json::from_str(t(HEADERS)?)
             .map_err(|e| bad(format!("headers are not a JSON object of strings: {e}")))?;
-        let created_at = timestamp(t("created_at")?).ok_or_else(|| bad("bad created_at".into()))?;
-        let number = |name: &'static str| -> Result<u32> {
-            let v: i64 = t(name)?
+        let created_at = timestamp(t(CREATED_AT)?).ok_or_else(|| bad("bad created_at".into()))?;
+        let number = |which: usize| -> Result<u32> {
+            let v: i64 = t(which)?
                 .parse()
-                .map_err(|_| bad(format!("{name} is not a number")))?;
+                .map_err(|_| bad(format!("{} is not a number", NEEDED[which])))?;
             Ok(u32::try_from(v).unwrap_or(0))
         };
         Ok(StoredMessage {
             id,
-            retries: number("retries")?,
+            retries: number(RETRIES)?,
             envelope: Envelope {
                 msg_id,
-                topic: t("topic")?.to_owned(),
-                event_type: t("event_type")?.to_owned(),
-                key: t("msg_key")?.to_owned(),
-                schema_version: number("schema_version")?,
-                payload: t("payload")?.to_owned(),
+                topic: t(TOPIC)?.to_owned(),
+                event_type: t(EVENT_TYPE)?.to_owned(),
+                key: t(MSG_KEY)?.to_owned(),
+                schema_version: number(SCHEMA_VERSION)?,
+                payload: t(PAYLOAD)?.to_owned(),
                 headers,
                 created_at,
             },
@@ -337,7 +352,8 @@ mod tests {
         assert_eq!((rel.id, rel.name.as_str()), (7, "outbox"));
         assert_eq!(rel.columns.len(), 14);
         let cols = OutboxColumns::of(&rel).unwrap();
-        let Message::Insert { relation, values } = decode(&insert_bytes(7, &row())).unwrap() else {
+        let bytes = insert_bytes(7, &row());
+        let Message::Insert { relation, values } = decode(&bytes).unwrap() else {
             panic!("not an insert");
         };
         assert_eq!(relation, 7);
@@ -362,7 +378,7 @@ mod tests {
         let Message::Relation(rel) = decode(&relation_bytes(9, &reordered)).unwrap() else {
             panic!("not a relation");
         };
-        let mut values: Vec<Option<String>> = row().iter().map(|v| v.map(str::to_owned)).collect();
+        let mut values: Vec<Option<&[u8]>> = row().iter().map(|v| v.map(str::as_bytes)).collect();
         values.reverse();
         let m = OutboxColumns::of(&rel).unwrap().message(&values).unwrap();
         assert_eq!(m.id, 42);
@@ -392,7 +408,7 @@ mod tests {
             panic!("not a relation");
         };
         let cols = OutboxColumns::of(&rel).unwrap();
-        let values: Vec<Option<String>> = nulls.iter().map(|v| v.map(str::to_owned)).collect();
+        let values: Vec<Option<&[u8]>> = nulls.iter().map(|v| v.map(str::as_bytes)).collect();
         assert!(
             cols.message(&values)
                 .unwrap_err()

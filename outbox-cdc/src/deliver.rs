@@ -1,6 +1,7 @@
 //! Publishing a run of messages in order, with the failure path: what the stream, the
 //! backfill and the retry round share.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 use chrono::Utc;
@@ -30,20 +31,21 @@ impl<P: Publisher> Deliverer<'_, P> {
         blocked: &mut HashSet<String>,
     ) -> Result<()> {
         let mut writes = Writes::default();
-        let mut chunk: Vec<StoredMessage> = Vec::new();
-        for m in messages {
+        let mut next = NextCall::new(messages);
+        for (i, m) in messages.iter().enumerate() {
             if blocked.contains(&m.envelope.key) {
+                next.leave_out(i);
                 writes.park.push((m.id, m.envelope.key.clone()));
                 continue;
             }
-            chunk.push(m.clone());
-            if chunk.len() >= self.config.batch_size {
-                self.publish(&std::mem::take(&mut chunk), blocked, &mut writes)
+            if next.len(i + 1) >= self.config.batch_size {
+                self.publish(&next.take(i + 1), blocked, &mut writes)
                     .await?;
             }
         }
-        if !chunk.is_empty() {
-            self.publish(&chunk, blocked, &mut writes).await?;
+        let last = next.take(messages.len());
+        if !last.is_empty() {
+            self.publish(&last, blocked, &mut writes).await?;
         }
         if !writes.is_empty() {
             db(self.pool, move |c| writes.apply(c)).await?;
@@ -122,6 +124,50 @@ impl<P: Publisher> Deliverer<'_, P> {
     }
 }
 
+/// The messages of the next publish call, gathered from a run of messages: published
+/// as a slice of the run, without a copy, while none in it was left out (parked); copied
+/// once one was.
+struct NextCall<'m> {
+    all: &'m [StoredMessage],
+    /// Where the part of `all` not yet taken starts.
+    from: usize,
+    /// What was gathered before the last message left out.
+    copied: Vec<StoredMessage>,
+}
+
+impl<'m> NextCall<'m> {
+    fn new(all: &'m [StoredMessage]) -> Self {
+        Self {
+            all,
+            from: 0,
+            copied: Vec::new(),
+        }
+    }
+
+    /// How many messages the call has with `all[..upto]` gathered.
+    fn len(&self, upto: usize) -> usize {
+        self.copied.len() + upto - self.from
+    }
+
+    /// `all[i]` is not published (it is parked).
+    fn leave_out(&mut self, i: usize) {
+        self.copied.extend_from_slice(&self.all[self.from..i]);
+        self.from = i + 1;
+    }
+
+    /// The call's messages, gathered up to `all[..upto]`; the next call starts empty.
+    fn take(&mut self, upto: usize) -> Cow<'m, [StoredMessage]> {
+        let run = &self.all[self.from..upto];
+        self.from = upto;
+        if self.copied.is_empty() {
+            Cow::Borrowed(run)
+        } else {
+            self.copied.extend_from_slice(run);
+            Cow::Owned(std::mem::take(&mut self.copied))
+        }
+    }
+}
+
 /// The relay's counters, as the polling relay names them: `refused` of `chunk` failed,
 /// `dead` of them for the last time.
 fn record_published(chunk: &[StoredMessage], refused: usize, dead: usize) {
@@ -139,4 +185,57 @@ fn record_published(chunk: &[StoredMessage], refused: usize, dead: usize) {
         .increment(chunk.len().saturating_sub(refused) as u64);
     metrics::counter!("outbox_relay_failed_attempts_total").increment(refused as u64);
     metrics::counter!("outbox_relay_dead_lettered_total").increment(dead as u64);
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::{Envelope, Headers, MsgId};
+
+    use super::*;
+
+    fn message(id: i64) -> StoredMessage {
+        StoredMessage {
+            id,
+            retries: 0,
+            envelope: Envelope {
+                msg_id: MsgId::new(format!("m-{id}")).unwrap(),
+                topic: "t".into(),
+                event_type: "E".into(),
+                key: format!("k{id}"),
+                schema_version: 1,
+                payload: "{}".into(),
+                headers: Headers::default(),
+                created_at: Utc::now(),
+            },
+        }
+    }
+
+    fn ids(call: &[StoredMessage]) -> Vec<i64> {
+        call.iter().map(|m| m.id).collect()
+    }
+
+    #[test]
+    fn a_run_with_nothing_left_out_is_published_without_a_copy() {
+        let all: Vec<StoredMessage> = (1..=5).map(message).collect();
+        let mut next = NextCall::new(&all);
+        assert_eq!(next.len(3), 3);
+        let first = next.take(3);
+        assert!(matches!(first, Cow::Borrowed(_)));
+        assert_eq!(ids(&first), [1, 2, 3]);
+        let rest = next.take(5);
+        assert!(matches!(rest, Cow::Borrowed(_)));
+        assert_eq!(ids(&rest), [4, 5]);
+        assert!(next.take(5).is_empty());
+    }
+
+    #[test]
+    fn messages_left_out_are_skipped_and_the_rest_keeps_its_order() {
+        let all: Vec<StoredMessage> = (1..=6).map(message).collect();
+        let mut next = NextCall::new(&all);
+        next.leave_out(1);
+        next.leave_out(3);
+        assert_eq!(next.len(5), 3);
+        assert_eq!(ids(&next.take(5)), [1, 3, 5]);
+        assert_eq!(ids(&next.take(6)), [6]);
+    }
 }

@@ -34,6 +34,7 @@
 //! contract, so an upgrade is a reviewed change.
 #![doc(test(attr(deny(warnings))))]
 
+mod chores;
 mod config;
 mod decode;
 mod deliver;

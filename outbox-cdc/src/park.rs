@@ -9,9 +9,10 @@
 use std::collections::HashSet;
 
 use chrono::{DateTime, Utc};
-use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Text, Timestamptz};
 use diesel::{Connection as _, PgConnection, QueryableByName, RunQueryDsl as _};
-use outbox_core::{Envelope, Headers, MsgId, RetryDecision, RetryPolicy, StoredMessage};
+use outbox_core::{RetryDecision, RetryPolicy, StoredMessage};
+use outbox_diesel::PgMessageRow;
 
 use crate::{CdcError, PgPool, Result};
 
@@ -132,77 +133,20 @@ pub(crate) fn blocked_keys(conn: &mut PgConnection) -> Result<HashSet<String>> {
     Ok(rows.into_iter().map(|r| r.msg_key).collect())
 }
 
-/// An outbox row read with SQL (the backfill, the retry round).
-#[derive(QueryableByName)]
-pub(crate) struct RowMessage {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Text)]
-    msg_id: String,
-    #[diesel(sql_type = Text)]
-    topic: String,
-    #[diesel(sql_type = Text)]
-    event_type: String,
-    #[diesel(sql_type = Text)]
-    msg_key: String,
-    #[diesel(sql_type = Integer)]
-    schema_version: i32,
-    #[diesel(sql_type = Text)]
-    payload: String,
-    #[diesel(sql_type = Text)]
-    headers: String,
-    #[diesel(sql_type = Integer)]
-    retries: i32,
-    #[diesel(sql_type = Timestamptz)]
-    created_at: DateTime<Utc>,
-}
-
-/// The select list that reads a [`RowMessage`] from `outbox o`.
-pub(crate) const ROW_COLUMNS: &str = "o.id, o.msg_id::text AS msg_id, o.topic::text AS topic, \
-     o.event_type::text AS event_type, o.msg_key::text AS msg_key, o.schema_version, \
-     o.payload::text AS payload, o.headers::text AS headers, o.retries, o.created_at";
-
-impl RowMessage {
-    pub(crate) fn id(&self) -> i64 {
-        self.id
-    }
-
-    /// The message, or why the row cannot be read.
-    pub(crate) fn into_message(self) -> std::result::Result<StoredMessage, (i64, String)> {
-        let id = self.id;
-        let msg_id = MsgId::new(self.msg_id).map_err(|e| (id, e.to_string()))?;
-        let headers: Headers = serde_json::from_str(&self.headers)
-            .map_err(|e| (id, format!("headers are not a JSON object of strings: {e}")))?;
-        Ok(StoredMessage {
-            id,
-            retries: u32::try_from(self.retries).unwrap_or(0),
-            envelope: Envelope {
-                msg_id,
-                topic: self.topic,
-                event_type: self.event_type,
-                key: self.msg_key,
-                schema_version: u32::try_from(self.schema_version).unwrap_or(0),
-                payload: self.payload,
-                headers,
-                created_at: self.created_at,
-            },
-        })
-    }
-}
-
 /// The parked messages due now: the first parked message of each key, if its retry
 /// time has come, in parked order, at most `limit`. Parked entries whose row is no longer
 /// NEW (re-driven, purged or marked by an operator) are dropped first.
-pub(crate) fn due_heads(conn: &mut PgConnection, limit: usize) -> Result<Vec<RowMessage>> {
+pub(crate) fn due_heads(conn: &mut PgConnection, limit: usize) -> Result<Vec<PgMessageRow>> {
     diesel::sql_query(
         "DELETE FROM outbox_cdc_parked p WHERE NOT EXISTS \
          (SELECT 1 FROM outbox o WHERE o.id = p.id AND o.status = 0)",
     )
     .execute(conn)?;
     Ok(diesel::sql_query(format!(
-        "SELECT {ROW_COLUMNS} FROM outbox_cdc_parked p JOIN outbox o ON o.id = p.id \
+        "SELECT {columns} FROM outbox_cdc_parked p JOIN outbox o ON o.id = p.id \
          WHERE p.seq = (SELECT min(q.seq) FROM outbox_cdc_parked q WHERE q.msg_key = p.msg_key) \
-         AND o.status = 0 AND o.next_retry_at <= now() ORDER BY p.seq LIMIT $1"
+         AND o.status = 0 AND o.next_retry_at <= now() ORDER BY p.seq LIMIT $1",
+        columns = PgMessageRow::COLUMNS
     ))
     .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
     .load(conn)?)

@@ -1,18 +1,22 @@
 //! Holding the slot: the backfill, then the stream of commits, published in commit order
-//! and confirmed after the broker took them; the retry round and the reports between.
+//! and confirmed after the broker took them; beside the stream, the retry poll, the
+//! reports, partition upkeep and the holder check (`chores.rs`), and the retry round
+//! when parked messages are due.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use diesel::RunQueryDsl as _;
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::BigInt;
 use outbox_core::{Publisher, StoredMessage};
+use outbox_diesel::PgMessageRow;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 
+use crate::chores::{Chores, Landed, holds_slot};
 use crate::decode::{Message, OutboxColumns, decode};
 use crate::deliver::Deliverer;
-use crate::park::{ROW_COLUMNS, RowMessage, Writes, blocked_keys, db, due_heads};
+use crate::park::{Writes, blocked_keys, db, due_heads};
 use crate::relay::Stop;
 use crate::watermark::Watermark;
 use crate::{CdcError, Result, setup};
@@ -27,13 +31,55 @@ pub(crate) enum Ended {
     Lost,
 }
 
-/// A transaction read from the stream.
-struct Commit {
-    end_lsn: Lsn,
+/// The transaction being read from the stream.
+struct Open {
     commit_time: DateTime<Utc>,
     messages: Vec<StoredMessage>,
     /// Rows that cannot be read: id, why. They become DEAD.
     unreadable: Vec<(i64, String)>,
+}
+
+/// The complete commits read and not yet confirmed, their messages in one run in commit
+/// order: published together in calls of up to `batch_size` across commits (a backlog
+/// of small commits goes out in full pipelines), and confirmed at the last one's end.
+#[derive(Default)]
+struct InHand {
+    messages: Vec<StoredMessage>,
+    /// Rows that cannot be read: id, why. They become DEAD.
+    unreadable: Vec<(i64, String)>,
+    /// The commits in hand (some may have no outbox row).
+    commits: usize,
+    /// The last commit's end.
+    end_lsn: Lsn,
+    /// When the first commit in hand committed.
+    oldest: Option<DateTime<Utc>>,
+}
+
+impl InHand {
+    fn add(&mut self, open: Open, end_lsn: Lsn) {
+        let Open {
+            commit_time,
+            mut messages,
+            mut unreadable,
+        } = open;
+        self.messages.append(&mut messages);
+        self.unreadable.append(&mut unreadable);
+        self.commits += 1;
+        self.end_lsn = end_lsn;
+        self.oldest.get_or_insert(commit_time);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.commits == 0
+    }
+
+    /// Empties it, keeping the allocation.
+    fn clear(&mut self) {
+        self.messages.clear();
+        self.unreadable.clear();
+        self.commits = 0;
+        self.oldest = None;
+    }
 }
 
 /// One holder's session on the slot.
@@ -44,8 +90,8 @@ pub(crate) struct Session<'a, P> {
     pub(crate) walsender: i32,
     pub(crate) slot: String,
     relations: HashMap<u32, Option<OutboxColumns>>,
-    open: Option<Commit>,
-    ready: Vec<Commit>,
+    open: Option<Open>,
+    ready: InHand,
     /// A keepalive's position, confirmable once nothing is in hand.
     idle_ack: Option<Lsn>,
     confirmed: Lsn,
@@ -55,6 +101,7 @@ pub(crate) struct Session<'a, P> {
     watermark: Watermark,
     outages: u32,
     paused_until: Option<Instant>,
+    chores: Chores,
 }
 
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
@@ -79,7 +126,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             slot,
             relations: HashMap::new(),
             open: None,
-            ready: Vec::new(),
+            ready: InHand::default(),
             idle_ack: None,
             confirmed,
             blocked: HashSet::new(),
@@ -87,6 +134,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             watermark: Watermark::default(),
             outages: 0,
             paused_until: None,
+            chores: Chores::new(),
         }
     }
 
@@ -111,54 +159,128 @@ impl<'a, P: Publisher> Session<'a, P> {
         if let Some(ended) = self.backfill(stop).await? {
             return Ok(ended);
         }
-        let mut next_retry = Instant::now();
-        let mut next_report = Instant::now();
-        let mut next_upkeep = Instant::now();
         loop {
-            let deadline = next_retry.min(next_report).min(next_upkeep);
+            self.start_chores();
+            let deadline = self.chores.next_due(self.holder_check_at());
             if let Some(ended) = self.step(stop, deadline).await? {
                 return Ok(ended);
-            }
-            let now = Instant::now();
-            if now >= next_retry {
-                next_retry = now + self.d.config.retry_poll;
-                if let Err(e) = self.retry_round().await {
-                    tracing::warn!(error = %outbox_core::error_chain(&e), "retrying parked messages failed; tried again later");
-                }
-            }
-            if now >= next_report {
-                next_report = now + self.d.config.lag_interval;
-                self.report().await;
-            }
-            if now >= next_upkeep {
-                next_upkeep = now + self.upkeep().await;
             }
         }
     }
 
-    /// Partition upkeep, as the polling relay does it: the partitions ahead made and the
-    /// expired ones dropped (those the CDC relay has published, see
-    /// [`outbox_diesel::maintain_partitions`]). The time until the next run.
-    async fn upkeep(&self) -> Duration {
-        const MAX_EVERY: Duration = Duration::from_secs(600);
-        let ran = db(self.d.pool, |c| {
-            let Some(policy) = outbox_diesel::partition_policy(c)? else {
-                return Ok(MAX_EVERY);
-            };
-            let report = outbox_diesel::maintain_partitions(c)?;
-            for (name, reason) in &report.kept {
-                tracing::warn!(partition = %name, "expired partition kept: {reason}");
+    /// When the holder check is due beside the stream: a quarter of the takeover time
+    /// after the slot was last seen to be this session's, so that the check before a
+    /// publish (due at half of it, see [`still_holder`](Self::still_holder)) finds it
+    /// fresh and costs the stream no round trip.
+    fn holder_check_at(&self) -> Instant {
+        (self.verified_at + self.d.config.takeover_after / 4).max(self.chores.holder_not_before)
+    }
+
+    /// Starts the chores that are due and not in flight (see `chores.rs`).
+    fn start_chores(&mut self) {
+        let now = Instant::now();
+        let config = self.d.config;
+        let pool = self.d.pool.clone();
+        if now >= self.chores.retry_at && !self.chores.retrying {
+            self.chores.retrying = true;
+            self.chores.retry_at = now + config.retry_poll;
+            let (pool, limit, asked_with) = (pool.clone(), config.batch_size, self.blocked.clone());
+            self.chores.spawn(async move {
+                let due = db(&pool, move |c| Ok((due_heads(c, limit)?, blocked_keys(c)?))).await;
+                Landed::Retry { due, asked_with }
+            });
+        }
+        if now >= self.chores.report_at && !self.chores.reporting {
+            self.chores.reporting = true;
+            self.chores.report_at = now + config.lag_interval;
+            self.start_report(pool.clone());
+        }
+        if self.chores.upkeep_at.is_some_and(|at| now >= at) {
+            self.chores.upkeep_at = None;
+            let pool = pool.clone();
+            self.chores
+                .spawn(async move { Landed::Upkeep(upkeep(&pool).await) });
+        }
+        if now >= self.holder_check_at() && !self.chores.asking_holder {
+            self.chores.asking_holder = true;
+            let (slot, pid) = (self.slot.clone(), self.walsender);
+            self.chores.spawn(async move {
+                let ours = db(&pool, move |c| holds_slot(c, slot, pid)).await;
+                Landed::Holder {
+                    ours,
+                    asked_at: now,
+                }
+            });
+        }
+    }
+
+    /// Handles a chore that landed; `Some` if the session ends (the slot was taken).
+    async fn landed(
+        &mut self,
+        landed: Option<std::result::Result<Landed, tokio::task::JoinError>>,
+    ) -> Result<Option<Ended>> {
+        let Some(landed) = landed else {
+            return Ok(None);
+        };
+        match landed.map_err(|e| CdcError::db(format!("database task failed: {e}")))? {
+            Landed::Retry { due, asked_with } => {
+                self.chores.retrying = false;
+                self.retry_polled(due, &asked_with).await;
             }
-            for name in &report.dropped {
-                tracing::info!(partition = %name, "expired partition detached and dropped");
+            Landed::Report(reported) => {
+                self.chores.reporting = false;
+                match reported {
+                    Ok((watermark, bytes)) => {
+                        self.watermark = watermark;
+                        metrics::gauge!("outbox_cdc_lag_bytes").set(bytes as f64);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %outbox_core::error_chain(&e), "CDC relay report failed")
+                    }
+                }
             }
-            Ok((policy.interval / 4).clamp(Duration::from_secs(1), MAX_EVERY))
-        })
-        .await;
-        ran.unwrap_or_else(|e| {
-            tracing::warn!(error = %outbox_core::error_chain(&e), "partition maintenance failed; tried again in a minute");
-            Duration::from_secs(60)
-        })
+            Landed::Upkeep(next) => self.chores.upkeep_at = Some(Instant::now() + next),
+            Landed::Holder { ours, asked_at } => {
+                self.chores.asking_holder = false;
+                match ours {
+                    Ok(true) => self.verified_at = self.verified_at.max(asked_at),
+                    Ok(false) => {
+                        tracing::warn!(slot = %self.slot, "the slot was taken over: this relay publishes nothing more and waits");
+                        return Ok(Some(Ended::Lost));
+                    }
+                    // Asked again in a while; the check before a publish asks itself if
+                    // the last answer grows too old.
+                    Err(e) => {
+                        self.chores.holder_not_before = Instant::now() + self.d.config.retry_poll;
+                        tracing::debug!(error = %outbox_core::error_chain(&e), "holder check failed")
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The retry poll landed: publishes the parked messages due, if any (the failure
+    /// path, in line); else refreshes the blocked keys.
+    async fn retry_polled(
+        &mut self,
+        due: Result<(Vec<PgMessageRow>, HashSet<String>)>,
+        asked_with: &HashSet<String>,
+    ) {
+        let retried = match due {
+            Ok((heads, _)) if !heads.is_empty() => self.retry_round(heads).await,
+            Ok((_, mut blocked)) => {
+                // Keys this session parked since the poll was asked are not in its answer.
+                blocked.extend(self.blocked.difference(asked_with).cloned());
+                self.blocked = blocked;
+                metrics::gauge!("outbox_cdc_parked_keys").set(self.blocked.len() as f64);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = retried {
+            tracing::warn!(error = %outbox_core::error_chain(&e), "retrying parked messages failed; tried again later");
+        }
     }
 
     /// Reads what the stream has (waiting until `deadline` if nothing is in hand),
@@ -173,6 +295,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             tokio::select! {
                 biased;
                 () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                landed = self.chores.next(), if self.chores.any() => return self.landed(landed).await,
                 () = tokio::time::sleep_until(until.min(deadline).into()) => {}
             }
             if Instant::now() < until {
@@ -180,9 +303,12 @@ impl<'a, P: Publisher> Session<'a, P> {
             }
             self.paused_until = None;
         } else if self.ready.is_empty() {
+            // Chores before the stream: they land about once a second, and a busy stream
+            // must not keep them from landing.
             tokio::select! {
                 biased;
                 () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                landed = self.chores.next(), if self.chores.any() => return self.landed(landed).await,
                 ev = self.client.recv() => self.handle(ev?)?,
                 () = tokio::time::sleep_until(deadline.into()) => return Ok(None),
             }
@@ -215,7 +341,7 @@ impl<'a, P: Publisher> Session<'a, P> {
     /// Takes the events already received, without waiting, until a batch is full.
     fn read_ready(&mut self) -> Result<()> {
         let limit = self.d.config.batch_size;
-        while self.ready.iter().map(|c| c.messages.len()).sum::<usize>() < limit {
+        while self.ready.messages.len() < limit {
             let ev = {
                 let recv = self.client.recv();
                 let mut recv = std::pin::pin!(recv);
@@ -234,28 +360,23 @@ impl<'a, P: Publisher> Session<'a, P> {
             return Err(CdcError::Replication("the replication stream ended".into()));
         };
         match ev {
-            ReplicationEvent::Begin { .. } => {
-                self.open = Some(Commit {
-                    end_lsn: Lsn::ZERO,
-                    commit_time: Utc::now(),
+            ReplicationEvent::Begin {
+                commit_time_micros, ..
+            } => {
+                self.open = Some(Open {
+                    commit_time: pg_time(commit_time_micros),
                     messages: Vec::new(),
                     unreadable: Vec::new(),
                 });
             }
             ReplicationEvent::XLogData { data, .. } => self.row(&data)?,
-            ReplicationEvent::Commit {
-                end_lsn,
-                commit_time_micros,
-                ..
-            } => {
-                let mut commit = self
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let open = self
                     .open
                     .take()
                     .ok_or_else(|| CdcError::Decode("a Commit without its Begin".into()))?;
-                commit.end_lsn = end_lsn;
-                commit.commit_time = pg_time(commit_time_micros);
                 self.idle_ack = None;
-                self.ready.push(commit);
+                self.ready.add(open, end_lsn);
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => {
                 // Everything before the keepalive's position was sent before it: with
@@ -333,24 +454,10 @@ impl<'a, P: Publisher> Session<'a, P> {
             return Ok(true);
         }
         let (slot, pid) = (self.slot.clone(), self.walsender);
-        let ours = db(self.d.pool, move |c| {
-            #[derive(diesel::QueryableByName)]
-            struct Row {
-                #[diesel(sql_type = diesel::sql_types::Bool)]
-                ours: bool,
-            }
-            let rows: Vec<Row> = diesel::sql_query(
-                "SELECT coalesce(active_pid = $2, false) AS ours FROM pg_replication_slots \
-                 WHERE slot_name = $1",
-            )
-            .bind::<Text, _>(slot)
-            .bind::<diesel::sql_types::Integer, _>(pid)
-            .load(c)?;
-            Ok(rows.first().is_some_and(|r| r.ours))
-        })
-        .await?;
+        let asked_at = Instant::now();
+        let ours = db(self.d.pool, move |c| holds_slot(c, slot, pid)).await?;
         if ours {
-            self.verified_at = Instant::now();
+            self.verified_at = asked_at;
         } else {
             tracing::warn!(slot = %self.slot, "the slot was taken over: this relay publishes nothing more and waits");
         }
@@ -359,27 +466,17 @@ impl<'a, P: Publisher> Session<'a, P> {
 
     /// Publishes the complete commits in hand and confirms the last one.
     async fn publish_ready(&mut self) -> Result<()> {
-        let messages: Vec<StoredMessage> = self
-            .ready
-            .iter()
-            .flat_map(|c| c.messages.iter().cloned())
-            .collect();
-        self.d.deliver(&messages, &mut self.blocked).await?;
-        let unreadable: Vec<(i64, String)> = self
-            .ready
-            .iter()
-            .flat_map(|c| c.unreadable.iter().cloned())
-            .collect();
-        if !unreadable.is_empty() {
+        self.d
+            .deliver(&self.ready.messages, &mut self.blocked)
+            .await?;
+        if !self.ready.unreadable.is_empty() {
             let writes = Writes {
-                dead: unreadable,
+                dead: self.ready.unreadable.clone(),
                 ..Writes::default()
             };
             db(self.d.pool, move |c| writes.apply(c)).await?;
         }
-        if let Some(last) = self.ready.last() {
-            self.confirm(self.confirmed.max(last.end_lsn));
-        }
+        self.confirm(self.confirmed.max(self.ready.end_lsn));
         self.ready.clear();
         Ok(())
     }
@@ -398,7 +495,7 @@ impl<'a, P: Publisher> Session<'a, P> {
             if !self.still_holder().await? {
                 return Ok(Some(Ended::Lost));
             }
-            let last = rows.last().map_or(0, RowMessage::id);
+            let last = rows.last().map_or(0, PgMessageRow::id);
             let (messages, unreadable) = split_rows(rows);
             // Rows that failed under the polling relay wait for their retry time, parked,
             // and hold back the later rows of their keys.
@@ -437,19 +534,22 @@ impl<'a, P: Publisher> Session<'a, P> {
         }
     }
 
-    /// Publishes the parked messages whose retry time has come, the first of each key,
-    /// round after round while they succeed; refreshes the blocked keys.
-    async fn retry_round(&mut self) -> Result<()> {
+    /// Publishes the parked messages whose retry time has come (`heads`, then those the
+    /// next rounds find), the first of each key, round after round while they succeed;
+    /// refreshes the blocked keys.
+    async fn retry_round(&mut self, mut heads: Vec<PgMessageRow>) -> Result<()> {
         let limit = self.d.config.batch_size;
-        for _ in 0..10 {
-            let heads = db(self.d.pool, move |c| due_heads(c, limit)).await?;
+        for round in 0..10 {
+            if round > 0 {
+                heads = db(self.d.pool, move |c| due_heads(c, limit)).await?;
+            }
             if heads.is_empty() {
                 break;
             }
             if !self.still_holder().await? {
                 return Ok(());
             }
-            let (messages, unreadable) = split_rows(heads);
+            let (messages, unreadable) = split_rows(std::mem::take(&mut heads));
             let mut writes = Writes {
                 dead: unreadable,
                 ..Writes::default()
@@ -475,14 +575,14 @@ impl<'a, P: Publisher> Session<'a, P> {
         Ok(())
     }
 
-    /// Refreshes the lag gauges and the report in `outbox_cdc`, and moves the relayed
-    /// watermark. Failures are logged: the next report tries again.
-    async fn report(&mut self) {
+    /// The report, as a chore: refreshes the lag gauges and the report in `outbox_cdc`,
+    /// and moves the relayed watermark (handed to the chore until it lands). Failures
+    /// are logged: the next report tries again.
+    fn start_report(&mut self, pool: crate::PgPool) {
         let oldest = self
             .ready
-            .first()
-            .or(self.open.as_ref())
-            .map(|c| c.commit_time);
+            .oldest
+            .or(self.open.as_ref().map(|o| o.commit_time));
         let age = oldest.map_or(0.0, |t| {
             (Utc::now() - t).to_std().unwrap_or_default().as_secs_f64()
         });
@@ -490,22 +590,42 @@ impl<'a, P: Publisher> Session<'a, P> {
         let every = self.d.config.lag_interval;
         let confirmed = self.confirmed;
         let mut watermark = std::mem::take(&mut self.watermark);
-        let reported = db(self.d.pool, move |c| {
-            let through = watermark.advance(c, confirmed)?;
-            let bytes = report(c, oldest, every, through)?;
-            Ok((watermark, bytes))
-        })
-        .await;
-        match reported {
-            Ok((watermark, bytes)) => {
-                self.watermark = watermark;
-                metrics::gauge!("outbox_cdc_lag_bytes").set(bytes as f64);
-            }
-            Err(e) => {
-                tracing::warn!(error = %outbox_core::error_chain(&e), "CDC relay report failed")
-            }
-        }
+        self.chores.spawn(async move {
+            Landed::Report(
+                db(&pool, move |c| {
+                    let through = watermark.advance(c, confirmed)?;
+                    let bytes = report(c, oldest, every, through)?;
+                    Ok((watermark, bytes))
+                })
+                .await,
+            )
+        });
     }
+}
+
+/// Partition upkeep, as the polling relay does it: the partitions ahead made and the
+/// expired ones dropped (those the CDC relay has published, see
+/// [`outbox_diesel::maintain_partitions`]). The time until the next run.
+async fn upkeep(pool: &crate::PgPool) -> Duration {
+    const MAX_EVERY: Duration = Duration::from_secs(600);
+    let ran = db(pool, |c| {
+        let Some(policy) = outbox_diesel::partition_policy(c)? else {
+            return Ok(MAX_EVERY);
+        };
+        let report = outbox_diesel::maintain_partitions(c)?;
+        for (name, reason) in &report.kept {
+            tracing::warn!(partition = %name, "expired partition kept: {reason}");
+        }
+        for name in &report.dropped {
+            tracing::info!(partition = %name, "expired partition detached and dropped");
+        }
+        Ok((policy.interval / 4).clamp(Duration::from_secs(1), MAX_EVERY))
+    })
+    .await;
+    ran.unwrap_or_else(|e| {
+        tracing::warn!(error = %outbox_core::error_chain(&e), "partition maintenance failed; tried again in a minute");
+        Duration::from_secs(60)
+    })
 }
 
 /// Polls `fut` once: its output if it is ready now.
@@ -520,7 +640,7 @@ fn futures_now<F: Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
 
 /// The next backfill batch: NEW rows in the range not parked yet, in id order. `None`
 /// when the range is done (its start then moved to its end).
-fn backfill_batch(c: &mut diesel::PgConnection, limit: i64) -> Result<Option<Vec<RowMessage>>> {
+fn backfill_batch(c: &mut diesel::PgConnection, limit: i64) -> Result<Option<Vec<PgMessageRow>>> {
     let Some(mode) = setup::cdc_mode(c)? else {
         return Err(CdcError::NotSetUp);
     };
@@ -528,10 +648,11 @@ fn backfill_batch(c: &mut diesel::PgConnection, limit: i64) -> Result<Option<Vec
     if from >= upto {
         return Ok(None);
     }
-    let rows: Vec<RowMessage> = diesel::sql_query(format!(
-        "SELECT {ROW_COLUMNS} FROM outbox o WHERE o.status = 0 AND o.id > $1 AND o.id <= $2 \
+    let rows: Vec<PgMessageRow> = diesel::sql_query(format!(
+        "SELECT {columns} FROM outbox o WHERE o.status = 0 AND o.id > $1 AND o.id <= $2 \
          AND NOT EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id) \
-         ORDER BY o.id LIMIT $3"
+         ORDER BY o.id LIMIT $3",
+        columns = PgMessageRow::COLUMNS
     ))
     .bind::<BigInt, _>(from)
     .bind::<BigInt, _>(upto)
@@ -545,13 +666,15 @@ fn backfill_batch(c: &mut diesel::PgConnection, limit: i64) -> Result<Option<Vec
 }
 
 /// The readable rows as messages, and the unreadable ones with the reason.
-fn split_rows(rows: Vec<RowMessage>) -> (Vec<StoredMessage>, Vec<(i64, String)>) {
+fn split_rows(rows: Vec<PgMessageRow>) -> (Vec<StoredMessage>, Vec<(i64, String)>) {
     let mut messages = Vec::with_capacity(rows.len());
     let mut unreadable = Vec::new();
     for r in rows {
+        let id = r.id();
         match r.into_message() {
             Ok(m) => messages.push(m),
-            Err(bad) => unreadable.push(bad),
+            Err(outbox_diesel::Error::CorruptRow { reason, .. }) => unreadable.push((id, reason)),
+            Err(other) => unreadable.push((id, other.to_string())),
         }
     }
     (messages, unreadable)

@@ -235,11 +235,27 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
     if covers {
         return Ok(false);
     }
-    let table = text(conn, "SELECT to_regclass('outbox')::text AS v")?;
+    // From PostgreSQL 15 on, only the columns the relay reads (`decode.rs`): the WAL
+    // sender then converts and sends nothing else of each row (the status, the retry
+    // and send times, the last error).
+    let version: i32 = text(conn, "SELECT current_setting('server_version_num') AS v")?
+        .parse()
+        .unwrap_or(0);
+    let columns = if version >= 150_000 {
+        format!(" ({})", crate::decode::NEEDED.join(", "))
+    } else {
+        String::new()
+    };
+    let table = format!(
+        "{}{columns}",
+        text(conn, "SELECT to_regclass('outbox')::text AS v")?
+    );
     let options = "publish = 'insert', publish_via_partition_root = true";
     conn.batch_execute(&if exists {
         format!(
-            "ALTER PUBLICATION {name} SET TABLE {table}; ALTER PUBLICATION {name} SET ({options})"
+            // The options first: a column list on a partitioned table needs
+            // publish_via_partition_root.
+            "ALTER PUBLICATION {name} SET ({options}); ALTER PUBLICATION {name} SET TABLE {table}"
         )
     } else {
         format!("CREATE PUBLICATION {name} FOR TABLE {table} WITH ({options})")

@@ -439,3 +439,61 @@ async fn a_lost_replication_connection_reconnects_and_loses_nothing() {
         "nothing lost, first copies in commit order"
     );
 }
+
+/// The database work beside the stream (the retry poll, the report, the holder check)
+/// never holds the stream back: with every connection of the relay's pool taken, the
+/// commits that stream in are still published at once. (Run in line, the retry poll
+/// waited for a connection, up to the pool's timeout, before the stream went on: on a
+/// loaded server its round trips stalled the stream once a second.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stream_does_not_wait_for_the_database_work_beside_it() {
+    use diesel::r2d2::{ConnectionManager, Pool};
+
+    let db = Db::start(false);
+    db.setup(&fast());
+    let pool_timeout = Duration::from_secs(30);
+    let pool = Pool::builder()
+        .max_size(2)
+        .connection_timeout(pool_timeout)
+        .build(ConnectionManager::<diesel::PgConnection>::new(&db.url))
+        .unwrap();
+    // The holder check before a publish is due only after half of this.
+    let config = fast().with_takeover_after(Duration::from_secs(300));
+    let (publisher, name) = publisher();
+    let relay = outbox_cdc::CdcRelay::new(&db.url, pool.clone(), publisher)
+        .unwrap()
+        .with_config(config)
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    insert_each(&db, "w", 0..1);
+    wait_for_all(&name, &[msg_id("w", 0)]);
+
+    let taken = tokio::task::spawn_blocking(move || {
+        (0..2).map(|_| pool.get().unwrap()).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    // Retry polls are due every 100 ms: some now wait for a connection.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    insert_each(&db, "w", 1..6);
+    let all: Vec<String> = (0..6).map(|n| msg_id("w", n)).collect();
+    let deadline = std::time::Instant::now() + pool_timeout / 3;
+    while !all.iter().all(|m| stream(&name).contains(m)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream waited for a pool connection: {:?} on the stream",
+            stream(&name)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(taken);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+}

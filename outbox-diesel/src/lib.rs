@@ -96,6 +96,8 @@ pub use migrate::{
 pub use mysql::MysqlRelayStore;
 pub use ops::*;
 #[cfg(feature = "postgres")]
+pub use backend::PgMessageRow;
+#[cfg(feature = "postgres")]
 pub use pg::{
     POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport, PgRelayStore,
     maintain_partitions, migrate_partitioned, partition_policy, partitions, with_keepalives,

@@ -27,7 +27,7 @@ mod sql;
 
 pub(crate) use consumed::{ConsumedInsert, ConsumedSql};
 #[cfg(feature = "postgres")]
-pub(crate) use record::ClaimRow;
+pub use record::PgMessageRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
 pub(crate) use record::{RecordRow, claimed};

@@ -11,7 +11,7 @@ use crate::{Error, OutboxRecord, OutboxRow, Result, UnreadableRecord};
 
 /// The columns of a relay's message ([`StoredMessage`]) but its creation time, which
 /// the two row types below read each in their own form.
-#[derive(QueryableByName)]
+#[derive(Debug, QueryableByName)]
 pub(crate) struct MessageColumns {
     #[diesel(sql_type = BigInt)]
     id: i64,
@@ -190,7 +190,7 @@ impl RecordRow {
     }
 }
 
-/// A claimed row, as the relay gets it: [`RecordRow`] on every backend, [`ClaimRow`]
+/// A claimed row, as the relay gets it: [`RecordRow`] on every backend, [`PgMessageRow`]
 /// on PostgreSQL.
 pub(crate) trait ClaimedRow {
     /// The row as the relay's message, or why it cannot be read.
@@ -208,39 +208,62 @@ impl ClaimedRow for RecordRow {
     }
 }
 
-/// PostgreSQL's claimed row: only the columns the relay uses (those of a
-/// [`StoredMessage`]), with `created_at` decoded by diesel from PostgreSQL's binary
-/// timestamp instead of converted to microseconds by the server (`extract(epoch ..)`
-/// on every row, the claim's costliest expression), and without the status, retry time,
-/// send time and last error that the relay never reads.
+/// An outbox row as a relay reads it on PostgreSQL: the columns of a [`StoredMessage`]
+/// only, `created_at` decoded by diesel from PostgreSQL's binary timestamp instead of
+/// converted to microseconds by the server (`extract(epoch ..)` on every row, the
+/// claim's costliest expression), and without the status, retry time, send time and
+/// last error that a relay never reads.
+///
+/// The polling relay's claim reads its rows with it, and so does any other reader of
+/// rows to publish (the CDC relay's backfill and retry round, in `typed-outbox-cdc`):
+/// select [`COLUMNS`](Self::COLUMNS) from the outbox table aliased `o`, load with
+/// diesel's `sql_query`, and decode each row with [`into_message`](Self::into_message).
+///
+/// ```no_run
+/// use diesel::RunQueryDsl as _;
+/// use outbox_diesel::PgMessageRow;
+///
+/// # fn f(conn: &mut diesel::PgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// let rows: Vec<PgMessageRow> = diesel::sql_query(format!(
+///     "SELECT {} FROM outbox o WHERE o.status = 0 ORDER BY o.id LIMIT 10",
+///     PgMessageRow::COLUMNS
+/// ))
+/// .load(conn)?;
+/// for row in rows {
+///     let message = row.into_message()?;
+///     println!("{} {}", message.id, message.envelope.msg_id);
+/// }
+/// # Ok(()) }
+/// ```
 #[cfg(feature = "postgres")]
-#[derive(QueryableByName)]
-pub(crate) struct ClaimRow {
+#[derive(Debug, QueryableByName)]
+pub struct PgMessageRow {
     #[diesel(embed)]
     message: MessageColumns,
     /// Microseconds since 2000-01-01 UTC, PostgreSQL's own form: decoding into chrono
-    /// here would fail the whole claim on a value chrono cannot hold (PostgreSQL takes
+    /// here would fail the whole query on a value chrono cannot hold (PostgreSQL takes
     /// years up to 294276, and `infinity`), instead of dead-lettering that one row.
     #[diesel(sql_type = diesel::sql_types::Timestamptz)]
     created_at: diesel::data_types::PgTimestamp,
 }
 
 #[cfg(feature = "postgres")]
-impl ClaimRow {
-    /// The select list of a claim, over a table aliased `o`.
-    pub(crate) const COLUMNS: &'static str = "o.id, o.msg_id, o.topic, o.event_type, \
+impl PgMessageRow {
+    /// The select list that reads a row, over the outbox table aliased `o` (either
+    /// layout: plain or partitioned).
+    pub const COLUMNS: &'static str = "o.id, o.msg_id, o.topic, o.event_type, \
         o.msg_key, o.schema_version, o.payload::text AS payload, \
         o.headers::text AS headers, o.retries, o.created_at";
 
-    /// The row's id (PostgreSQL's per-key claim sorts its rows by it).
-    pub(crate) fn id(&self) -> i64 {
+    /// The row's id.
+    pub fn id(&self) -> i64 {
         self.message.id
     }
-}
 
-#[cfg(feature = "postgres")]
-impl ClaimedRow for ClaimRow {
-    fn into_stored(self) -> Result<StoredMessage> {
+    /// The row as a relay's message, or why it cannot be read ([`Error::CorruptRow`]:
+    /// a msg_id or headers written around this library, a `created_at` out of chrono's
+    /// range).
+    pub fn into_message(self) -> Result<StoredMessage> {
         /// 2000-01-01 (PostgreSQL's epoch) in Unix microseconds.
         const PG_EPOCH_US: i64 = 946_684_800_000_000;
         let created_at = self
@@ -252,6 +275,13 @@ impl ClaimedRow for ClaimRow {
             Some(at) => self.message.into_stored(at),
             None => Err(self.message.corrupt("created_at is out of range".into())),
         }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl ClaimedRow for PgMessageRow {
+    fn into_stored(self) -> Result<StoredMessage> {
+        self.into_message()
     }
 }
 

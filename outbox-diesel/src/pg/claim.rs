@@ -11,7 +11,7 @@ use diesel::{PgConnection, RunQueryDsl};
 use outbox_core::StoredMessage;
 
 use crate::Result;
-use crate::backend::{ClaimRow, Floor};
+use crate::backend::{Floor, PgMessageRow};
 
 /// The claim's `BEGIN`, in one round trip: READ COMMITTED whatever the database's
 /// default (under REPEATABLE READ, locking a row that another relay has marked SENT
@@ -145,7 +145,7 @@ pub(super) fn per_key_claim_sql(limit: usize, held: &[i64], floor: Floor) -> Str
            AND p.id NOT IN (SELECT id FROM l){not_held} GROUP BY p.msg_key){k} \
          SELECT l.* FROM l WHERE NOT EXISTS \
            (SELECT 1 FROM b WHERE b.msg_key = l.msg_key AND b.first_out < l.id){not_k}",
-        columns = ClaimRow::COLUMNS,
+        columns = PgMessageRow::COLUMNS,
         from_o = from_floor(floor.at, "o"),
         from_p = from_floor(floor.at, "p"),
     )
@@ -185,14 +185,14 @@ pub(super) fn claim_per_key(
     held: &[i64],
     floor: Floor,
 ) -> Result<Vec<StoredMessage>> {
-    let mut rows: Vec<ClaimRow> =
+    let mut rows: Vec<PgMessageRow> =
         diesel::sql_query(per_key_claim_sql(limit, held, floor)).load(conn)?;
-    rows.sort_unstable_by_key(ClaimRow::id);
+    rows.sort_unstable_by_key(PgMessageRow::id);
     crate::backend::claimed(conn, rows)
 }
 
 /// The unordered claim: due NEW rows in id order, `LIMIT n FOR UPDATE SKIP LOCKED`, as
-/// [`ClaimRow`]s (the relay's columns only, `created_at` as PostgreSQL's binary
+/// [`PgMessageRow`]s (the relay's columns only, `created_at` as PostgreSQL's binary
 /// timestamp).
 ///
 /// `held`: a claim ahead leaves the rows of the batch in hand out by id (`o.id <>
@@ -206,7 +206,7 @@ pub(super) fn claim_sql(limit: usize, held: bool, floor: i64) -> String {
     format!(
         "SELECT {} FROM outbox o WHERE o.status = 0 AND o.next_retry_at <= now(){}{} \
          ORDER BY o.id LIMIT {limit} FOR UPDATE SKIP LOCKED",
-        ClaimRow::COLUMNS,
+        PgMessageRow::COLUMNS,
         from_floor(floor, "o"),
         if held { " AND o.id <> ALL($1)" } else { "" },
     )
@@ -220,7 +220,7 @@ pub(super) fn claim(
     floor: i64,
 ) -> Result<Vec<StoredMessage>> {
     let query = diesel::sql_query(claim_sql(limit, !held.is_empty(), floor));
-    let rows: Vec<ClaimRow> = if held.is_empty() {
+    let rows: Vec<PgMessageRow> = if held.is_empty() {
         query.load(conn)?
     } else {
         query.bind::<Array<BigInt>, _>(held).load(conn)?
