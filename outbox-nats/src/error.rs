@@ -38,6 +38,26 @@ pub enum Error {
         /// The stream's value.
         found: String,
     },
+    /// A group's durable consumer exists on a stream with settings other than the
+    /// consumer's configuration (its `ack_wait`): the consumer refuses it rather than
+    /// change it under the group's other processes.
+    #[error(
+        "durable consumer `{consumer}` on stream `{stream}` exists with {field} = {found}, \
+         the configuration asks for {expected}; edit it (`nats consumer edit {stream} \
+         {consumer}`) or the configuration"
+    )]
+    ConsumerMismatch {
+        /// The stream.
+        stream: String,
+        /// The durable consumer: the group.
+        consumer: String,
+        /// The setting that differs (`ack_wait`).
+        field: &'static str,
+        /// The configured value.
+        expected: String,
+        /// The durable consumer's value.
+        found: String,
+    },
     /// A stream is missing and the configuration does not let us create it
     /// ([`StreamSettings::create`](crate::StreamSettings::create)).
     #[error("stream `{0}` does not exist and `create` is off in its settings")]
@@ -68,6 +88,12 @@ impl Error {
     /// ([`Error::StreamMismatch`]).
     pub fn is_stream_mismatch(&self) -> bool {
         matches!(self, Self::StreamMismatch { .. })
+    }
+
+    /// Whether a group's existing durable consumer differs from the configuration
+    /// ([`Error::ConsumerMismatch`]).
+    pub fn is_consumer_mismatch(&self) -> bool {
+        matches!(self, Self::ConsumerMismatch { .. })
     }
 }
 

@@ -10,7 +10,10 @@ use outbox_core::InvalidConfig;
 
 use crate::{Error, Result};
 
-/// The settings of the streams the outbox creates, and checks on streams that exist.
+/// The settings of the streams the outbox creates, and checks on streams that exist:
+/// a stream whose subjects, replicas, duplicate window, retention, storage, `max_age`
+/// (or `max_message_size`, when set) differ is refused with
+/// [`Error::StreamMismatch`].
 ///
 /// The defaults suit one server: one replica, file storage, limits retention (every
 /// consumer group reads the whole stream; messages leave by age), a duplicate window
@@ -199,8 +202,34 @@ impl StreamSettings {
                 format!("{:?}", found.storage),
             );
         }
+        // Messages leaving sooner than configured would be lost to a consumer that is
+        // behind; kept longer, to the operator's surprise: either way, say so.
+        if found.max_age != self.max_age {
+            return differs(
+                "max_age",
+                format!("{:?}", self.max_age),
+                format!("{:?}", found.max_age),
+            );
+        }
         None
     }
+}
+
+/// The first setting of the durable consumer `found` that differs from the consumer's
+/// configuration ([`Error::ConsumerMismatch`]): its `ack_wait`, which decides when a
+/// message in a handler's hands is delivered to another reader.
+pub(crate) fn consumer_mismatch(
+    found: &async_nats::jetstream::consumer::Config,
+    stream: &str,
+    ack_wait: Duration,
+) -> Option<Error> {
+    (found.ack_wait != ack_wait).then(|| Error::ConsumerMismatch {
+        stream: stream.to_owned(),
+        consumer: found.durable_name.clone().unwrap_or_default(),
+        field: "ack_wait",
+        expected: format!("{ack_wait:?}"),
+        found: format!("{:?}", found.ack_wait),
+    })
 }
 
 /// What the publisher keeps of a stream it created or checked.

@@ -556,3 +556,38 @@ async fn a_message_delivered_past_the_limit_without_an_outcome_is_dead_lettered_
     );
     stop(running).await;
 }
+
+/// A group whose durable consumer exists with another `ack_wait` (another process of
+/// the group, or an operator's edit) is refused with a typed error naming it, before
+/// any message is handled: the server would otherwise redeliver on the other timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_consumer_with_another_ack_wait_is_refused() {
+    let f = Fixture::new().await;
+    let group = unique("g");
+    let db = MemoryDb::new(Ledger::new());
+    let first = f.consumer(&group, AddPoints::default(), &db);
+    let running = spawn(&first);
+    eventually("the durable consumer set up", || first.health().is_ready()).await;
+    stop(running).await;
+
+    let other = Consumer::builder(f.client.clone(), group.as_str())
+        .handle::<PointsEarned, _>(AddPoints::default())
+        .idempotency(db.clone())
+        .with_config(f.config().with_ack_wait(Duration::from_secs(5)))
+        .build()
+        .unwrap();
+    let err = tokio::time::timeout(
+        Duration::from_secs(20),
+        other.run_until(std::future::pending()),
+    )
+    .await
+    .expect("refused at once, not retried as an outage")
+    .unwrap_err();
+    assert!(err.is_consumer_mismatch(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("ack_wait") && text.contains(&group) && text.contains("5s"),
+        "{text}"
+    );
+    assert!(!other.health().running);
+}

@@ -229,6 +229,46 @@ async fn a_stream_with_other_settings_is_refused_with_a_typed_error() {
     assert!(outcomes[1].is_ok(), "{outcomes:?}");
 }
 
+/// A stream whose messages leave at another age than configured (sooner: lost to a
+/// consumer that is behind) is refused, naming `max_age`.
+#[tokio::test]
+async fn a_stream_with_another_max_age_is_refused() {
+    let (naming, _streams) = naming();
+    let client = client(&nats_url()).await;
+    let js = jetstream::new(client.clone());
+    let ours = StreamSettings::default();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: naming.stream("order.paid"),
+        subjects: vec![naming.subject("order.paid")],
+        duplicate_window: ours.duplicate_window,
+        max_age: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let publisher = NatsPublisher::new(
+        client,
+        PublisherConfig::default().with_naming(naming.clone()),
+    )
+    .unwrap();
+    let err = publisher.ensure_streams(["order.paid"]).await.unwrap_err();
+    assert!(err.is_stream_mismatch(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("max_age") && text.contains("3600s") && text.contains("604800s"),
+        "{text}"
+    );
+    // The same age is accepted.
+    let same = NatsPublisher::new(
+        js.client(),
+        PublisherConfig::default()
+            .with_naming(naming)
+            .with_streams(ours.with_max_age(Duration::from_secs(3600))),
+    )
+    .unwrap();
+    same.ensure_streams(["order.paid"]).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_missing_stream_is_refused_when_creation_is_off() {
     let (naming, _streams) = naming();
