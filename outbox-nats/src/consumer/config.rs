@@ -49,9 +49,7 @@ pub struct ConsumerConfig {
     pub batch_size: Option<usize>,
     /// How long the server waits for an acknowledgement before it delivers a message
     /// again (to this or another process of the group). Longer than the slowest
-    /// handler's transaction. Default 30 seconds. A durable consumer of the group that
-    /// exists with another value is refused
-    /// ([`Error::ConsumerMismatch`](crate::Error::ConsumerMismatch)).
+    /// handler's transaction. Default 30 seconds.
     pub ack_wait: Duration,
     /// Deliveries of a message whose handler fails before it is dead-lettered with the
     /// last failure as its reason. Deliveries that met an outage of the store are not
@@ -70,6 +68,13 @@ pub struct ConsumerConfig {
     pub outage_backoff: OutageBackoff,
     /// How long shutdown waits for the messages in hand. Default 30 seconds.
     pub shutdown_timeout: Duration,
+    /// Ordered mode: the messages of each partition subject (of an unpartitioned
+    /// topic: of its subject) handled one at a time, in stream order, across every
+    /// process of the group, so that the messages of one key reach the handler in the
+    /// order they were published. Each partition gets a durable consumer of its own,
+    /// `<group>~p<partition>`, that lets one message at a time be in hand (see
+    /// [Ordered mode](crate::Consumer#ordered-mode)). Default `false`.
+    pub ordered: bool,
 }
 
 impl Default for ConsumerConfig {
@@ -90,6 +95,7 @@ impl Default for ConsumerConfig {
             ignore_unknown_types: false,
             outage_backoff: OutageBackoff::default(),
             shutdown_timeout: Duration::from_secs(30),
+            ordered: false,
         }
     }
 }
@@ -177,6 +183,12 @@ impl ConsumerConfig {
     /// With this shutdown timeout.
     pub fn with_shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// In ordered mode (`true`) or not; see [`ordered`](Self::ordered).
+    pub fn with_ordered(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
         self
     }
 

@@ -5,7 +5,8 @@
 //! - [`config`]: [`ConsumerConfig`]; [`builder`]: [`ConsumerBuilder`]; [`health`]:
 //!   [`ConsumerHealth`] and [`ConsumerStats`];
 //! - [`run`]: [`run_until`](Consumer::run_until), the streams and durable consumers it
-//!   sets up and the pulls of its readers;
+//!   sets up and the pulls of its readers; [`lanes`]: the durable consumer each reader
+//!   pulls from, in ordered mode one per partition;
 //! - [`screen`]: the checks every message meets before the store;
 //! - [`process`]: a message or a batch through the store, then its ack, nak or dead
 //!   letter.
@@ -23,6 +24,7 @@ use outbox_core::{ConsumerStore, Dispatcher, Partitions};
 mod builder;
 mod config;
 mod health;
+mod lanes;
 mod process;
 mod run;
 pub(crate) mod screen;
@@ -51,7 +53,35 @@ use health::{Count, Counters, HealthState};
 ///
 /// Messages are handled concurrently (up to
 /// [`max_in_flight`](ConsumerConfig::max_in_flight)), so messages of one key may be
-/// applied out of order across redeliveries.
+/// applied out of order across redeliveries; ordered mode keeps their order.
+///
+/// # Ordered mode
+///
+/// With [`ConsumerConfig::ordered`], each partition subject of a partitioned topic (an
+/// unpartitioned topic's subject counts as one partition) is read through a durable
+/// consumer of its own, `<group>~p<partition>`, that the server lets have one message
+/// in hand at a time across every process of the group: a partition's next message is
+/// delivered once the one before is acknowledged, after its transaction committed (or
+/// after it was dead-lettered). The messages of a key, which the publisher keeps in
+/// order on their partition's subject, reach the handler in that order.
+///
+/// - A failing message holds its partition alone: it is delivered again after its
+///   delay, before the partition's later messages, until it is applied or
+///   dead-lettered after [`max_deliveries`](ConsumerConfig::max_deliveries); the
+///   partition then moves on. A redriven dead letter comes after the messages of its
+///   key published meanwhile.
+/// - Every process pulls from every partition, so nothing is handed over: a process
+///   that shuts down finishes its message in hand and stops pulling, and the next
+///   message goes to another process at once. The message in hand of a process killed
+///   or frozen is delivered to another after [`ack_wait`](ConsumerConfig::ack_wait):
+///   the longest a partition waits for a reader that is gone.
+/// - Throughput: one message in hand per partition (no concurrency or batching inside
+///   one), so ordered throughput grows with the partition count.
+///
+/// The group's durable consumers of the unordered mode (named after the group) and of
+/// ordered mode are different: a group switched from one to the other starts the new
+/// ones from [`start_from`](ConsumerConfig::start_from), and the inbox skips what was
+/// already applied.
 pub struct Consumer<I, C = <I as ConsumerStore>::Conn> {
     inner: Arc<Inner<I, C>>,
 }

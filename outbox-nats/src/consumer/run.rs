@@ -12,10 +12,11 @@ use outbox_core::ConsumerStore;
 use tokio::sync::watch;
 
 use super::health::Count;
+use super::lanes::{Lane, lanes};
 use super::process::Outcome;
 use super::screen::Job;
 use super::{Consumer, StartFrom, Topic};
-use crate::streams::{consumer_mismatch, ensure_stream, refused};
+use crate::streams::{ensure_stream, refused};
 use crate::{Error, Result};
 
 /// Pulls failed in a row after which a reader sets its stream and durable consumer up
@@ -36,8 +37,7 @@ where
     /// when present, see [`StreamSettings`](crate::StreamSettings)), the dead-letter
     /// stream, and the group's durable pull consumer on each stream. While NATS is
     /// unreachable it waits and tries again; a stream with other settings is
-    /// [`Error::StreamMismatch`], a durable consumer of the group with another
-    /// `ack_wait` [`Error::ConsumerMismatch`].
+    /// [`Error::StreamMismatch`].
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let work = async {
@@ -47,7 +47,7 @@ where
             self.inner.health.set_running(true);
             let reads = readers
                 .into_iter()
-                .map(|(topic, consumer)| self.read(topic, consumer, stop_rx.clone()));
+                .map(|(lane, consumer)| self.read(lane, consumer, stop_rx.clone()));
             futures_util::future::join_all(reads).await;
             Ok(())
         };
@@ -76,7 +76,7 @@ where
     async fn set_up(
         &self,
         mut stop: watch::Receiver<bool>,
-    ) -> Result<Option<Vec<(Topic, PullConsumer)>>> {
+    ) -> Result<Option<Vec<(Lane, PullConsumer)>>> {
         let mut failures = 0;
         loop {
             match self.try_set_up().await {
@@ -94,7 +94,7 @@ where
         }
     }
 
-    async fn try_set_up(&self) -> Result<Vec<(Topic, PullConsumer)>> {
+    async fn try_set_up(&self) -> Result<Vec<(Lane, PullConsumer)>> {
         let inner = &self.inner;
         let naming = &inner.config.naming;
         let dead = inner.config.streams.clone().with_max_age(Duration::ZERO);
@@ -105,11 +105,14 @@ where
             &dead,
         )
         .await?;
-        let mut readers = Vec::with_capacity(inner.topics.len());
         for topic in &inner.topics {
             let subjects = naming.stream_subjects(&topic.name, topic.partitions);
             ensure_stream(&inner.js, &topic.stream, subjects, &inner.config.streams).await?;
-            readers.push((topic.clone(), self.durable(topic).await?));
+        }
+        let mut readers = Vec::new();
+        for lane in lanes(&inner.group, &inner.topics, naming, inner.config.ordered) {
+            let consumer = self.lane_consumer(&lane).await?;
+            readers.push((lane, consumer));
         }
         Ok(readers)
     }
@@ -117,7 +120,7 @@ where
     /// The group's durable pull consumer on `topic`'s stream, created when missing.
     /// The server's own delivery limit is off (`max_deliver` -1): the consumer decides
     /// when a message is dead, and writes it to the dead-letter stream with its reason.
-    async fn durable(&self, topic: &Topic) -> Result<PullConsumer> {
+    pub(super) async fn durable(&self, topic: &Topic) -> Result<PullConsumer> {
         let inner = &self.inner;
         let config = pull::Config {
             durable_name: Some(inner.group.clone()),
@@ -139,7 +142,7 @@ where
             .get_stream_no_info(&*topic.stream)
             .await
             .map_err(|e| unavailable(&e))?;
-        let consumer: PullConsumer = stream
+        stream
             .get_or_create_consumer(&inner.group, config)
             .await
             .map_err(|e| match e.kind() {
@@ -148,26 +151,19 @@ where
                     &js,
                 ),
                 _ => unavailable(&e),
-            })?;
-        match consumer_mismatch(
-            &consumer.cached_info().config,
-            &topic.stream,
-            inner.config.ack_wait,
-        ) {
-            Some(mismatch) => Err(mismatch),
-            None => Ok(consumer),
-        }
+            })
     }
 
-    /// `topic`'s stream and the group's durable consumer on it, checked or created again.
-    async fn refind(&self, topic: &Topic) -> Result<PullConsumer> {
+    /// `lane`'s stream and durable consumer, checked or created again.
+    async fn refind(&self, lane: &Lane) -> Result<PullConsumer> {
         let inner = &self.inner;
+        let topic = &lane.topic;
         let subjects = inner
             .config
             .naming
             .stream_subjects(&topic.name, topic.partitions);
         ensure_stream(&inner.js, &topic.stream, subjects, &inner.config.streams).await?;
-        self.durable(topic).await
+        self.lane_consumer(lane).await
     }
 
     /// Waits `delay`, or less if the run is stopped; returns whether it was.
@@ -181,27 +177,23 @@ where
         }
     }
 
-    /// One reader: pulls from `consumer` and applies what comes, until stopped.
-    async fn read(
-        &self,
-        topic: Topic,
-        mut consumer: PullConsumer,
-        mut stop: watch::Receiver<bool>,
-    ) {
+    /// One reader: pulls from `lane`'s `consumer` and applies what comes, until stopped.
+    async fn read(&self, lane: Lane, mut consumer: PullConsumer, mut stop: watch::Receiver<bool>) {
+        let topic = &lane.topic;
         let mut failures = 0;
         while !*stop.borrow() {
             self.inner.health.round();
             if failures >= REFIND_AFTER && failures % REFIND_AFTER == 0 {
                 // The server may have come back without the stream or the durable
                 // consumer (memory storage, an operator's delete): set them up again.
-                match self.refind(&topic).await {
+                match self.refind(&lane).await {
                     Ok(found) => consumer = found,
                     Err(e) => {
                         tracing::warn!(stream = %topic.stream, error = %e, "cannot set the stream up again")
                     }
                 }
             }
-            let outage = match self.pull(&topic, &consumer).await {
+            let outage = match self.pull(topic, &consumer).await {
                 Ok(outage) => {
                     failures = 0;
                     self.inner.health.broker_answered();
