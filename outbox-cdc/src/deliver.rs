@@ -7,17 +7,19 @@ use std::collections::HashSet;
 use chrono::Utc;
 use outbox_core::{Publisher, RejectKind, StoredMessage};
 
-use crate::park::{Writes, db};
+use crate::park::Writes;
+use crate::store::FailureWrites;
 use crate::{CdcConfig, CdcError, PgPool, Result};
 
-/// The publisher and the database, as the holder of the slot uses them.
-pub(crate) struct Deliverer<'a, P> {
-    pub(crate) pool: &'a PgPool,
+/// The publisher and the database, as the holder of the slot uses them (`S`: the
+/// database the failure path writes to, PostgreSQL's pool or MySQL's).
+pub(crate) struct Deliverer<'a, P, S = PgPool> {
+    pub(crate) pool: &'a S,
     pub(crate) publisher: &'a P,
     pub(crate) config: &'a CdcConfig,
 }
 
-impl<P: Publisher> Deliverer<'_, P> {
+impl<P: Publisher, S: FailureWrites> Deliverer<'_, P, S> {
     /// Publishes `messages` (in commit order) in calls of at most `batch_size`, parking
     /// those whose key has parked messages (`blocked`), and records the refusals. `Ok`
     /// once every message was taken by the broker, parked or dead: the caller may then
@@ -48,7 +50,7 @@ impl<P: Publisher> Deliverer<'_, P> {
             self.publish(&last, blocked, &mut writes).await?;
         }
         if !writes.is_empty() {
-            db(self.pool, move |c| writes.apply(c)).await?;
+            self.pool.write(writes).await?;
         }
         Ok(())
     }

@@ -109,6 +109,42 @@ pub enum CdcError {
     /// The publisher failed as a whole (see [`outbox_core::Publisher`]).
     #[error("publisher failed")]
     Publish(#[source] outbox_core::Error),
+    /// A MySQL / MariaDB server setting keeps the binlog relay from running (feature
+    /// `mysql`): the binlog off, not in row format, without full row images or column
+    /// names, compressed, or a server whose binlog the relay does not read.
+    #[error("{setting} is `{found}`, the binlog CDC relay needs {needed}: {fix}")]
+    BinlogSetting {
+        /// The server variable (or `server` for the server itself).
+        setting: String,
+        /// Its value.
+        found: String,
+        /// The value the relay needs.
+        needed: String,
+        /// What to change.
+        fix: String,
+    },
+    /// The MySQL / MariaDB user lacks a global privilege the binlog relay needs
+    /// (`REPLICATION SLAVE` to read the binlog, `BINLOG MONITOR` for its position).
+    #[error("user {user} lacks the {privilege} privilege: GRANT {privilege} ON *.* TO {user}")]
+    MissingPrivilege {
+        /// The user the relay connects as (`CURRENT_USER()`).
+        user: String,
+        /// The missing privilege.
+        privilege: String,
+    },
+    /// The binlog no longer holds the relay's stored position (error 1236: purged by
+    /// `binlog_expire_logs_seconds` or `PURGE BINARY LOGS` while the relay was behind):
+    /// the binlog's lost slot. No message is lost (rows stay NEW): recover with
+    /// `outbox_cdc::mysql::recover_lost_position`, which backfills what it missed.
+    #[error(
+        "the binlog no longer holds the relay's position `{position}` ({reason}): stop the relays and run `outbox_cdc::mysql::recover_lost_position`, which backfills the messages it missed"
+    )]
+    PositionLost {
+        /// The stored GTID position.
+        position: String,
+        /// The server's message.
+        reason: String,
+    },
     /// The switch back to the polling relay did not finish in time
     /// ([`switch_to_polling`](crate::switch_to_polling)).
     #[error("switch to polling not finished: {0}")]

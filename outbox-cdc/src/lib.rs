@@ -40,10 +40,13 @@ mod decode;
 mod deliver;
 mod error;
 mod heartbeat;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 mod park;
 mod relay;
 mod session;
 mod setup;
+mod store;
 mod target;
 mod watermark;
 

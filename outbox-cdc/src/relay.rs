@@ -23,7 +23,15 @@ pub(crate) struct Stop<'a, F> {
     done: bool,
 }
 
-impl<F: Future<Output = ()>> Stop<'_, F> {
+impl<'a, F: Future<Output = ()>> Stop<'a, F> {
+    /// The signal, not completed yet.
+    pub(crate) fn new(signal: Pin<&'a mut F>) -> Self {
+        Self {
+            signal,
+            done: false,
+        }
+    }
+
     /// Completes when the signal has (at once, if it already did).
     pub(crate) async fn wait(&mut self) {
         if !self.done {
@@ -100,10 +108,7 @@ impl<P: Publisher> CdcRelay<P> {
     /// returned.
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         let signal = std::pin::pin!(shutdown);
-        let mut stop = Stop {
-            signal,
-            done: false,
-        };
+        let mut stop = Stop::new(signal);
         let mut outages = 0u32;
         loop {
             let err = match self.hold(&mut stop).await {

@@ -1,8 +1,10 @@
 //! MySQL / MariaDB: the relay store, polling for work.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use diesel::MysqlConnection;
+use diesel::{MysqlConnection, QueryableByName, RunQueryDsl as _};
 use outbox_core::{Backlog, RelayStore};
 
 use crate::ClaimOrder;
@@ -36,6 +38,8 @@ use crate::store::{LockedBatch, LockedClaim, blocking};
 pub struct MysqlRelayStore {
     pool: MysqlPool,
     claim: LockedClaim,
+    /// No CDC relay owns the outbox (looked at the first claim; see [`cdc_lock`]).
+    not_cdc: Arc<AtomicBool>,
 }
 
 impl MysqlRelayStore {
@@ -45,6 +49,7 @@ impl MysqlRelayStore {
         Self {
             pool,
             claim: LockedClaim::default(),
+            not_cdc: Arc::default(),
         }
     }
 
@@ -86,10 +91,58 @@ impl MysqlRelayStore {
     }
 }
 
+impl MysqlRelayStore {
+    /// Refuses to relay ([`outbox_core::Error::RelayConflict`], which stops the relay)
+    /// an outbox that the binlog CDC relay (`typed-outbox-cdc`, feature `mysql`) owns:
+    /// it publishes every row from the binlog and leaves them NEW, so this relay would
+    /// publish them all again.
+    async fn refuse_in_cdc_mode(&self) -> Result<(), outbox_core::Error> {
+        let pool = self.pool.clone();
+        match blocking(move || cdc_lock(&mut *pool.get()?)).await? {
+            None => {
+                self.not_cdc.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            Some(lock) => Err(outbox_core::Error::RelayConflict(
+                format!(
+                    "this outbox is relayed by the binlog CDC relay (lock `{lock}`, table \
+                     outbox_cdc): a polling relay would publish every row again; run the CDC \
+                     relay, or switch back to polling with outbox_cdc::mysql::switch_to_polling first"
+                )
+                .into(),
+            )),
+        }
+    }
+}
+
+/// The CDC relay's lock name if CDC mode is on (the `outbox_cdc` table of
+/// typed-outbox-cdc holds a row).
+fn cdc_lock(conn: &mut MysqlConnection) -> crate::Result<Option<String>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+        name: Option<String>,
+    }
+    let exists: Vec<Row> = diesel::sql_query(
+        "SELECT table_name AS name FROM information_schema.tables \
+         WHERE table_schema = DATABASE() AND table_name = 'outbox_cdc'",
+    )
+    .load(conn)?;
+    if exists.is_empty() {
+        return Ok(None);
+    }
+    let rows: Vec<Row> =
+        diesel::sql_query("SELECT slot_name AS name FROM outbox_cdc LIMIT 1").load(conn)?;
+    Ok(rows.into_iter().next().and_then(|r| r.name))
+}
+
 impl RelayStore for MysqlRelayStore {
     type Batch = LockedBatch<MysqlConnection>;
 
     async fn claim(&self, limit: usize) -> Result<Self::Batch, outbox_core::Error> {
+        if !self.not_cdc.load(Ordering::Relaxed) {
+            self.refuse_in_cdc_mode().await?;
+        }
         let (pool, held) = (self.pool.clone(), Vec::new());
         let (batch, ()) =
             LockedBatch::claim(pool, limit, self.claim, held, |_| Ok(Default::default())).await?;

@@ -1,0 +1,265 @@
+//! Reading the binlog: a `COM_BINLOG_DUMP` session from a GTID position, its events
+//! grouped into commits, and the inserts into `outbox` decoded into messages.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::{FutureExt as _, StreamExt as _};
+use mysql_async::binlog::EventType;
+use mysql_async::binlog::events::{Event, EventData};
+use mysql_async::binlog::value::BinlogValue;
+use mysql_async::prelude::Queryable as _;
+use mysql_async::{BinlogStream, BinlogStreamRequest, Conn, Opts};
+use outbox_core::StoredMessage;
+
+use super::GtidPosition;
+use super::position::{MARIADB_GTID_EVENT, MariadbGtid};
+use super::rows::{columns, value_text};
+use crate::{CdcError, Result};
+
+/// The server error of a dump whose position the binlog no longer holds (purged), or
+/// which it cannot serve otherwise (`ER_MASTER_FATAL_ERROR_READING_BINLOG`).
+const ER_MASTER_FATAL_ERROR_READING_BINLOG: u16 = 1236;
+
+/// MariaDB's compressed event types (`log_bin_compress`), which mysql_common cannot read.
+const MARIADB_COMPRESSED_EVENTS: std::ops::RangeInclusive<u8> = 166..=171;
+
+/// A transaction read from the binlog.
+pub(crate) struct Commit {
+    /// The position once this transaction is published.
+    pub(crate) after: GtidPosition,
+    /// When it committed (the GTID event's timestamp, whole seconds).
+    pub(crate) time: DateTime<Utc>,
+    pub(crate) messages: Vec<StoredMessage>,
+    /// Rows that cannot be read: id, why. They become DEAD.
+    pub(crate) unreadable: Vec<(i64, String)>,
+}
+
+/// The transaction being read: its GTID and what it inserted so far.
+struct Open {
+    gtid: MariadbGtid,
+    server: u32,
+    commit: Commit,
+}
+
+/// A binlog dump from a position.
+pub(crate) struct Binlog {
+    stream: BinlogStream,
+    /// The outbox's database (the relay's URL's).
+    database: String,
+    /// The position after the last transaction closed.
+    position: GtidPosition,
+    /// Where the dump started (for the error of a purged position).
+    from: GtidPosition,
+    open: Option<Open>,
+}
+
+impl Binlog {
+    /// Starts a dump as replica `server_id` right after `from`, with a heartbeat event
+    /// every `heartbeat` while the binlog is idle.
+    pub(crate) async fn open(
+        opts: &Opts,
+        server_id: u32,
+        from: &GtidPosition,
+        heartbeat: Duration,
+    ) -> Result<Self> {
+        let replication = |e: mysql_async::Error| CdcError::Replication(Box::new(e));
+        let mut conn = Conn::new(opts.clone()).await.map_err(replication)?;
+        // MariaDB's own events (GTID) instead of their MySQL stand-ins, and the start by
+        // GTID: the server starts the dump after the transactions of `from`.
+        conn.query_drop("SET @mariadb_slave_capability = 4")
+            .await
+            .map_err(replication)?;
+        conn.exec_drop("SET @slave_connect_state = ?", (from.to_string(),))
+            .await
+            .map_err(replication)?;
+        let nanos = u64::try_from(heartbeat.as_nanos()).unwrap_or(u64::MAX);
+        conn.query_drop(format!("SET @master_heartbeat_period = {nanos}"))
+            .await
+            .map_err(replication)?;
+        let database = opts.db_name().unwrap_or_default().to_owned();
+        let request = BinlogStreamRequest::new(server_id)
+            .with_filename(b"")
+            .with_pos(4);
+        let stream = conn
+            .get_binlog_stream(request)
+            .await
+            .map_err(|e| stream_error(e, from))?;
+        Ok(Self {
+            stream,
+            database,
+            position: from.clone(),
+            from: from.clone(),
+            open: None,
+        })
+    }
+
+    /// Waits for the next event and adds the transactions it closes to `ready`.
+    pub(crate) async fn read(&mut self, ready: &mut Vec<Commit>) -> Result<()> {
+        let ev = self.stream.next().await;
+        self.handle(ev, ready)
+    }
+
+    /// Reads the events already received, without waiting, until `ready` holds `limit`
+    /// messages.
+    pub(crate) fn read_ready(&mut self, ready: &mut Vec<Commit>, limit: usize) -> Result<()> {
+        while ready.iter().map(|c| c.messages.len()).sum::<usize>() < limit {
+            let Some(ev) = self.stream.next().now_or_never() else {
+                break;
+            };
+            self.handle(ev, ready)?;
+        }
+        Ok(())
+    }
+
+    /// The position after the last transaction read to its end.
+    pub(crate) fn position(&self) -> &GtidPosition {
+        &self.position
+    }
+
+    /// The time of the transaction being read, if one is.
+    pub(crate) fn open_since(&self) -> Option<DateTime<Utc>> {
+        self.open.as_ref().map(|o| o.commit.time)
+    }
+
+    fn handle(
+        &mut self,
+        ev: Option<mysql_async::Result<Event>>,
+        ready: &mut Vec<Commit>,
+    ) -> Result<()> {
+        let ev = match ev {
+            None => return Err(CdcError::Replication("the binlog dump ended".into())),
+            Some(Err(e)) => return Err(stream_error(e, &self.from)),
+            Some(Ok(ev)) => ev,
+        };
+        let header = ev.header();
+        let raw = header.event_type_raw();
+        if raw == MARIADB_GTID_EVENT {
+            self.close_standalone(ready);
+            let gtid = MariadbGtid::read(ev.data())?;
+            self.open = Some(Open {
+                gtid,
+                server: header.server_id(),
+                commit: Commit {
+                    after: GtidPosition::default(),
+                    time: DateTime::from_timestamp(i64::from(header.timestamp()), 0)
+                        .unwrap_or_default(),
+                    messages: Vec::new(),
+                    unreadable: Vec::new(),
+                },
+            });
+            return Ok(());
+        }
+        if MARIADB_COMPRESSED_EVENTS.contains(&raw) {
+            return Err(CdcError::Decode(
+                "a compressed binlog event (log_bin_compress = ON): set log_bin_compress = OFF"
+                    .into(),
+            ));
+        }
+        match header.event_type() {
+            Ok(EventType::XID_EVENT) => self.close(ready),
+            Ok(EventType::QUERY_EVENT) => {
+                if let Ok(Some(EventData::QueryEvent(q))) = ev.read_data()
+                    && q.query().trim().eq_ignore_ascii_case("COMMIT")
+                {
+                    self.close(ready);
+                }
+            }
+            Ok(EventType::HEARTBEAT_EVENT) => self.close_standalone(ready),
+            Ok(EventType::WRITE_ROWS_EVENT | EventType::WRITE_ROWS_EVENT_V1) => self.rows(&ev)?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Closes the open transaction: the position moves past it.
+    fn close(&mut self, ready: &mut Vec<Commit>) {
+        if let Some(Open {
+            gtid,
+            server,
+            mut commit,
+        }) = self.open.take()
+        {
+            self.position.advance(gtid.domain, server, gtid.seq);
+            commit.after = self.position.clone();
+            ready.push(commit);
+        }
+    }
+
+    /// A standalone statement (DDL) has no XID or COMMIT: it ends where the next group
+    /// starts, or at a heartbeat (the binlog is idle).
+    fn close_standalone(&mut self, ready: &mut Vec<Commit>) {
+        if self.open.as_ref().is_some_and(|o| o.gtid.standalone) {
+            self.close(ready);
+        }
+    }
+
+    /// The inserted rows of `outbox` in this database, as messages of the open
+    /// transaction.
+    fn rows(&mut self, ev: &Event) -> Result<()> {
+        let decode = |e: std::io::Error| CdcError::Decode(e.to_string());
+        let Some(EventData::RowsEvent(rows)) = ev.read_data().map_err(decode)? else {
+            return Ok(());
+        };
+        let tme = self.stream.get_tme(rows.table_id()).ok_or_else(|| {
+            CdcError::Decode(format!(
+                "rows of table {} before its table map",
+                rows.table_id()
+            ))
+        })?;
+        if tme.table_name() != "outbox" || tme.database_name() != self.database.as_str() {
+            return Ok(());
+        }
+        let open = self
+            .open
+            .as_mut()
+            .ok_or_else(|| CdcError::Decode("outbox rows outside a transaction".into()))?;
+        let mut outbox_columns = None;
+        for row in rows.rows(tme) {
+            let Some(mut after) = row.map_err(decode)?.1 else {
+                continue;
+            };
+            if outbox_columns.is_none() {
+                let names = after.columns_ref().iter();
+                outbox_columns = Some(columns(names.map(|c| c.name_str().into_owned()).collect())?);
+            }
+            let Some(cols) = &outbox_columns else {
+                continue;
+            };
+            let values: Vec<Option<String>> = (0..after.len())
+                .map(|i| match after.take(i) {
+                    Some(BinlogValue::Value(v)) => value_text(v),
+                    Some(other) => Some(format!("{other:?}")),
+                    None => None,
+                })
+                .collect();
+            match cols.message(&values) {
+                Ok(m) => open.commit.messages.push(m),
+                Err(e) => match cols.id(&values) {
+                    Some(id) => open.commit.unreadable.push((id, e.to_string())),
+                    None => return Err(e),
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the dump.
+    pub(crate) async fn close_stream(self) {
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.stream.close()).await;
+    }
+}
+
+/// A dump's error: [`CdcError::PositionLost`] when the server cannot serve the position
+/// (error 1236: the binlog holding it was purged), else a replication outage.
+fn stream_error(e: mysql_async::Error, from: &GtidPosition) -> CdcError {
+    match &e {
+        mysql_async::Error::Server(s) if s.code == ER_MASTER_FATAL_ERROR_READING_BINLOG => {
+            CdcError::PositionLost {
+                position: from.to_string(),
+                reason: s.message.clone(),
+            }
+        }
+        _ => CdcError::Replication(Box::new(e)),
+    }
+}
