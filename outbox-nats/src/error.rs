@@ -38,25 +38,23 @@ pub enum Error {
         /// The stream's value.
         found: String,
     },
-    /// A group's durable consumer exists on a stream with settings other than the
-    /// consumer's configuration (its `ack_wait`): the consumer refuses it rather than
-    /// change it under the group's other processes.
+    /// A group's durable consumer exists on a stream with another `ack_wait` than the
+    /// consumer's configuration: the consumer refuses it rather than change it under the
+    /// group's other processes.
     #[error(
-        "durable consumer `{consumer}` on stream `{stream}` exists with {field} = {found}, \
-         the configuration asks for {expected}; edit it (`nats consumer edit {stream} \
-         {consumer}`) or the configuration"
+        "durable consumer `{consumer}` on stream `{stream}` exists with ack_wait = \
+         {found:?}, the configuration asks for {expected:?}; edit it (`nats consumer edit \
+         {stream} {consumer}`) or the configuration"
     )]
     ConsumerMismatch {
         /// The stream.
         stream: String,
         /// The durable consumer: the group.
         consumer: String,
-        /// The setting that differs (`ack_wait`).
-        field: &'static str,
-        /// The configured value.
-        expected: String,
-        /// The durable consumer's value.
-        found: String,
+        /// The configured `ack_wait`.
+        expected: std::time::Duration,
+        /// The durable consumer's.
+        found: std::time::Duration,
     },
     /// A stream is missing and the configuration does not let us create it
     /// ([`StreamSettings::create`](crate::StreamSettings::create)).

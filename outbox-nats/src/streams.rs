@@ -226,9 +226,8 @@ pub(crate) fn consumer_mismatch(
     (found.ack_wait != ack_wait).then(|| Error::ConsumerMismatch {
         stream: stream.to_owned(),
         consumer: found.durable_name.clone().unwrap_or_default(),
-        field: "ack_wait",
-        expected: format!("{ack_wait:?}"),
-        found: format!("{:?}", found.ack_wait),
+        expected: ack_wait,
+        found: found.ack_wait,
     })
 }
 
