@@ -187,36 +187,82 @@ fn serve<S: RelayStore, P: Publisher>(store: S, parts: Parts<'_, P>) -> Result<(
     let relay = Relay::new(store, publisher)
         .with_config(config)
         .map_err(CliError::RelayStart)?;
-    runtime.block_on(async {
-        #[cfg(feature = "admin")]
-        if let Some(addr) = args.admin_addr {
-            crate::admin::serve(addr, db.clone(), broker.clone(), args.ready_max_age).await?;
-        }
-        #[cfg(not(feature = "admin"))]
-        let _ = (db, broker);
-        let mut stopping = stop.stop.clone();
-        let mut stopped = stop.stop;
-        let shutdown = async move {
-            let _ = stopping.wait_for(|s| *s).await;
-        };
-        stop.started.store(true, Ordering::SeqCst);
-        // A batch stuck in a lock wait or on a broker that does not answer must not hold
-        // the process past its supervisor's grace period: dropping the batch rolls its
-        // claim back, so its rows stay NEW for the next relay.
-        let timeout = args.shutdown_timeout;
-        let deadline = async move {
-            let _ = stopped.wait_for(|s| *s).await;
-            tokio::time::sleep(timeout).await;
-        };
-        tracing::info!("relay running; stop it with SIGINT or SIGTERM");
-        tokio::select! {
-            result = relay.run_until(shutdown) => result.map_err(CliError::Relay),
-            () = deadline => {
-                tracing::warn!(?timeout, "shutdown timeout reached; the batch in hand is released and stays NEW");
-                Ok(())
+    // A batch stuck in a lock wait or on a broker that does not answer must not hold the
+    // process past its supervisor's grace period: dropping the batch rolls its claim
+    // back, so its rows stay NEW for the next relay.
+    let served = Served {
+        runtime,
+        db,
+        broker,
+        args,
+        stop,
+        running: "relay running; stop it with SIGINT or SIGTERM",
+        given_up: "shutdown timeout reached; the batch in hand is released and stays NEW",
+    };
+    served.run(|shutdown| async move { relay.run_until(shutdown).await.map_err(CliError::Relay) })
+}
+
+/// What a relay (polling or CDC) is served with: the admin endpoint, the signals, and
+/// the shutdown timeout.
+struct Served<'a> {
+    runtime: &'a Runtime,
+    db: &'a Database,
+    broker: &'a Broker,
+    args: &'a RelayArgs,
+    stop: Stop,
+    /// Logged once the relay runs.
+    running: &'static str,
+    /// Logged when the shutdown timeout ends a relay that did not stop by itself: what
+    /// becomes of the work in hand.
+    given_up: &'static str,
+}
+
+impl Served<'_> {
+    /// Starts the admin endpoint (with `--admin-addr`), then runs `relay`, which is
+    /// handed the stop request (SIGINT or SIGTERM), until it returns, or until
+    /// `--shutdown-timeout` after the stop request if it does not.
+    fn run<F, R>(self, relay: F) -> Result<(), CliError>
+    where
+        F: FnOnce(std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> R,
+        R: Future<Output = Result<(), CliError>>,
+    {
+        let Self {
+            runtime,
+            db,
+            broker,
+            args,
+            stop,
+            running,
+            given_up,
+        } = self;
+        runtime.block_on(async {
+            #[cfg(feature = "admin")]
+            if let Some(addr) = args.admin_addr {
+                crate::admin::serve(addr, db.clone(), broker.clone(), args.ready_max_age).await?;
             }
-        }
-    })
+            #[cfg(not(feature = "admin"))]
+            let _ = (db, broker);
+            let mut stopping = stop.stop.clone();
+            let mut stopped = stop.stop;
+            let shutdown = Box::pin(async move {
+                let _ = stopping.wait_for(|s| *s).await;
+            });
+            stop.started.store(true, Ordering::SeqCst);
+            let timeout = args.shutdown_timeout;
+            let deadline = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+                tokio::time::sleep(timeout).await;
+            };
+            tracing::info!("{running}");
+            tokio::select! {
+                result = relay(shutdown) => result,
+                () = deadline => {
+                    tracing::warn!(?timeout, "{given_up}");
+                    Ok(())
+                }
+            }
+        })
+    }
 }
 
 /// The Redis publisher's config from the arguments; refuses a topic given two counts,

@@ -3,13 +3,11 @@
 //! and signals as the polling relay. The relays of one database share the slot: one reads
 //! it, the others wait and take it over when it dies, stops or freezes.
 
-use std::sync::atomic::Ordering;
-
 use diesel::PgConnection;
 use outbox_cdc::{CdcConfig, CdcRelay};
 use outbox_core::{Publisher, RetryPolicy};
 
-use super::{Parts, pool};
+use super::{Parts, Served, pool};
 use crate::error::CliError;
 
 /// Runs the CDC relay on `parts` until SIGINT or SIGTERM, or an error that is not an
@@ -47,33 +45,16 @@ pub(super) fn serve<P: Publisher>(parts: Parts<'_, P>) -> Result<(), CliError> {
         .with_retry(RetryPolicy::default().with_max_attempts(args.max_attempts));
     let relay = CdcRelay::new(&db.target, pool, publisher)?.with_config(config)?;
     tracing::info!(name = relay.application_name(), "CDC relay starting");
-    runtime.block_on(async {
-        #[cfg(feature = "admin")]
-        if let Some(addr) = args.admin_addr {
-            crate::admin::serve(addr, db.clone(), broker.clone(), args.ready_max_age).await?;
-        }
-        #[cfg(not(feature = "admin"))]
-        let _ = broker;
-        let mut stopping = stop.stop.clone();
-        let mut stopped = stop.stop;
-        let shutdown = async move {
-            let _ = stopping.wait_for(|s| *s).await;
-        };
-        stop.started.store(true, Ordering::SeqCst);
-        // Nothing is lost by giving up: what was published and not confirmed is read
-        // again by the next holder of the slot (the consumers' inbox absorbs it).
-        let timeout = args.shutdown_timeout;
-        let deadline = async move {
-            let _ = stopped.wait_for(|s| *s).await;
-            tokio::time::sleep(timeout).await;
-        };
-        tracing::info!("CDC relay running; stop it with SIGINT or SIGTERM");
-        tokio::select! {
-            result = relay.run_until(shutdown) => result.map_err(CliError::from),
-            () = deadline => {
-                tracing::warn!(?timeout, "shutdown timeout reached; the next holder of the slot reads again from its confirmed position");
-                Ok(())
-            }
-        }
-    })
+    // Nothing is lost by giving up: what was published and not confirmed is read again
+    // by the next holder of the slot (the consumers' inbox absorbs it).
+    let served = Served {
+        runtime,
+        db,
+        broker,
+        args,
+        stop,
+        running: "CDC relay running; stop it with SIGINT or SIGTERM",
+        given_up: "shutdown timeout reached; the next holder of the slot reads again from its confirmed position",
+    };
+    served.run(|shutdown| async move { relay.run_until(shutdown).await.map_err(CliError::from) })
 }
