@@ -28,6 +28,12 @@ pub(crate) trait BrokerServer {
     fn readers(&self, window: Duration) -> Result<HashSet<String>, BoxError>;
     /// Messages in `stream`; `<stream>:dead` is its dead letters.
     fn len(&self, stream: &str) -> Result<u64, BoxError>;
+    /// The consumer names holding an ordered-mode lease of the run's group on one of
+    /// `streams` (Redis). NATS keeps no such lease the run can read: an error, so that
+    /// a check that asks stays strict.
+    fn lease_holders(&self, _streams: &[String]) -> Result<HashSet<String>, BoxError> {
+        Err("no ordered-mode leases the run can read on this broker".into())
+    }
 }
 
 impl BrokerServer for RedisServer {
@@ -57,6 +63,9 @@ impl BrokerServer for RedisServer {
     }
     fn len(&self, stream: &str) -> Result<u64, BoxError> {
         RedisServer::len(self, stream)
+    }
+    fn lease_holders(&self, streams: &[String]) -> Result<HashSet<String>, BoxError> {
+        RedisServer::lease_holders(self, streams, crate::GROUP)
     }
 }
 

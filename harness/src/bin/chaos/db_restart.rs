@@ -11,7 +11,12 @@
 //!    could finish its share before the server was gone and have nothing to fail on.
 //! 3. Down for the planned length: every process must stay up; the relay's `/healthz`
 //!    and the consumer's `/readyz` must report the outage (503), the consumer's
-//!    `/healthz` (liveness) must stay 200: an outage is no reason to restart it.
+//!    `/healthz` (liveness) must stay 200: an outage is no reason to restart it. An
+//!    ordered consumer that holds no partition's lease all along (the consumers' leases
+//!    expire while they are stopped, and whichever resumes first may take every
+//!    partition) has no work, touches no database, and has nothing to report: it is
+//!    noted (`db_idle`), not failed. Readiness reports failing work, not a database the
+//!    consumer does not use at the moment.
 //! 4. Started again on the same files and port: every process must work again within
 //!    [`RESUME_LIMIT`]. A consumer works again once it is ready again (a message of its
 //!    own committed). A relay works again at its first publish, or, when the other relay
@@ -61,6 +66,11 @@ pub(crate) struct DbRestart {
     pub(crate) exits: Vec<String>,
     /// Processes whose probe never reported the outage.
     pub(crate) unreported: Vec<String>,
+    /// Ordered consumers that held no partition's lease at any probe of the outage, and
+    /// did not report it: they had nothing to do, so touched no database, and their
+    /// readiness (which reports failing work, not a database it does not use) had
+    /// nothing to fail on. Not a failure; noted.
+    pub(crate) idle: Vec<String>,
     /// Consumers whose liveness probe failed during the outage.
     pub(crate) not_live: Vec<String>,
     /// Processes not working again within [`RESUME_LIMIT`].
@@ -224,6 +234,7 @@ fn crash(
     );
     let mut reported = BTreeSet::new();
     let mut not_live = BTreeSet::new();
+    let mut leased = BTreeSet::new();
     let mut next_probe = down_at;
     while down_at.elapsed() < len {
         interrupted()?;
@@ -235,6 +246,7 @@ fn crash(
             }
         }
         if Instant::now() >= next_probe {
+            note_leases(world, &mut leased);
             for (i, p) in world.procs.iter().enumerate() {
                 if !p.is_running() {
                     continue;
@@ -256,12 +268,47 @@ fn crash(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let unreported: BTreeSet<usize> = (0..world.procs.len())
+    let (idle, unreported): (BTreeSet<usize>, BTreeSet<usize>) = (0..world.procs.len())
         .filter(|i| !reported.contains(i))
-        .collect();
+        .partition(|&i| {
+            world.c.ordered && world.procs[i].role == Role::Consumer && !leased.contains(&i)
+        });
     report.unreported = names(world, &unreported);
+    report.idle = names(world, &idle);
+    for name in &report.idle {
+        eprintln!(
+            "chaos: db_restart: {name} held no partition during the outage (nothing to \
+             fail on): not counted as unreported"
+        );
+    }
     report.not_live = names(world, &not_live);
     Ok(down_at)
+}
+
+/// Adds to `leased` the ordered consumers holding a partition's lease now (by the pid
+/// in their name, `<host>-<pid>-<random>`). If Redis cannot tell, every consumer counts
+/// as holding one: the check stays strict.
+fn note_leases(world: &World<'_>, leased: &mut BTreeSet<usize>) {
+    if !world.c.ordered {
+        return;
+    }
+    let redis = world.redis.as_deref().expect("started");
+    let holders = redis.lease_holders(&world.streams);
+    for (i, p) in world.procs.iter().enumerate() {
+        if p.role != Role::Consumer {
+            continue;
+        }
+        let holds = match (&holders, p.pid()) {
+            (Ok(holders), Some(pid)) => {
+                let pid = format!("-{pid}-");
+                holders.iter().any(|h| h.contains(&pid))
+            }
+            _ => true,
+        };
+        if holds {
+            leased.insert(i);
+        }
+    }
 }
 
 /// 4. Back, and every process working again.

@@ -215,6 +215,27 @@ impl RedisServer {
         Ok(names)
     }
 
+    /// The consumers holding an ordered-mode lease of `group` on one of `streams`: the
+    /// holder's name in each lease (`<stream>:lease:<group>`, whose value is
+    /// `<epoch>:<holder>`).
+    pub(crate) fn lease_holders(
+        &self,
+        streams: &[String],
+        group: &str,
+    ) -> Result<HashSet<String>, BoxError> {
+        let mut c = self.connection()?;
+        let mut holders = HashSet::new();
+        for stream in streams {
+            let value: Option<String> = redis::cmd("GET")
+                .arg(format!("{stream}:lease:{group}"))
+                .query(&mut c)?;
+            if let Some((_, holder)) = value.as_deref().and_then(|v| v.split_once(':')) {
+                holders.insert(holder.to_owned());
+            }
+        }
+        Ok(holders)
+    }
+
     /// `XLEN stream`.
     pub(crate) fn len(&self, stream: &str) -> Result<u64, BoxError> {
         let mut c = self.connection()?;

@@ -343,13 +343,14 @@ fn mode(c: &Config) -> String {
 /// other runs' lines stay as they were).
 fn db_restart_fields(d: &DbRestart) -> String {
     format!(
-        " db_down={:.1}s db_resume={} db_exits={} db_unreported={} db_not_live={} \
-         db_not_resumed={} db_bad_sigterms={}",
+        " db_down={:.1}s db_resume={} db_exits={} db_unreported={} db_idle={} \
+         db_not_live={} db_not_resumed={} db_bad_sigterms={}",
         d.down.as_secs_f64(),
         d.resumed
             .map_or("never".to_owned(), |r| format!("{:.1}s", r.as_secs_f64())),
         d.exits.len(),
         d.unreported.len(),
+        d.idle.len(),
         d.not_live.len(),
         d.not_resumed.len(),
         d.bad_sigterms.len(),
