@@ -49,7 +49,9 @@ pub struct ConsumerConfig {
     pub batch_size: Option<usize>,
     /// How long the server waits for an acknowledgement before it delivers a message
     /// again (to this or another process of the group). Longer than the slowest
-    /// handler's transaction. Default 30 seconds.
+    /// handler's transaction. Default 30 seconds. A durable consumer of the group that
+    /// exists with another value is refused
+    /// ([`Error::ConsumerMismatch`](crate::Error::ConsumerMismatch)).
     pub ack_wait: Duration,
     /// Deliveries of a message whose handler fails before it is dead-lettered with the
     /// last failure as its reason. Deliveries that met an outage of the store are not

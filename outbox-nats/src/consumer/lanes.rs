@@ -30,7 +30,7 @@ use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsum
 use outbox_core::ConsumerStore;
 
 use super::{Consumer, StartFrom, Topic};
-use crate::streams::refused;
+use crate::streams::{consumer_mismatch, refused};
 use crate::{Error, Naming, Result};
 
 /// A durable consumer a reader pulls from.
@@ -86,8 +86,12 @@ where
                 ),
                 _ => unavailable(&e),
             })?;
-        check_ordered(lane, subject, &consumer.cached_info().config)?;
-        Ok(consumer)
+        let found = &consumer.cached_info().config;
+        check_ordered(lane, subject, found)?;
+        match consumer_mismatch(found, stream_name, inner.config.ack_wait) {
+            Some(mismatch) => Err(mismatch),
+            None => Ok(consumer),
+        }
     }
 }
 

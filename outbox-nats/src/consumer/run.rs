@@ -16,7 +16,7 @@ use super::lanes::{Lane, lanes};
 use super::process::Outcome;
 use super::screen::Job;
 use super::{Consumer, StartFrom, Topic};
-use crate::streams::{ensure_stream, refused};
+use crate::streams::{consumer_mismatch, ensure_stream, refused};
 use crate::{Error, Result};
 
 /// Pulls failed in a row after which a reader sets its stream and durable consumer up
@@ -37,7 +37,8 @@ where
     /// when present, see [`StreamSettings`](crate::StreamSettings)), the dead-letter
     /// stream, and the group's durable pull consumer on each stream. While NATS is
     /// unreachable it waits and tries again; a stream with other settings is
-    /// [`Error::StreamMismatch`].
+    /// [`Error::StreamMismatch`], a durable consumer of the group with another
+    /// `ack_wait` [`Error::ConsumerMismatch`].
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let work = async {
@@ -142,7 +143,7 @@ where
             .get_stream_no_info(&*topic.stream)
             .await
             .map_err(|e| unavailable(&e))?;
-        stream
+        let consumer: PullConsumer = stream
             .get_or_create_consumer(&inner.group, config)
             .await
             .map_err(|e| match e.kind() {
@@ -151,7 +152,15 @@ where
                     &js,
                 ),
                 _ => unavailable(&e),
-            })
+            })?;
+        match consumer_mismatch(
+            &consumer.cached_info().config,
+            &topic.stream,
+            inner.config.ack_wait,
+        ) {
+            Some(mismatch) => Err(mismatch),
+            None => Ok(consumer),
+        }
     }
 
     /// `lane`'s stream and durable consumer, checked or created again.
