@@ -13,7 +13,7 @@
 //! With `--nats-url` (instead of `--redis-url`) it is the NATS consumer
 //! (`outbox_nats::Consumer`, a durable pull consumer of the group) with the same handler
 //! and inbox; its connection is named `chaos-consumer-<pid>-nats`, which the run's
-//! check that every consumer reads looks for. It has no ordered mode.
+//! check that every consumer reads looks for. `--ordered` is its ordered mode.
 
 use std::process::ExitCode;
 
@@ -185,14 +185,15 @@ mod nats {
             .await?)
     }
 
-    /// The default config but for the prefixes, the partitions and batch mode.
+    /// The default config but for the prefixes, the partitions, ordered and batch mode.
     fn config(args: &Args) -> Result<ConsumerConfig, BoxError> {
         let naming = Naming::new(args.subject_prefix.as_str(), args.stream_prefix.as_str())?;
         let streams = outbox_nats::StreamSettings::default().with_replicas(args.replicas);
         let config = ConsumerConfig::default()
             .with_naming(naming)
             .with_streams(streams)
-            .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?);
+            .with_partitions(Tick::TOPICS[0], Partitions::new(args.partitions)?)
+            .with_ordered(args.ordered);
         Ok(match args.batch_size {
             Some(n) => config.with_batch_size(n),
             None => config,

@@ -122,8 +122,8 @@ pub(crate) struct Args {
     /// The broker: `redis` (a private `redis-server`) or `nats` (a private
     /// `nats-server -js`: `outbox relay --broker nats://…`, the NATS consumer; its
     /// outages are the server SIGKILLed or SIGTERMed and started again on its store;
-    /// no `client_kill`, which nats-server 2.9 cannot do; no `--ordered`, which the NATS
-    /// consumer does not have).
+    /// no `client_kill`, which nats-server 2.9 cannot do; `--ordered` is the NATS
+    /// consumer's ordered mode).
     #[arg(long, value_enum, default_value_t = Broker::Redis)]
     broker: Broker,
     /// With `--broker nats`: three private servers in one JetStream cluster, the stream
@@ -293,9 +293,6 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
     }
     if a.nats_cluster && a.broker != Broker::Nats {
         return Err("--nats-cluster needs --broker nats".into());
-    }
-    if a.broker == Broker::Nats && a.ordered {
-        return Err("--ordered: the NATS consumer has no ordered mode yet".into());
     }
     if a.partitioned && a.backend != Backend::Postgres {
         return Err("--partitioned runs on PostgreSQL only (--backend postgres)".into());

@@ -78,9 +78,11 @@
 //! `--broker nats` runs the relays as `outbox relay --broker nats://…` and the consumers
 //! as the NATS consumer (`chaos_consumer --nats-url`), on a private `nats-server -js`
 //! (`nats_server.rs`) whose outages are the server stopped and started again on its
-//! store; no `client_kill` (nats-server 2.9 cannot drop its clients) and no `--ordered`
-//! (the NATS consumer has none). `--nats-cluster` runs three servers in one JetStream
-//! cluster with a three-replica stream, each outage its leader killed (`nats_cluster.rs`).
+//! store; no `client_kill` (nats-server 2.9 cannot drop its clients). With `--ordered`
+//! the NATS consumers read each partition subject through a durable consumer of its own
+//! with one message in hand (outbox-nats's ordered mode). `--nats-cluster` runs three
+//! servers in one JetStream cluster with a three-replica stream, each outage its leader
+//! killed (`nats_cluster.rs`).
 //! `broker.rs` is what the run asks of either broker.
 //!
 //! `--ci` is the short version for CI: 2000 events, 60 s of faults (5 of each process
