@@ -32,7 +32,7 @@ redis+cluster://HOST:PORT,HOST:PORT a Redis Cluster (streams are hash-tagged:
 Sentinel names, followed through failovers. --durability replicas=1 keeps a row NEW
 until a replica has its entry, so that a failover loses nothing the relay marked SENT.
 nats://HOST:PORT[,HOST:PORT] is NATS JetStream: a stream per topic (<PREFIX><TOPIC>,
-created with --replicas and --duplicate-window, or checked), each message with
+created with --replicas, --duplicate-window and --max-age, or checked), each message with
 Nats-Msg-Id = its msg_id; a row is marked SENT once the server acknowledged it.
 
 Examples:
@@ -50,6 +50,8 @@ are left alone, and dead-letter streams are skipped (the consumer bounds those).
 run at any time, e.g. from cron; does not need --database-url.
 
 On a Redis Cluster (--broker redis+cluster://…) every primary's streams are trimmed.
+On NATS (nats://…) trim is refused: JetStream removes messages itself by the stream's
+retention (max_age, `outbox relay --max-age`); see docs/nats.md.
 
 Example:
   outbox trim --broker redis://127.0.0.1:6379 --stream-prefix outbox:";
@@ -154,6 +156,11 @@ takes `Authorization: Bearer <token>`; --public-reads opens the reads. Redrive a
 (every POST) always need the token. Without one the page is read-only and open, and a
 non-loopback --addr is refused. /healthz is open. The token is never logged.
 
+With --broker, the consumers' dead letters and groups are shown too: on Redis its
+dead-letter streams (<PREFIX>…:dead) and consumer groups, on NATS (nats://…) the
+dead-letter stream <PREFIX>DEAD and each stream's durable consumers (lag: messages not yet
+delivered; pending: delivered, not acknowledged).
+
 Example:
   OUTBOX_SERVE_TOKEN=$(openssl rand -hex 16) outbox serve --broker redis://127.0.0.1:6379";
 
@@ -182,10 +189,12 @@ pub(crate) struct ServeArgs {
     /// without it).
     #[command(flatten)]
     pub(crate) broker: BrokerArg,
-    /// Prefix of the outbox's stream names (as `outbox relay --stream-prefix`).
-    #[arg(long, default_value = outbox_redis::DEFAULT_STREAM_PREFIX, value_name = "PREFIX")]
-    pub(crate) stream_prefix: String,
-    /// Streams whose name ends with SUFFIX are consumer dead-letter streams.
+    /// Prefix of the outbox's stream names (as `outbox relay --stream-prefix`; default
+    /// `outbox:` on Redis, `OUTBOX_` on NATS, whose dead letters are in the stream
+    /// `<PREFIX>DEAD`).
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) stream_prefix: Option<String>,
+    /// Redis: streams whose name ends with SUFFIX are consumer dead-letter streams.
     #[arg(long, default_value = ":dead", value_parser = clap::builder::NonEmptyStringValueParser::new(), value_name = "SUFFIX")]
     pub(crate) dead_letter_suffix: String,
     /// A host name the page may be reached by, besides the address it listens on and
@@ -321,6 +330,11 @@ pub(crate) struct RelayArgs {
     /// relay's longest stop between a publish and its mark. Default 2m.
     #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub(crate) duplicate_window: Option<Duration>,
+    /// NATS: how long a stream the relay creates keeps a message (`0s`: for ever); the
+    /// stream's own retention is what removes messages on NATS (`outbox trim` does not
+    /// apply). An existing stream with another age is refused, not changed. Default 7d.
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub(crate) max_age: Option<Duration>,
     /// Spread TOPIC over N partition streams `<PREFIX><TOPIC>:<p>` by ordering key, N from
     /// 1 to 1024. Repeat for each partitioned topic; every relay needs the same counts.
     #[arg(long = "partitions", value_parser = parse_partitions, value_name = "TOPIC=N")]

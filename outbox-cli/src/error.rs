@@ -96,13 +96,29 @@ pub(crate) enum CliError {
         /// The brokers that take it.
         applies_to: &'static str,
     },
-    /// A command that reaches Redis only was given a NATS broker.
-    #[error("`outbox {command}` reaches Redis only (NATS: `outbox relay`, `outbox streams`)")]
-    RedisOnly {
-        /// The subcommand.
-        command: &'static str,
-        /// Which broker was given.
-        source: crate::broker::NotRedis,
+    /// `outbox serve --broker nats://…` with a stream prefix NATS cannot take.
+    #[cfg(feature = "serve")]
+    #[error("--stream-prefix `{prefix}` cannot begin a NATS stream name")]
+    NatsStreamPrefix {
+        /// The prefix.
+        prefix: String,
+        /// Why not.
+        source: outbox_core::InvalidConfig,
+    },
+    /// `outbox trim` on NATS: JetStream removes messages by the stream's retention, and
+    /// a purge below the consumers' acknowledgements would take what a group created
+    /// later from the beginning still has to read (see docs/nats.md).
+    #[error(
+        "`outbox trim` does not apply to NATS `{url}`: JetStream removes a stream's \
+         messages itself, by its retention (limits, the outbox's default: once older than \
+         the stream's max_age, 7 days unless set; interest: once every durable consumer \
+         acknowledged them). To keep them for less time, lower max_age on the stream \
+         (`nats stream edit <STREAM> --max-age 24h`) and give the same age to the relay \
+         (`outbox relay --max-age 24h`) and the consumers (`StreamSettings::max_age`)"
+    )]
+    TrimOnNats {
+        /// The URL, passwords hidden.
+        url: String,
     },
     /// The NATS publisher refused the relay's options (a prefix, a stream setting), or
     /// its client could not be set up.
@@ -212,10 +228,10 @@ impl CliError {
             | Self::BrokerUrl { .. }
             | Self::BrokerConfig { .. }
             | Self::BrokerOption { .. }
-            | Self::RedisOnly { .. }
+            | Self::TrimOnNats { .. }
             | Self::NatsConfig { .. } => 2,
             #[cfg(feature = "serve")]
-            Self::ServeWithoutToken { .. } => 2,
+            Self::ServeWithoutToken { .. } | Self::NatsStreamPrefix { .. } => 2,
             _ => 1,
         }
     }

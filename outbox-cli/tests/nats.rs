@@ -6,6 +6,8 @@
 //! subject prefixes.
 
 mod fixtures;
+#[cfg(feature = "serve")]
+mod serve_support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -48,6 +50,11 @@ impl Prefixes {
     /// The topic's stream.
     fn stream(&self) -> String {
         format!("{}cli_step", self.stream)
+    }
+
+    /// The library's names for these prefixes.
+    fn naming(&self) -> outbox_nats::Naming {
+        outbox_nats::Naming::new(self.subject.clone(), self.stream.clone()).unwrap()
     }
 }
 
@@ -304,19 +311,77 @@ fn nats_urls_and_options_that_do_not_fit_are_usage_errors() {
         .code(2)
         .stderr(contains("NATS brokers only"));
     relay("nats://127.0.0.1:4222", &["--replicas", "6"]).code(2);
-    for command in ["trim", "serve"] {
-        outbox()
-            .args([
-                "--database-url",
-                db,
-                command,
-                "--broker",
-                "nats://:s3cret@127.0.0.1:4222",
-            ])
-            .assert()
-            .code(2)
-            .stderr(contains("reaches Redis only"))
-            .stderr(contains("s3cret").not());
+    relay("redis://127.0.0.1:6379", &["--max-age", "1d"])
+        .code(2)
+        .stderr(contains("--max-age"))
+        .stderr(contains("NATS brokers only"));
+    // Trim: JetStream's retention removes messages; the refusal says where to look.
+    outbox()
+        .args(["trim", "--broker", "nats://:s3cret@127.0.0.1:4222"])
+        .assert()
+        .code(2)
+        .stderr(contains("does not apply to NATS"))
+        .stderr(contains("max_age"))
+        .stderr(contains("outbox relay --max-age"))
+        .stderr(contains("s3cret").not());
+}
+
+/// A message the stream holds is not removed by `outbox trim` on NATS, even one every
+/// group acknowledged: the stream's own retention (`--max-age`) decides.
+#[test]
+fn trim_on_nats_removes_nothing() {
+    let p = Prefixes::new();
+    let rt = runtime();
+    let js = rt.block_on(jetstream());
+    rt.block_on(publish_steps(&p, &[("k", 1)]));
+    outbox()
+        .args([
+            "trim",
+            "--broker",
+            &nats_url(),
+            "--stream-prefix",
+            &p.stream,
+        ])
+        .assert()
+        .code(2);
+    assert_eq!(rt.block_on(messages(&js, &p.stream())).len(), 1);
+    rt.block_on(drop_streams(&js, &p));
+}
+
+/// Publishes `(key, seq)` steps through the library's publisher, on `p`'s names.
+async fn publish_steps(p: &Prefixes, steps: &[(&str, u32)]) {
+    let client = async_nats::connect(nats_url()).await.expect("NATS");
+    let publisher = outbox_nats::NatsPublisher::new(
+        client,
+        outbox_nats::PublisherConfig::default().with_naming(p.naming()),
+    )
+    .unwrap();
+    let batch: Vec<outbox_core::StoredMessage> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, (key, seq))| outbox_core::StoredMessage {
+            id: i as i64 + 1,
+            retries: 0,
+            envelope: outbox_core::Envelope::from_event(
+                &Step {
+                    key: (*key).to_owned(),
+                    seq: *seq,
+                },
+                1 << 20,
+            )
+            .unwrap(),
+        })
+        .collect();
+    let outcomes = outbox_core::Publisher::publish(&publisher, &batch)
+        .await
+        .unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+}
+
+/// Removes the streams of `p` (the topic's and the dead-letter stream).
+async fn drop_streams(js: &jetstream::Context, p: &Prefixes) {
+    for stream in [p.stream(), format!("{}DEAD", p.stream)] {
+        let _ = js.delete_stream(stream).await;
     }
 }
 
@@ -370,4 +435,167 @@ fn relay_to_nats_waits_out_a_server_outage_without_spending_retries() {
         r.log()
     );
     r.stop();
+}
+
+/// Fails every step of key `poison`; counts the others.
+#[cfg(feature = "serve")]
+struct FailPoison;
+
+#[cfg(feature = "serve")]
+impl outbox_core::Handler<Step> for FailPoison {
+    type Conn = outbox_core::MemoryTx<u32>;
+    fn handle(
+        &self,
+        step: Step,
+        tx: &mut Self::Conn,
+        _: &outbox_core::Delivery,
+    ) -> Result<(), outbox_core::HandlerError> {
+        if step.key == "poison" {
+            return Err(outbox_core::HandlerError::msg("poisoned step"));
+        }
+        *tx.data() += 1;
+        Ok(())
+    }
+}
+
+/// Runs a consumer of `group` (the library's, as a service runs it) until it has
+/// dead-lettered `poison/1` and applied the rest, then stops it.
+#[cfg(feature = "serve")]
+async fn consume_until_dead_lettered(p: &Prefixes, group: &str) {
+    let client = async_nats::connect(nats_url()).await.expect("NATS");
+    let config = outbox_nats::ConsumerConfig::default()
+        .with_naming(p.naming())
+        .with_fetch_wait(Duration::from_millis(200))
+        .with_max_deliveries(1);
+    let consumer = outbox_nats::Consumer::builder(client, group)
+        .handle::<Step, _>(FailPoison)
+        .idempotency(outbox_core::MemoryDb::new(0u32))
+        .with_config(config)
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = consumer.clone();
+    let run = tokio::spawn(async move {
+        running
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let deadline = Instant::now() + PATIENCE;
+    while !(consumer.stats().dead_lettered == 1 && consumer.stats().consumed == 1) {
+        assert!(Instant::now() < deadline, "{:?}", consumer.stats());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+}
+
+/// `outbox serve --broker nats://…`: the dead letter a consumer wrote is listed with its
+/// group and reason, shown with its payload, and redriven through the API back onto its
+/// stream for its group alone; the groups page shows each durable consumer's lag (the
+/// messages published after it stopped) and pending count.
+#[cfg(feature = "serve")]
+#[test]
+fn serve_lists_shows_and_redrives_nats_dead_letters_and_shows_the_lag() {
+    use serve_support::{Server, TOKEN};
+    let db = TestDb::postgres();
+    db.migrate();
+    let p = Prefixes::new();
+    let group = unique("billing");
+    let rt = runtime();
+    let js = rt.block_on(jetstream());
+    rt.block_on(async {
+        publish_steps(&p, &[("poison", 1), ("ok", 1)]).await;
+        consume_until_dead_lettered(&p, &group).await;
+        publish_steps(&p, &[("late", 1), ("late", 2)]).await;
+    });
+    let url = nats_url();
+    let server = Server::start(
+        &db.url,
+        &[
+            "--broker",
+            &url,
+            "--stream-prefix",
+            &p.stream,
+            "--token",
+            TOKEN,
+        ],
+    );
+
+    let dead = server.json("/api/dead");
+    assert_eq!(dead["redis"], true, "{dead}");
+    assert_eq!(dead["redis_error"], serde_json::Value::Null, "{dead}");
+    assert_eq!(dead["consumers_total"], 1, "{dead}");
+    let letter = &dead["consumers"][0];
+    assert_eq!(letter["group"], group.as_str(), "{dead}");
+    assert_eq!(letter["msg_id"], "poison/1:Step", "{dead}");
+    assert_eq!(letter["stream"], p.stream().as_str(), "{dead}");
+    assert_eq!(letter["dead_stream"], format!("{}DEAD", p.stream), "{dead}");
+    assert_eq!(letter["delivery_count"], 1, "{dead}");
+    assert!(
+        letter["reason"].as_str().unwrap().contains("poisoned step"),
+        "{dead}"
+    );
+    let item = letter["item"].as_str().unwrap().to_owned();
+    let encoded: String = form_urlencoded::byte_serialize(item.as_bytes()).collect();
+    let shown = server.json(&format!("/api/dead/show?item={encoded}"));
+    assert!(
+        shown["fields"]["payload"]
+            .as_str()
+            .is_some_and(|p| p.contains("\"poison\"")),
+        "{shown}"
+    );
+    let (status, page) = server.get("/dead");
+    assert_eq!(status, 200);
+    assert!(
+        page.contains("poisoned step") && page.contains(&group),
+        "{page}"
+    );
+    // A dead letter of another server's prefix is not this page's to touch.
+    let (status, _) = server.get("/api/dead/show?item=consumer:1:OTHER_DEAD");
+    assert_eq!(status, 400);
+
+    let groups = server.json("/api/groups");
+    let ours = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["group"] == group.as_str())
+        .unwrap_or_else(|| panic!("{groups}"));
+    assert_eq!(ours["stream"], p.stream().as_str(), "{groups}");
+    assert_eq!(ours["lag"], 2, "published after it stopped: {groups}");
+    assert_eq!(ours["pending"], 0, "{groups}");
+    let (status, page) = server.get("/groups");
+    assert_eq!(status, 200);
+    assert!(page.contains(&group), "{page}");
+
+    let (status, done) = server.post_json(
+        "/api/dead/redrive",
+        &serde_json::json!({"items": [item]}),
+        Some(TOKEN),
+    );
+    assert_eq!(status, 200, "{done}");
+    let done: serde_json::Value = serde_json::from_str(&done).unwrap();
+    assert_eq!(done["consumers"], 1, "{done}");
+    assert_eq!(server.json("/api/dead")["consumers_total"], 0);
+    let stored = rt.block_on(messages(&js, &p.stream()));
+    assert_eq!(
+        stored.len(),
+        5,
+        "two, two more, and the redriven one: {stored:?}"
+    );
+    assert!(
+        stored[4].0.starts_with("poison/1:Step:redrive:"),
+        "{stored:?}"
+    );
+    let redriven_for = rt.block_on(async {
+        let stream = js.get_stream(p.stream()).await.unwrap();
+        let m = stream.get_raw_message(5).await.unwrap();
+        m.headers
+            .get(outbox_nats::REDRIVE_GROUP_HEADER)
+            .map(|v| v.as_str().to_owned())
+    });
+    assert_eq!(redriven_for.as_deref(), Some(group.as_str()));
+    rt.block_on(drop_streams(&js, &p));
 }

@@ -30,7 +30,7 @@ pub(crate) fn run(cli: Cli, out: &mut impl Write) -> Result<(), CliError> {
         Command::Dead(cmd) => dead::run(&database(url)?, cmd, out),
         Command::Purge(cmd) => purge::run(&database(url)?, cmd, out),
         Command::Partitions(cmd) => partitions::run(&database(url)?, &cmd, out),
-        Command::Trim(args) => trim::run(&redis_broker(&args.broker, "trim")?, &args, out),
+        Command::Trim(args) => trim::run(&broker(&args.broker)?, &args, out),
         Command::Streams(args) => streams::run(&broker(&args.broker)?, &args, out),
         #[cfg(feature = "serve")]
         Command::Serve(args) => crate::serve::run(database(url)?, args),
@@ -44,16 +44,6 @@ pub(crate) fn broker(arg: &BrokerArg) -> Result<Broker, CliError> {
         url: crate::broker::redact(&url),
         source,
     })
-}
-
-/// The broker named by `--broker`, which `outbox <command>` needs to be a Redis: a NATS
-/// URL is a usage error.
-pub(crate) fn redis_broker(arg: &BrokerArg, command: &'static str) -> Result<Broker, CliError> {
-    let broker = broker(arg)?;
-    broker
-        .redis()
-        .map_err(|source| CliError::RedisOnly { command, source })?;
-    Ok(broker)
 }
 
 /// The database named by `--database-url` / `DATABASE_URL`.

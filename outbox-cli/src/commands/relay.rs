@@ -272,6 +272,7 @@ fn publisher_config(broker: &Broker, args: &RelayArgs) -> Result<PublisherConfig
         (args.subject_prefix.is_some(), "--subject-prefix"),
         (args.replicas.is_some(), "--replicas (Redis: --durability)"),
         (args.duplicate_window.is_some(), "--duplicate-window"),
+        (args.max_age.is_some(), "--max-age"),
     ];
     if let Some((_, option)) = nats_only.into_iter().find(|(given, _)| *given) {
         return Err(CliError::BrokerOption {

@@ -1,16 +1,22 @@
 //! `outbox trim`: [`outbox_redis::trim_acknowledged`] on every stream of a prefix,
 //! partition streams included (dead-letter streams and keys of other types are skipped),
-//! on every primary of a cluster.
+//! on every primary of a cluster. Refused on NATS ([`CliError::TrimOnNats`]), whose
+//! streams lose messages by their own retention.
 
 use std::io::Write;
 
 use crate::args::TrimArgs;
-use crate::broker::Broker;
+use crate::broker::{Broker, BrokerKind};
 use crate::error::CliError;
 use crate::{output, scan};
 
 /// Finds the prefix's streams and trims each to what some consumer group still needs.
 pub(super) fn run(broker: &Broker, args: &TrimArgs, out: &mut impl Write) -> Result<(), CliError> {
+    if let BrokerKind::Nats(_) = broker.kind() {
+        return Err(CliError::TrimOnNats {
+            url: broker.display().to_owned(),
+        });
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

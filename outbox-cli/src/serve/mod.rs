@@ -6,11 +6,11 @@
 //! | page | API | what |
 //! |---|---|---|
 //! | `GET /` | `GET /api/overview` | backlog, per-topic counts, publish rate and latency, relays |
-//! | `GET /dead` | `GET /api/dead` | dead letters: the outbox's DEAD rows and the consumers' dead-letter streams, filtered and paged |
+//! | `GET /dead` | `GET /api/dead` | dead letters: the outbox's DEAD rows and the consumers' dead-letter streams (Redis) or stream (NATS), filtered and paged |
 //! | `GET /dead/show?item=…` | `GET /api/dead/show?item=…` | one dead letter |
 //! | `GET /dead/confirm` | | the confirmation step of a redrive or purge |
 //! | `POST /dead/redrive`, `POST /dead/purge` | `POST /api/dead/redrive`, `POST /api/dead/purge` | act on a selection (token needed) |
-//! | `GET /groups` | `GET /api/groups` | consumer groups: lag, pending, consumers, oldest pending |
+//! | `GET /groups` | `GET /api/groups` | consumer groups (NATS: durable consumers): lag, pending, consumers, oldest pending |
 //! | `GET /login`, `POST /login` | | the login form of a server whose reads need the token |
 //! | `POST /logout` | | ends the browser's session |
 //! | `GET /healthz` | | `ok`, for probes: open, it reads and shows nothing |
@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use crate::args::ServeArgs;
 use crate::backend::Database;
-use crate::broker::Broker;
+use crate::broker::{Broker, BrokerKind};
 use crate::error::CliError;
 use axum::Router;
 use axum::routing::{get, post};
@@ -43,9 +43,12 @@ use axum::routing::{get, post};
 pub(crate) struct App {
     /// The outbox's database.
     db: Database,
-    /// The broker, when `--broker` (or `--redis-url`) was given.
-    redis: Option<Broker>,
-    /// Prefix of the outbox's streams.
+    /// The broker (Redis or NATS), when `--broker` (or `--redis-url`) was given.
+    broker: Option<Broker>,
+    /// The broker's side when it is NATS (the consumers' dead letters and groups are
+    /// read there rather than from Redis).
+    nats: Option<data::NatsSide>,
+    /// Prefix of the outbox's streams (the broker's default unless `--stream-prefix`).
     prefix: String,
     /// Suffix of the consumers' dead-letter streams.
     dead_suffix: String,
@@ -56,15 +59,33 @@ pub(crate) struct App {
 /// Checks the arguments, binds the address and serves until SIGINT or SIGTERM.
 pub(crate) fn run(db: Database, args: ServeArgs) -> Result<(), CliError> {
     check_exposure(args.addr, args.token.as_deref())?;
-    let redis = match args.broker.given() {
-        // The page reads Redis streams and groups only, for now.
-        Some(_) => Some(crate::commands::redis_broker(&args.broker, "serve")?),
+    let broker = match args.broker.given() {
+        Some(_) => Some(crate::commands::broker(&args.broker)?),
         None => None,
+    };
+    let default_prefix = match broker.as_ref().map(Broker::kind) {
+        Some(BrokerKind::Nats(_)) => outbox_nats::DEFAULT_STREAM_PREFIX,
+        _ => outbox_redis::DEFAULT_STREAM_PREFIX,
+    };
+    let prefix = args
+        .stream_prefix
+        .unwrap_or_else(|| default_prefix.to_owned());
+    let nats = match broker.as_ref().map(Broker::kind) {
+        Some(BrokerKind::Nats(servers)) => Some(
+            data::NatsSide::new(servers.clone(), &prefix).map_err(|source| {
+                CliError::NatsStreamPrefix {
+                    prefix: prefix.clone(),
+                    source,
+                }
+            })?,
+        ),
+        _ => None,
     };
     let app = Arc::new(App {
         db,
-        redis,
-        prefix: args.stream_prefix,
+        broker,
+        nats,
+        prefix,
         dead_suffix: args.dead_letter_suffix,
         auth: auth::Auth::new(args.token, args.public_reads, args.addr.port()),
     });

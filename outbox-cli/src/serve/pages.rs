@@ -87,7 +87,7 @@ pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
     let body = html! {
         p.muted {
             "Database " code { (o.database) }
-            @if let Some(redis) = &o.redis { " · Redis " code { (redis) } }
+            @if let Some(broker) = &o.redis { " · broker " code { (broker) } }
         }
         @if let Some(cdc) = &o.cdc {
             (cdc_cards(cdc, o.dead))
@@ -256,7 +256,7 @@ pub(super) async fn dead_letters(
             @if !dead.redis {
                 p.muted { "Not read: start with --broker to see the consumers' dead-letter streams." }
             } @else if let Some(error) = &dead.redis_error {
-                p.err #redis-error { "Cannot read them from Redis: " (error) }
+                p.err #redis-error { "Cannot read them from " (dead.broker.unwrap_or("the broker")) ": " (error) }
             } @else if dead.consumers.is_empty() {
                 p.muted { "None." }
             } @else {

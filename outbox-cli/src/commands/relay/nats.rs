@@ -8,9 +8,9 @@ use crate::broker::{Broker, NatsServers};
 use crate::error::CliError;
 
 /// The publisher's configuration: the prefixes, the partitions, the stream settings
-/// (the crate's recommended defaults unless `--replicas` / `--duplicate-window` say
-/// otherwise). The Redis-only options are refused, as is a value the publisher would
-/// refuse: all usage errors, found before anything connects.
+/// (the crate's recommended defaults unless `--replicas` / `--duplicate-window` /
+/// `--max-age` say otherwise). The Redis-only options are refused, as is a value the
+/// publisher would refuse: all usage errors, found before anything connects.
 pub(super) fn publisher_config(
     broker: &Broker,
     args: &RelayArgs,
@@ -43,7 +43,8 @@ pub(super) fn publisher_config(
     let streams = defaults
         .clone()
         .with_replicas(args.replicas.map_or(defaults.replicas, usize::from))
-        .with_duplicate_window(args.duplicate_window.unwrap_or(defaults.duplicate_window));
+        .with_duplicate_window(args.duplicate_window.unwrap_or(defaults.duplicate_window))
+        .with_max_age(args.max_age.unwrap_or(defaults.max_age));
     let mut config = PublisherConfig::default()
         .with_naming(naming)
         .with_streams(streams);

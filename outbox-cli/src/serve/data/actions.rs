@@ -77,6 +77,16 @@ pub(crate) async fn apply(
     if consumer.is_empty() {
         return Ok(done);
     }
+    if let Some(nats) = &app.nats {
+        for (dead_stream, id) in consumer {
+            if app.serves(dead_stream) && nats.apply(action, id).await? {
+                done.consumers += 1;
+            } else {
+                done.skipped += 1;
+            }
+        }
+        return Ok(done);
+    }
     let mut conn = redis_conn(app)
         .await?
         .ok_or_else(|| Failure::bad_request("no --broker: consumer dead letters are not served"))?;

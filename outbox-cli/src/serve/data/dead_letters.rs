@@ -75,9 +75,12 @@ pub(crate) struct DeadPage {
     pub(crate) consumers_total: usize,
     /// Whether a source had more than could be scanned (the oldest are left out).
     pub(crate) truncated: bool,
-    /// Whether the consumers' dead letters were read (`--broker` given).
+    /// Whether the consumers' dead letters were read (`--broker` given, Redis or NATS:
+    /// the name is the API's since before NATS).
     pub(crate) redis: bool,
-    /// Why the consumers' dead letters could not be read (Redis down, say): the
+    /// The broker they were read from: `Redis` or `NATS` (`null` without `--broker`).
+    pub(crate) broker: Option<&'static str>,
+    /// Why the consumers' dead letters could not be read (the broker down, say): the
     /// outbox's are shown all the same.
     pub(crate) redis_error: Option<String>,
 }
@@ -95,7 +98,8 @@ pub(crate) struct OutboxDead {
     pub(crate) age_seconds: f64,
 }
 
-/// A consumer's dead letter: an entry of `<stream>:dead`.
+/// A consumer's dead letter: an entry of `<stream>:dead` (Redis), a message of the
+/// dead-letter stream `<prefix>DEAD` (NATS: its id is the sequence there).
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct ConsumerDead {
     /// What selects it: `consumer:<entry id>:<dead-letter stream>`.
@@ -155,7 +159,8 @@ impl Item {
         }
         let rest = text.strip_prefix("consumer:").ok_or_else(bad)?;
         let (id, dead_stream) = rest.split_once(':').ok_or_else(bad)?;
-        if entry_ms(id).is_none() || dead_stream.is_empty() {
+        // A Redis entry id, or a NATS sequence.
+        if (entry_ms(id).is_none() && id.parse::<u64>().is_err()) || dead_stream.is_empty() {
             return Err(bad());
         }
         Ok(Self::Consumer {
@@ -182,9 +187,23 @@ impl App {
         Ok(item)
     }
 
-    /// Whether `dead_stream` is one of the dead-letter streams this server serves.
+    /// `Redis` or `NATS`, if `--broker` was given.
+    pub(crate) fn broker_name(&self) -> Option<&'static str> {
+        self.broker.as_ref().map(|b| match b.kind() {
+            crate::broker::BrokerKind::Redis(_) => "Redis",
+            crate::broker::BrokerKind::Nats(_) => "NATS",
+        })
+    }
+
+    /// Whether `dead_stream` is one of the dead-letter streams this server serves (on
+    /// NATS, the one).
     pub(super) fn serves(&self, dead_stream: &str) -> bool {
-        dead_stream.starts_with(&self.prefix) && dead_stream.ends_with(&self.dead_suffix)
+        match &self.nats {
+            Some(nats) => dead_stream == nats.dead_stream(),
+            None => {
+                dead_stream.starts_with(&self.prefix) && dead_stream.ends_with(&self.dead_suffix)
+            }
+        }
     }
 }
 
@@ -275,6 +294,23 @@ fn consumer_dead(dead_stream: &str, d: &outbox_redis::DeadLetter) -> ConsumerDea
 /// The consumers' dead letters that match, newest first.
 async fn consumers_dead(app: &App, filter: &Filter) -> Result<(Vec<ConsumerDead>, bool), Failure> {
     filter.min_age()?;
+    let (mut all, truncated) = match &app.nats {
+        Some(nats) => nats.dead_letters(SCAN_LIMIT).await?,
+        None => redis_dead(app).await?,
+    };
+    all.retain(|d| {
+        filter.matches(
+            &d.topic,
+            &d.event_type,
+            &d.reason,
+            Duration::from_secs_f64(d.age_seconds),
+        )
+    });
+    Ok((all, truncated))
+}
+
+/// The dead letters of every Redis dead-letter stream of the prefix, newest first.
+async fn redis_dead(app: &App) -> Result<(Vec<ConsumerDead>, bool), Failure> {
     let Some(mut conn) = redis_conn(app).await? else {
         return Ok((Vec::new(), false));
     };
@@ -294,14 +330,6 @@ async fn consumers_dead(app: &App, filter: &Filter) -> Result<(Vec<ConsumerDead>
         );
     }
     all.sort_by(|a, b| a.age_seconds.total_cmp(&b.age_seconds));
-    all.retain(|d| {
-        filter.matches(
-            &d.topic,
-            &d.event_type,
-            &d.reason,
-            Duration::from_secs_f64(d.age_seconds),
-        )
-    });
     Ok((all, truncated))
 }
 
@@ -335,7 +363,8 @@ pub(crate) async fn dead_page(
         consumers_total: consumers.len(),
         consumers: consumers.into_iter().skip(skip).take(take).collect(),
         truncated: outbox_cut || consumers_cut,
-        redis: app.redis.is_some(),
+        redis: app.broker.is_some(),
+        broker: app.broker_name(),
         redis_error,
     })
 }
@@ -346,6 +375,9 @@ pub(crate) async fn consumer_entry(
     dead_stream: &str,
     id: &str,
 ) -> Result<Option<ConsumerDead>, Failure> {
+    if let Some(nats) = &app.nats {
+        return nats.dead_letter(id).await;
+    }
     let Some(mut conn) = redis_conn(app).await? else {
         return Ok(None);
     };
@@ -369,7 +401,21 @@ mod tests {
                 id: "1700-0".into()
             }
         );
-        for bad in ["outbox:x", "consumer:x:s", "consumer:1-0:", "17", ""] {
+        assert_eq!(
+            Item::parse("consumer:17:OUTBOX_DEAD").unwrap(),
+            Item::Consumer {
+                dead_stream: "OUTBOX_DEAD".into(),
+                id: "17".into()
+            }
+        );
+        for bad in [
+            "outbox:x",
+            "consumer:x:s",
+            "consumer:1-0:",
+            "consumer:-1:S",
+            "17",
+            "",
+        ] {
             assert!(Item::parse(bad).is_err(), "{bad}");
         }
     }

@@ -13,7 +13,8 @@ pub(crate) struct Group {
     pub(crate) stream: String,
     /// The group.
     pub(crate) group: String,
-    /// Entries not yet delivered to the group (Redis 7+; `null` when Redis cannot tell).
+    /// Entries not yet delivered to the group (Redis 7+; `null` when Redis cannot tell;
+    /// NATS: the durable consumer's pending messages).
     pub(crate) lag: Option<usize>,
     /// Entries delivered and not acknowledged.
     pub(crate) pending: usize,
@@ -40,6 +41,9 @@ pub(crate) struct GroupConsumer {
 
 /// Every group of every stream of the prefix (dead-letter streams have none).
 pub(crate) async fn groups(app: &App) -> Result<Option<Vec<Group>>, Failure> {
+    if let Some(nats) = &app.nats {
+        return nats.groups().await.map(Some);
+    }
     let Some(mut conn) = redis_conn(app).await? else {
         return Ok(None);
     };

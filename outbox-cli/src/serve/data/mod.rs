@@ -1,10 +1,12 @@
-//! What the pages and the API show, read from the database and Redis, and the redrive
+//! What the pages and the API show, read from the database and the broker (Redis, or
+//! NATS in [`nats`]), and the redrive
 //! and purge they do. Everything here is plain data (serialized as the API's JSON); the
 //! pages render the same values.
 
 mod actions;
 mod dead_letters;
 mod groups;
+mod nats;
 mod overview;
 
 use std::time::Duration;
@@ -20,6 +22,7 @@ pub(crate) use dead_letters::{
     ConsumerDead, Filter, Item, OutboxDead, consumer_entry, dead_page, outbox_item, outbox_row,
 };
 pub(crate) use groups::groups;
+pub(crate) use nats::NatsSide;
 pub(crate) use overview::{CHART_MINUTES, Minute, overview};
 
 /// How long connecting to Redis may take.
@@ -97,9 +100,10 @@ fn entry_ms(id: &str) -> Option<i64> {
     ms.parse().ok()
 }
 
-/// A connection to the broker, if `--broker` was given.
+/// A connection to the broker, if `--broker` was given (and names a Redis: the callers
+/// ask [`App::nats`] first).
 async fn redis_conn(app: &App) -> Result<Option<BrokerConn>, Failure> {
-    let Some(broker) = &app.redis else {
+    let Some(broker) = &app.broker else {
         return Ok(None);
     };
     let timeouts = Timeouts {

@@ -87,7 +87,7 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         with_conn!(&mut conn, c => outbox_diesel::published_per_minute(c, CHART_MINUTES))?;
     Ok(Overview {
         database: app.db.display(),
-        redis: app.redis.as_ref().map(|b| b.display().to_owned()),
+        redis: app.broker.as_ref().map(|b| b.display().to_owned()),
         due: backlog.due,
         oldest_due_age_seconds: backlog.oldest_due_age.map(|d| d.as_secs_f64()),
         dead: backlog.dead,
