@@ -147,25 +147,8 @@ where
     outbox_nats::Consumer<I>: Send + Sync,
 {
     if let Some(addr) = admin_addr {
-        use axum::http::StatusCode;
         let listener = tokio::net::TcpListener::bind(addr).await?;
-        let code = |ok: bool| {
-            if ok {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-        };
-        let (live, ready) = (consumer.clone(), consumer.clone());
-        let app = axum::Router::new()
-            .route(
-                "/healthz",
-                axum::routing::get(move || async move { code(live.health().is_live()) }),
-            )
-            .route(
-                "/readyz",
-                axum::routing::get(move || async move { code(ready.health().is_ready()) }),
-            );
+        let app = outbox_nats::health_router(consumer.clone());
         let name = stop.name;
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
