@@ -355,13 +355,9 @@ async fn one_relay_reads_and_another_takes_over_when_its_session_is_killed_or_si
 
     // The holder's session killed (as when its process dies): the other one reads on.
     for round in 1..=2u32 {
-        let holder: Option<Option<i64>> = db
-            .conn()
-            .await
-            .query_first("SELECT IS_USED_LOCK('outbox_cdc')")
-            .await
-            .unwrap();
-        let holder = holder.flatten().expect("a relay holds the lock");
+        // The killed holder may publish what it read before it sees the kill, so the
+        // other relay may not hold the lock yet when the messages are in.
+        let holder = wait_for_holder(&db).await;
         db.server.exec(&format!("KILL CONNECTION {holder}"));
         let from = round * 10;
         insert_each(&db, "k", from..from + 3).await;
@@ -372,6 +368,23 @@ async fn one_relay_reads_and_another_takes_over_when_its_session_is_killed_or_si
     }
     stop(first).await;
     stop(second).await;
+}
+
+/// The session holding the readers' lock, once a relay holds it (up to 30 s).
+async fn wait_for_holder(db: &Db) -> i64 {
+    let mut c = db.conn().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let holder: Option<Option<i64>> = c
+            .query_first("SELECT IS_USED_LOCK('outbox_cdc')")
+            .await
+            .unwrap();
+        if let Some(id) = holder.flatten() {
+            return id;
+        }
+        assert!(Instant::now() < deadline, "no relay took the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 const CHILD_URL: &str = "OUTBOX_CDC_MYSQL_CHILD_URL";

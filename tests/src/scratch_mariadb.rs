@@ -40,7 +40,13 @@ impl ScratchMariadb {
         let dir = std::env::temp_dir().join(unique("scratch-mariadb"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data).expect("temp dir");
+        // A temporary directory of its own: a server starting removes the temporary
+        // files it finds in its tmpdir, those of another server's bootstrap included
+        // (tests start several at once).
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&tmp).expect("temp dir");
         let init = Command::new("mariadb-install-db")
+            .env("TMPDIR", &tmp)
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
             .args([
@@ -65,6 +71,7 @@ impl ScratchMariadb {
             .arg(format!("--datadir={}", data.display()))
             .arg(format!("--socket={}", dir.join("mysqld.sock").display()))
             .arg(format!("--pid-file={}", dir.join("mysqld.pid").display()))
+            .arg(format!("--tmpdir={}", tmp.display()))
             .args([
                 "--user=root",
                 "--bind-address=127.0.0.1",
