@@ -2,7 +2,9 @@
 //! private PostgreSQL cluster (`wal_level = logical`; the shared server runs `replica`):
 //! backlog drain, the broker's own limit (the same entries published from memory), the
 //! commit → XADD latency at a steady rate, the rows each relay updates (dead tuples) and
-//! the database's CPU time per relayed message.
+//! the database's CPU time per relayed message (with the walsender's share); the CDC
+//! drain with a REPEATABLE READ transaction held open, and the emit rate of eight
+//! connections beside each relay (`cdc/load.rs`).
 //!
 //! The cluster is `outbox_tests::ScratchPostgres` (initdb, `fsync = off`): both relays
 //! meet the same server, so the ratios hold; the absolute figures are a little kinder
@@ -23,6 +25,8 @@ use outbox_tests::ScratchPostgres;
 use crate::relay::{AnyPublisher, RelayBench, Sink, TimingPublisher};
 use crate::stats::{Figure, Target};
 use crate::{BoxError, Service, Sizes, order, progress};
+
+mod load;
 
 /// How long after a relay stopped its sessions' counts and CPU are in the statistics
 /// (a session reports at its end).
@@ -83,6 +87,7 @@ async fn measure(
     println!("cdc: {n} rows over 1000 keys, polling (per-key) and CDC relays into Redis");
     let mut runs: [Vec<Drain>; 2] = [Vec::new(), Vec::new()];
     let mut broker = Vec::new();
+    let mut held = Vec::new();
     for round in 0..sizes.rounds {
         for i in order(round, 2) {
             let d = if i == 0 {
@@ -116,9 +121,35 @@ async fn measure(
             );
             runs[i].push(d);
         }
+        // Side by side with a free drain of its own, in turn: drains of half a second
+        // on a loaded machine drift between the round's first drains and this one.
+        let mut pair = [0.0; 2];
+        for j in order(round, 2) {
+            pair[j] = if j == 0 {
+                cdc.fill(n, 1000)?;
+                cdc.drain(n, postmaster).await?.0.rate
+            } else {
+                load::held_snapshot_drain(cdc, n, postmaster).await?
+            };
+            let what = [
+                "CDC relay → Redis (beside the next)",
+                "CDC relay → Redis, a REPEATABLE READ transaction held open",
+            ][j];
+            progress(what, pair[j], "msg/s");
+        }
+        held.push(pair[1] / pair[0]);
     }
     drains(&runs, &broker, figures);
-    latency(sizes, polling, cdc, figures).await
+    let mut f = Figure::ratio(
+        "cdc",
+        "CDC drain with a snapshot held",
+        "a REPEATABLE READ transaction held open / none (drained side by side)",
+        Target::AtLeast(0.95),
+    );
+    f.values = held;
+    figures.push(f);
+    latency(sizes, polling, cdc, figures).await?;
+    load::emit_side_by_side(sizes, polling, cdc, figures).await
 }
 
 /// The drain figures.
@@ -295,6 +326,7 @@ impl CdcBench {
     fn fill(&self, n: usize, keys: usize) -> Result<(), BoxError> {
         let first = self.filled.fetch_add(n, Ordering::Relaxed);
         let mut conn = self.conn.lock().unwrap();
+        skip_other_wal(&mut conn)?;
         conn.batch_execute("TRUNCATE outbox")?;
         for start in (first..first + n).step_by(500) {
             let end = (start + 500).min(first + n);
@@ -336,18 +368,26 @@ impl CdcBench {
         );
         let first = Arc::clone(&publisher.first);
         let mut ended = None;
+        let mut walsender_cpu = None;
+        let relay_cpu = load::process_cpu();
         self.run_relay(
             publisher,
             || {
                 let done = published.load(Ordering::Relaxed) >= n;
                 if done && ended.is_none() {
                     ended = Some(Instant::now());
+                    // The walsender's CPU (it started with this relay), read before the
+                    // relay stops and it exits.
+                    walsender_cpu = load::walsender_cpu(postmaster);
                 }
                 done
             },
             None,
         )
         .await?;
+        let relay_cpu = load::process_cpu()
+            .zip(relay_cpu)
+            .map(|(after, before)| after.saturating_sub(before));
         // From the first publish call: the relay's start (its connections, taking the
         // slot, the start check) is left out, as the polling relay's connections are.
         let started = first
@@ -356,6 +396,13 @@ impl CdcBench {
             .ok_or("the CDC relay published nothing")?;
         let took = ended.map_or(started.elapsed(), |e| e.duration_since(started));
         let rate = n as f64 / took.as_secs_f64();
+        let per_message = |cpu: Duration| cpu.as_secs_f64() * 1e6 / n as f64;
+        println!(
+            "  walsender {} µs/msg, this process (relay and bench) {} µs/msg, over {:.2} s",
+            walsender_cpu.map_or("-".into(), |c| format!("{:.1}", per_message(c))),
+            relay_cpu.map_or("-".into(), |c| format!("{:.1}", per_message(c))),
+            took.as_secs_f64()
+        );
         tokio::time::sleep(STATS_FLUSH).await;
         let after = Counters::take(self.stats()?, postmaster);
         let batches = std::mem::take(&mut *batches.lock().unwrap());
@@ -364,7 +411,7 @@ impl CdcBench {
 
     /// Runs a CDC relay with `publisher` until `done` holds (at most 10 minutes), then
     /// stops it.
-    async fn run_relay<P: Publisher>(
+    async fn run_relay<P: Publisher + Send + Sync + 'static>(
         &self,
         publisher: P,
         mut done: impl FnMut() -> bool,
@@ -382,16 +429,18 @@ impl CdcBench {
             let _ = name.send(relay.application_name().to_owned());
         }
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let run = relay.run_until(async { stopped.await.unwrap_or(()) });
-        let watch = async {
-            let deadline = Instant::now() + Duration::from_secs(600);
-            while !done() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            let _ = stop.send(());
-        };
-        let (result, ()) = tokio::join!(run, watch);
-        result?;
+        // In a task of its own, as the polling relay runs in the latency run: this task
+        // only watches.
+        let run =
+            tokio::spawn(
+                async move { relay.run_until(async { stopped.await.unwrap_or(()) }).await },
+            );
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while !done() && Instant::now() < deadline && !run.is_finished() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let _ = stop.send(());
+        run.await??;
         if !done() {
             return Err("the CDC relay did not drain the outbox in 10 minutes".into());
         }
@@ -425,40 +474,25 @@ impl CdcBench {
         let (name_tx, name) = tokio::sync::oneshot::channel::<String>();
         let warm_published = Arc::clone(&published);
         let producer = async {
-            // Once this relay holds the slot (the last one's session may linger a moment)
-            // and has settled, as the polling relay is given time to park on LISTEN.
-            let name = name.await?;
-            let wait_url = url.clone();
-            tokio::task::spawn_blocking(move || wait_for_holder(&wait_url, &name)).await??;
-            // And has read up to now: a slot idle since the last run starts behind by all
-            // the WAL written since (the polling runs' too), which a running relay would
-            // have read as it came.
             let warm = format!("cdc-warm-{tag}");
-            let warm_url = url.clone();
-            let id = tokio::task::spawn_blocking(move || -> Result<String, BoxError> {
-                let mut conn = PgConnection::establish(&warm_url)?;
-                let e = AccountTransferred::new(&warm, "alice", "bob", 1);
-                Ok(conn.transaction(|c| c.emit(e))?.into_string())
+            self.settle(name, &warm, |id| {
+                warm_published.lock().unwrap().contains_key(id)
             })
-            .await??;
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while !warm_published.lock().unwrap().contains_key(&id) {
-                if Instant::now() > deadline {
-                    return Err::<(), BoxError>(
-                        "the warm-up message was not published in 120 s".into(),
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            .await?;
             tokio::task::spawn_blocking(move || emit_at(&url, rate, total, tag, &log)).await?
         };
         // A relay stopped before its last confirmation reads the previous run's tail again:
         // only this run's messages count.
         let prefix = format!("cdc-lat-{tag}-");
+        // Counted again only when a publish call added entries.
+        let mut counted = (0, 0);
         let done = || {
             let published = published.lock().unwrap();
-            published.keys().filter(|k| k.starts_with(&prefix)).count() >= total
+            if published.len() != counted.0 {
+                let n = published.keys().filter(|k| k.starts_with(&prefix)).count();
+                counted = (published.len(), n);
+            }
+            counted.1 >= total
         };
         let (relay, produced) =
             tokio::join!(self.run_relay(publisher, done, Some(name_tx)), producer);
@@ -482,9 +516,63 @@ impl CdcBench {
         Ok(lat)
     }
 
+    /// Waits until the relay named by `name` holds the slot and has read up to now: a
+    /// slot idle since the last run starts behind by all the WAL written since (the
+    /// polling runs' too), which a running relay would have read as it came. Up to now
+    /// is until the event `warm` (emitted now) was published, as `published` tells by
+    /// its msg_id; then it settles as the polling relay is given time to park on LISTEN.
+    async fn settle(
+        &self,
+        name: tokio::sync::oneshot::Receiver<String>,
+        warm: &str,
+        published: impl Fn(&str) -> bool,
+    ) -> Result<(), BoxError> {
+        let name = name.await?;
+        let wait_url = self.url.clone();
+        tokio::task::spawn_blocking(move || wait_for_holder(&wait_url, &name)).await??;
+        let (warm_url, warm) = (self.url.clone(), warm.to_owned());
+        let id = tokio::task::spawn_blocking(move || -> Result<String, BoxError> {
+            let mut conn = PgConnection::establish(&warm_url)?;
+            let e = AccountTransferred::new(&warm, "alice", "bob", 1);
+            Ok(conn.transaction(|c| c.emit(e))?.into_string())
+        })
+        .await??;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !published(&id) {
+            if Instant::now() > deadline {
+                return Err("the warm-up message was not published in 120 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(())
+    }
+
     /// `(n_tup_upd, n_dead_tup)` summed over the database's tables.
     fn stats(&self) -> Result<(i64, i64), BoxError> {
         table_stats(&mut self.conn.lock().unwrap(), "")
+    }
+}
+
+/// Moves the slot to the end of the WAL before a fill: what the polling runs wrote in
+/// the other database since the last CDC run is not this drain's work (a CDC relay
+/// running beside them would have read past it as it came; the latency run's warm-up
+/// does the same). Its decoding is done here, by this session, before the drain's
+/// counters are taken. Waits (at most 10 s) for the last relay's session to let go of
+/// the slot.
+fn skip_other_wal(conn: &mut PgConnection) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match conn.batch_execute(&format!(
+            "SELECT pg_replication_slot_advance('{}', pg_current_wal_lsn())",
+            outbox_cdc::DEFAULT_SLOT
+        )) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.to_string().contains("active") && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 

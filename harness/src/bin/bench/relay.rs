@@ -199,7 +199,8 @@ impl RelayBench {
         })
     }
 
-    fn config(batch: usize) -> RelayConfig {
+    /// The relay's configuration in the bench: `batch` per claim, polled every 200 ms.
+    pub(crate) fn config(batch: usize) -> RelayConfig {
         RelayConfig::default()
             .with_batch_size(batch)
             .with_poll_interval(Duration::from_millis(200))
