@@ -619,3 +619,37 @@ async fn switching_polling_to_cdc_and_back_loses_nothing() {
         .unwrap();
     assert_eq!(left, Some(0));
 }
+
+/// `outbox dead redrive` (outbox_diesel::redrive) in CDC mode: the binlog relay publishes
+/// inserts only, so a redrive's UPDATE would leave the row NEW and never published. It is
+/// refused with the way out, and the row stays DEAD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_in_cdc_mode_is_refused_and_the_row_stays_dead() {
+    use diesel::Connection as _;
+    let db = Db::start().await;
+    db.setup().await;
+    insert_each(&db, "r", 0..1).await;
+    let mut c = db.conn().await;
+    c.query_drop("UPDATE outbox SET status = 2").await.unwrap();
+    let url = db.url.clone();
+    let refused = tokio::task::spawn_blocking(move || {
+        let mut conn = diesel::MysqlConnection::establish(&url).expect("connect");
+        outbox_diesel::redrive_all(&mut conn)
+    })
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(
+        matches!(refused, outbox_diesel::Error::RedriveInCdcMode { .. }),
+        "{refused:?}"
+    );
+    assert!(
+        refused.to_string().contains("switch_to_polling"),
+        "{refused}"
+    );
+    let dead: Option<i64> = c
+        .query_first("SELECT COUNT(*) FROM outbox WHERE status = 2")
+        .await
+        .unwrap();
+    assert_eq!(dead, Some(1), "the row stays DEAD");
+}

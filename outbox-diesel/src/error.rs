@@ -138,6 +138,18 @@ pub enum Error {
     /// A blocking database task panicked or was cancelled.
     #[error("database task failed: {0}")]
     Task(String),
+    /// A redrive while MariaDB's binlog CDC relay owns the outbox: that relay publishes
+    /// inserts only, so the redrive's UPDATE would leave the row NEW and never published.
+    /// Refused, and the row stays DEAD.
+    #[error(
+        "cannot redrive while the binlog CDC relay (lock `{relay}`, table outbox_cdc) owns \
+         this outbox: it publishes inserts only; switch to polling first \
+         (outbox_cdc::mysql::switch_to_polling), redrive, then set CDC mode up again"
+    )]
+    RedriveInCdcMode {
+        /// The CDC relay's lock name.
+        relay: String,
+    },
 }
 
 impl Error {

@@ -296,6 +296,13 @@ impl Database for MysqlConnection {
     const MIGRATION: &'static str = crate::migrate::MYSQL_UP;
     const DIALECT: Dialect = DIALECT;
 
+    fn redrive_sql(&mut self, ids: &str) -> Result<String> {
+        match store::cdc_lock(self)? {
+            Some(relay) => Err(crate::Error::RedriveInCdcMode { relay }),
+            None => Ok((DIALECT.redrive)(ids)),
+        }
+    }
+
     fn load<T: ResultRow>(&mut self, sql: &str, bind: Option<&str>) -> QueryResult<Vec<T>> {
         crate::backend::load_rows(self, sql, bind)
     }

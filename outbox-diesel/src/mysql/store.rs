@@ -117,7 +117,7 @@ impl MysqlRelayStore {
 
 /// The CDC relay's lock name if CDC mode is on (the `outbox_cdc` table of
 /// typed-outbox-cdc holds a row).
-fn cdc_lock(conn: &mut MysqlConnection) -> crate::Result<Option<String>> {
+pub(super) fn cdc_lock(conn: &mut MysqlConnection) -> crate::Result<Option<String>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
