@@ -223,7 +223,7 @@ impl ClaimedRow for RecordRow {
 /// use diesel::RunQueryDsl as _;
 /// use outbox_diesel::PgMessageRow;
 ///
-/// # fn f(conn: &mut diesel::PgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// # fn read(conn: &mut diesel::PgConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// let rows: Vec<PgMessageRow> = diesel::sql_query(format!(
 ///     "SELECT {} FROM outbox o WHERE o.status = 0 ORDER BY o.id LIMIT 10",
 ///     PgMessageRow::COLUMNS
@@ -234,6 +234,7 @@ impl ClaimedRow for RecordRow {
 ///     println!("{} {}", message.id, message.envelope.msg_id);
 /// }
 /// # Ok(()) }
+/// # fn main() { let _ = read; }
 /// ```
 #[cfg(feature = "postgres")]
 #[derive(Debug, QueryableByName)]
