@@ -653,3 +653,31 @@ async fn a_redrive_in_cdc_mode_is_refused_and_the_row_stays_dead() {
         .unwrap();
     assert_eq!(dead, Some(1), "the row stays DEAD");
 }
+
+/// An XA transaction's rows come in a group ended by `XA PREPARE`, not by a commit the
+/// relay can follow: the relay stops with the reason instead of skipping them (before,
+/// the next group replaced it and its messages were never published, silently).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xa_transaction_writing_the_outbox_stops_the_relay_instead_of_being_skipped() {
+    let db = Db::start().await;
+    db.setup().await;
+    let (p, name) = publisher();
+    let relay = spawn_relay(&db, p);
+    let mut c = db.conn().await;
+    c.query_drop("XA START 'x1'").await.unwrap();
+    insert(&mut c, "x", 1).await;
+    c.query_drop("XA END 'x1'").await.unwrap();
+    c.query_drop("XA PREPARE 'x1'").await.unwrap();
+    c.query_drop("XA COMMIT 'x1'").await.unwrap();
+    insert_each(&db, "y", 1..2).await;
+    let ended = tokio::time::timeout(Duration::from_secs(30), relay.1)
+        .await
+        .expect("the relay stops")
+        .expect("relay task")
+        .expect_err("the relay refuses the XA transaction");
+    assert!(ended.to_string().contains("XA"), "{ended}");
+    assert!(
+        !stream(&name).contains(&msg_id("y", 1)),
+        "a later message went out past the XA transaction's"
+    );
+}

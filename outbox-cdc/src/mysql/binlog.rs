@@ -136,6 +136,7 @@ impl Binlog {
         let raw = header.event_type_raw();
         if raw == MARIADB_GTID_EVENT {
             self.close_standalone(ready);
+            self.refuse_unended()?;
             let gtid = MariadbGtid::read(ev.data())?;
             self.open = Some(Open {
                 gtid,
@@ -158,18 +159,41 @@ impl Binlog {
         }
         match header.event_type() {
             Ok(EventType::XID_EVENT) => self.close(ready),
-            Ok(EventType::QUERY_EVENT) => {
-                if let Ok(Some(EventData::QueryEvent(q))) = ev.read_data()
-                    && q.query().trim().eq_ignore_ascii_case("COMMIT")
-                {
-                    self.close(ready);
+            Ok(EventType::QUERY_EVENT) => match ev.read_data() {
+                Ok(Some(EventData::QueryEvent(q))) => {
+                    let query = q.query();
+                    if query.trim().eq_ignore_ascii_case("COMMIT") {
+                        self.close(ready);
+                    } else if query.trim().eq_ignore_ascii_case("ROLLBACK") {
+                        self.open = None; // rolled back: nothing of it is published
+                    }
                 }
-            }
+                Ok(_) => {}
+                Err(e) => return Err(CdcError::Decode(format!("a query event: {e}"))),
+            },
             Ok(EventType::HEARTBEAT_EVENT) => self.close_standalone(ready),
             Ok(EventType::WRITE_ROWS_EVENT | EventType::WRITE_ROWS_EVENT_V1) => self.rows(&ev)?,
             _ => {}
         }
         Ok(())
+    }
+
+    /// A group that wrote the outbox and was not ended by an XID or a `COMMIT` (an `XA
+    /// PREPARE`, whose `XA COMMIT` comes later as a group of its own) is refused: its
+    /// rows must not be skipped, and the relay cannot tell yet whether they commit. The
+    /// position stays before it, so the relay stops here until switched to polling.
+    fn refuse_unended(&self) -> Result<()> {
+        match &self.open {
+            Some(o) if !o.commit.messages.is_empty() || !o.commit.unreadable.is_empty() => {
+                Err(CdcError::Decode(format!(
+                    "transaction {}-{}-{} wrote the outbox and ended without a COMMIT the \
+                     binlog relay can follow (an XA transaction?): it is not supported; its \
+                     rows stay in the table: switch to polling to relay them",
+                    o.gtid.domain, o.server, o.gtid.seq
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Closes the open transaction: the position moves past it.
