@@ -124,7 +124,8 @@ pub enum CdcError {
         fix: String,
     },
     /// The MySQL / MariaDB user lacks a global privilege the binlog relay needs
-    /// (`REPLICATION SLAVE` to read the binlog, `BINLOG MONITOR` for its position).
+    /// (`REPLICATION SLAVE` to read the binlog, `BINLOG MONITOR` for its position,
+    /// `PROCESS` for the open transactions behind its watermark).
     #[error("user {user} lacks the {privilege} privilege: GRANT {privilege} ON *.* TO {user}")]
     MissingPrivilege {
         /// The user the relay connects as (`CURRENT_USER()`).
@@ -141,6 +142,18 @@ pub enum CdcError {
     )]
     PositionLost {
         /// The stored GTID position.
+        position: String,
+        /// The server's message.
+        reason: String,
+    },
+    /// The binlog dump failed with error 1236 for a reason other than a purged
+    /// position (an event larger than the server's `max_allowed_packet`, a truncated or
+    /// corrupt binlog, a position ahead of the server's binlog): waiting does not help,
+    /// and recovering the position would hide the cause. The server's message says what
+    /// to fix.
+    #[error("the server cannot send the binlog from position `{position}`: {reason}")]
+    BinlogUnreadable {
+        /// The GTID position the dump started from.
         position: String,
         /// The server's message.
         reason: String,

@@ -175,6 +175,24 @@ async fn a_server_or_user_that_cannot_serve_the_relay_is_refused_with_the_fix() 
         matches!(ran, Err(CdcError::MissingPrivilege { .. })),
         "{ran:?}"
     );
+    // Without PROCESS the relay cannot read the open transactions behind its
+    // watermark: refused at start, with the grant named, not a relay that quietly
+    // stops storing its position and reports.
+    for host in ["localhost", "127.0.0.1"] {
+        db.server.exec(&format!(
+            "CREATE USER 'noproc'@'{host}'; GRANT ALL ON test.* TO 'noproc'@'{host}'; \
+             GRANT REPLICATION SLAVE, BINLOG MONITOR ON *.* TO 'noproc'@'{host}'"
+        ));
+    }
+    let noproc = format!("mysql://noproc@127.0.0.1:{}/test", db.server.port());
+    let err = binlog::check_server(&mut Conn::from_url(&noproc).await.expect("noproc user"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, CdcError::MissingPrivilege { privilege, .. } if privilege == "PROCESS"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("GRANT PROCESS ON *.*"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -274,16 +274,74 @@ impl Binlog {
     }
 }
 
-/// A dump's error: [`CdcError::PositionLost`] when the server cannot serve the position
-/// (error 1236: the binlog holding it was purged), else a replication outage.
+/// A dump's error: [`CdcError::PositionLost`] when the server says the binlog holding
+/// the position is gone (error 1236 with MariaDB's "purged" text), another error 1236
+/// (an event over `max_allowed_packet`, a truncated binlog, a position ahead of the
+/// server) [`CdcError::BinlogUnreadable`] with the server's message, else a replication
+/// outage.
 fn stream_error(e: mysql_async::Error, from: &GtidPosition) -> CdcError {
     match &e {
         mysql_async::Error::Server(s) if s.code == ER_MASTER_FATAL_ERROR_READING_BINLOG => {
-            CdcError::PositionLost {
-                position: from.to_string(),
-                reason: s.message.clone(),
-            }
+            fatal_read_error(&s.message, from)
         }
         _ => CdcError::Replication(Box::new(e)),
+    }
+}
+
+/// Error 1236 by its message: only MariaDB's "Could not find GTID state requested by
+/// slave in any binlog files. Probably ... required binlog files have been purged." (and
+/// the file-position dump's "purged" text) means the position is gone for good.
+fn fatal_read_error(message: &str, from: &GtidPosition) -> CdcError {
+    let lower = message.to_ascii_lowercase();
+    let purged = lower.contains("could not find gtid state") || lower.contains("purged");
+    if purged {
+        CdcError::PositionLost {
+            position: from.to_string(),
+            reason: message.to_owned(),
+        }
+    } else {
+        CdcError::BinlogUnreadable {
+            position: from.to_string(),
+            reason: message.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fatal(message: &str) -> CdcError {
+        let from: GtidPosition = "0-1-5".parse().expect("a GTID position");
+        stream_error(
+            mysql_async::Error::Server(mysql_async::ServerError {
+                code: ER_MASTER_FATAL_ERROR_READING_BINLOG,
+                message: message.into(),
+                state: "HY000".into(),
+            }),
+            &from,
+        )
+    }
+
+    #[test]
+    fn only_a_purged_binlog_is_a_lost_position() {
+        let purged = fatal(
+            "Could not find GTID state requested by slave in any binlog files. Probably the \
+             slave state is too old and required binlog files have been purged.",
+        );
+        assert!(matches!(purged, CdcError::PositionLost { .. }), "{purged}");
+        for other in [
+            "log event entry exceeded max_allowed_packet; Increase max_allowed_packet on master",
+            "binlog truncated in the middle of event; consider out of disk space on master",
+            "Error: connecting slave requested to start from GTID 0-1-99, which is not in \
+             the master's binlog",
+        ] {
+            let e = fatal(other);
+            match &e {
+                CdcError::BinlogUnreadable { reason, .. } => assert_eq!(reason, other),
+                _ => panic!("{other}: {e:?}"),
+            }
+            assert!(!e.is_outage(), "{other}");
+        }
     }
 }

@@ -552,7 +552,15 @@ impl<P: Publisher> Session<'_, P> {
         };
         let every = i64::try_from(self.d.config.lag_interval.as_millis()).unwrap_or(i64::MAX);
         let oldest = oldest.map(|t| t.format("%Y-%m-%d %H:%M:%S%.6f").to_string());
-        let through = self.watermark.advance(&mut self.lock, &self.stored).await?;
+        // A failed watermark (e.g. the PROCESS privilege revoked) must not stop the
+        // report and the idle position below: it only leaves `relayed_through` as is.
+        let through = match self.watermark.advance(&mut self.lock, &self.stored).await {
+            Ok(through) => through,
+            Err(e) => {
+                tracing::warn!(error = %outbox_core::error_chain(&e), "the relayed-through watermark was not advanced");
+                None
+            }
+        };
         self.lock
             .exec_drop(
                 "UPDATE outbox_cdc SET reported_at = UTC_TIMESTAMP(6), oldest_unconfirmed_at = ?, \

@@ -107,8 +107,10 @@ fn setting(name: &str, found: &str, needed: &str, fix: &str) -> CdcError {
     }
 }
 
-/// The user needs `REPLICATION SLAVE` (the binlog dump) and `BINLOG MONITOR` (the
-/// binlog's position), each also granted by `SUPER` or all privileges on `*.*`.
+/// The user needs `REPLICATION SLAVE` (the binlog dump), `BINLOG MONITOR` (the
+/// binlog's position) and `PROCESS` (the open transactions in
+/// `information_schema.INNODB_TRX`, for the watermark the relay reports), each also
+/// granted by `SUPER` (not `PROCESS`) or all privileges on `*.*`.
 async fn check_privileges(conn: &mut Conn) -> Result<()> {
     let grants: Vec<String> = conn.query("SHOW GRANTS").await.map_err(CdcError::db)?;
     let grants = grants.join("\n").to_ascii_uppercase();
@@ -125,6 +127,7 @@ async fn check_privileges(conn: &mut Conn) -> Result<()> {
     for (privilege, or) in [
         ("REPLICATION SLAVE", "REPLICATION REPLICA"),
         ("BINLOG MONITOR", "SUPER"),
+        ("PROCESS", "ALL PRIVILEGES"),
     ] {
         if !global(privilege) && !global(or) {
             return Err(CdcError::MissingPrivilege {
