@@ -6,6 +6,8 @@
 mod common;
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
@@ -15,6 +17,7 @@ use mysql_async::Conn;
 use mysql_async::prelude::Queryable as _;
 use outbox_cdc::mysql::{self as binlog, MysqlCdcRelay};
 use outbox_cdc::{CdcConfig, CdcError};
+use outbox_core::{Error, PublishOutcomes, Publisher, StoredMessage};
 use outbox_tests::ScratchMariadb;
 
 /// A private MariaDB with the outbox migrated in database `test`.
@@ -384,6 +387,98 @@ async fn one_relay_reads_and_another_takes_over_when_its_session_is_killed_or_si
         let got = wait_for_all(&name, &want);
         assert_eq!(firsts(&got), want, "order kept across the takeover");
     }
+    stop(first).await;
+    stop(second).await;
+}
+
+/// A publisher whose broker is down (an outage) while `down` is set, and whose publish
+/// hangs (a broker that does not answer) while `hang` is set.
+struct Outage<P> {
+    inner: P,
+    down: Arc<AtomicBool>,
+    hang: Arc<AtomicBool>,
+}
+
+impl<P: Publisher> Publisher for Outage<P> {
+    async fn publish(&self, batch: &[StoredMessage]) -> Result<PublishOutcomes, Error> {
+        while self.hang.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Error::broker_unavailable("the test's broker is down"));
+        }
+        self.inner.publish(batch).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_publish_hangs_longer_than_takeover_after_keeps_the_lock() {
+    let db = Db::start().await;
+    db.setup().await;
+    let (p, name) = publisher();
+    let hang = Arc::new(AtomicBool::new(true));
+    let first = spawn_relay(
+        &db,
+        Outage {
+            inner: p,
+            down: Arc::new(AtomicBool::new(false)),
+            hang: Arc::clone(&hang),
+        },
+    );
+    let holder = wait_for_holder(&db).await;
+    insert_each(&db, "k", 0..3).await;
+    let second = spawn_relay(&db, publisher_for(&name));
+    // The first relay's publish of k:0..3 hangs for longer than takeover_after (3 s).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        wait_for_holder(&db).await,
+        holder,
+        "the holder kept the lock through the slow publish"
+    );
+    assert!(
+        stream(&name).is_empty(),
+        "nothing published by the waiting relay"
+    );
+    hang.store(false, Ordering::SeqCst);
+    let want = ids("k", 0..3);
+    assert_eq!(wait_for_all(&name, &want), want, "each published once");
+    stop(first).await;
+    stop(second).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_waiting_out_a_broker_outage_in_the_backfill_keeps_the_lock() {
+    let db = Db::start().await;
+    insert_each(&db, "old", 0..3).await;
+    db.setup().await;
+    let (p, name) = publisher();
+    let down = Arc::new(AtomicBool::new(true));
+    let first = spawn_relay(
+        &db,
+        Outage {
+            inner: p,
+            down: Arc::clone(&down),
+            hang: Arc::new(AtomicBool::new(false)),
+        },
+    );
+    let holder = wait_for_holder(&db).await;
+    let second = spawn_relay(&db, publisher_for(&name));
+    // Longer than takeover_after (3 s) and a standby poll: a holder that ran nothing on
+    // its lock's session while it waited out the broker would have been ended by now,
+    // and the second relay would publish the batch the first one publishes after.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        wait_for_holder(&db).await,
+        holder,
+        "the live holder kept the lock through the outage"
+    );
+    assert!(
+        stream(&name).is_empty(),
+        "nothing published during the outage"
+    );
+    down.store(false, Ordering::SeqCst);
+    let want = ids("old", 0..3);
+    assert_eq!(wait_for_all(&name, &want), want, "each published once");
     stop(first).await;
     stop(second).await;
 }

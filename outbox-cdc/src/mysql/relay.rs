@@ -379,7 +379,9 @@ impl<P: Publisher> Session<'_, P> {
             .iter()
             .flat_map(|c| c.messages.iter().cloned())
             .collect();
-        self.d.deliver(&messages, &mut self.blocked).await?;
+        if !self.deliver_holding(&messages).await? {
+            return Ok(false);
+        }
         let dead: Vec<(i64, String)> = self
             .ready
             .iter()
@@ -432,21 +434,65 @@ impl<P: Publisher> Session<'_, P> {
         if self.verified_at.elapsed() < self.d.config.status_interval {
             return Ok(true);
         }
-        let ours: Option<Option<i64>> = self
-            .lock
-            .exec_first(
-                "SELECT IS_USED_LOCK(?) = CONNECTION_ID()",
-                (self.d.config.slot.as_str(),),
-            )
-            .await
-            .map_err(CdcError::db)?;
-        let ours = ours.flatten() == Some(1);
+        let ours = lock_is_ours(&mut self.lock, &self.d.config.slot).await?;
         if ours {
             self.verified_at = Instant::now();
         } else {
             tracing::warn!(lock = %self.d.config.slot, "the lock was taken over: this relay publishes nothing more and waits");
         }
         Ok(ours)
+    }
+
+    /// Delivers `messages` while asking for the lock on its session every
+    /// `status_interval`: a publish slower than `takeover_after` (a broker that hangs)
+    /// must not look like a frozen holder to a waiting relay, which would end this
+    /// session and publish the same messages too. `false` when the lock was lost (the
+    /// delivery is abandoned: the new holder publishes those messages).
+    async fn deliver_holding(&mut self, messages: &[StoredMessage]) -> Result<bool> {
+        let every = self.d.config.status_interval;
+        let slot = &self.d.config.slot;
+        let deliver = self.d.deliver(messages, &mut self.blocked);
+        tokio::pin!(deliver);
+        loop {
+            tokio::select! {
+                delivered = &mut deliver => {
+                    delivered?;
+                    return Ok(true);
+                }
+                () = tokio::time::sleep_until((self.verified_at + every).into()) => {
+                    if !lock_is_ours(&mut self.lock, slot).await? {
+                        tracing::warn!(lock = %slot, "the lock was taken over while publishing: this relay publishes nothing more and waits");
+                        return Ok(false);
+                    }
+                    self.verified_at = Instant::now();
+                }
+            }
+        }
+    }
+
+    /// Waits `pause` after an outage while keeping the heartbeat on the lock's session
+    /// (every `status_interval`), so that a waiting relay does not take this live holder
+    /// for a frozen one; `Some` when stopped or the lock is gone.
+    async fn pause_holding<F: Future<Output = ()>>(
+        &mut self,
+        stop: &mut Stop<'_, F>,
+        pause: Duration,
+    ) -> Result<Option<Ended>> {
+        let until = Instant::now() + pause;
+        loop {
+            if !self.still_holder().await? {
+                return Ok(Some(Ended::Lost));
+            }
+            if Instant::now() >= until {
+                return Ok(None);
+            }
+            let wake = until.min(self.verified_at + self.d.config.status_interval);
+            tokio::select! {
+                biased;
+                () = stop.wait() => return Ok(Some(Ended::Stopped)),
+                () = tokio::time::sleep_until(wake.into()) => {}
+            }
+        }
     }
 
     /// Publishes the NEW rows that committed before the stored position (the backfill
@@ -468,17 +514,19 @@ impl<P: Publisher> Session<'_, P> {
                 self.blocked.insert(m.envelope.key.clone());
             }
             let mut outages = 0u32;
-            while let Err(e) = self.d.deliver(&messages, &mut self.blocked).await {
-                if !e.is_outage() {
-                    return Err(e);
-                }
-                outages = outages.saturating_add(1);
-                let pause = self.d.config.outage_backoff.pause(outages);
-                tracing::warn!(error = %outbox_core::error_chain(&e), ?pause, "binlog CDC backfill paused after an outage");
-                tokio::select! {
-                    biased;
-                    () = stop.wait() => return Ok(Some(Ended::Stopped)),
-                    () = tokio::time::sleep(pause) => {}
+            loop {
+                match self.deliver_holding(&messages).await {
+                    Ok(true) => break,
+                    Ok(false) => return Ok(Some(Ended::Lost)),
+                    Err(e) if e.is_outage() => {
+                        outages = outages.saturating_add(1);
+                        let pause = self.d.config.outage_backoff.pause(outages);
+                        tracing::warn!(error = %outbox_core::error_chain(&e), ?pause, "binlog CDC backfill paused after an outage");
+                        if let Some(ended) = self.pause_holding(stop, pause).await? {
+                            return Ok(Some(ended));
+                        }
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             let writes = Writes {
@@ -582,4 +630,14 @@ impl<P: Publisher> Session<'_, P> {
         }
         Ok(())
     }
+}
+
+/// Whether the readers' lock is held by `lock`'s session; the statement is also the
+/// holder's heartbeat (a waiting relay ends a session idle for `takeover_after`).
+async fn lock_is_ours(lock: &mut Conn, slot: &str) -> Result<bool> {
+    let ours: Option<Option<i64>> = lock
+        .exec_first("SELECT IS_USED_LOCK(?) = CONNECTION_ID()", (slot,))
+        .await
+        .map_err(CdcError::db)?;
+    Ok(ours.flatten() == Some(1))
 }
