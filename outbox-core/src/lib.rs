@@ -81,6 +81,8 @@ pub mod __private {
     pub mod consumer {
         #[cfg(feature = "http")]
         pub use crate::consumer::health_router;
-        pub use crate::consumer::{Executor, HealthState, StoreRun, Transactions, block_on, waker};
+        pub use crate::consumer::{
+            Executor, HealthState, ReaderHealth, StoreRun, Transactions, block_on, waker,
+        };
     }
 }

@@ -60,6 +60,10 @@ pub struct HealthState {
     last_round: AtomicU64,
     last_broker_answer: AtomicU64,
     broker_failures: AtomicU32,
+    /// Readers (see [`reader`](HealthState::reader)) whose last read failed. Changed
+    /// under its lock together with `broker_failures`, so that the last failing reader's
+    /// answer cannot reset a count another reader's first failure just raised.
+    failing_readers: Mutex<u32>,
     store_failures: AtomicU32,
     last_error: Mutex<Option<String>>,
 }
@@ -72,6 +76,7 @@ impl Default for HealthState {
             last_round: AtomicU64::new(0),
             last_broker_answer: AtomicU64::new(0),
             broker_failures: AtomicU32::new(0),
+            failing_readers: Mutex::new(0),
             store_failures: AtomicU32::new(0),
             last_error: Mutex::new(None),
         }
@@ -149,6 +154,25 @@ impl HealthState {
         self.broker_failures.fetch_add(1, Ordering::Relaxed) + 1
     }
 
+    /// One of several read loops sharing this state (each reads its own stream or
+    /// partition): the broker's failures count until every reader answers again, so one
+    /// reader's answers do not make the consumer look ready while another keeps
+    /// failing. A loop that is the only reader may use
+    /// [`broker_answered`](Self::broker_answered) and
+    /// [`broker_failed`](Self::broker_failed) directly.
+    pub fn reader(&self) -> ReaderHealth<'_> {
+        ReaderHealth {
+            state: self,
+            failures: 0,
+        }
+    }
+
+    fn failing_readers(&self) -> std::sync::MutexGuard<'_, u32> {
+        self.failing_readers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// A message or batch ended: `outage` says whether the store (or an ack) failed.
     pub fn work_ended(&self, outage: bool) {
         if outage {
@@ -186,6 +210,66 @@ impl HealthState {
             && self.store_failures.load(Ordering::Relaxed) == 0
         {
             *self.error() = None;
+        }
+    }
+}
+
+/// One read loop's side of a [`HealthState`] shared by several
+/// ([`HealthState::reader`]). Dropping it (its loop ended) stops counting it as failing.
+#[derive(Debug)]
+pub struct ReaderHealth<'a> {
+    state: &'a HealthState,
+    /// This reader's reads that failed in a row.
+    failures: u32,
+}
+
+impl ReaderHealth<'_> {
+    /// This reader's read was answered. The consumer's broker failures are reset only
+    /// when no other reader is failing.
+    pub fn answered(&mut self) {
+        let state = self.state;
+        state
+            .last_broker_answer
+            .store(state.now(), Ordering::Relaxed);
+        if self.failures > 0 {
+            self.failures = 0;
+            self.stop_failing();
+        }
+    }
+
+    /// This reader's read failed; returns its failures in a row.
+    pub fn failed(&mut self, error: &dyn std::fmt::Display) -> u32 {
+        let state = self.state;
+        state.note_error(error);
+        // A first failure counts this reader as failing under the lock; a later one
+        // needs none (while it is counted, no other reader's answer resets the count).
+        let counting = (self.failures == 0).then(|| {
+            let mut failing = state.failing_readers();
+            *failing += 1;
+            failing
+        });
+        state.broker_failures.fetch_add(1, Ordering::Relaxed);
+        drop(counting);
+        self.failures += 1;
+        self.failures
+    }
+
+    fn stop_failing(&self) {
+        let state = self.state;
+        let mut failing = state.failing_readers();
+        *failing = failing.saturating_sub(1);
+        if *failing == 0 {
+            state.broker_failures.store(0, Ordering::Relaxed);
+            drop(failing);
+            state.clear_error();
+        }
+    }
+}
+
+impl Drop for ReaderHealth<'_> {
+    fn drop(&mut self) {
+        if self.failures > 0 {
+            self.stop_failing();
         }
     }
 }
@@ -297,6 +381,32 @@ mod tests {
         state.store_answered();
         let h = health(&state);
         assert!(h.is_ready() && h.last_error.is_none(), "{h:?}");
+    }
+
+    #[test]
+    fn one_reader_failing_keeps_the_consumer_unready_while_another_answers() {
+        let state = HealthState::default();
+        state.set_running(true);
+        let (mut failing, mut answering) = (state.reader(), state.reader());
+        answering.answered();
+        assert!(health(&state).is_ready());
+        assert_eq!(failing.failed(&"no responders"), 1);
+        answering.answered();
+        let h = health(&state);
+        assert!(h.is_live() && !h.is_ready(), "{h:?}");
+        assert_eq!(h.last_error.as_deref(), Some("no responders"));
+        assert_eq!(failing.failed(&"no responders"), 2);
+        answering.answered();
+        assert!(!health(&state).is_ready());
+        failing.answered();
+        let h = health(&state);
+        assert!(h.is_ready() && h.last_error.is_none(), "{h:?}");
+        assert_eq!(failing.failed(&"no responders"), 1);
+        drop(failing);
+        assert!(
+            health(&state).is_ready(),
+            "a reader that ended no longer counts"
+        );
     }
 
     #[test]

@@ -10,5 +10,5 @@ mod store;
 pub use executor::{Executor, block_on, waker};
 #[cfg(feature = "http")]
 pub use health::health_router;
-pub use health::{ConsumerHealth, HealthState};
+pub use health::{ConsumerHealth, HealthState, ReaderHealth};
 pub use store::{AsyncStore, ConsumerStore, StoreRun, Transactions};

@@ -189,6 +189,9 @@ where
     /// One reader: pulls from `lane`'s `consumer` and applies what comes, until stopped.
     async fn read(&self, lane: Lane, mut consumer: PullConsumer, mut stop: watch::Receiver<bool>) {
         let topic = &lane.topic;
+        // Readers share the consumer's health: the consumer is not ready while any of
+        // them fails, whatever the others read.
+        let mut health = self.inner.health.reader();
         let mut failures = 0;
         while !*stop.borrow() {
             self.inner.health.round();
@@ -205,13 +208,12 @@ where
             let outage = match self.pull(topic, &consumer).await {
                 Ok(outage) => {
                     failures = 0;
-                    self.inner.health.broker_answered();
+                    health.answered();
                     outage
                 }
                 Err(e) => {
-                    failures += 1;
                     self.count(Count::NatsError, 1);
-                    self.inner.health.broker_failed(&e);
+                    failures = health.failed(&e);
                     tracing::warn!(stream = %topic.stream, error = %e, "pull failed");
                     true
                 }
