@@ -50,17 +50,20 @@ where
     C: 'static,
 {
     /// `lane`'s durable pull consumer, created when missing: the group's on the
-    /// topic's stream, or an ordered lane's on its subject.
+    /// topic's whole stream with many messages in hand, or an ordered lane's on its
+    /// subject with one. The server's own delivery limit is off (`max_deliver` -1): the
+    /// consumer decides when a message is dead, and writes it to the dead-letter stream
+    /// with its reason.
     pub(super) async fn lane_consumer(&self, lane: &Lane) -> Result<PullConsumer> {
-        let Some(subject) = &lane.ordered_subject else {
-            return self.durable(&lane.topic).await;
-        };
         let inner = &self.inner;
         let stream_name = &*lane.topic.stream;
-        // As the group's durable (`durable`), but for the subject and one in hand.
+        let (filter_subject, max_ack_pending) = match &lane.ordered_subject {
+            Some(subject) => (subject.clone(), 1),
+            None => (String::new(), UNORDERED_MAX_ACK_PENDING),
+        };
         let config = pull::Config {
             durable_name: Some(lane.durable.to_string()),
-            filter_subject: subject.clone(),
+            filter_subject,
             ack_policy: AckPolicy::Explicit,
             ack_wait: inner.config.ack_wait,
             max_deliver: -1,
@@ -68,7 +71,7 @@ where
                 StartFrom::Beginning => DeliverPolicy::All,
                 StartFrom::New => DeliverPolicy::New,
             },
-            max_ack_pending: 1,
+            max_ack_pending,
             ..Default::default()
         };
         let unavailable = |e: &dyn std::fmt::Display| {
@@ -87,13 +90,19 @@ where
                 _ => unavailable(&e),
             })?;
         let found = &consumer.cached_info().config;
-        check_ordered(lane, subject, found)?;
+        if let Some(subject) = &lane.ordered_subject {
+            check_ordered(lane, subject, found)?;
+        }
         match consumer_mismatch(found, stream_name, inner.config.ack_wait) {
             Some(mismatch) => Err(mismatch),
             None => Ok(consumer),
         }
     }
 }
+
+/// The messages a durable consumer of the unordered mode may have in hand at once,
+/// across every process of the group.
+const UNORDERED_MAX_ACK_PENDING: i64 = 10_000;
 
 /// An ordered lane's durable consumer must let one message at a time be in hand and
 /// read its subject alone: one found with other settings (an operator's edit) would

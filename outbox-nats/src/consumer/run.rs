@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::connection::State;
-use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use futures_util::StreamExt as _;
 use outbox_core::ConsumerStore;
 use tokio::sync::watch;
@@ -15,9 +15,9 @@ use super::health::Count;
 use super::lanes::{Lane, lanes};
 use super::process::Outcome;
 use super::screen::Job;
-use super::{Consumer, StartFrom, Topic};
-use crate::streams::{consumer_mismatch, ensure_stream, refused};
-use crate::{Error, Result};
+use super::{Consumer, Topic};
+use crate::Result;
+use crate::streams::ensure_stream;
 
 /// Pulls failed in a row after which a reader sets its stream and durable consumer up
 /// again.
@@ -37,8 +37,9 @@ where
     /// when present, see [`StreamSettings`](crate::StreamSettings)), the dead-letter
     /// stream, and the group's durable pull consumer on each stream. While NATS is
     /// unreachable it waits and tries again; a stream with other settings is
-    /// [`Error::StreamMismatch`], a durable consumer of the group with another
-    /// `ack_wait` [`Error::ConsumerMismatch`].
+    /// [`Error::StreamMismatch`](crate::Error::StreamMismatch), a durable consumer of
+    /// the group with another `ack_wait`
+    /// [`Error::ConsumerMismatch`](crate::Error::ConsumerMismatch).
     pub async fn run_until(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let work = async {
@@ -116,51 +117,6 @@ where
             readers.push((lane, consumer));
         }
         Ok(readers)
-    }
-
-    /// The group's durable pull consumer on `topic`'s stream, created when missing.
-    /// The server's own delivery limit is off (`max_deliver` -1): the consumer decides
-    /// when a message is dead, and writes it to the dead-letter stream with its reason.
-    pub(super) async fn durable(&self, topic: &Topic) -> Result<PullConsumer> {
-        let inner = &self.inner;
-        let config = pull::Config {
-            durable_name: Some(inner.group.clone()),
-            ack_policy: AckPolicy::Explicit,
-            ack_wait: inner.config.ack_wait,
-            max_deliver: -1,
-            deliver_policy: match inner.config.start_from {
-                StartFrom::Beginning => DeliverPolicy::All,
-                StartFrom::New => DeliverPolicy::New,
-            },
-            max_ack_pending: 10_000,
-            ..Default::default()
-        };
-        let unavailable = |e: &dyn std::fmt::Display| {
-            Error::Unavailable(format!("consumer {} on {}: {e}", inner.group, topic.stream))
-        };
-        let stream = inner
-            .js
-            .get_stream_no_info(&*topic.stream)
-            .await
-            .map_err(|e| unavailable(&e))?;
-        let consumer: PullConsumer = stream
-            .get_or_create_consumer(&inner.group, config)
-            .await
-            .map_err(|e| match e.kind() {
-                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => refused(
-                    format!("create consumer {} on {}", inner.group, topic.stream),
-                    &js,
-                ),
-                _ => unavailable(&e),
-            })?;
-        match consumer_mismatch(
-            &consumer.cached_info().config,
-            &topic.stream,
-            inner.config.ack_wait,
-        ) {
-            Some(mismatch) => Err(mismatch),
-            None => Ok(consumer),
-        }
     }
 
     /// `lane`'s stream and durable consumer, checked or created again.
