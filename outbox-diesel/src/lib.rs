@@ -85,6 +85,8 @@ mod store;
 pub use async_emit::AsyncEmit;
 #[cfg(any(feature = "async-postgres", feature = "async-mysql"))]
 pub use async_inbox::AsyncDieselInbox;
+#[cfg(feature = "postgres")]
+pub use backend::PgMessageRow;
 pub use conn::OutboxConnection;
 pub use emit::{Emit, EmitOptions, Notify, wake_lock_key};
 pub use error::{Error, MSG_ID_CONSTRAINT, Result, is_duplicate, is_transient};
@@ -95,8 +97,6 @@ pub use migrate::{
 #[cfg(feature = "mysql")]
 pub use mysql::MysqlRelayStore;
 pub use ops::*;
-#[cfg(feature = "postgres")]
-pub use backend::PgMessageRow;
 #[cfg(feature = "postgres")]
 pub use pg::{
     POSTGRES_PARTITIONED_MIGRATION, Partition, PartitionPolicy, PartitionReport, PgRelayStore,

@@ -26,10 +26,10 @@ mod row;
 mod sql;
 
 pub(crate) use consumed::{ConsumedInsert, ConsumedSql};
-#[cfg(feature = "postgres")]
-pub use record::PgMessageRow;
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use record::MsgIdRow;
+#[cfg(feature = "postgres")]
+pub use record::PgMessageRow;
 pub(crate) use record::{RecordRow, claimed};
 #[cfg(feature = "postgres")]
 pub(crate) use row::push_before_headers;
