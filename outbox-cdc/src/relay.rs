@@ -41,6 +41,42 @@ impl<'a, F: Future<Output = ()>> Stop<'a, F> {
     }
 }
 
+/// What both relays do when a hold of the reader's place ended: `Some` to return from
+/// `run_until` (stopped, or an error that is not an outage), `None` to hold again, after
+/// backing off an outage (`outages` in a row). `what` names the relay in the logs.
+pub(crate) async fn after_hold<F: Future<Output = ()>>(
+    what: &str,
+    config: &CdcConfig,
+    outages: &mut u32,
+    stop: &mut Stop<'_, F>,
+    ended: Result<Ended>,
+) -> Option<Result<()>> {
+    let err = match ended {
+        Ok(Ended::Stopped) => {
+            tracing::info!("{what} stopped");
+            return Some(Ok(()));
+        }
+        Ok(Ended::Lost) => {
+            *outages = 0;
+            return None;
+        }
+        Err(e) => e,
+    };
+    if !err.is_outage() {
+        tracing::error!(error = %outbox_core::error_chain(&err), "{what} stopped by an error");
+        return Some(Err(err));
+    }
+    *outages = outages.saturating_add(1);
+    let pause = config.outage_backoff.pause(*outages);
+    tracing::warn!(error = %outbox_core::error_chain(&err), ?pause, "{what} paused after an outage");
+    metrics::counter!("outbox_relay_outages_total").increment(1);
+    tokio::select! {
+        biased;
+        () = stop.wait() => Some(Ok(())),
+        () = tokio::time::sleep(pause) => None,
+    }
+}
+
 #[doc = include_str!("../docs/relay.md")]
 pub struct CdcRelay<P> {
     pool: PgPool,
@@ -111,29 +147,10 @@ impl<P: Publisher> CdcRelay<P> {
         let mut stop = Stop::new(signal);
         let mut outages = 0u32;
         loop {
-            let err = match self.hold(&mut stop).await {
-                Ok(Ended::Stopped) => {
-                    tracing::info!("CDC relay stopped");
-                    return Ok(());
-                }
-                Ok(Ended::Lost) => {
-                    outages = 0;
-                    continue;
-                }
-                Err(e) => e,
-            };
-            if !err.is_outage() {
-                tracing::error!(error = %outbox_core::error_chain(&err), "CDC relay stopped by an error");
-                return Err(err);
-            }
-            outages = outages.saturating_add(1);
-            let pause = self.config.outage_backoff.pause(outages);
-            tracing::warn!(error = %outbox_core::error_chain(&err), ?pause, "CDC relay paused after an outage");
-            metrics::counter!("outbox_relay_outages_total").increment(1);
-            tokio::select! {
-                biased;
-                () = stop.wait() => return Ok(()),
-                () = tokio::time::sleep(pause) => {}
+            let ended = self.hold(&mut stop).await;
+            let done = after_hold("CDC relay", &self.config, &mut outages, &mut stop, ended);
+            if let Some(result) = done.await {
+                return result;
             }
         }
     }

@@ -14,7 +14,7 @@ use super::watermark::Watermark;
 use super::{GtidPosition, park, setup};
 use crate::deliver::Deliverer;
 use crate::park::Writes;
-use crate::relay::Stop;
+use crate::relay::{Stop, after_hold};
 use crate::session::Ended;
 use crate::{CdcConfig, CdcError, Result};
 
@@ -106,29 +106,16 @@ impl<P: Publisher> MysqlCdcRelay<P> {
         let mut stop = Stop::new(signal);
         let mut outages = 0u32;
         loop {
-            let err = match self.hold(&mut stop).await {
-                Ok(Ended::Stopped) => {
-                    tracing::info!("binlog CDC relay stopped");
-                    return Ok(());
-                }
-                Ok(Ended::Lost) => {
-                    outages = 0;
-                    continue;
-                }
-                Err(e) => e,
-            };
-            if !err.is_outage() {
-                tracing::error!(error = %outbox_core::error_chain(&err), "binlog CDC relay stopped by an error");
-                return Err(err);
-            }
-            outages = outages.saturating_add(1);
-            let pause = self.config.outage_backoff.pause(outages);
-            tracing::warn!(error = %outbox_core::error_chain(&err), ?pause, "binlog CDC relay paused after an outage");
-            metrics::counter!("outbox_relay_outages_total").increment(1);
-            tokio::select! {
-                biased;
-                () = stop.wait() => return Ok(()),
-                () = tokio::time::sleep(pause) => {}
+            let ended = self.hold(&mut stop).await;
+            let done = after_hold(
+                "binlog CDC relay",
+                &self.config,
+                &mut outages,
+                &mut stop,
+                ended,
+            );
+            if let Some(result) = done.await {
+                return result;
             }
         }
     }
