@@ -794,3 +794,88 @@ async fn an_xa_transaction_writing_the_outbox_stops_the_relay_instead_of_being_s
         "a later message went out past the XA transaction's"
     );
 }
+
+/// The msg_ids left in `outbox`, in id order.
+async fn left(db: &Db) -> Vec<String> {
+    db.conn()
+        .await
+        .query("SELECT msg_id FROM outbox ORDER BY id")
+        .await
+        .expect("rows left")
+}
+
+/// `outbox purge sent` in CDC mode: the relayed rows stay NEW, so only the watermark
+/// tells which the broker took. A parked row, rows read while the broker is down and
+/// rows committed while no relay runs all stay; once published they go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_relayed_deletes_only_rows_the_broker_took() {
+    let db = Db::start().await;
+    let mut c = db.conn().await;
+    let off = binlog::purge_relayed(&mut c, Duration::ZERO, 100).await;
+    assert!(matches!(off, Err(CdcError::NotSetUp)), "{off:?}");
+    db.setup().await;
+    let zero = binlog::purge_relayed(&mut c, Duration::ZERO, 0).await;
+    assert!(matches!(zero, Err(CdcError::Config(_))), "{zero:?}");
+
+    let (_, name) = publisher();
+    let down = Arc::new(AtomicBool::new(false));
+    let outage = |down: &Arc<AtomicBool>| Outage {
+        inner: Refusing::new(publisher_for(&name), &[("x:0", u32::MAX)]),
+        down: Arc::clone(down),
+        hang: Arc::new(AtomicBool::new(false)),
+    };
+    let retry = outbox_core::RetryPolicy::default().with_max_attempts(1000);
+    let relay = spawn_relay_with(&db, outage(&down), fast().with_retry(retry.clone()));
+    insert_each(&db, "x", 0..1).await; // refused for ever: parked
+    insert_each(&db, "p", 0..5).await;
+    wait_for_all(&name, &ids("p", 0..5));
+    wait_watermark(&db).await;
+    // The broker goes down: the relay reads p:5..8 and cannot publish them.
+    down.store(true, Ordering::SeqCst);
+    insert_each(&db, "p", 5..8).await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // ten reports
+    stop(relay).await;
+    insert_each(&db, "p", 8..10).await; // no relay runs
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(binlog::purge_relayed(&mut c, hour, 100).await.unwrap(), 0);
+    assert_eq!(
+        binlog::purge_relayed(&mut c, Duration::ZERO, 3)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        binlog::purge_relayed(&mut c, Duration::ZERO, 3)
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(
+        binlog::purge_relayed(&mut c, Duration::ZERO, 3)
+            .await
+            .unwrap(),
+        0
+    );
+    let mut unpublished = ids("x", 0..1);
+    unpublished.extend(ids("p", 5..10));
+    assert_eq!(left(&db).await, unpublished, "only p:0..5 were published");
+    assert!(
+        !stream(&name).contains(&msg_id("p", 5)),
+        "the test's broker was down"
+    );
+
+    // The broker back: the relay publishes p:5..10, then they go; x:0 stays parked.
+    down.store(false, Ordering::SeqCst);
+    let relay = spawn_relay_with(&db, outage(&down), fast().with_retry(retry));
+    wait_for_all(&name, &ids("p", 0..10));
+    wait_watermark(&db).await;
+    stop(relay).await;
+    assert_eq!(
+        binlog::purge_relayed(&mut c, Duration::ZERO, 100)
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(left(&db).await, ids("x", 0..1), "the parked row stays");
+}

@@ -36,12 +36,14 @@ mod binlog;
 mod park;
 mod position;
 mod relay;
+mod retention;
 mod rows;
 mod setup;
 mod watermark;
 
 pub use position::GtidPosition;
 pub use relay::MysqlCdcRelay;
+pub use retention::purge_relayed;
 pub use setup::{
     MYSQL_CDC_TABLES_SQL, cdc_mode, check_server, recover_lost_position, setup, switch_to_polling,
 };
