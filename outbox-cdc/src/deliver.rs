@@ -91,6 +91,35 @@ impl<P: Publisher, S: FailureWrites> Deliverer<'_, P, S> {
         Ok(())
     }
 
+    /// One retry of parked messages: `messages`, the first parked message of each key
+    /// whose retry time has come, published in one call; the outcome written (taken:
+    /// SENT and unparked; refused: a later retry time, or DEAD past the limit), with
+    /// `unreadable` marked DEAD. `true` when any was taken or ended DEAD: the next
+    /// message of its key may be due at once, worth another round.
+    pub(crate) async fn retry(
+        &self,
+        messages: &[StoredMessage],
+        unreadable: Vec<(i64, String)>,
+    ) -> Result<bool> {
+        let mut writes = Writes {
+            dead: unreadable,
+            ..Writes::default()
+        };
+        let outcomes = self.call(messages).await?;
+        for (m, outcome) in messages.iter().zip(outcomes) {
+            match outcome {
+                Ok(()) => writes.sent.push(m.id),
+                Err(rejected) => {
+                    writes.refused(m, rejected.reason, &self.config.retry);
+                }
+            }
+        }
+        let progressed = !writes.sent.is_empty() || !writes.dead.is_empty();
+        metrics::counter!("outbox_relay_published_total").increment(writes.sent.len() as u64);
+        self.pool.write(writes).await?;
+        Ok(progressed)
+    }
+
     /// Calls the publisher; an outage (see [`deliver`](Self::deliver)) as an error.
     pub(crate) async fn call(
         &self,

@@ -550,23 +550,7 @@ impl<'a, P: Publisher> Session<'a, P> {
                 return Ok(());
             }
             let (messages, unreadable) = split_rows(std::mem::take(&mut heads));
-            let mut writes = Writes {
-                dead: unreadable,
-                ..Writes::default()
-            };
-            let outcomes = self.d.call(&messages).await?;
-            for (m, outcome) in messages.iter().zip(outcomes) {
-                match outcome {
-                    Ok(()) => writes.sent.push(m.id),
-                    Err(rejected) => {
-                        writes.refused(m, rejected.reason, &self.d.config.retry);
-                    }
-                }
-            }
-            let progressed = !writes.sent.is_empty() || !writes.dead.is_empty();
-            metrics::counter!("outbox_relay_published_total").increment(writes.sent.len() as u64);
-            db(self.d.pool, move |c| writes.apply(c)).await?;
-            if !progressed {
+            if !self.d.retry(&messages, unreadable).await? {
                 break;
             }
         }

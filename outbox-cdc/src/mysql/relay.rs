@@ -539,23 +539,7 @@ impl<P: Publisher> Session<'_, P> {
             if !self.still_holder().await? {
                 return Ok(());
             }
-            let mut writes = Writes {
-                dead: unreadable,
-                ..Writes::default()
-            };
-            let outcomes = self.d.call(&messages).await?;
-            for (m, outcome) in messages.iter().zip(outcomes) {
-                match outcome {
-                    Ok(()) => writes.sent.push(m.id),
-                    Err(rejected) => {
-                        writes.refused(m, rejected.reason, &self.d.config.retry);
-                    }
-                }
-            }
-            let progressed = !writes.sent.is_empty() || !writes.dead.is_empty();
-            metrics::counter!("outbox_relay_published_total").increment(writes.sent.len() as u64);
-            park::apply(self.d.pool, writes).await?;
-            if !progressed {
+            if !self.d.retry(&messages, unreadable).await? {
                 break;
             }
         }
