@@ -31,6 +31,28 @@
 //! emit) already depends on, so the workspace builds one MySQL client, not two; its
 //! binlog API is the same as 0.37's. MariaDB's own events that mysql_common does not
 //! parse (the GTID event) are read from the raw event (`position.rs`).
+//!
+//! ## One URL for the emit and the relay
+//!
+//! diesel's MySQL connection (libmysqlclient) reads TLS and the socket from `ssl_mode`,
+//! `ssl_ca`, `ssl_cert`, `ssl_key` and `unix_socket`; mysql_async, which reads the
+//! binlog, names them differently (`require_ssl`, `verify_ca`, `socket`, ...) and refuses
+//! a parameter it does not know. The relay takes diesel's, so the application's one URL
+//! (its emit's, `outbox relay`'s) serves here too; mysql_async's own still pass through.
+//! TLS runs on rustls with aws-lc-rs (installed as the process's crypto provider unless the
+//! application installed one first). `ssl_mode` as libmysqlclient means it:
+//!
+//! | `ssl_mode`        | The relay's sessions                                               |
+//! |-------------------|--------------------------------------------------------------------|
+//! | `DISABLED`        | no TLS                                                             |
+//! | `PREFERRED`       | no TLS: mysql_async cannot fall back, so ask for `REQUIRED`         |
+//! | `REQUIRED`        | TLS, the server's certificate not checked                          |
+//! | `VERIFY_CA`       | TLS, the certificate checked against `ssl_ca` (or the web's roots) |
+//! | `VERIFY_IDENTITY` | as `VERIFY_CA`, and the host name too                              |
+//!
+//! `ssl_ca` alone means `VERIFY_CA`, as MariaDB's client library takes it; a bad value is
+//! [`CdcError::Url`](crate::CdcError::Url).
+
 
 mod binlog;
 mod park;
@@ -39,6 +61,7 @@ mod relay;
 mod retention;
 mod rows;
 mod setup;
+mod url;
 mod watermark;
 
 pub use position::GtidPosition;

@@ -43,8 +43,11 @@ impl<P: Publisher> MysqlCdcRelay<P> {
     /// `database_url` (`mysql://user:password@host:port/database`; the database holds
     /// the outbox) and runs its queries on a pool of its own (up to 4 connections), as a
     /// replica with a random `server_id` (see [`with_server_id`](Self::with_server_id)).
+    /// The URL is the application's: diesel's `ssl_mode`, `ssl_ca`, `ssl_cert`, `ssl_key`
+    /// and `unix_socket` mean here what they mean to its emit (TLS on rustls; the table
+    /// in the [module's docs](super#one-url-for-the-emit-and-the-relay)).
     pub fn new(database_url: &str, publisher: P) -> Result<Self> {
-        let opts = Opts::from_url(database_url).map_err(|e| CdcError::Url(e.to_string()))?;
+        let opts = super::url::opts(database_url)?;
         if opts.db_name().is_none_or(str::is_empty) {
             return Err(CdcError::Url(
                 "the URL must name the outbox's database (mysql://host/database)".into(),
