@@ -113,10 +113,12 @@ pub(crate) struct Args {
     /// How long the crashed server stays down (default 45s with --ci, else 45–60 s).
     #[arg(long, value_parser = humantime::parse_duration, requires = "db_restart")]
     db_down: Option<Duration>,
-    /// The relays run `outbox relay --cdc` (PostgreSQL logical decoding, outbox-cdc) on
-    /// a private cluster of the run's own with `wal_level = logical` (set up with
-    /// `outbox migrate --cdc`): one reads the slot, the others wait and take it over
-    /// (a SIGSTOPped holder is taken over after 10 s). PostgreSQL only.
+    /// The relays run `outbox relay --cdc` (outbox-cdc) on a private server of the
+    /// run's own, set up with `outbox migrate --cdc`: on PostgreSQL logical decoding
+    /// (`wal_level = logical`), one relay reads the slot, the others wait and take it
+    /// over; on MariaDB (`--backend mysql`) the binlog in row format, one relay holds
+    /// the readers' named lock (`GET_LOCK`) and reads the binlog, the others wait and
+    /// take the lock over. A SIGSTOPped holder is taken over after 10 s.
     #[arg(long)]
     cdc: bool,
     /// The broker: `redis` (a private `redis-server`) or `nats` (a private
@@ -179,7 +181,7 @@ pub(crate) struct Config {
     pub(crate) keep: bool,
     /// `--db-restart`: how long the server stays down (`None`: random, 45–60 s).
     pub(crate) db_restart: Option<Option<Duration>>,
-    /// `--cdc`: the CDC relay, on a private logical cluster.
+    /// `--cdc`: the CDC relay, on a private server with the log it reads.
     pub(crate) cdc: bool,
     /// `--broker`.
     pub(crate) broker: Broker,
@@ -288,9 +290,6 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
     if a.async_inbox && a.backend != Backend::Postgres {
         return Err("--async-inbox runs on PostgreSQL only (--backend postgres)".into());
     }
-    if a.cdc && a.backend != Backend::Postgres {
-        return Err("--cdc runs on PostgreSQL only (--backend postgres)".into());
-    }
     if a.nats_cluster && a.broker != Broker::Nats {
         return Err("--nats-cluster needs --broker nats".into());
     }
@@ -303,4 +302,29 @@ fn validate(a: &Args, events: u64) -> Result<(), BoxError> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn validated(args: &[&str]) -> Result<(), BoxError> {
+        let a = Args::try_parse_from([&["chaos", "--seed", "1"], args].concat())?;
+        validate(&a, 1)
+    }
+
+    #[test]
+    fn cdc_runs_on_both_backends() {
+        validated(&["--cdc"]).expect("PostgreSQL");
+        validated(&["--cdc", "--backend", "mysql"]).expect("MariaDB, the binlog relay");
+        validated(&["--cdc", "--backend", "mysql", "--db-restart"]).expect("crashed");
+    }
+
+    #[test]
+    fn postgres_only_options_stay_refused_on_mariadb() {
+        for refused in [["--partitioned"], ["--async-inbox"]] {
+            let args = [&["--cdc", "--backend", "mysql"][..], &refused[..]].concat();
+            assert!(validated(&args).is_err(), "{args:?}");
+        }
+    }
 }

@@ -191,6 +191,20 @@ impl Database {
         }
     }
 
+    /// `--cdc` on MariaDB: the global privileges the binlog CDC relay needs for user
+    /// `who` (see [`url_for`](Self::url_for)): `REPLICATION SLAVE` (the binlog dump),
+    /// `BINLOG MONITOR` (the binlog's position), `PROCESS` (the open transactions behind
+    /// its watermark, and the lock holder's session), as `outbox_cdc::mysql::check_server`
+    /// asks; and `CONNECTION ADMIN`: each relay has a user of its own here, and a waiting
+    /// relay ends the session of a silent (SIGSTOPped) holder with `KILL CONNECTION`.
+    pub(crate) fn grant_binlog_reader(&mut self, who: &str) -> Result<(), BoxError> {
+        let user = self.mysql_user(who);
+        self.admin(&format!(
+            "GRANT REPLICATION SLAVE, BINLOG MONITOR, PROCESS, CONNECTION ADMIN \
+             ON *.* TO '{user}'@'%'"
+        ))
+    }
+
     fn mysql_user(&self, who: &str) -> String {
         // The database name is unique to the run; users are global to the server.
         format!("{}_{who}", self.name).replace('-', "_")

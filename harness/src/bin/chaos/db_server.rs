@@ -7,6 +7,10 @@
 //! runs, without detaching it from the harness) and crashed with
 //! `pg_ctl -m immediate stop` (SIGQUIT: every backend exits at once, no checkpoint, crash
 //! recovery at the next start); MariaDB is crashed with SIGKILL.
+//!
+//! With `--cdc` the server is the run's even without `--db-restart`, for the log the CDC
+//! relay reads, which the shared servers do not keep as it needs: PostgreSQL with
+//! `wal_level = logical`, MariaDB with the binlog in row format ([`MARIADB_BINLOG`]).
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -19,6 +23,20 @@ use crate::BoxError;
 use crate::config::Backend;
 use crate::procs::signal;
 
+/// `--cdc` on MariaDB: the binlog as the binlog CDC relay needs it (`outbox_cdc::mysql::
+/// check_server`; `outbox_tests::ScratchMariadb::BINLOG`, the relay's tests). Like the
+/// InnoDB log (`innodb_flush_log_at_trx_commit = 2`) it is written to the OS at each
+/// commit and survives a crash of the server process; `sync_binlog = 0` leaves its fsync
+/// to the OS.
+const MARIADB_BINLOG: [&str; 6] = [
+    "--log-bin=binlog",
+    "--binlog-format=ROW",
+    "--binlog-row-image=FULL",
+    "--binlog-row-metadata=FULL",
+    "--server-id=1",
+    "--sync-binlog=0",
+];
+
 /// How long a start (crash recovery included) may take.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -27,8 +45,9 @@ pub(crate) struct DbServer {
     port: u16,
     /// The server's files (data directory, socket, log).
     dir: PathBuf,
-    /// PostgreSQL with logical decoding on (`--cdc`).
-    logical: bool,
+    /// `--cdc`: PostgreSQL with logical decoding on, MariaDB with the binlog in row
+    /// format.
+    cdc: bool,
     child: Option<Child>,
 }
 
@@ -88,9 +107,10 @@ fn run_logged(mut cmd: Command, log: &Path, what: &str) -> Result<(), BoxError> 
 }
 
 impl DbServer {
-    /// Creates the server's files under `dir` and starts it; `logical`: PostgreSQL with
-    /// `wal_level = logical` and room for the CDC relay's slot and WAL senders.
-    pub(crate) fn start(backend: Backend, dir: &Path, logical: bool) -> Result<Self, BoxError> {
+    /// Creates the server's files under `dir` and starts it; `cdc`: the log the CDC relay
+    /// reads (PostgreSQL `wal_level = logical` with room for its slot and WAL senders,
+    /// MariaDB the binlog as [`MARIADB_BINLOG`] sets it).
+    pub(crate) fn start(backend: Backend, dir: &Path, cdc: bool) -> Result<Self, BoxError> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let dir = dir.join(match backend {
             Backend::Postgres => "postgres",
@@ -101,7 +121,7 @@ impl DbServer {
             backend,
             port,
             dir,
-            logical,
+            cdc,
             child: None,
         };
         let log = server.log();
@@ -121,8 +141,12 @@ impl DbServer {
                 run_logged(init, &log, "initdb")?;
             }
             Backend::Mysql => {
+                std::fs::create_dir_all(server.tmp())?;
                 let mut init = Command::new("mariadb-install-db");
-                init.arg("--no-defaults")
+                // A server starting removes the temporary files in its tmpdir, those of
+                // another server's bootstrap included (tests start servers of their own).
+                init.env("TMPDIR", server.tmp())
+                    .arg("--no-defaults")
                     .arg(format!("--datadir={}", server.data().display()))
                     // root with an empty password over TCP, as on the shared server.
                     .args([
@@ -140,6 +164,11 @@ impl DbServer {
 
     fn data(&self) -> PathBuf {
         self.dir.join("data")
+    }
+
+    /// MariaDB's temporary directory, its own.
+    fn tmp(&self) -> PathBuf {
+        self.dir.join("tmp")
     }
 
     fn log(&self) -> PathBuf {
@@ -214,7 +243,7 @@ impl DbServer {
                     "-c",
                     "max_connections=200",
                 ]);
-                if self.logical {
+                if self.cdc {
                     c.args([
                         "-c",
                         "wal_level=logical",
@@ -240,6 +269,7 @@ impl DbServer {
                         "--pid-file={}",
                         self.dir.join("mysqld.pid").display()
                     ))
+                    .arg(format!("--tmpdir={}", self.tmp().display()))
                     .args([
                         "--user=root",
                         "--bind-address=127.0.0.1",
@@ -250,6 +280,9 @@ impl DbServer {
                         "--innodb-flush-log-at-trx-commit=2",
                         "--innodb-buffer-pool-size=64M",
                     ]);
+                if self.cdc {
+                    c.args(MARIADB_BINLOG);
+                }
                 c
             }
         }

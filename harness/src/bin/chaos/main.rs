@@ -73,7 +73,12 @@
 //! SIGSTOPped one's after the 10 s takeover. The same faults and checks, but that the
 //! outbox rows stay NEW (the stream and the handler carry the checks); with
 //! `--db-restart` the cluster is crashed as above and the relays resume from the slot's
-//! confirmed position.
+//! confirmed position. With `--backend mysql` it is the binlog relay
+//! (`outbox_cdc::mysql`) on a private MariaDB with the binlog in row format: the relays
+//! (each with a user holding `REPLICATION SLAVE`, `BINLOG MONITOR`, `PROCESS` and
+//! `CONNECTION ADMIN`) wait for the readers' named lock instead of a slot, a SIGSTOPped
+//! holder's session is ended after the 10 s takeover (`lock_takeovers`), and after a
+//! crash the holder resumes from the GTID position it stored.
 //!
 //! `--broker nats` runs the relays as `outbox relay --broker nats://…` and the consumers
 //! as the NATS consumer (`chaos_consumer --nats-url`), on a private `nats-server -js`

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::check::{self, Findings};
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::db::PartitionsEnd;
 use crate::db_restart::DbRestart;
 use crate::procs::{Proc, Role};
@@ -28,8 +28,8 @@ pub(crate) struct EndState {
     kept: usize,
     steps_failed: usize,
     min_margin: Option<f64>,
-    /// `--cdc`: slot takeovers from a silent holder (a SIGSTOPped relay), from the
-    /// relays' logs.
+    /// `--cdc`: takeovers from a silent holder (a SIGSTOPped relay) of the slot
+    /// (PostgreSQL) or of the readers' lock (MariaDB), from the relays' logs.
     takeovers: usize,
 }
 
@@ -309,11 +309,12 @@ impl Verdict<'_> {
                     p.dropped.values().sum::<usize>()
                 )),
             tally.db.as_ref().map_or(String::new(), db_restart_fields),
-            // Only with --cdc.
-            if c.cdc {
-                format!(" slot_takeovers={}", end.takeovers)
-            } else {
-                String::new()
+            // Only with --cdc: on MariaDB the binlog relay's one reader holds a named
+            // lock, not a slot.
+            match (c.cdc, c.backend) {
+                (false, _) => String::new(),
+                (true, Backend::Postgres) => format!(" slot_takeovers={}", end.takeovers),
+                (true, Backend::Mysql) => format!(" lock_takeovers={}", end.takeovers),
             },
             ending
                 .drained_after
@@ -407,13 +408,19 @@ fn maintenance_in_logs(procs: &[Proc]) -> (usize, usize) {
     (kept.len(), failed)
 }
 
-/// `--cdc`: the slot taken over from a holder that sent no status update (SIGSTOPped).
+/// `--cdc`: the slot (PostgreSQL) or the readers' lock (MariaDB) taken over from a
+/// holder that ran nothing for the takeover time (SIGSTOPped).
 fn takeovers_in_logs(procs: &[Proc]) -> usize {
     procs
         .iter()
         .filter(|p| p.role == Role::Relay)
         .filter_map(|p| std::fs::read_to_string(p.log_path()).ok())
-        .map(|text| text.matches("takes the slot over").count())
+        .map(|text| {
+            text.matches("takes the slot over").count()
+                + text
+                    .matches("its session was ended, this relay takes over")
+                    .count()
+        })
         .sum()
 }
 

@@ -10,8 +10,7 @@ use outbox_core::OutboxEvent as _;
 use outbox_harness::chaos::{Tick, key_name};
 
 use crate::broker::BrokerServer;
-use crate::config::Broker;
-use crate::config::Config;
+use crate::config::{Backend, Broker, Config};
 use crate::db::Database;
 use crate::db_server::DbServer;
 use crate::nats_cluster::NatsCluster;
@@ -128,7 +127,8 @@ impl<'c> World<'c> {
     /// run's database and starts the relays and the consumers.
     pub(crate) fn start(&mut self) -> Result<(), BoxError> {
         let c = self.c;
-        // The shared server's wal_level is `replica`: --cdc brings a logical one.
+        // The shared servers do not keep the log the CDC relay reads (PostgreSQL's
+        // wal_level is `replica`, MariaDB runs without log_bin): --cdc brings its own.
         let admin_url = if c.db_restart.is_some() || c.cdc {
             self.server
                 .insert(DbServer::start(c.backend, &self.dir, c.cdc)?)
@@ -201,8 +201,9 @@ impl<'c> World<'c> {
         })
     }
 
-    /// `--cdc`: `outbox migrate --cdc` on the run's database (the publication and the
-    /// slot), as an operator sets the CDC relay up.
+    /// `--cdc`: `outbox migrate --cdc` on the run's database (PostgreSQL: the
+    /// publication and the slot; MariaDB: the `outbox_cdc` tables and the binlog
+    /// position to start from), as an operator sets the CDC relay up.
     fn migrate_cdc(&mut self) -> Result<(), BoxError> {
         let url = self.db().harness_url("chaos-setup");
         let out = std::process::Command::new(&self.c.outbox_bin)
@@ -224,6 +225,9 @@ impl<'c> World<'c> {
     fn add_proc(&mut self, name: String, role: Role, common: &Common) -> Result<(), BoxError> {
         let admin_port = free_port()?;
         let database_url = self.db().url_for(&name)?;
+        if role == Role::Relay && self.c.cdc && self.c.backend == Backend::Mysql {
+            self.db().grant_binlog_reader(&name)?;
+        }
         let (program, args) = match role {
             Role::Relay => (
                 self.c.outbox_bin.clone(),
