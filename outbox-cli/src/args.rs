@@ -243,19 +243,27 @@ pub(crate) struct MigrateArgs {
     /// msg_id dedup window).
     #[arg(long, default_value = "7d", value_parser = humantime::parse_duration, requires = "partitioned", value_name = "DURATION")]
     pub(crate) retention: Duration,
-    /// PostgreSQL: also set up the CDC relay (`outbox relay --cdc`, docs/cdc.md): the
-    /// publication of the outbox's inserts and the logical replication slot. Needs
-    /// `wal_level = logical` and a role with REPLICATION. Idempotent.
+    /// Also set up the CDC relay (`outbox relay --cdc`, docs/cdc.md). PostgreSQL: the
+    /// publication of the outbox's inserts and the logical replication slot; needs
+    /// `wal_level = logical` and a role with REPLICATION. MariaDB (mysql://): the
+    /// `outbox_cdc` tables and the binlog position the relay starts from; needs MariaDB
+    /// 10.5+ with log_bin, binlog_format = ROW, binlog_row_image = FULL,
+    /// binlog_row_metadata = FULL and a user with REPLICATION SLAVE, BINLOG MONITOR and
+    /// PROCESS (MySQL 8 is refused: its binlog is not read yet). SQLite: refused.
+    /// Idempotent.
     #[arg(long)]
     pub(crate) cdc: bool,
-    /// With --cdc: recreate a slot the server invalidated or lost (stop the CDC relays
-    /// first); the messages committed since the old slot's position are published from
-    /// the table (some again: the consumers' inbox absorbs them).
+    /// With --cdc, after the relay lost its place in the log (stop the CDC relays
+    /// first). PostgreSQL: recreate a slot the server invalidated or lost. MariaDB: move
+    /// the stored position, which a purge of the binlog removed (PositionLost), to the
+    /// binlog's position now. Either way the messages committed since the old position
+    /// are published from the table (some again: the consumers' inbox absorbs them).
     #[arg(long, requires = "cdc")]
     pub(crate) recover_slot: bool,
-    /// PostgreSQL: leave CDC mode for the polling relay (stop the CDC relays first):
-    /// marks SENT what the CDC relay published, drops the slot and the publication; the
-    /// polling relays then publish the rest (docs/cdc.md, "Switching back").
+    /// Leave CDC mode for the polling relay (stop the CDC relays first): marks SENT what
+    /// the CDC relay published and ends CDC mode (PostgreSQL: drops the slot and the
+    /// publication; MariaDB: forgets the binlog position); the polling relays then
+    /// publish the rest (docs/cdc.md, "Switching back").
     #[arg(long, conflicts_with_all = ["cdc", "print"])]
     pub(crate) to_polling: bool,
 }
@@ -363,10 +371,12 @@ pub(crate) struct RelayArgs {
     /// Run `outbox migrate` before starting.
     #[arg(long)]
     pub(crate) migrate: bool,
-    /// PostgreSQL: relay from the database's log (logical decoding) instead of polling
-    /// the table: commit order, no UPDATE per message. Set it up first with
-    /// `outbox migrate --cdc` (docs/cdc.md). Relays of one database share its slot, one
-    /// reading at a time; the others wait and take over. --order and --poll-interval do
+    /// Relay from the database's log instead of polling the table: commit order, no
+    /// UPDATE per message. PostgreSQL: logical decoding through a slot; MariaDB
+    /// (mysql://): the binlog, as a replica (MySQL 8 is refused); SQLite: refused. Set
+    /// it up first with `outbox migrate --cdc`, or with --migrate (docs/cdc.md). Relays
+    /// of one database share its slot (MariaDB: a named lock), one reading at a time;
+    /// the others wait and take over. --order and --poll-interval do
     /// not apply (the log is in commit order and pushes new commits).
     #[arg(long)]
     pub(crate) cdc: bool,

@@ -1,13 +1,16 @@
 //! CDC mode as the operator sees it (`outbox status`, the page, `/readyz`): the backlog is
-//! what the slot has not confirmed, not the NEW rows (which stay NEW under the CDC relay).
+//! what the slot (PostgreSQL) or the binlog relay's stored position (MariaDB) has not
+//! confirmed, not the NEW rows (which stay NEW under the CDC relay).
 
 use std::io::{self, Write};
 use std::time::Duration;
 
 use diesel::PgConnection;
 use outbox_cdc::CdcError;
+use outbox_cdc::mysql::BinlogLag;
 use serde::Serialize;
 
+use crate::error::CliError;
 use crate::output::age;
 
 /// What to do about a slot that is gone or invalidated.
@@ -16,29 +19,52 @@ pub(crate) const LOST_SLOT_HINT: &str = "the replication slot is lost (invalidat
      --recover-slot` (it recreates the slot and publishes from the table what committed \
      since the old one's position), then start them again; see docs/cdc.md, \"A lost slot\"";
 
+/// What to do when the relays report nothing and the binlog position falls behind.
+pub(crate) const SILENT_BINLOG_HINT: &str = "no CDC relay reported within three of its \
+     intervals and the binlog is past its position: start `outbox relay --cdc`; if one \
+     stopped on a purged position (PositionLost in its log), stop the CDC relays, run \
+     `outbox migrate --cdc --recover-slot` (it moves the position to the binlog's now and \
+     publishes from the table what committed since the old one), then start them again; \
+     see docs/cdc.md";
+
 /// The CDC relay's state: `outbox status --json`'s `cdc`, the page's and `/readyz`'s.
+/// Fields of one database only are `null` on the other.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct CdcStatus {
-    /// The slot's name.
+    /// The log read: `postgresql` (the WAL, through a slot) or `mariadb` (the binlog).
+    pub(crate) database: &'static str,
+    /// The slot's name (PostgreSQL), or the readers' lock's (MariaDB's `GET_LOCK`).
     pub(crate) slot: String,
-    /// WAL the slot holds back: the server's position minus the confirmed one (`null`
-    /// when the slot is missing).
+    /// PostgreSQL: WAL the slot holds back, the server's position minus the confirmed
+    /// one (`null` when the slot is missing).
     pub(crate) lag_bytes: Option<u64>,
+    /// MariaDB: transactions the server logged past the relay's stored GTID position,
+    /// but the relay's write of it (other tables' count too; an idle relay catches up
+    /// within a report interval).
+    pub(crate) lag_transactions: Option<u64>,
+    /// MariaDB: the relay's stored GTID position.
+    pub(crate) position: Option<String>,
+    /// MariaDB: the server's binlog position now (`@@gtid_binlog_pos`).
+    pub(crate) server_position: Option<String>,
     /// Age of the oldest commit read and not yet confirmed (`null`: none).
     pub(crate) oldest_unconfirmed_age_seconds: Option<f64>,
     /// Whether a relay reported within three of its intervals.
     pub(crate) relay_reporting: bool,
-    /// The server process reading the slot (the holding relay's walsender), if any.
-    pub(crate) holder_pid: Option<i32>,
-    /// The slot's `wal_status` (`reserved`, `extended`, `unreserved`, `lost`).
+    /// The server process reading the slot (PostgreSQL: the holding relay's walsender),
+    /// or the connection holding the readers' lock (MariaDB), if any.
+    pub(crate) holder_pid: Option<u64>,
+    /// PostgreSQL: the slot's `wal_status` (`reserved`, `extended`, `unreserved`, `lost`).
     pub(crate) wal_status: Option<String>,
     /// Messages parked for a retry (refused ones and the later messages of their keys).
     pub(crate) parked: u64,
     /// NEW rows still to backfill (committed before the slot existed), at most.
     pub(crate) backfill_left: u64,
-    /// The slot is missing or invalidated: nothing is relayed until it is recovered.
+    /// The slot is missing or invalidated: nothing is relayed until it is recovered
+    /// (PostgreSQL; on MariaDB a purged position shows when the relay reads it, which
+    /// then stops: `relay_reporting` false and the oldest age growing).
     pub(crate) lost: bool,
-    /// What to do when `lost`.
+    /// What to do when `lost` (PostgreSQL), or when no relay reports and the position
+    /// is behind (MariaDB).
     pub(crate) hint: Option<&'static str>,
 }
 
@@ -51,6 +77,27 @@ impl CdcStatus {
                 .oldest_unconfirmed_age_seconds
                 .is_none_or(|s| s <= max_age.as_secs_f64())
     }
+
+    /// MariaDB's state, from what the binlog relay reports.
+    fn binlog(lag: BinlogLag) -> Self {
+        let stalled = !lag.relay_reporting && lag.transactions_behind > 0;
+        Self {
+            database: "mariadb",
+            slot: lag.lock,
+            lag_bytes: None,
+            lag_transactions: Some(lag.transactions_behind),
+            position: Some(lag.position.to_string()),
+            server_position: Some(lag.server_position.to_string()),
+            oldest_unconfirmed_age_seconds: lag.oldest_unconfirmed_age.map(|d| d.as_secs_f64()),
+            relay_reporting: lag.relay_reporting,
+            holder_pid: lag.holder,
+            wal_status: None,
+            parked: lag.parked,
+            backfill_left: lag.backfill_left,
+            lost: false,
+            hint: stalled.then_some(SILENT_BINLOG_HINT),
+        }
+    }
 }
 
 /// CDC mode's state, `None` when CDC mode is off (`outbox migrate --cdc` never ran).
@@ -61,11 +108,15 @@ pub(crate) fn status(conn: &mut PgConnection) -> Result<Option<CdcStatus>, CdcEr
     let lag = outbox_cdc::lag(conn)?;
     let lost = lag.bytes.is_none() || lag.wal_status.as_deref() == Some("lost");
     Ok(Some(CdcStatus {
+        database: "postgresql",
         slot: mode.slot,
         lag_bytes: lag.bytes,
+        lag_transactions: None,
+        position: None,
+        server_position: None,
         oldest_unconfirmed_age_seconds: lag.oldest_unconfirmed_age.map(|d| d.as_secs_f64()),
         relay_reporting: lag.relay_reporting,
-        holder_pid: lag.active_pid,
+        holder_pid: lag.active_pid.and_then(|p| u64::try_from(p).ok()),
         wal_status: lag.wal_status,
         parked: lag.parked,
         backfill_left: lag.backfill_left,
@@ -74,32 +125,88 @@ pub(crate) fn status(conn: &mut PgConnection) -> Result<Option<CdcStatus>, CdcEr
     }))
 }
 
+/// CDC mode's state on the MariaDB at `url` (blocking), `None` when it is off.
+pub(crate) fn binlog_status(url: &str) -> Result<Option<CdcStatus>, CliError> {
+    use outbox_cdc::mysql;
+    let status = block_on(async move {
+        let mut conn = mysql::connect(url).await?;
+        if mysql::cdc_mode(&mut conn).await?.is_none() {
+            return Ok::<_, CdcError>(None);
+        }
+        Ok(Some(CdcStatus::binlog(mysql::lag(&mut conn).await?)))
+    })??;
+    Ok(status)
+}
+
+/// Runs `work` to completion on a runtime of its own, on a thread of its own: the
+/// synchronous commands and the blocking tasks of the admin endpoint and the page call
+/// the binlog library, which is async (a thread of its own: a blocking task of another
+/// runtime cannot start one).
+pub(crate) fn block_on<T: Send>(work: impl Future<Output = T> + Send) -> Result<T, CliError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(CliError::Runtime)?;
+            Ok(runtime.block_on(work))
+        })
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 /// `outbox status` in CDC mode, for people.
 pub(crate) fn print(w: &mut impl Write, s: &CdcStatus) -> io::Result<()> {
-    writeln!(w, "relay:             CDC (slot {})", s.slot)?;
-    let bytes = s
-        .lag_bytes
-        .map_or_else(|| "- (slot missing)".to_owned(), bytes);
-    writeln!(w, "slot lag:          {bytes}")?;
+    let binlog = s.database == "mariadb";
+    if binlog {
+        writeln!(
+            w,
+            "relay:             CDC on the MariaDB binlog (lock {})",
+            s.slot
+        )?;
+        let behind = s.lag_transactions.unwrap_or(0);
+        writeln!(w, "position lag:      {behind} transaction(s)")?;
+        let at = |p: &Option<String>| p.clone().filter(|p| !p.is_empty());
+        let position = at(&s.position).unwrap_or_else(|| "(empty)".into());
+        let server = at(&s.server_position).unwrap_or_else(|| "(empty)".into());
+        writeln!(w, "position:          {position} (server at {server})")?;
+    } else {
+        writeln!(w, "relay:             CDC (slot {})", s.slot)?;
+        let bytes = s
+            .lag_bytes
+            .map_or_else(|| "- (slot missing)".to_owned(), bytes);
+        writeln!(w, "slot lag:          {bytes}")?;
+    }
     let oldest = s
         .oldest_unconfirmed_age_seconds
         .map_or_else(|| "-".to_owned(), |a| age(Duration::from_secs_f64(a)));
     writeln!(w, "oldest unconfirmed: {oldest}")?;
     let holder = match (s.holder_pid, s.relay_reporting) {
+        (Some(id), _) if binlog => format!("connection {id}"),
         (Some(pid), _) => format!("walsender pid {pid}"),
         (None, true) => "none now (a relay reported recently)".to_owned(),
-        (None, false) => "none (no relay is reading the slot)".to_owned(),
+        (None, false) => "none (no relay is reading the log)".to_owned(),
     };
-    writeln!(w, "slot holder:       {holder}")?;
     writeln!(
         w,
-        "wal_status:        {}",
-        s.wal_status.as_deref().unwrap_or("-")
+        "{:<19}{holder}",
+        if binlog {
+            "lock holder:"
+        } else {
+            "slot holder:"
+        }
     )?;
+    if !binlog {
+        let wal = s.wal_status.as_deref().unwrap_or("-");
+        writeln!(w, "wal_status:        {wal}")?;
+    }
     writeln!(w, "parked messages:   {}", s.parked)?;
     writeln!(w, "backfill left:     {}", s.backfill_left)?;
-    if let Some(hint) = s.hint {
-        writeln!(w, "LOST SLOT: {hint}")?;
+    match s.hint {
+        Some(hint) if s.lost => writeln!(w, "LOST SLOT: {hint}")?,
+        Some(hint) => writeln!(w, "NO RELAY: {hint}")?,
+        None => {}
     }
     Ok(())
 }
@@ -134,6 +241,17 @@ pub(crate) fn hint(e: &CdcError) -> Option<&'static str> {
              `GRANT rds_replication TO ..`)",
         ),
         CdcError::SlotInvalidated { .. } | CdcError::SlotMissing { .. } => Some(LOST_SLOT_HINT),
+        CdcError::PositionLost { .. } => Some(
+            "stop the CDC relays, run `outbox migrate --cdc --recover-slot` (on MariaDB it \
+             moves the position to the binlog's now and publishes from the table what \
+             committed since), then start them again; see docs/cdc.md",
+        ),
+        CdcError::BinlogSetting { .. } | CdcError::MissingPrivilege { .. } => Some(
+            "the binlog CDC relay needs MariaDB 10.5+ with log_bin, binlog_format = ROW, \
+             binlog_row_image = FULL, binlog_row_metadata = FULL, and a user with \
+             REPLICATION SLAVE, BINLOG MONITOR and PROCESS; MySQL uses the polling relay \
+             (docs/cdc.md, \"MySQL and MariaDB\")",
+        ),
         _ => None,
     }
 }
@@ -144,8 +262,12 @@ mod tests {
 
     fn status(lost: bool, oldest: Option<f64>) -> CdcStatus {
         CdcStatus {
+            database: "postgresql",
             slot: "outbox_cdc".into(),
             lag_bytes: (!lost).then_some(10),
+            lag_transactions: None,
+            position: None,
+            server_position: None,
             oldest_unconfirmed_age_seconds: oldest,
             relay_reporting: true,
             holder_pid: None,

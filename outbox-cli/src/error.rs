@@ -25,12 +25,12 @@ pub(crate) enum CliError {
          (docs/table-partitions.md says why)"
     )]
     PostgresOnly(&'static str),
-    /// `--cdc` asked of MySQL/MariaDB or SQLite.
+    /// `--cdc` (or `--to-polling`) asked of SQLite, which has no log to read.
     #[error(
-        "--cdc reads PostgreSQL's log only: MySQL/MariaDB and SQLite use the polling relay \
-         (docs/cdc.md, \"MySQL and MariaDB\", says what a binlog relay would need)"
+        "--cdc reads PostgreSQL's WAL or MariaDB's binlog: SQLite has neither, use the \
+         polling relay (`outbox relay` without --cdc)"
     )]
-    CdcPostgresOnly,
+    CdcNotOnSqlite,
     /// `outbox partitions maintain` could not do every step.
     #[error("{0} partition maintenance step(s) failed (listed above); the next run tries again")]
     MaintenanceFailed(usize),

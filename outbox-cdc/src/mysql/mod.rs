@@ -53,8 +53,8 @@
 //! `ssl_ca` alone means `VERIFY_CA`, as MariaDB's client library takes it; a bad value is
 //! [`CdcError::Url`](crate::CdcError::Url).
 
-
 mod binlog;
+mod lag;
 mod park;
 mod position;
 mod relay;
@@ -64,6 +64,7 @@ mod setup;
 mod url;
 mod watermark;
 
+pub use lag::{BinlogLag, connect, lag};
 pub use position::GtidPosition;
 pub use relay::MysqlCdcRelay;
 pub use retention::purge_relayed;

@@ -30,8 +30,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Runs the relay until a signal; returns the error that stopped it otherwise.
 pub(super) fn run(db: &Database, broker: &Broker, args: &RelayArgs) -> Result<(), CliError> {
     // Usage errors, reported before anything connects.
-    if args.cdc && db.kind != BackendKind::Postgres {
-        return Err(CliError::CdcPostgresOnly);
+    if args.cdc && db.kind == BackendKind::Sqlite {
+        return Err(CliError::CdcNotOnSqlite);
     }
     let publisher = Chosen::of(broker, args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -127,6 +127,7 @@ fn relay_with<P: Publisher>(
                 .with_stall_timeout(args.stall_timeout);
             serve(store, parts)
         }
+        BackendKind::Mysql if args.cdc => cdc::serve_binlog(parts),
         BackendKind::Mysql => {
             let store =
                 MysqlRelayStore::new(pool::<MysqlConnection>(db, &db.target, args.pool_size)?)

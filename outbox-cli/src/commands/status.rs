@@ -7,13 +7,14 @@ use crate::backend::{Conn, Database, with_conn};
 use crate::error::CliError;
 use crate::{cdc, output};
 
-/// Prints the backlog; in CDC mode (PostgreSQL after `outbox migrate --cdc`) the slot's
-/// lag instead of the NEW rows, which the CDC relay leaves NEW.
+/// Prints the backlog; in CDC mode (after `outbox migrate --cdc`) the slot's lag
+/// (PostgreSQL) or the binlog position's (MariaDB) instead of the NEW rows, which the CDC relay leaves NEW.
 pub(super) fn run(db: &Database, args: &StatusArgs, out: &mut impl Write) -> Result<(), CliError> {
     let mut conn = db.connect(false)?;
     let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     let cdc = match &mut conn {
         Conn::Pg(c) => cdc::status(c)?,
+        Conn::Mysql(_) => cdc::binlog_status(&db.target)?,
         _ => None,
     };
     if args.json {

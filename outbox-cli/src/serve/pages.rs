@@ -137,16 +137,28 @@ pub(super) async fn overview(State(app): State<Arc<App>>) -> Response {
 fn cdc_cards(cdc: &crate::cdc::CdcStatus, dead: u64) -> Markup {
     html! {
         p.muted {
-            "CDC relay, slot " code { (cdc.slot) } " · "
-            @match cdc.holder_pid {
-                Some(pid) => { "read by walsender " (pid) }
-                None => { "no relay reading it now" }
+            @if cdc.database == "mariadb" {
+                "CDC relay on the binlog, lock " code { (cdc.slot) } " · "
+                @match cdc.holder_pid {
+                    Some(id) => { "held by connection " (id) }
+                    None => { "no relay reading the binlog now" }
+                }
+            } @else {
+                "CDC relay, slot " code { (cdc.slot) } " · "
+                @match cdc.holder_pid {
+                    Some(pid) => { "read by walsender " (pid) }
+                    None => { "no relay reading it now" }
+                }
             }
             " · NEW counts below include published messages (their rows stay NEW)"
         }
         @if let Some(hint) = cdc.hint { p.err #cdc-lost { (hint) } }
         div.cards {
-            div.card { b #lag { (cdc.lag_bytes.map_or("–".to_owned(), crate::cdc::bytes)) } "slot lag" }
+            @if let Some(n) = cdc.lag_transactions {
+                div.card { b #lag { (n) } "transactions behind" }
+            } @else {
+                div.card { b #lag { (cdc.lag_bytes.map_or("–".to_owned(), crate::cdc::bytes)) } "slot lag" }
+            }
             div.card { b #oldest { (cdc.oldest_unconfirmed_age_seconds.map_or("–".to_owned(), seconds)) } "oldest unconfirmed" }
             div.card { b #parked { (cdc.parked) } "parked for retry" }
             div.card { b #dead { (dead) } "dead letters" }
