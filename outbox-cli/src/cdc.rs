@@ -19,6 +19,13 @@ pub(crate) const LOST_SLOT_HINT: &str = "the replication slot is lost (invalidat
      --recover-slot` (it recreates the slot and publishes from the table what committed \
      since the old one's position), then start them again; see docs/cdc.md, \"A lost slot\"";
 
+/// What to do about a binlog position the server purged.
+pub(crate) const LOST_POSITION_HINT: &str = "the binlog no longer holds the relay's \
+     position (purged by binlog_expire_logs_seconds or PURGE BINARY LOGS): stop the CDC \
+     relays, run `outbox migrate --cdc --recover-slot` (it moves the position to the \
+     binlog's now and publishes from the table what committed since the old one), then \
+     start them again; see docs/cdc.md";
+
 /// What to do when the relays report nothing and the binlog position falls behind.
 pub(crate) const SILENT_BINLOG_HINT: &str = "no CDC relay reported within three of its \
      intervals and the binlog is past its position: start `outbox relay --cdc`; if one \
@@ -59,9 +66,9 @@ pub(crate) struct CdcStatus {
     pub(crate) parked: u64,
     /// NEW rows still to backfill (committed before the slot existed), at most.
     pub(crate) backfill_left: u64,
-    /// The slot is missing or invalidated: nothing is relayed until it is recovered
-    /// (PostgreSQL; on MariaDB a purged position shows when the relay reads it, which
-    /// then stops: `relay_reporting` false and the oldest age growing).
+    /// The slot is missing or invalidated (PostgreSQL), or the binlog no longer holds
+    /// the stored position (MariaDB: its oldest file starts past it; `false` when the
+    /// user may not list the binlogs): nothing is relayed until it is recovered.
     pub(crate) lost: bool,
     /// What to do when `lost` (PostgreSQL), or when no relay reports and the position
     /// is behind (MariaDB).
@@ -81,6 +88,7 @@ impl CdcStatus {
     /// MariaDB's state, from what the binlog relay reports.
     fn binlog(lag: BinlogLag) -> Self {
         let stalled = !lag.relay_reporting && lag.transactions_behind > 0;
+        let lost = lag.position_lost;
         Self {
             database: "mariadb",
             slot: lag.lock,
@@ -94,8 +102,12 @@ impl CdcStatus {
             wal_status: None,
             parked: lag.parked,
             backfill_left: lag.backfill_left,
-            lost: false,
-            hint: stalled.then_some(SILENT_BINLOG_HINT),
+            lost,
+            hint: if lost {
+                Some(LOST_POSITION_HINT)
+            } else {
+                stalled.then_some(SILENT_BINLOG_HINT)
+            },
         }
     }
 }
@@ -204,6 +216,7 @@ pub(crate) fn print(w: &mut impl Write, s: &CdcStatus) -> io::Result<()> {
     writeln!(w, "parked messages:   {}", s.parked)?;
     writeln!(w, "backfill left:     {}", s.backfill_left)?;
     match s.hint {
+        Some(hint) if s.lost && binlog => writeln!(w, "LOST POSITION: {hint}")?,
         Some(hint) if s.lost => writeln!(w, "LOST SLOT: {hint}")?,
         Some(hint) => writeln!(w, "NO RELAY: {hint}")?,
         None => {}
@@ -241,11 +254,7 @@ pub(crate) fn hint(e: &CdcError) -> Option<&'static str> {
              `GRANT rds_replication TO ..`)",
         ),
         CdcError::SlotInvalidated { .. } | CdcError::SlotMissing { .. } => Some(LOST_SLOT_HINT),
-        CdcError::PositionLost { .. } => Some(
-            "stop the CDC relays, run `outbox migrate --cdc --recover-slot` (on MariaDB it \
-             moves the position to the binlog's now and publishes from the table what \
-             committed since), then start them again; see docs/cdc.md",
-        ),
+        CdcError::PositionLost { .. } => Some(LOST_POSITION_HINT),
         CdcError::BinlogSetting { .. } | CdcError::MissingPrivilege { .. } => Some(
             "the binlog CDC relay needs MariaDB 10.5+ with log_bin, binlog_format = ROW, \
              binlog_row_image = FULL, binlog_row_metadata = FULL, and a user with \
@@ -293,6 +302,44 @@ mod tests {
         assert_eq!(bytes(512), "512 B");
         assert_eq!(bytes(1536), "1.5 KiB");
         assert_eq!(bytes(3 << 30), "3.0 GiB");
+    }
+
+    fn binlog(lost: bool) -> CdcStatus {
+        CdcStatus {
+            database: "mariadb",
+            lag_bytes: None,
+            lag_transactions: Some(2),
+            position: Some("0-1-5".into()),
+            server_position: Some("0-1-8".into()),
+            holder_pid: Some(42),
+            wal_status: None,
+            lost,
+            hint: lost.then_some(LOST_POSITION_HINT),
+            ..status(false, Some(1.0))
+        }
+    }
+
+    #[test]
+    fn the_binlog_relay_is_printed_with_its_position_and_lock() {
+        let mut out = Vec::new();
+        print(&mut out, &binlog(false)).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("CDC on the MariaDB binlog (lock outbox_cdc)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("position lag:      2 transaction(s)"),
+            "{text}"
+        );
+        assert!(text.contains("0-1-5 (server at 0-1-8)"), "{text}");
+        assert!(text.contains("lock holder:       connection 42"), "{text}");
+        assert!(!text.contains("wal_status"), "{text}");
+        let mut out = Vec::new();
+        print(&mut out, &binlog(true)).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("LOST POSITION:"), "{text}");
+        assert!(text.contains("--recover-slot"), "{text}");
     }
 
     #[test]

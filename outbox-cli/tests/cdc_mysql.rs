@@ -4,6 +4,8 @@
 //! `--cdc` on SQLite, and on a MariaDB without the binlog.
 
 mod fixtures;
+#[cfg(feature = "serve")]
+mod serve_support;
 
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
@@ -162,6 +164,8 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     let ready = get(admin, "/readyz");
     assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     assert!(ready.contains("\"mariadb\""), "{ready}");
+    #[cfg(feature = "serve")]
+    the_page_shows_the_binlog_relay(&url);
 
     relay.stop();
     assert_eq!(streams.msg_ids().len(), 7, "nothing published twice");
@@ -180,6 +184,20 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
         .success()
         .stdout(contains("CDC mode off"));
     assert!(status(&url)["cdc"].is_null(), "CDC mode off");
+}
+
+/// `outbox serve`'s overview (page and JSON) in MariaDB CDC mode, the relay caught up.
+#[cfg(feature = "serve")]
+fn the_page_shows_the_binlog_relay(url: &str) {
+    let server = serve_support::Server::start(url, &["--token", serve_support::TOKEN]);
+    let overview = server.json("/api/overview");
+    assert_eq!(overview["cdc"]["database"], "mariadb", "{overview}");
+    assert_eq!(overview["cdc"]["lag_transactions"], 0, "{overview}");
+    let (status, page) = server.get("/");
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("CDC relay on the binlog, lock"), "{page}");
+    assert!(page.contains("transactions behind"), "{page}");
+    assert!(page.contains("held by connection"), "{page}");
 }
 
 #[test]
@@ -219,6 +237,10 @@ fn relay_migrate_sets_the_binlog_relay_up_and_recover_slot_moves_the_position() 
             server.exec("SHOW BINARY LOGS").lines().count() == 1
         },
     );
+    let s = status(&url);
+    assert_eq!(s["cdc"]["lost"], true, "{s}");
+    let hint = s["cdc"]["hint"].as_str().unwrap_or_default();
+    assert!(hint.contains("--recover-slot"), "{s}");
     let mut stopped = cdc_relay(&url, &streams, free_addr(), &[]);
     let exit = stopped.wait();
     assert!(!exit.success(), "a purged position stops the relay");
@@ -232,6 +254,7 @@ fn relay_migrate_sets_the_binlog_relay_up_and_recover_slot_moves_the_position() 
         .assert()
         .success()
         .stdout(contains("(recovered)"));
+    assert_eq!(status(&url)["cdc"]["lost"], false, "recovered");
     // The backfill starts above the relayed watermark: some messages again, 4 among them.
     let mut relay = cdc_relay(&url, &streams, admin, &[]);
     let deadline = Instant::now() + Duration::from_secs(60);

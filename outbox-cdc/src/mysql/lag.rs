@@ -48,6 +48,11 @@ pub struct BinlogLag {
     pub parked: u64,
     /// NEW rows still to backfill, at most (the backfill's id range).
     pub backfill_left: u64,
+    /// The binlog no longer holds the stored position: its oldest file starts past it
+    /// (purged). A relay stops on it with [`CdcError::PositionLost`]; recover with
+    /// [`recover_lost_position`](super::recover_lost_position). `false` when the user
+    /// may not list the binlogs (`BINLOG MONITOR`).
+    pub position_lost: bool,
 }
 
 /// The report row, with the server's clock differences in milliseconds.
@@ -73,6 +78,9 @@ pub async fn lag(conn: &mut Conn) -> Result<BinlogLag> {
     // The write of the stored position is logged after it: not a transaction to relay.
     let transactions_behind = position.behind(&server_position).saturating_sub(1);
     let reporting = silent_ms.is_some_and(|s| s <= 3 * every_ms);
+    let position_lost = purged_through(conn)
+        .await
+        .is_some_and(|purged| !position.covers(&purged));
     Ok(BinlogLag {
         lock: mode.slot,
         position,
@@ -83,7 +91,28 @@ pub async fn lag(conn: &mut Conn) -> Result<BinlogLag> {
         holder,
         parked: u64::try_from(parked).unwrap_or(0),
         backfill_left: u64::try_from(backfill_left).unwrap_or(0),
+        position_lost,
     })
+}
+
+/// The GTID position the oldest binlog file starts after (its `Gtid_list`): every
+/// transaction up to it was purged. `None` when it cannot be read (no binlog, or the
+/// user lacks `BINLOG MONITOR`): the status then shows no loss, and the relay still
+/// stops on one.
+async fn purged_through(conn: &mut Conn) -> Option<GtidPosition> {
+    let oldest: Option<mysql_async::Row> = match conn.query_first("SHOW BINARY LOGS").await {
+        Ok(row) => row,
+        Err(e) => {
+            tracing::debug!(error = %e, "the binlogs cannot be listed");
+            return None;
+        }
+    };
+    let file: String = oldest?.get(0)?;
+    let start: Option<Option<String>> = conn
+        .exec_first("SELECT BINLOG_GTID_POS(?, 4)", (file,))
+        .await
+        .ok()?;
+    start.flatten()?.parse().ok()
 }
 
 /// The reported age while a relay reports; when none does and the position is behind,
