@@ -3,33 +3,20 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use diesel::connection::SimpleConnection as _;
 use outbox_cdc::CdcError;
 use outbox_core::{Relay, RelayConfig};
 use outbox_diesel::PgRelayStore;
+use outbox_tests::{Stoppable, eventually, spawn_until};
 
-fn polling(
-    db: &Db,
-    name: &str,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), outbox_core::Error>>,
-) {
+fn polling(db: &Db, name: &str) -> Stoppable<Result<(), outbox_core::Error>> {
     let relay = Relay::new(PgRelayStore::new(db.pool.clone()), publisher_for(name))
         .with_config(RelayConfig::default().with_poll_interval(Duration::from_millis(100)))
         .expect("config");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = rx.await;
-            })
-            .await
-    });
-    (tx, task)
+    spawn_until(move |stop| async move { relay.run_until(stop).await })
 }
 
 fn ids(range: std::ops::Range<u32>) -> Vec<String> {
@@ -38,18 +25,11 @@ fn ids(range: std::ops::Range<u32>) -> Vec<String> {
 
 /// Waits until the relayed watermark reaches the highest id.
 async fn wait_watermark(db: &Db) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    eventually("the watermark to reach the last row", || {
         let mode = outbox_cdc::cdc_mode(&mut db.conn()).unwrap().unwrap();
-        if mode.relayed_through >= db.scalar("SELECT max(id) AS v FROM outbox") {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the watermark never reached the last row"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        mode.relayed_through >= db.scalar("SELECT max(id) AS v FROM outbox")
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -67,19 +47,7 @@ async fn switching_polling_to_cdc_and_back_loses_nothing() {
     let report = db.setup(&fast());
     assert!(report.backfill.1 >= 30);
     // A polling relay started by mistake refuses, with the reason.
-    let (_stop, task) = polling(&db, &name);
-    let refused = tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the polling relay stops at once")
-        .unwrap()
-        .unwrap_err();
-    assert!(refused.is_relay_conflict(), "{refused}");
-    assert!(
-        outbox_core::error_chain(&refused)
-            .to_string()
-            .contains("CDC relay"),
-        "{refused}"
-    );
+    assert_refused_in_cdc_mode(polling(&db, &name), "CDC relay").await;
 
     let (stop, task) = spawn_relay(&db, publisher_for(&name), fast());
     insert_each(&db, "p", 30..40);

@@ -11,14 +11,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    Refusing, TOPIC, fast, firsts, msg_id, publisher, publisher_for, stream, wait_for_all,
+    Refusing, TOPIC, assert_refused_in_cdc_mode, fast, firsts, msg_id, publisher, publisher_for,
+    stream, wait_for_all,
 };
 use mysql_async::Conn;
 use mysql_async::prelude::Queryable as _;
 use outbox_cdc::mysql::{self as binlog, MysqlCdcRelay};
 use outbox_cdc::{CdcConfig, CdcError};
 use outbox_core::{Error, PublishOutcomes, Publisher, StoredMessage};
-use outbox_tests::ScratchMariadb;
+use outbox_tests::{PATIENCE, ScratchMariadb, Stoppable, eventually, spawn_until, until_some};
 
 /// A private MariaDB with the outbox migrated in database `test`.
 struct Db {
@@ -89,10 +90,7 @@ fn ids(key: &str, range: std::ops::Range<u32>) -> Vec<String> {
     range.map(|n| msg_id(key, n)).collect()
 }
 
-type Relay = (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<outbox_cdc::Result<()>>,
-);
+type Relay = Stoppable<outbox_cdc::Result<()>>;
 
 /// A relay task, stopped by the returned sender.
 fn spawn_relay(db: &Db, publisher: impl outbox_core::Publisher + 'static) -> Relay {
@@ -108,15 +106,7 @@ fn spawn_relay_with(
         .expect("relay")
         .with_config(config)
         .expect("config");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = rx.await;
-            })
-            .await
-    });
-    (tx, task)
+    spawn_until(move |stop| async move { relay.run_until(stop).await })
 }
 
 async fn stop(relay: Relay) {
@@ -399,6 +389,26 @@ struct Outage<P> {
     hang: Arc<AtomicBool>,
 }
 
+impl<P> Outage<P> {
+    /// A broker that is down while `down` is set.
+    fn down_while(inner: P, down: &Arc<AtomicBool>) -> Self {
+        Self {
+            inner,
+            down: Arc::clone(down),
+            hang: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// A broker that does not answer while `hang` is set.
+    fn hanging_while(inner: P, hang: &Arc<AtomicBool>) -> Self {
+        Self {
+            inner,
+            down: Arc::new(AtomicBool::new(false)),
+            hang: Arc::clone(hang),
+        }
+    }
+}
+
 impl<P: Publisher> Publisher for Outage<P> {
     async fn publish(&self, batch: &[StoredMessage]) -> Result<PublishOutcomes, Error> {
         while self.hang.load(Ordering::SeqCst) {
@@ -417,33 +427,13 @@ async fn a_holder_whose_publish_hangs_longer_than_takeover_after_keeps_the_lock(
     db.setup().await;
     let (p, name) = publisher();
     let hang = Arc::new(AtomicBool::new(true));
-    let first = spawn_relay(
-        &db,
-        Outage {
-            inner: p,
-            down: Arc::new(AtomicBool::new(false)),
-            hang: Arc::clone(&hang),
-        },
-    );
+    let first = spawn_relay(&db, Outage::hanging_while(p, &hang));
     let holder = wait_for_holder(&db).await;
     insert_each(&db, "k", 0..3).await;
     let second = spawn_relay(&db, publisher_for(&name));
     // The first relay's publish of k:0..3 hangs for longer than takeover_after (3 s).
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(
-        wait_for_holder(&db).await,
-        holder,
-        "the holder kept the lock through the slow publish"
-    );
-    assert!(
-        stream(&name).is_empty(),
-        "nothing published by the waiting relay"
-    );
-    hang.store(false, Ordering::SeqCst);
-    let want = ids("k", 0..3);
-    assert_eq!(wait_for_all(&name, &want), want, "each published once");
-    stop(first).await;
-    stop(second).await;
+    let relays = [first, second];
+    holder_kept_the_lock(&db, holder, &name, &hang, &ids("k", 0..3), relays).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -453,51 +443,52 @@ async fn a_holder_waiting_out_a_broker_outage_in_the_backfill_keeps_the_lock() {
     db.setup().await;
     let (p, name) = publisher();
     let down = Arc::new(AtomicBool::new(true));
-    let first = spawn_relay(
-        &db,
-        Outage {
-            inner: p,
-            down: Arc::clone(&down),
-            hang: Arc::new(AtomicBool::new(false)),
-        },
-    );
+    let first = spawn_relay(&db, Outage::down_while(p, &down));
     let holder = wait_for_holder(&db).await;
     let second = spawn_relay(&db, publisher_for(&name));
-    // Longer than takeover_after (3 s) and a standby poll: a holder that ran nothing on
-    // its lock's session while it waited out the broker would have been ended by now,
-    // and the second relay would publish the batch the first one publishes after.
+    // A holder that ran nothing on its lock's session while it waited out the broker
+    // would be ended, and the second relay would publish the batch the first one
+    // publishes after.
+    let relays = [first, second];
+    holder_kept_the_lock(&db, holder, &name, &down, &ids("old", 0..3), relays).await;
+}
+
+/// The end of the two tests above: after longer than `takeover_after` (3 s) and a
+/// standby poll, `holder` still holds the lock and nothing reached the stream; once
+/// `broker_stuck` is cleared, `want` are published once each. Stops both relays.
+async fn holder_kept_the_lock(
+    db: &Db,
+    holder: i64,
+    name: &str,
+    broker_stuck: &AtomicBool,
+    want: &[String],
+    relays: [Relay; 2],
+) {
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(
-        wait_for_holder(&db).await,
+        wait_for_holder(db).await,
         holder,
-        "the live holder kept the lock through the outage"
+        "the holder kept the lock"
     );
-    assert!(
-        stream(&name).is_empty(),
-        "nothing published during the outage"
-    );
-    down.store(false, Ordering::SeqCst);
-    let want = ids("old", 0..3);
-    assert_eq!(wait_for_all(&name, &want), want, "each published once");
-    stop(first).await;
-    stop(second).await;
+    assert!(stream(name).is_empty(), "nothing published while stuck");
+    broker_stuck.store(false, Ordering::SeqCst);
+    assert_eq!(wait_for_all(name, want), want, "each published once");
+    for relay in relays {
+        stop(relay).await;
+    }
 }
 
 /// The session holding the readers' lock, once a relay holds it (up to 30 s).
 async fn wait_for_holder(db: &Db) -> i64 {
     let mut c = db.conn().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    until_some("a relay to take the lock", PATIENCE, async || {
         let holder: Option<Option<i64>> = c
             .query_first("SELECT IS_USED_LOCK('outbox_cdc')")
             .await
             .unwrap();
-        if let Some(id) = holder.flatten() {
-            return id;
-        }
-        assert!(Instant::now() < deadline, "no relay took the lock");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        holder.flatten()
+    })
+    .await
 }
 
 const CHILD_URL: &str = "OUTBOX_CDC_MYSQL_CHILD_URL";
@@ -566,16 +557,14 @@ async fn a_refused_message_is_parked_with_its_key_and_retried_while_other_keys_g
         .with_jitter(0.0);
     let relay = spawn_relay_with(&db, publisher.clone(), fast().with_retry(retry));
     insert_each(&db, "k1", 0..1).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !publisher
-        .attempts
-        .lock()
-        .unwrap()
-        .contains(&msg_id("k1", 0))
-    {
-        assert!(Instant::now() < deadline, "k1:0 never attempted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("k1:0 to be attempted", || {
+        publisher
+            .attempts
+            .lock()
+            .unwrap()
+            .contains(&msg_id("k1", 0))
+    })
+    .await;
     insert_each(&db, "k1", 1..3).await;
     insert_each(&db, "k3", 0..3).await;
     // Other keys are not held back; k1's later messages wait behind k1:0.
@@ -591,21 +580,14 @@ async fn a_refused_message_is_parked_with_its_key_and_retried_while_other_keys_g
         .collect();
     assert_eq!(k1, ids("k1", 0..3), "k1 in order after the retries");
     let mut c = db.conn().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    until_some("the parked messages to be unparked", PATIENCE, async || {
         let parked: Option<i64> = c
             .query_first("SELECT COUNT(*) FROM outbox_cdc_parked")
             .await
             .unwrap();
-        if parked == Some(0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the parked messages were never unparked"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        (parked == Some(0)).then_some(())
+    })
+    .await;
     let retries: Option<(i64, i64)> = c
         .query_first("SELECT retries, status FROM outbox WHERE msg_id = 'k1:0'")
         .await
@@ -618,13 +600,7 @@ async fn a_refused_message_is_parked_with_its_key_and_retried_while_other_keys_g
     stop(relay).await;
 }
 
-fn polling(
-    db: &Db,
-    name: &str,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), outbox_core::Error>>,
-) {
+fn polling(db: &Db, name: &str) -> Stoppable<Result<(), outbox_core::Error>> {
     let pool = diesel::r2d2::Pool::builder()
         .max_size(4)
         .build(diesel::r2d2::ConnectionManager::<diesel::MysqlConnection>::new(&db.url))
@@ -635,33 +611,22 @@ fn polling(
     )
     .with_config(outbox_core::RelayConfig::default().with_poll_interval(Duration::from_millis(100)))
     .expect("config");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = rx.await;
-            })
-            .await
-    });
-    (tx, task)
+    spawn_until(move |stop| async move { relay.run_until(stop).await })
 }
 
 /// Waits until the relayed watermark reaches the highest id.
 async fn wait_watermark(db: &Db) {
-    let deadline = Instant::now() + Duration::from_secs(30);
     let mut c = db.conn().await;
-    loop {
-        let (mode, _) = binlog::cdc_mode(&mut c).await.unwrap().unwrap();
-        let max: Option<i64> = c.query_first("SELECT MAX(id) FROM outbox").await.unwrap();
-        if mode.relayed_through >= max.unwrap_or(0) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the watermark never reached the last row"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_some(
+        "the watermark to reach the last row",
+        PATIENCE,
+        async || {
+            let (mode, _) = binlog::cdc_mode(&mut c).await.unwrap().unwrap();
+            let max: Option<i64> = c.query_first("SELECT MAX(id) FROM outbox").await.unwrap();
+            (mode.relayed_through >= max.unwrap_or(0)).then_some(())
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -679,19 +644,7 @@ async fn switching_polling_to_cdc_and_back_loses_nothing() {
     let report = db.setup().await;
     assert!(report.backfill.1 >= 30, "{report:?}");
     // A polling relay started by mistake refuses, with the reason.
-    let (_stop, task) = polling(&db, &name);
-    let refused = tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the polling relay stops at once")
-        .unwrap()
-        .unwrap_err();
-    assert!(refused.is_relay_conflict(), "{refused}");
-    assert!(
-        outbox_core::error_chain(&refused)
-            .to_string()
-            .contains("binlog CDC relay"),
-        "{refused}"
-    );
+    assert_refused_in_cdc_mode(polling(&db, &name), "binlog CDC relay").await;
 
     let relay = spawn_relay(&db, publisher_for(&name));
     insert_each(&db, "p", 30..40).await;
@@ -819,10 +772,9 @@ async fn purge_relayed_deletes_only_rows_the_broker_took() {
 
     let (_, name) = publisher();
     let down = Arc::new(AtomicBool::new(false));
-    let outage = |down: &Arc<AtomicBool>| Outage {
-        inner: Refusing::new(publisher_for(&name), &[("x:0", u32::MAX)]),
-        down: Arc::clone(down),
-        hang: Arc::new(AtomicBool::new(false)),
+    let outage = |down: &Arc<AtomicBool>| {
+        let refusing = Refusing::new(publisher_for(&name), &[("x:0", u32::MAX)]);
+        Outage::down_while(refusing, down)
     };
     let retry = outbox_core::RetryPolicy::default().with_max_attempts(1000);
     let relay = spawn_relay_with(&db, outage(&down), fast().with_retry(retry.clone()));

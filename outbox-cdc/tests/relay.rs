@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::*;
 use diesel::Connection as _;
 use diesel::connection::SimpleConnection as _;
+use outbox_tests::{eventually, eventually_within, spawn_until};
 
 /// A row with a higher id whose transaction commits first arrives first; a rolled-back
 /// row never arrives; the success path writes nothing to `outbox`.
@@ -57,14 +58,12 @@ async fn commit_order(partitioned: bool) {
              WHERE relname ~ '^outbox(_p[0-9]{{8}}t[0-9]{{6}})?$'"
         ))
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while stats("n_tup_ins") < 22 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(
-        stats("n_tup_ins") >= 22,
-        "statistics never counted the inserts"
-    );
+    eventually_within(
+        "the statistics to count the inserts",
+        Duration::from_secs(20),
+        || stats("n_tup_ins") >= 22,
+    )
+    .await;
     assert_eq!(
         stats("n_tup_upd"),
         0,
@@ -113,14 +112,12 @@ async fn a_restart_resumes_from_the_confirmed_position() {
     wait_for_all(&name, &first);
     // Confirmed past the last insert: the relay's status update reached the server.
     let end = db.scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS v");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while confirmed(&db) < end && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(
-        confirmed(&db) >= end,
-        "the relay never confirmed what it published"
-    );
+    eventually_within(
+        "the relay to confirm what it published",
+        Duration::from_secs(20),
+        || confirmed(&db) >= end,
+    )
+    .await;
     stop.send(()).unwrap();
     task.await.unwrap().expect("relay ends cleanly");
 
@@ -213,16 +210,14 @@ async fn a_refused_message_is_retried_then_dead_without_holding_back_other_keys(
     // with the polling relay; counted in outbox_relay_key_order_broken_total).
     insert_each(&db, "k1", 0..1);
     insert_each(&db, "k2", 0..1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !publisher
-        .attempts
-        .lock()
-        .unwrap()
-        .contains(&msg_id("k2", 0))
-    {
-        assert!(std::time::Instant::now() < deadline, "k2:0 never attempted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("k2:0 to be attempted", || {
+        publisher
+            .attempts
+            .lock()
+            .unwrap()
+            .contains(&msg_id("k2", 0))
+    })
+    .await;
     insert_each(&db, "k1", 1..3);
     insert_each(&db, "k2", 1..3);
     insert_each(&db, "k3", 0..3);
@@ -287,11 +282,10 @@ async fn a_redriven_dead_message_is_published_and_lag_is_reported() {
     let (stop, task) = spawn_relay(&db, publisher, fast().with_retry(retry));
     insert_each(&db, "d", 0..3);
     wait_for_all(&name, &[msg_id("d", 1), msg_id("d", 2)]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while db.scalar("SELECT count(*) AS v FROM outbox WHERE status = 2") == 0 {
-        assert!(std::time::Instant::now() < deadline, "d:0 never dead");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("d:0 to be DEAD", || {
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE status = 2") > 0
+    })
+    .await;
     // As `outbox dead redrive` and the page do it: outbox-diesel's redrive, which parks
     // the row in CDC mode (the log shows no UPDATE).
     assert_eq!(outbox_diesel::redrive_all(&mut db.conn()).unwrap(), 1);
@@ -413,14 +407,10 @@ async fn a_lost_replication_connection_reconnects_and_loses_nothing() {
     });
     // The relay's server process ended under it, twice (an operator, a failover).
     for _ in 0..2 {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while db.scalar("SELECT count(*) AS v FROM pg_replication_slots WHERE active") == 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the relay never held the slot"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually("the relay to hold the slot", || {
+            db.scalar("SELECT count(*) AS v FROM pg_replication_slots WHERE active") > 0
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         db.conn()
             .batch_execute(
@@ -464,14 +454,7 @@ async fn the_stream_does_not_wait_for_the_database_work_beside_it() {
         .unwrap()
         .with_config(config)
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_until(move |stop| async move { relay.run_until(stop).await });
     insert_each(&db, "w", 0..1);
     wait_for_all(&name, &[msg_id("w", 0)]);
 

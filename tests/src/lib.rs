@@ -7,6 +7,7 @@ pub mod names;
 pub mod nats_streams;
 pub mod plans;
 pub mod ports;
+mod process;
 pub mod redis_keys;
 pub mod scratch_cluster;
 pub mod scratch_mariadb;
@@ -16,6 +17,7 @@ pub mod scratch_redis;
 pub mod scratch_sentinel;
 pub mod secrets;
 pub mod services;
+pub mod stoppable;
 pub mod wait;
 
 pub use http::{HttpResponse, http_get};
@@ -31,6 +33,8 @@ pub use scratch_redis::{PasswordRedis, ScratchRedis};
 pub use scratch_sentinel::ScratchSentinel;
 pub use secrets::assert_hidden;
 pub use services::{database_url, mysql_url, nats_url, redis_url};
+pub use stoppable::{Shutdown, Stoppable, spawn_until};
 pub use wait::{
-    PATIENCE, eventually, eventually_within, wait_until, wait_until_explained, wait_until_within,
+    PATIENCE, eventually, eventually_within, until_some, wait_until, wait_until_explained,
+    wait_until_within,
 };

@@ -4,10 +4,11 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::names::unique;
 use crate::ports::{free_port, wait_for_port};
+use crate::process::stop_child;
 use crate::wait::wait_until_within;
 
 /// A private `mariadbd` on a free loopback port, `root` without a password, a database
@@ -131,15 +132,7 @@ impl ScratchMariadb {
 
 impl Drop for ScratchMariadb {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_child(&mut self.child, "-TERM");
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -3,10 +3,11 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::names::unique;
 use crate::ports::{free_port, wait_for_port};
+use crate::process::stop_child;
 use crate::wait::wait_until_within;
 
 /// The directory of the PostgreSQL server binaries (`pg_config --bindir`).
@@ -143,15 +144,7 @@ impl Drop for ScratchPostgres {
     fn drop(&mut self) {
         // A fast shutdown (SIGINT) lets the server remove its shared memory; SIGKILL
         // only if it does not stop.
-        let _ = Command::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_child(&mut self.child, "-INT");
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -46,8 +46,23 @@ pub async fn eventually(what: &str, cond: impl FnMut() -> bool) {
 /// [`wait_until_within`] for async tests: sleeps on the Tokio timer between polls, so
 /// the tasks under test keep running on the same runtime.
 pub async fn eventually_within(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    until_some(what, timeout, async || cond().then_some(())).await;
+}
+
+/// [`eventually_within`] for a condition read with an async client (a query on
+/// `mysql_async`, a broker call): polls `probe` every 20 ms until it returns
+/// `Some(value)`, and returns the value; panics with "timed out after {timeout}:
+/// waiting for {what}" once `timeout` has passed.
+pub async fn until_some<T>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
     let deadline = Instant::now() + timeout;
-    while !cond() {
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
         assert!(
             Instant::now() < deadline,
             "timed out after {timeout:?}: waiting for {what}"

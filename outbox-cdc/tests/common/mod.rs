@@ -14,7 +14,7 @@ use diesel::{Connection as _, PgConnection, RunQueryDsl as _};
 use outbox_cdc::{CdcConfig, CdcRelay, PgPool};
 use outbox_core::{Error, PublishOutcomes, Publisher, Rejected, StoredMessage};
 use outbox_redis::{PublisherConfig, RedisPublisher};
-use outbox_tests::{ScratchPostgres, redis_url, unique_prefix};
+use outbox_tests::{ScratchPostgres, Stoppable, redis_url, spawn_until, unique_prefix};
 
 /// The topic every test row is published to.
 pub const TOPIC: &str = "cdc.test";
@@ -186,23 +186,12 @@ pub fn spawn_relay<P: Publisher + 'static>(
     db: &Db,
     publisher: P,
     config: CdcConfig,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<outbox_cdc::Result<()>>,
-) {
+) -> Stoppable<outbox_cdc::Result<()>> {
     let relay = CdcRelay::new(&db.url, db.pool.clone(), publisher)
         .expect("relay")
         .with_config(config)
         .expect("config");
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = rx.await;
-            })
-            .await
-    });
-    (tx, task)
+    spawn_until(move |stop| async move { relay.run_until(stop).await })
 }
 
 /// A publisher that refuses the messages whose msg_id is in its list, each a number of
@@ -259,4 +248,18 @@ impl<P: Publisher> Publisher for Refusing<P> {
             })
             .collect())
     }
+}
+
+/// A polling relay (`polling`, spawned) started by mistake in CDC mode stops at once with
+/// a relay conflict whose reason names `relay`, the relay that owns the outbox.
+pub async fn assert_refused_in_cdc_mode(polling: Stoppable<Result<(), Error>>, relay: &str) {
+    let (_stop, task) = polling;
+    let refused = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the polling relay stops at once")
+        .unwrap()
+        .unwrap_err();
+    assert!(refused.is_relay_conflict(), "{refused}");
+    let chain = outbox_core::error_chain(&refused).to_string();
+    assert!(chain.contains(relay), "{refused}");
 }
