@@ -167,6 +167,13 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     #[cfg(feature = "serve")]
     the_page_shows_the_binlog_relay(&url);
 
+    // The relayed watermark (what `purge sent` and `--to-polling` go by) reaches 7 within
+    // three of the relay's reports.
+    outbox_tests::wait_until_within(
+        "the relayed watermark at 7",
+        Duration::from_secs(120),
+        || server.exec("SELECT relayed_through FROM outbox_cdc").trim() == "7",
+    );
     relay.stop();
     assert_eq!(streams.msg_ids().len(), 7, "nothing published twice");
 
@@ -175,6 +182,30 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     let s = status(&url);
     assert_eq!(s["cdc"]["lag_transactions"], 1, "{s}");
     assert!(s["cdc"]["holder_pid"].is_null(), "{s}");
+
+    // Retention: the rows stay NEW; `purge sent` deletes those up to the relayed
+    // watermark, not message 8, which no relay read.
+    let out = outbox()
+        .args([
+            "--database-url",
+            &url,
+            "purge",
+            "sent",
+            "--older-than",
+            "0s",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let out = String::from_utf8(out).expect("UTF-8");
+    assert!(
+        out.contains("deleted 7 message(s) the CDC relay published"),
+        "{out}"
+    );
+    let left = server.exec("SELECT GROUP_CONCAT(msg_id ORDER BY id) FROM outbox");
+    assert_eq!(left.trim(), "8:Ping", "only the unrelayed message stays");
 
     // Back to polling: the relay's confirmed messages are SENT, the rest published by a
     // polling relay.

@@ -1,6 +1,7 @@
 //! `outbox purge sent|consumed`.
 
 use std::io::Write;
+use std::time::Duration;
 
 use crate::args::PurgeCommand;
 use crate::backend::{Conn, Database, with_conn};
@@ -13,17 +14,12 @@ pub(super) fn run(db: &Database, cmd: PurgeCommand, out: &mut impl Write) -> Res
     match cmd {
         PurgeCommand::Sent(a) => {
             // CDC mode: the relayed rows stay NEW; the CDC library knows which are done.
-            if let Conn::Pg(c) = &mut conn
-                && outbox_cdc::cdc_mode(c)?.is_some()
-            {
-                let mut n = 0;
-                loop {
-                    let deleted = outbox_cdc::purge_relayed(c, a.older_than, a.batch_size)?;
-                    n += deleted;
-                    if deleted < u64::from(a.batch_size) {
-                        break;
-                    }
-                }
+            let relayed = match &mut conn {
+                Conn::Pg(c) => pg_purge(c, a.older_than, a.batch_size)?,
+                Conn::Mysql(_) => binlog_purge(&db.target, a.older_than, a.batch_size)?,
+                Conn::Sqlite(_) => None,
+            };
+            if let Some(n) = relayed {
                 let age = output::age(a.older_than);
                 writeln!(
                     out,
@@ -48,4 +44,45 @@ pub(super) fn run(db: &Database, cmd: PurgeCommand, out: &mut impl Write) -> Res
         }
     }
     Ok(())
+}
+
+/// `purge sent` on PostgreSQL in CDC mode (`outbox_cdc::purge_relayed`); `None` when
+/// CDC mode is off.
+fn pg_purge(
+    c: &mut diesel::PgConnection,
+    older_than: Duration,
+    batch: u32,
+) -> Result<Option<u64>, CliError> {
+    if outbox_cdc::cdc_mode(c)?.is_none() {
+        return Ok(None);
+    }
+    let mut n = 0;
+    loop {
+        let deleted = outbox_cdc::purge_relayed(c, older_than, batch)?;
+        n += deleted;
+        if deleted < u64::from(batch) {
+            return Ok(Some(n));
+        }
+    }
+}
+
+/// `purge sent` on MariaDB in CDC mode (`outbox_cdc::mysql::purge_relayed`); `None` when
+/// CDC mode is off.
+fn binlog_purge(url: &str, older_than: Duration, batch: u32) -> Result<Option<u64>, CliError> {
+    use outbox_cdc::mysql;
+    let deleted = crate::cdc::block_on(async move {
+        let mut conn = mysql::connect(url).await?;
+        if mysql::cdc_mode(&mut conn).await?.is_none() {
+            return Ok(None);
+        }
+        let mut n = 0;
+        loop {
+            let deleted = mysql::purge_relayed(&mut conn, older_than, batch).await?;
+            n += deleted;
+            if deleted < u64::from(batch) {
+                return Ok::<_, outbox_cdc::CdcError>(Some(n));
+            }
+        }
+    })??;
+    Ok(deleted)
 }
