@@ -11,8 +11,9 @@ use super::GtidPosition;
 use super::setup::{binlog_position, cdc_mode};
 use crate::{CdcError, Result};
 
-/// Opens a session on the MariaDB at `database_url` (`mysql://user:password@host:port/db`),
-/// for [`setup`](super::setup), [`lag`] and the other functions of CDC mode.
+/// Opens a session on the MariaDB at `database_url` (`mysql://user:password@host:port/db`,
+/// with diesel's TLS and socket parameters as the relay takes them), for
+/// [`setup`](super::setup), [`lag`] and the other functions of CDC mode.
 pub async fn connect(database_url: &str) -> Result<Conn> {
     Conn::new(super::url::opts(database_url)?)
         .await
