@@ -24,7 +24,7 @@ pub use http::{HttpResponse, http_get};
 pub use isolated::{Engine, Isolated, MariadbUser, mariadb, psql};
 pub use names::{unique, unique_prefix};
 pub use nats_streams::DropStreams;
-pub use redis_keys::delete_redis_keys;
+pub use redis_keys::{delete_keys_quietly, delete_redis_keys, redis_conn};
 pub use scratch_cluster::ScratchCluster;
 pub use scratch_mariadb::ScratchMariadb;
 pub use scratch_nats::ScratchNats;

@@ -25,7 +25,10 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgPool, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, eventually_within, redis_url, unique_prefix};
+use outbox_tests::{
+    Isolated, ScratchRedis, delete_keys_quietly, eventually_within, redis_conn, redis_url,
+    spawn_until, unique_prefix,
+};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history: `seq` counts per account from 0.
@@ -133,27 +136,9 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let redis = self.redis.clone();
-        let stream = self.stream();
-        // Best effort: the stream of this test only.
-        if let Ok(client) = outbox_redis::redis::Client::open(redis)
-            && let Ok(mut c) = client.get_connection()
-        {
-            let _: Result<(), _> = outbox_redis::redis::cmd("DEL").arg(&stream).query(&mut c);
-        }
+        // The stream of this test only.
+        delete_keys_quietly(&self.redis, &[self.stream()]);
     }
-}
-
-/// A connection with generous timeouts: many tests share the machine.
-async fn redis_conn(url: &str) -> outbox_redis::redis::aio::MultiplexedConnection {
-    let config = outbox_redis::redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(10)))
-        .set_response_timeout(Some(Duration::from_secs(10)));
-    outbox_redis::redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .unwrap_or_else(|e| panic!("Redis unreachable at {url}: {e}"))
 }
 
 async fn read_stream(url: &str, stream: &str) -> Vec<(String, Step)> {
@@ -209,14 +194,7 @@ struct Running {
 }
 
 fn spawn<P: Publisher + 'static>(relay: Relay<PgRelayStore, P>) -> Running {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_until(move |stop| async move { relay.run_until(stop).await });
     Running {
         stop: Some(stop),
         task,

@@ -23,7 +23,10 @@ use outbox_diesel::{ClaimOrder, Emit, EmitOptions, PgRelayStore};
 use outbox_redis::redis::AsyncCommands as _;
 use outbox_redis::redis::streams::StreamRangeReply;
 use outbox_redis::{Durability, PublisherConfig, RedisPublisher};
-use outbox_tests::{Isolated, ScratchRedis, ScratchSentinel, redis_url, unique_prefix};
+use outbox_tests::{
+    Isolated, ScratchRedis, ScratchSentinel, delete_keys_quietly, redis_conn, redis_url,
+    spawn_until, unique_prefix,
+};
 use serde::{Deserialize, Serialize};
 
 /// One step of an account's history, with a filler that sets the entry's size.
@@ -150,29 +153,10 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let Ok(client) = outbox_redis::redis::Client::open(self.redis.as_str()) else {
-            return;
-        };
-        let Ok(mut c) = client.get_connection() else {
-            return;
-        };
-        // Best effort: this test's keys only.
-        for key in [self.stream(), format!("{}note", self.prefix)] {
-            let _: Result<(), _> = outbox_redis::redis::cmd("DEL").arg(&key).query(&mut c);
-        }
+        // This test's keys only.
+        let keys = [self.stream(), format!("{}note", self.prefix)];
+        delete_keys_quietly(&self.redis, &keys);
     }
-}
-
-/// A connection with generous timeouts: many tests share the machine.
-async fn redis_conn(url: &str) -> outbox_redis::redis::aio::MultiplexedConnection {
-    let config = outbox_redis::redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(10)))
-        .set_response_timeout(Some(Duration::from_secs(10)));
-    outbox_redis::redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .unwrap_or_else(|e| panic!("Redis unreachable at {url}: {e}"))
 }
 
 async fn read_ids(url: &str, stream: &str) -> Vec<String> {
@@ -315,14 +299,7 @@ where
     S: outbox_core::RelayStore + 'static,
     P: outbox_core::Publisher + 'static,
 {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_until(move |stop| async move { relay.run_until(stop).await });
     let deadline = Instant::now() + PATIENCE;
     while env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status = 0") > 0 {
         assert!(
@@ -595,14 +572,7 @@ async fn with_no_replica_left_an_unmet_wait_appends_its_batch_once() {
     let relay = Relay::new(env.store(), publisher)
         .with_config(RelayConfig::default().with_batch_size(BATCH))
         .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) = spawn_until(move |stop| async move { relay.run_until(stop).await });
     let steps =
         |seqs: std::ops::Range<u32>| seqs.map(|seq| step(&format!("acct{}", seq % 4), seq, 10));
     let new_rows = || env.scalar("SELECT COUNT(*) AS n FROM outbox WHERE status = 0");
