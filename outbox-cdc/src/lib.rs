@@ -43,6 +43,7 @@ mod heartbeat;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 mod park;
+mod reader;
 mod relay;
 mod session;
 mod setup;

@@ -3,7 +3,7 @@
 //! reports, partition upkeep and the holder check (`chores.rs`), and the retry round
 //! when parked messages are due.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -11,12 +11,12 @@ use diesel::RunQueryDsl as _;
 use diesel::sql_types::BigInt;
 use outbox_core::{Publisher, StoredMessage};
 use outbox_diesel::PgMessageRow;
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use pgwire_replication::{Lsn, ReplicationClient};
 
 use crate::chores::{Chores, Landed, holds_slot};
-use crate::decode::{Message, OutboxColumns, decode};
 use crate::deliver::Deliverer;
 use crate::park::{Writes, blocked_keys, db, due_heads};
+use crate::reader::{InHand, Reader};
 use crate::relay::Stop;
 use crate::watermark::Watermark;
 use crate::{CdcError, Result, setup};
@@ -31,69 +31,18 @@ pub(crate) enum Ended {
     Lost,
 }
 
-/// The transaction being read from the stream.
-struct Open {
-    commit_time: DateTime<Utc>,
-    messages: Vec<StoredMessage>,
-    /// Rows that cannot be read: id, why. They become DEAD.
-    unreadable: Vec<(i64, String)>,
-}
-
-/// The complete commits read and not yet confirmed, their messages in one run in commit
-/// order: published together in calls of up to `batch_size` across commits (a backlog
-/// of small commits goes out in full pipelines), and confirmed at the last one's end.
-#[derive(Default)]
-struct InHand {
-    messages: Vec<StoredMessage>,
-    /// Rows that cannot be read: id, why. They become DEAD.
-    unreadable: Vec<(i64, String)>,
-    /// The commits in hand (some may have no outbox row).
-    commits: usize,
-    /// The last commit's end.
-    end_lsn: Lsn,
-    /// When the first commit in hand committed.
-    oldest: Option<DateTime<Utc>>,
-}
-
-impl InHand {
-    fn add(&mut self, open: Open, end_lsn: Lsn) {
-        let Open {
-            commit_time,
-            mut messages,
-            mut unreadable,
-        } = open;
-        self.messages.append(&mut messages);
-        self.unreadable.append(&mut unreadable);
-        self.commits += 1;
-        self.end_lsn = end_lsn;
-        self.oldest.get_or_insert(commit_time);
-    }
-
-    fn is_empty(&self) -> bool {
-        self.commits == 0
-    }
-
-    /// Empties it, keeping the allocation.
-    fn clear(&mut self) {
-        self.messages.clear();
-        self.unreadable.clear();
-        self.commits = 0;
-        self.oldest = None;
-    }
-}
-
 /// One holder's session on the slot.
 pub(crate) struct Session<'a, P> {
     pub(crate) d: Deliverer<'a, P>,
-    pub(crate) client: ReplicationClient,
+    /// The stream, and its commits decoded.
+    reader: Reader,
     /// The server process serving this session (for the fence).
     pub(crate) walsender: i32,
     pub(crate) slot: String,
-    relations: HashMap<u32, Option<OutboxColumns>>,
-    open: Option<Open>,
+    /// The commits being published.
     ready: InHand,
-    /// A keepalive's position, confirmable once nothing is in hand.
-    idle_ack: Option<Lsn>,
+    /// The commits read while `ready` is published: never any unless `ready` has some.
+    ahead: InHand,
     confirmed: Lsn,
     blocked: HashSet<String>,
     /// When the slot was last seen to be this session's.
@@ -102,13 +51,6 @@ pub(crate) struct Session<'a, P> {
     outages: u32,
     paused_until: Option<Instant>,
     chores: Chores,
-}
-
-/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
-const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
-
-fn pg_time(micros: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_micros(micros.saturating_add(PG_EPOCH_MICROS)).unwrap_or_default()
 }
 
 impl<'a, P: Publisher> Session<'a, P> {
@@ -121,13 +63,11 @@ impl<'a, P: Publisher> Session<'a, P> {
     ) -> Self {
         Self {
             d,
-            client,
+            reader: Reader::new(client),
             walsender,
             slot,
-            relations: HashMap::new(),
-            open: None,
             ready: InHand::default(),
-            idle_ack: None,
+            ahead: InHand::default(),
             confirmed,
             blocked: HashSet::new(),
             verified_at: Instant::now(),
@@ -148,7 +88,8 @@ impl<'a, P: Publisher> Session<'a, P> {
         metrics::gauge!("outbox_cdc_holder").set(0.0);
         if matches!(ended, Ok(Ended::Stopped)) {
             // CopyDone: the server releases the slot at once, for the next holder.
-            let _ = tokio::time::timeout(Duration::from_secs(5), self.client.shutdown()).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), self.reader.client.shutdown()).await;
         }
         ended
     }
@@ -302,17 +243,22 @@ impl<'a, P: Publisher> Session<'a, P> {
                 return Ok(None);
             }
             self.paused_until = None;
-        } else if self.ready.is_empty() {
+        } else {
+            let waiting = self.ready.is_empty();
             // Chores before the stream: they land about once a second, and a busy stream
-            // must not keep them from landing.
+            // (whose commits were read ahead, during the last publish) must not keep them
+            // from landing, nor the shutdown from being heard.
             tokio::select! {
                 biased;
                 () = stop.wait() => return Ok(Some(Ended::Stopped)),
                 landed = self.chores.next(), if self.chores.any() => return self.landed(landed).await,
-                ev = self.client.recv() => self.handle(ev?)?,
+                () = std::future::ready(()), if !waiting => {}
+                ev = self.reader.client.recv() => self.reader.handle(ev?, &mut self.ready)?,
                 () = tokio::time::sleep_until(deadline.into()) => return Ok(None),
             }
-            self.read_ready()?;
+            // Topped up to a full batch with what has arrived.
+            self.reader
+                .read_ready(&mut self.ready, self.d.config.batch_size)?;
         }
         if self.ready.is_empty() {
             self.ack_idle();
@@ -321,7 +267,9 @@ impl<'a, P: Publisher> Session<'a, P> {
         if !self.still_holder().await? {
             return Ok(Some(Ended::Lost));
         }
-        match self.publish_ready().await {
+        let (published, read) = self.publish_ready().await;
+        read?;
+        match published {
             Ok(()) => {
                 self.outages = 0;
                 Ok(None)
@@ -338,107 +286,18 @@ impl<'a, P: Publisher> Session<'a, P> {
         }
     }
 
-    /// Takes the events already received, without waiting, until a batch is full.
-    fn read_ready(&mut self) -> Result<()> {
-        let limit = self.d.config.batch_size;
-        while self.ready.messages.len() < limit {
-            let ev = {
-                let recv = self.client.recv();
-                let mut recv = std::pin::pin!(recv);
-                match futures_now(recv.as_mut()) {
-                    Some(ev) => ev,
-                    None => break,
-                }
-            };
-            self.handle(ev?)?;
-        }
-        Ok(())
-    }
-
-    fn handle(&mut self, ev: Option<ReplicationEvent>) -> Result<()> {
-        let Some(ev) = ev else {
-            return Err(CdcError::Replication("the replication stream ended".into()));
-        };
-        match ev {
-            ReplicationEvent::Begin {
-                commit_time_micros, ..
-            } => {
-                self.open = Some(Open {
-                    commit_time: pg_time(commit_time_micros),
-                    messages: Vec::new(),
-                    unreadable: Vec::new(),
-                });
-            }
-            ReplicationEvent::XLogData { data, .. } => self.row(&data)?,
-            ReplicationEvent::Commit { end_lsn, .. } => {
-                let open = self
-                    .open
-                    .take()
-                    .ok_or_else(|| CdcError::Decode("a Commit without its Begin".into()))?;
-                self.idle_ack = None;
-                self.ready.add(open, end_lsn);
-            }
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
-                // Everything before the keepalive's position was sent before it: with
-                // nothing in hand and no transaction open, it is all confirmed.
-                if self.open.is_none() {
-                    self.idle_ack = Some(wal_end);
-                }
-            }
-            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
-        }
-        Ok(())
-    }
-
-    /// A pgoutput row message inside a transaction.
-    fn row(&mut self, data: &[u8]) -> Result<()> {
-        match decode(data)? {
-            Message::Relation(rel) => {
-                let columns = if rel.name == "outbox" {
-                    Some(OutboxColumns::of(&rel)?)
-                } else {
-                    None
-                };
-                self.relations.insert(rel.id, columns);
-            }
-            Message::Insert { relation, values } => {
-                let Some(columns) = self.relations.get(&relation) else {
-                    return Err(CdcError::Decode(format!(
-                        "an Insert into relation {relation} before its Relation message"
-                    )));
-                };
-                let Some(columns) = columns else {
-                    return Ok(());
-                };
-                let open = self
-                    .open
-                    .as_mut()
-                    .ok_or_else(|| CdcError::Decode("an Insert outside a transaction".into()))?;
-                match columns.message(&values) {
-                    Ok(m) => open.messages.push(m),
-                    Err(e) => match columns.id(&values) {
-                        Some(id) => open.unreadable.push((id, e.to_string())),
-                        None => return Err(e),
-                    },
-                }
-            }
-            Message::Other(_) => {}
-        }
-        Ok(())
-    }
-
     /// Confirms `lsn`: every commit up to it was published (or parked, or dead). The
     /// server hears of it at the next status update (within `status_interval`).
     fn confirm(&mut self, lsn: Lsn) {
         self.confirmed = lsn;
-        self.client.update_applied_lsn(lsn);
+        self.reader.client.update_applied_lsn(lsn);
     }
 
     /// Confirms a keepalive's position when nothing is in hand, so that an idle slot (or
     /// one whose commits touch only other tables) does not hold WAL back.
     fn ack_idle(&mut self) {
-        if let Some(lsn) = self.idle_ack.take()
-            && self.open.is_none()
+        if let Some(lsn) = self.reader.idle_ack.take()
+            && self.reader.open.is_none()
             && lsn > self.confirmed
         {
             self.confirm(lsn);
@@ -464,11 +323,24 @@ impl<'a, P: Publisher> Session<'a, P> {
         Ok(ours)
     }
 
-    /// Publishes the complete commits in hand and confirms the last one.
-    async fn publish_ready(&mut self) -> Result<()> {
-        self.d
-            .deliver(&self.ready.messages, &mut self.blocked)
-            .await?;
+    /// Publishes the complete commits in hand and confirms the last one; reads the next
+    /// commits meanwhile (into `ahead`, then in hand). The publish's outcome, and the
+    /// reading's: a stream that failed ends the session, whatever the publish did.
+    async fn publish_ready(&mut self) -> (Result<()>, Result<()>) {
+        let publish = self.d.deliver(&self.ready.messages, &mut self.blocked);
+        let (published, read) = self
+            .reader
+            .read_while(publish, &mut self.ahead, self.d.config.batch_size)
+            .await;
+        if published.is_ok() {
+            return (self.confirm_ready().await, read);
+        }
+        (published, read)
+    }
+
+    /// The commits in hand were published: their unreadable rows recorded, the last
+    /// one confirmed, and the commits read ahead in hand.
+    async fn confirm_ready(&mut self) -> Result<()> {
         if !self.ready.unreadable.is_empty() {
             let writes = Writes {
                 dead: self.ready.unreadable.clone(),
@@ -478,6 +350,7 @@ impl<'a, P: Publisher> Session<'a, P> {
         }
         self.confirm(self.confirmed.max(self.ready.end_lsn));
         self.ready.clear();
+        std::mem::swap(&mut self.ready, &mut self.ahead);
         Ok(())
     }
 
@@ -566,7 +439,7 @@ impl<'a, P: Publisher> Session<'a, P> {
         let oldest = self
             .ready
             .oldest
-            .or(self.open.as_ref().map(|o| o.commit_time));
+            .or(self.reader.open.as_ref().map(|o| o.commit_time));
         let age = oldest.map_or(0.0, |t| {
             (Utc::now() - t).to_std().unwrap_or_default().as_secs_f64()
         });
@@ -610,16 +483,6 @@ async fn upkeep(pool: &crate::PgPool) -> Duration {
         tracing::warn!(error = %outbox_core::error_chain(&e), "partition maintenance failed; tried again in a minute");
         Duration::from_secs(60)
     })
-}
-
-/// Polls `fut` once: its output if it is ready now.
-fn futures_now<F: Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
-    let waker = std::task::Waker::noop();
-    let mut cx = std::task::Context::from_waker(waker);
-    match fut.poll(&mut cx) {
-        std::task::Poll::Ready(v) => Some(v),
-        std::task::Poll::Pending => None,
-    }
 }
 
 /// The next backfill batch: NEW rows in the range not parked yet, in id order. `None`

@@ -1,0 +1,218 @@
+//! Reading the replication stream: pgoutput's transactions decoded into complete
+//! commits of messages, ready to publish. The session reads the next commits while the
+//! broker answers the current ones (see [`Reader::read_while`]), so that decoding and
+//! publishing overlap; it confirms a commit only once it was published.
+
+use std::collections::HashMap;
+use std::pin::pin;
+use std::task::Poll;
+
+use chrono::{DateTime, Utc};
+use outbox_core::StoredMessage;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+
+use crate::decode::{Message, OutboxColumns, decode};
+use crate::{CdcError, Result};
+
+/// The transaction being read from the stream.
+pub(crate) struct Open {
+    pub(crate) commit_time: DateTime<Utc>,
+    messages: Vec<StoredMessage>,
+    /// Rows that cannot be read: id, why. They become DEAD.
+    unreadable: Vec<(i64, String)>,
+}
+
+/// Complete commits read and not yet confirmed, their messages in one run in commit
+/// order: published together in calls of up to `batch_size` across commits (a backlog
+/// of small commits goes out in full pipelines), and confirmed at the last one's end.
+#[derive(Default)]
+pub(crate) struct InHand {
+    pub(crate) messages: Vec<StoredMessage>,
+    /// Rows that cannot be read: id, why. They become DEAD.
+    pub(crate) unreadable: Vec<(i64, String)>,
+    /// The commits in hand (some may have no outbox row).
+    commits: usize,
+    /// The last commit's end.
+    pub(crate) end_lsn: Lsn,
+    /// When the first commit in hand committed.
+    pub(crate) oldest: Option<DateTime<Utc>>,
+}
+
+impl InHand {
+    fn add(&mut self, open: Open, end_lsn: Lsn) {
+        let Open {
+            commit_time,
+            mut messages,
+            mut unreadable,
+        } = open;
+        self.messages.append(&mut messages);
+        self.unreadable.append(&mut unreadable);
+        self.commits += 1;
+        self.end_lsn = end_lsn;
+        self.oldest.get_or_insert(commit_time);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.commits == 0
+    }
+
+    /// Empties it, keeping the allocation.
+    pub(crate) fn clear(&mut self) {
+        self.messages.clear();
+        self.unreadable.clear();
+        self.commits = 0;
+        self.oldest = None;
+    }
+}
+
+/// The replication session's stream and what decoding it needs to remember.
+pub(crate) struct Reader {
+    pub(crate) client: ReplicationClient,
+    relations: HashMap<u32, Option<OutboxColumns>>,
+    pub(crate) open: Option<Open>,
+    /// A keepalive's position, confirmable once nothing is in hand.
+    pub(crate) idle_ack: Option<Lsn>,
+}
+
+/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+fn pg_time(micros: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(micros.saturating_add(PG_EPOCH_MICROS)).unwrap_or_default()
+}
+
+impl Reader {
+    pub(crate) fn new(client: ReplicationClient) -> Self {
+        Self {
+            client,
+            relations: HashMap::new(),
+            open: None,
+            idle_ack: None,
+        }
+    }
+
+    /// Takes the events already received, without waiting, until `into` holds `limit`
+    /// messages.
+    pub(crate) fn read_ready(&mut self, into: &mut InHand, limit: usize) -> Result<()> {
+        while into.messages.len() < limit {
+            let ev = {
+                let recv = self.client.recv();
+                let mut recv = pin!(recv);
+                match futures_now(recv.as_mut()) {
+                    Some(ev) => ev,
+                    None => break,
+                }
+            };
+            self.handle(ev?, into)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `work` (a publish of the commits in hand) to its end, and once it has sent
+    /// its first pipeline, takes the events already received into `into` (up to `limit`
+    /// messages): the stream is decoded while the broker answers. Only what has
+    /// arrived: waiting for each event would wake this task once per row. An error of
+    /// the stream stops the reading, not `work`: it is returned beside `work`'s output,
+    /// for the caller to confirm what `work` published first.
+    pub(crate) async fn read_while<T>(
+        &mut self,
+        work: impl Future<Output = T>,
+        into: &mut InHand,
+        limit: usize,
+    ) -> (T, Result<()>) {
+        let mut work = pin!(work);
+        let polled = std::future::poll_fn(|cx| match work.as_mut().poll(cx) {
+            Poll::Ready(done) => Poll::Ready(Some(done)),
+            Poll::Pending => Poll::Ready(None),
+        })
+        .await;
+        if let Some(done) = polled {
+            return (done, Ok(()));
+        }
+        let read = self.read_ready(into, limit);
+        (work.await, read)
+    }
+
+    /// One event of the stream: a complete commit goes into `into`.
+    pub(crate) fn handle(&mut self, ev: Option<ReplicationEvent>, into: &mut InHand) -> Result<()> {
+        let Some(ev) = ev else {
+            return Err(CdcError::Replication("the replication stream ended".into()));
+        };
+        match ev {
+            ReplicationEvent::Begin {
+                commit_time_micros, ..
+            } => {
+                self.open = Some(Open {
+                    commit_time: pg_time(commit_time_micros),
+                    messages: Vec::new(),
+                    unreadable: Vec::new(),
+                });
+            }
+            ReplicationEvent::XLogData { data, .. } => self.row(&data)?,
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let open = self
+                    .open
+                    .take()
+                    .ok_or_else(|| CdcError::Decode("a Commit without its Begin".into()))?;
+                self.idle_ack = None;
+                into.add(open, end_lsn);
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // Everything before the keepalive's position was sent before it: with
+                // nothing in hand and no transaction open, it is all confirmed.
+                if self.open.is_none() {
+                    self.idle_ack = Some(wal_end);
+                }
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// A pgoutput row message inside a transaction.
+    fn row(&mut self, data: &[u8]) -> Result<()> {
+        match decode(data)? {
+            Message::Relation(rel) => {
+                let columns = if rel.name == "outbox" {
+                    Some(OutboxColumns::of(&rel)?)
+                } else {
+                    None
+                };
+                self.relations.insert(rel.id, columns);
+            }
+            Message::Insert { relation, values } => {
+                let Some(columns) = self.relations.get(&relation) else {
+                    return Err(CdcError::Decode(format!(
+                        "an Insert into relation {relation} before its Relation message"
+                    )));
+                };
+                let Some(columns) = columns else {
+                    return Ok(());
+                };
+                let open = self
+                    .open
+                    .as_mut()
+                    .ok_or_else(|| CdcError::Decode("an Insert outside a transaction".into()))?;
+                match columns.message(&values) {
+                    Ok(m) => open.messages.push(m),
+                    Err(e) => match columns.id(&values) {
+                        Some(id) => open.unreadable.push((id, e.to_string())),
+                        None => return Err(e),
+                    },
+                }
+            }
+            Message::Other(_) => {}
+        }
+        Ok(())
+    }
+}
+
+/// Polls `fut` once: its output if it is ready now.
+fn futures_now<F: Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    match fut.poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
