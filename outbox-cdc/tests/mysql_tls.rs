@@ -144,14 +144,8 @@ async fn the_relay_reads_the_binlog_over_tls_with_the_emit_s_url() {
         .expect("relay")
         .with_config(fast())
         .expect("config");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        relay
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, task) =
+        outbox_tests::spawn_until(move |stop| async move { relay.run_until(stop).await });
     let got = tokio::task::spawn_blocking(move || wait_for_all(&stream, &ids))
         .await
         .expect("stream");
