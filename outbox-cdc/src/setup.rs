@@ -48,6 +48,20 @@ CREATE INDEX IF NOT EXISTS outbox_cdc_parked_key ON outbox_cdc_parked (msg_key, 
 const SETUP_LOCK: &str = "SELECT pg_advisory_lock(7362291004541030)";
 const SETUP_UNLOCK: &str = "SELECT pg_advisory_unlock(7362291004541030)";
 
+/// Runs `f` holding [`SETUP_LOCK`] on `conn`; the lock is released whatever `f`
+/// returns (its error first, then the unlock's).
+fn under_setup_lock<T>(
+    conn: &mut PgConnection,
+    f: impl FnOnce(&mut PgConnection) -> Result<T>,
+) -> Result<T> {
+    conn.batch_execute(SETUP_LOCK)?;
+    let done = f(conn);
+    let unlocked = conn.batch_execute(SETUP_UNLOCK);
+    let done = done?;
+    unlocked?;
+    Ok(done)
+}
+
 /// What [`setup`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -145,12 +159,7 @@ pub fn cdc_mode(conn: &mut PgConnection) -> Result<Option<CdcMode>> {
 pub fn setup(conn: &mut PgConnection, config: &CdcConfig) -> Result<SetupReport> {
     config.validate()?;
     check_server(conn)?;
-    conn.batch_execute(SETUP_LOCK)?;
-    let report = setup_locked(conn, config);
-    let unlocked = conn.batch_execute(SETUP_UNLOCK);
-    let report = report?;
-    unlocked?;
-    Ok(report)
+    under_setup_lock(conn, |c| setup_locked(c, config))
 }
 
 fn setup_locked(conn: &mut PgConnection, config: &CdcConfig) -> Result<SetupReport> {
@@ -428,12 +437,7 @@ pub fn check(conn: &mut PgConnection) -> Result<(CdcMode, SlotState)> {
 /// first.
 pub fn recover_lost_slot(conn: &mut PgConnection) -> Result<SetupReport> {
     check_server(conn)?;
-    conn.batch_execute(SETUP_LOCK)?;
-    let report = recover_locked(conn);
-    let unlocked = conn.batch_execute(SETUP_UNLOCK);
-    let report = report?;
-    unlocked?;
-    Ok(report)
+    under_setup_lock(conn, recover_locked)
 }
 
 fn recover_locked(conn: &mut PgConnection) -> Result<SetupReport> {
@@ -499,12 +503,7 @@ pub struct SwitchReport {
 /// it a second time, absorbed by the consumers' inbox). Stop every CDC relay first: a
 /// slot still in use is refused.
 pub fn switch_to_polling(conn: &mut PgConnection) -> Result<SwitchReport> {
-    conn.batch_execute(SETUP_LOCK)?;
-    let report = switch_locked(conn);
-    let unlocked = conn.batch_execute(SETUP_UNLOCK);
-    let report = report?;
-    unlocked?;
-    Ok(report)
+    under_setup_lock(conn, switch_locked)
 }
 
 fn switch_locked(conn: &mut PgConnection) -> Result<SwitchReport> {
