@@ -267,9 +267,10 @@ fn timestamp(text: &str) -> Option<DateTime<Utc>> {
 }
 
 /// The form every row's `created_at` takes in the session's settings, read by hand:
-/// chrono's format parser cost about a tenth of the relay's CPU per message in a
-/// backlog drain. Anything else (another offset, a year past 9999) is `None`, for
-/// chrono to read.
+/// chrono's format parser (which parses the format string again for every value) took
+/// about 0.3 µs a row against 0.02 µs here, some 6 % of the relay process's CPU per
+/// message in a backlog drain. Anything else (another offset, a year past 9999) is
+/// `None`, for chrono to read.
 fn utc_iso(text: &str) -> Option<DateTime<Utc>> {
     let b = text.as_bytes().strip_suffix(b"+00")?;
     if b.len() < 19 || [b[4], b[7], b[10], b[13], b[16]] != *b"-- ::" {
