@@ -185,8 +185,8 @@ impl Admin {
                 .map_err(|e| root_cause(&e))?;
             let cdc = match &mut conn {
                 Conn::Pg(c) => crate::cdc::status(c).map_err(|e| root_cause(&e))?,
-                Conn::Mysql(_) => {
-                    crate::cdc::binlog_status(&db.target).map_err(|e| root_cause(&e))?
+                Conn::Mysql(c) => {
+                    crate::cdc::binlog_status(c, &db.target).map_err(|e| root_cause(&e))?
                 }
                 _ => None,
             };

@@ -5,7 +5,7 @@
 use std::io::{self, Write};
 use std::time::Duration;
 
-use diesel::PgConnection;
+use diesel::{MysqlConnection, PgConnection};
 use outbox_cdc::CdcError;
 use outbox_cdc::mysql::BinlogLag;
 use serde::Serialize;
@@ -137,9 +137,17 @@ pub(crate) fn status(conn: &mut PgConnection) -> Result<Option<CdcStatus>, CdcEr
     }))
 }
 
-/// CDC mode's state on the MariaDB at `url` (blocking), `None` when it is off.
-pub(crate) fn binlog_status(url: &str) -> Result<Option<CdcStatus>, CliError> {
+/// CDC mode's state on the MariaDB at `url` (blocking), `None` when it is off. Whether
+/// it is on is read on `conn`, the connection in hand: the binlog library's own session
+/// (and a thread to run it) is opened only then, not at every probe of a polling setup.
+pub(crate) fn binlog_status(
+    conn: &mut MysqlConnection,
+    url: &str,
+) -> Result<Option<CdcStatus>, CliError> {
     use outbox_cdc::mysql;
+    if outbox_diesel::mysql_cdc_lock(conn)?.is_none() {
+        return Ok(None);
+    }
     let status = block_on(async move {
         let mut conn = mysql::connect(url).await?;
         if mysql::cdc_mode(&mut conn).await?.is_none() {

@@ -95,7 +95,7 @@ pub use migrate::{
     MIGRATION_VERSION, MYSQL_MIGRATION, Migration, POSTGRES_MIGRATION, SQLITE_MIGRATION, migrate,
 };
 #[cfg(feature = "mysql")]
-pub use mysql::MysqlRelayStore;
+pub use mysql::{MysqlRelayStore, mysql_cdc_lock};
 pub use ops::*;
 #[cfg(feature = "postgres")]
 pub use pg::{

@@ -14,7 +14,7 @@ pub(super) fn run(db: &Database, args: &StatusArgs, out: &mut impl Write) -> Res
     let backlog = with_conn!(&mut conn, c => outbox_diesel::backlog(c))?;
     let cdc = match &mut conn {
         Conn::Pg(c) => cdc::status(c)?,
-        Conn::Mysql(_) => cdc::binlog_status(&db.target)?,
+        Conn::Mysql(c) => cdc::binlog_status(c, &db.target)?,
         _ => None,
     };
     if args.json {

@@ -17,7 +17,7 @@ use crate::{EmitOptions, Result};
 
 mod store;
 
-pub use store::MysqlRelayStore;
+pub use store::{MysqlRelayStore, mysql_cdc_lock};
 
 pub(super) const DIALECT: Dialect = Dialect {
     // Timestamps as Unix microseconds, independent of the session time zone.
@@ -297,7 +297,7 @@ impl Database for MysqlConnection {
     const DIALECT: Dialect = DIALECT;
 
     fn redrive_sql(&mut self, ids: &str) -> Result<String> {
-        match store::cdc_lock(self)? {
+        match store::mysql_cdc_lock(self)? {
             Some(relay) => Err(crate::Error::RedriveInCdcMode { relay }),
             None => Ok((DIALECT.redrive)(ids)),
         }

@@ -38,7 +38,7 @@ use crate::store::{LockedBatch, LockedClaim, blocking};
 pub struct MysqlRelayStore {
     pool: MysqlPool,
     claim: LockedClaim,
-    /// No CDC relay owns the outbox (looked at the first claim; see [`cdc_lock`]).
+    /// No CDC relay owns the outbox (looked at the first claim; see [`mysql_cdc_lock`]).
     not_cdc: Arc<AtomicBool>,
 }
 
@@ -98,7 +98,7 @@ impl MysqlRelayStore {
     /// publish them all again.
     async fn refuse_in_cdc_mode(&self) -> Result<(), outbox_core::Error> {
         let pool = self.pool.clone();
-        match blocking(move || cdc_lock(&mut *pool.get()?)).await? {
+        match blocking(move || mysql_cdc_lock(&mut *pool.get()?)).await? {
             None => {
                 self.not_cdc.store(true, Ordering::Relaxed);
                 Ok(())
@@ -115,9 +115,11 @@ impl MysqlRelayStore {
     }
 }
 
-/// The CDC relay's lock name if CDC mode is on (the `outbox_cdc` table of
-/// typed-outbox-cdc holds a row).
-pub(super) fn cdc_lock(conn: &mut MysqlConnection) -> crate::Result<Option<String>> {
+/// The binlog CDC relay's lock name if CDC mode is on (the `outbox_cdc` table of
+/// typed-outbox-cdc holds a row), `None` when it is off: the polling relay and the
+/// redrive refuse to run while it is on, and `outbox status` shows the binlog relay's lag
+/// then.
+pub fn mysql_cdc_lock(conn: &mut MysqlConnection) -> crate::Result<Option<String>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]

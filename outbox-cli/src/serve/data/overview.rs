@@ -96,7 +96,7 @@ pub(crate) fn overview(app: &App) -> Result<Overview, Failure> {
         relays: relays(app, &mut conn)?,
         cdc: match &mut conn {
             Conn::Pg(c) => crate::cdc::status(c).map_err(|e| Failure::server(e.to_string()))?,
-            Conn::Mysql(_) => crate::cdc::binlog_status(&app.db.target)
+            Conn::Mysql(c) => crate::cdc::binlog_status(c, &app.db.target)
                 .map_err(|e| Failure::server(e.to_string()))?,
             _ => None,
         },
