@@ -7,14 +7,13 @@ use chrono::{DateTime, Utc};
 use futures_util::{FutureExt as _, StreamExt as _};
 use mysql_async::binlog::EventType;
 use mysql_async::binlog::events::{Event, EventData};
-use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable as _;
 use mysql_async::{BinlogStream, BinlogStreamRequest, Conn, Opts};
 use outbox_core::StoredMessage;
 
 use super::GtidPosition;
+use super::change::{Layout, image, inserts_into_outbox};
 use super::position::{MARIADB_GTID_EVENT, MariadbGtid};
-use super::rows::{columns, value_text};
 use crate::{CdcError, Result};
 
 /// The server error of a dump whose position the binlog no longer holds (purged), or
@@ -166,13 +165,22 @@ impl Binlog {
                         self.close(ready);
                     } else if query.trim().eq_ignore_ascii_case("ROLLBACK") {
                         self.open = None; // rolled back: nothing of it is published
+                    } else if inserts_into_outbox(&query, &q.schema(), &self.database) {
+                        return Err(self.statement_logged());
                     }
                 }
                 Ok(_) => {}
                 Err(e) => return Err(CdcError::Decode(format!("a query event: {e}"))),
             },
             Ok(EventType::HEARTBEAT_EVENT) => self.close_standalone(ready),
-            Ok(EventType::WRITE_ROWS_EVENT | EventType::WRITE_ROWS_EVENT_V1) => self.rows(&ev)?,
+            Ok(
+                EventType::WRITE_ROWS_EVENT
+                | EventType::WRITE_ROWS_EVENT_V1
+                | EventType::UPDATE_ROWS_EVENT
+                | EventType::UPDATE_ROWS_EVENT_V1
+                | EventType::DELETE_ROWS_EVENT
+                | EventType::DELETE_ROWS_EVENT_V1,
+            ) => self.rows(&ev)?,
             _ => {}
         }
         Ok(())
@@ -194,6 +202,19 @@ impl Binlog {
             }
             _ => Ok(()),
         }
+    }
+
+    /// The error of an insert into the outbox logged as a statement: its rows cannot
+    /// be read from the binlog. The position stays before it.
+    fn statement_logged(&self) -> CdcError {
+        let gtid = self.open.as_ref().map_or_else(String::new, |o| {
+            format!(" {}-{}-{}", o.gtid.domain, o.server, o.gtid.seq)
+        });
+        CdcError::Decode(format!(
+            "transaction{gtid} inserted into the outbox in statement format (a session set \
+             binlog_format to STATEMENT or MIXED): the binlog relay reads rows only; its \
+             rows stay in the table: switch to polling to relay them"
+        ))
     }
 
     /// Closes the open transaction: the position moves past it.
@@ -218,8 +239,8 @@ impl Binlog {
         }
     }
 
-    /// The inserted rows of `outbox` in this database, as messages of the open
-    /// transaction.
+    /// The row changes of `outbox` in this database, folded into the open
+    /// transaction (see [`Commit::apply`]).
     fn rows(&mut self, ev: &Event) -> Result<()> {
         let decode = |e: std::io::Error| CdcError::Decode(e.to_string());
         let Some(EventData::RowsEvent(rows)) = ev.read_data().map_err(decode)? else {
@@ -238,32 +259,30 @@ impl Binlog {
             .open
             .as_mut()
             .ok_or_else(|| CdcError::Decode("outbox rows outside a transaction".into()))?;
-        let mut outbox_columns = None;
+        let deletes = matches!(
+            ev.header().event_type(),
+            Ok(EventType::DELETE_ROWS_EVENT | EventType::DELETE_ROWS_EVENT_V1)
+        );
+        if deletes && open.commit.messages.is_empty() && open.commit.unreadable.is_empty() {
+            // A purge: none of the rows is one this transaction inserted.
+            return Ok(());
+        }
+        let gtid = format!("{}-{}-{}", open.gtid.domain, open.server, open.gtid.seq);
+        let (mut before_layout, mut after_layout) = (None, None);
         for row in rows.rows(tme) {
-            let Some(mut after) = row.map_err(decode)?.1 else {
-                continue;
-            };
-            if outbox_columns.is_none() {
-                let names = after.columns_ref().iter();
-                outbox_columns = Some(columns(names.map(|c| c.name_str().into_owned()).collect())?);
-            }
-            let Some(cols) = &outbox_columns else {
-                continue;
-            };
-            let values: Vec<Option<String>> = (0..after.len())
-                .map(|i| match after.take(i) {
-                    Some(BinlogValue::Value(v)) => value_text(v),
-                    Some(other) => Some(format!("{other:?}")),
-                    None => None,
-                })
-                .collect();
-            match cols.message(&values) {
-                Ok(m) => open.commit.messages.push(m),
-                Err(e) => match cols.id(&values) {
-                    Some(id) => open.commit.unreadable.push((id, e.to_string())),
-                    None => return Err(e),
-                },
-            }
+            let (before, after) = row.map_err(decode)?;
+            let before_layout = before
+                .as_ref()
+                .map(|b| &*before_layout.get_or_insert_with(|| Layout::of(b)));
+            let after_layout = after
+                .as_ref()
+                .map(|a| &*after_layout.get_or_insert_with(|| Layout::of(a)));
+            let (before, after) = (before.map(image), after.map(image));
+            open.commit.apply(
+                &gtid,
+                before_layout.zip(before.as_ref()),
+                after_layout.zip(after.as_ref()),
+            )?;
         }
         Ok(())
     }

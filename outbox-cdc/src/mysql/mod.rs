@@ -54,6 +54,7 @@
 //! [`CdcError::Url`](crate::CdcError::Url).
 
 mod binlog;
+mod change;
 mod lag;
 mod park;
 mod position;
