@@ -479,6 +479,16 @@ async fn hand_inserted_bad_rows_become_dead_with_the_reason_and_the_relay_goes_o
     ))
     .await
     .unwrap();
+    // A NULL key, once the column allows it.
+    c.query_drop("ALTER TABLE outbox MODIFY msg_key VARCHAR(255) NULL")
+        .await
+        .unwrap();
+    c.query_drop(format!(
+        "INSERT INTO outbox {COLUMNS} VALUES \
+         ('nk:1', '{TOPIC}', 'Ping', NULL, '{{}}', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+    ))
+    .await
+    .unwrap();
     insert(&mut c, "h", 2).await;
     let got = fence(&db, &name).await;
     assert!(!got.contains(&"sent:1".to_owned()), "{got:?}");
@@ -495,16 +505,18 @@ async fn hand_inserted_bad_rows_become_dead_with_the_reason_and_the_relay_goes_o
             .query("SELECT msg_id, last_error FROM outbox WHERE status = 2 ORDER BY id")
             .await
             .unwrap();
-        if dead.len() >= 2 {
+        if dead.len() >= 3 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead.len(), 3, "{dead:?}");
     assert_eq!(dead[0].0, "h:1");
     assert!(dead[0].1.contains("headers"), "{dead:?}");
     assert_eq!(dead[1].0, "");
     assert!(!dead[1].1.is_empty(), "{dead:?}");
+    assert_eq!(dead[2].0, "nk:1");
+    assert!(dead[2].1.contains("msg_key"), "{dead:?}");
     stop(relay).await;
 }
 
@@ -700,4 +712,90 @@ async fn an_insert_logged_as_a_statement_stops_the_relay_instead_of_vanishing() 
         "{err}"
     );
     assert!(!stream(&name).contains(&"stmt:1".to_owned()));
+}
+
+/// A `mariadbd` this test started again on a scratch server's files, ended on drop.
+struct Restarted(std::process::Child);
+
+impl Drop for Restarted {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Shuts the scratch server down (`SHUTDOWN`, as an orderly restart does) and starts
+/// `mariadbd` again on the same files and port, with the binlog.
+async fn restart(db: &Db) -> Restarted {
+    let paths: (String, String, String, String) = db
+        .conn()
+        .await
+        .query_first("SELECT @@datadir, @@tmpdir, @@socket, @@pid_file")
+        .await
+        .expect("paths")
+        .expect("a row");
+    let _ = db.server.sql("SHUTDOWN");
+    let port = db.server.port();
+    outbox_tests::wait_until_within("the server to stop", Duration::from_secs(30), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+    });
+    let (data, tmp, socket, pid) = paths;
+    let child = std::process::Command::new("setpriv")
+        .args(["--pdeathsig=KILL", "--", "mariadbd", "--no-defaults"])
+        .args([
+            format!("--datadir={data}"),
+            format!("--tmpdir={tmp}"),
+            format!("--socket={socket}"),
+            format!("--pid-file={pid}"),
+            format!("--port={port}"),
+        ])
+        .args(["--user=root", "--bind-address=127.0.0.1"])
+        .args(["--innodb-buffer-pool-size=32M"])
+        .args(ScratchMariadb::BINLOG)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("mariadbd starts again");
+    let restarted = Restarted(child);
+    outbox_tests::wait_until_within("the server to serve again", Duration::from_secs(60), || {
+        db.server.sql("SELECT 1").is_ok()
+    });
+    let serving = std::fs::read_to_string(&pid).expect("the pid file");
+    assert_eq!(
+        serving.trim(),
+        restarted.0.id().to_string(),
+        "the server serving is the restarted one"
+    );
+    restarted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restart_mid_stream_loses_nothing_and_keeps_the_order() {
+    let db = Db::start().await;
+    let (p, name) = publisher();
+    let relay = spawn_relay(&db, p);
+    let mut c = db.conn().await;
+    for n in 0..3 {
+        insert(&mut c, "r", n).await;
+    }
+    wait_for_all(&name, &ids("r", 0..3)).await;
+    // Committed just before the shutdown: maybe read, maybe not.
+    for n in 3..6 {
+        insert(&mut c, "r", n).await;
+    }
+    drop(c);
+    let _server = restart(&db).await;
+    let mut c = db.conn().await;
+    for n in 6..9 {
+        insert(&mut c, "r", n).await;
+    }
+    let got = tokio::time::timeout(Duration::from_secs(40), fence(&db, &name)).await;
+    assert!(
+        !relay.1.is_finished(),
+        "the relay stopped: {:?}",
+        relay.1.await
+    );
+    let got = got.expect("the relay published after the restart");
+    assert_eq!(firsts(&without_fence(&got)), ids("r", 0..9));
+    stop(relay).await;
 }
