@@ -1,8 +1,9 @@
 //! pgoutput's row messages (protocol version 1): `Relation`, which describes a table's
-//! columns, and `Insert`, a new row in text format. pgwire-replication hands us
-//! `Begin` and `Commit` itself and every other message as raw bytes; the others
-//! (`Update`, `Delete`, `Truncate`, `Type`, `Origin`) do not reach us, or carry nothing
-//! the relay needs (the publication publishes inserts only).
+//! columns, and `Insert`, `Update` and `Delete`, rows in text format (an update or
+//! delete of a row its transaction inserted changes what that transaction commits:
+//! issue 35). pgwire-replication hands us `Begin` and `Commit` itself and every other
+//! message as raw bytes; the others (`Truncate`, `Type`, `Origin`) do not reach us (the
+//! publication does not publish truncates), or carry nothing the relay needs.
 //!
 //! See <https://www.postgresql.org/docs/current/protocol-logicalrep-message-formats.html>.
 
@@ -24,8 +25,27 @@ pub(crate) enum Message<'a> {
         relation: u32,
         values: Vec<Option<&'a [u8]>>,
     },
+    /// A changed row of relation `relation`: its old key (`K` or `O`: sent only when
+    /// the key changed, or for a full replica identity) and its new values.
+    Update {
+        relation: u32,
+        old: Option<Tuple<'a>>,
+        new: Tuple<'a>,
+    },
+    /// A deleted row of relation `relation`: its key (the replica identity, the primary
+    /// key: the other columns are NULL).
+    Delete { relation: u32, old: Tuple<'a> },
     /// Anything else: ignored.
     Other(u8),
+}
+
+/// A row's values in an update or delete: as [`Message::Insert`]'s, and the positions
+/// of the values sent as unchanged (`u`: a value stored out of line, TOAST, that the
+/// update did not change: not sent again), NULL in `values`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Tuple<'a> {
+    pub(crate) values: Vec<Option<&'a [u8]>>,
+    pub(crate) unchanged: Vec<usize>,
 }
 
 /// A table as a `Relation` message describes it.
@@ -87,18 +107,49 @@ pub(crate) fn decode(data: &[u8]) -> Result<Message<'_>> {
         b'R' => relation(&mut r).map(Message::Relation),
         b'I' => {
             let relation = r.u32("Insert relation")?;
-            match r.u8("Insert tuple tag")? {
-                b'N' => Ok(Message::Insert {
+            expect_tag(&mut r, "Insert", b'N')?;
+            let Tuple { values, unchanged } = tuple(&mut r)?;
+            if !unchanged.is_empty() {
+                return Err(CdcError::Decode("an Insert with an unchanged value".into()));
+            }
+            Ok(Message::Insert { relation, values })
+        }
+        b'U' => {
+            let relation = r.u32("Update relation")?;
+            let old = match r.u8("Update tuple tag")? {
+                b'K' | b'O' => {
+                    let old = tuple(&mut r)?;
+                    expect_tag(&mut r, "Update", b'N')?;
+                    Some(old)
+                }
+                b'N' => None,
+                other => return Err(bad_tag("Update", other)),
+            };
+            let new = tuple(&mut r)?;
+            Ok(Message::Update { relation, old, new })
+        }
+        b'D' => {
+            let relation = r.u32("Delete relation")?;
+            match r.u8("Delete tuple tag")? {
+                b'K' | b'O' => Ok(Message::Delete {
                     relation,
-                    values: tuple(&mut r)?,
+                    old: tuple(&mut r)?,
                 }),
-                other => Err(CdcError::Decode(format!(
-                    "Insert with tuple tag {:?}, expected 'N'",
-                    other as char
-                ))),
+                other => Err(bad_tag("Delete", other)),
             }
         }
         other => Ok(Message::Other(other)),
+    }
+}
+
+fn bad_tag(message: &str, tag: u8) -> CdcError {
+    CdcError::Decode(format!("{message} with tuple tag {:?}", tag as char))
+}
+
+fn expect_tag(r: &mut Reader<'_>, message: &str, want: u8) -> Result<()> {
+    match r.u8(&format!("{message} tuple tag"))? {
+        tag if tag == want => Ok(()),
+        other => Err(bad_tag(message, other)),
     }
 }
 
@@ -123,18 +174,23 @@ fn relation(r: &mut Reader<'_>) -> Result<Relation> {
     })
 }
 
-fn tuple<'a>(r: &mut Reader<'a>) -> Result<Vec<Option<&'a [u8]>>> {
+fn tuple<'a>(r: &mut Reader<'a>) -> Result<Tuple<'a>> {
     let n = r.u16("tuple column count")?;
     let mut values = Vec::with_capacity(usize::from(n));
-    for _ in 0..n {
+    let mut unchanged = Vec::new();
+    for i in 0..usize::from(n) {
         let value = match r.u8("tuple column kind")? {
             b'n' => None,
             b't' => {
                 let len = r.u32("text value length")? as usize;
                 Some(r.take(len, "text value")?)
             }
-            // 'u' (unchanged TOAST) only comes with updates; 'b' only in binary mode,
-            // which the relay does not ask for.
+            // Unchanged TOAST: only in updates.
+            b'u' => {
+                unchanged.push(i);
+                None
+            }
+            // 'b' only in binary mode, which the relay does not ask for.
             other => {
                 return Err(CdcError::Decode(format!(
                     "unexpected tuple column kind {:?}",
@@ -144,7 +200,7 @@ fn tuple<'a>(r: &mut Reader<'a>) -> Result<Vec<Option<&'a [u8]>>> {
         };
         values.push(value);
     }
-    Ok(values)
+    Ok(Tuple { values, unchanged })
 }
 
 /// The column positions of the outbox table in a relation, by name, so that a table
@@ -153,6 +209,9 @@ fn tuple<'a>(r: &mut Reader<'a>) -> Result<Vec<Option<&'a [u8]>>> {
 pub(crate) struct OutboxColumns {
     /// The position of each of [`NEEDED`], in its order.
     at: [usize; NEEDED.len()],
+    /// The position of `status`, if published (a publication made before issue 35
+    /// lists only [`NEEDED`]).
+    status: Option<usize>,
 }
 
 /// The columns a message needs.
@@ -167,6 +226,22 @@ pub(crate) const NEEDED: [&str; 10] = [
     "headers",
     "retries",
     "created_at",
+];
+
+/// The columns the publication lists (PostgreSQL 15 on): those a message needs, and
+/// `status`, to skip rows inserted or updated as SENT or DEAD as the polling relay does.
+pub(crate) const PUBLISHED: [&str; 11] = [
+    "id",
+    "msg_id",
+    "topic",
+    "event_type",
+    "msg_key",
+    "schema_version",
+    "payload",
+    "headers",
+    "retries",
+    "created_at",
+    "status",
 ];
 
 /// Indexes into [`NEEDED`].
@@ -197,7 +272,36 @@ impl OutboxColumns {
                     ))
                 })?;
         }
-        Ok(Self { at })
+        let status = relation.columns.iter().position(|c| c == "status");
+        Ok(Self { at, status })
+    }
+
+    /// Whether the row is NEW (status 0): the polling relay's and the backfill's rule.
+    /// A row inserted as SENT or DEAD (copied back from an archive, say) is no message
+    /// to send. A status not published is taken as NEW.
+    pub(crate) fn is_new<V: AsRef<[u8]>>(&self, values: &[Option<V>]) -> bool {
+        self.status.is_none_or(|at| {
+            values.get(at).and_then(Option::as_ref).map(AsRef::as_ref) == Some(b"0".as_slice())
+        })
+    }
+
+    /// `values` with the positions in `unchanged` (sent as unchanged by an update)
+    /// filled from `before`, the message of the row as its transaction inserted it.
+    pub(crate) fn fill_unchanged(
+        &self,
+        values: &[Option<&[u8]>],
+        unchanged: &[usize],
+        before: &StoredMessage,
+    ) -> Vec<Option<Vec<u8>>> {
+        let mut out: Vec<Option<Vec<u8>>> = values.iter().map(|v| v.map(<[u8]>::to_vec)).collect();
+        for &at in unchanged {
+            if let Some(which) = self.at.iter().position(|&p| p == at)
+                && let Some(slot) = out.get_mut(at)
+            {
+                *slot = Some(text_of(before, which).into_bytes());
+            }
+        }
+        out
     }
 
     /// Column `NEEDED[which]` of the row, as text.
@@ -253,6 +357,23 @@ impl OutboxColumns {
                 created_at,
             },
         })
+    }
+}
+
+/// Column `NEEDED[which]` of `m` as the server's text output would read.
+fn text_of(m: &StoredMessage, which: usize) -> String {
+    let e = &m.envelope;
+    match which {
+        ID => m.id.to_string(),
+        MSG_ID => e.msg_id.as_str().to_owned(),
+        TOPIC => e.topic.clone(),
+        EVENT_TYPE => e.event_type.clone(),
+        MSG_KEY => e.key.clone(),
+        SCHEMA_VERSION => e.schema_version.to_string(),
+        PAYLOAD => e.payload.clone(),
+        HEADERS => serde_json::to_string(&e.headers).unwrap_or_default(),
+        RETRIES => m.retries.to_string(),
+        _ => e.created_at.format("%Y-%m-%d %H:%M:%S%.6f+00").to_string(),
     }
 }
 
@@ -450,6 +571,102 @@ mod tests {
                 .to_string()
                 .contains("msg_id")
         );
+    }
+
+    /// A tuple of `values`, `None` as NULL ('n'), `Some("\u{0}u")` as unchanged ('u').
+    fn tuple_bytes(out: &mut Vec<u8>, values: &[Option<&str>]) {
+        out.extend_from_slice(&(values.len() as u16).to_be_bytes());
+        for v in values {
+            match v {
+                None => out.push(b'n'),
+                Some("\u{0}u") => out.push(b'u'),
+                Some(s) => {
+                    out.push(b't');
+                    out.extend_from_slice(&(s.len() as u32).to_be_bytes());
+                    out.extend_from_slice(s.as_bytes());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn updates_and_deletes_decode_with_their_old_key_and_unchanged_values() {
+        let mut new = row();
+        new[6] = Some("\u{0}u");
+        let mut update = vec![b'U'];
+        update.extend_from_slice(&7u32.to_be_bytes());
+        update.push(b'N');
+        tuple_bytes(&mut update, &new);
+        let Message::Update { relation, old, new } = decode(&update).unwrap() else {
+            panic!("not an update");
+        };
+        assert_eq!((relation, old), (7, None));
+        assert_eq!(new.unchanged, [6]);
+        assert_eq!(new.values[6], None);
+
+        let mut key: Vec<Option<&str>> = vec![None; TABLE.len()];
+        key[0] = Some("42");
+        let mut delete = vec![b'D'];
+        delete.extend_from_slice(&7u32.to_be_bytes());
+        delete.push(b'K');
+        tuple_bytes(&mut delete, &key);
+        let Message::Delete { relation, old } = decode(&delete).unwrap() else {
+            panic!("not a delete");
+        };
+        assert_eq!(relation, 7);
+        let Message::Relation(rel) = decode(&relation_bytes(7, &TABLE)).unwrap() else {
+            panic!("not a relation");
+        };
+        let cols = OutboxColumns::of(&rel).unwrap();
+        assert_eq!(cols.id(&old.values), Some(42));
+
+        // An update whose key changed: old key, then the new tuple.
+        let mut moved = vec![b'U'];
+        moved.extend_from_slice(&7u32.to_be_bytes());
+        moved.push(b'K');
+        tuple_bytes(&mut moved, &key);
+        moved.push(b'N');
+        tuple_bytes(&mut moved, &row());
+        let Message::Update { old: Some(old), .. } = decode(&moved).unwrap() else {
+            panic!("not an update with its old key");
+        };
+        assert_eq!(cols.id(&old.values), Some(42));
+        for bytes in [&update, &delete, &moved] {
+            for cut in 1..bytes.len() {
+                assert!(decode(&bytes[..cut]).is_err(), "prefix of {cut} bytes");
+            }
+        }
+        // An insert never carries an unchanged value.
+        let mut insert = vec![b'I'];
+        insert.extend_from_slice(&7u32.to_be_bytes());
+        insert.push(b'N');
+        tuple_bytes(&mut insert, &new_with_unchanged());
+        assert!(decode(&insert).is_err());
+    }
+
+    fn new_with_unchanged() -> Vec<Option<&'static str>> {
+        let mut r = row();
+        r[7] = Some("\u{0}u");
+        r
+    }
+
+    #[test]
+    fn unchanged_values_are_filled_from_the_insert_and_status_decides_new() {
+        let Message::Relation(rel) = decode(&relation_bytes(7, &TABLE)).unwrap() else {
+            panic!("not a relation");
+        };
+        let cols = OutboxColumns::of(&rel).unwrap();
+        let values: Vec<Option<&[u8]>> = row().iter().map(|v| v.map(str::as_bytes)).collect();
+        let inserted = cols.message(&values).unwrap();
+        let mut update = values.clone();
+        update[6] = None;
+        update[7] = None;
+        let filled = cols.fill_unchanged(&update, &[6, 7], &inserted);
+        assert_eq!(cols.message(&filled).unwrap(), inserted);
+        assert!(cols.is_new(&values));
+        let mut sent = values.clone();
+        sent[8] = Some(b"1");
+        assert!(!cols.is_new(&sent));
     }
 
     #[test]

@@ -83,7 +83,8 @@ pub enum CdcError {
         /// Why (`wal_status` or `invalidation_reason`).
         reason: String,
     },
-    /// The publication is missing or does not publish the `outbox` table's inserts.
+    /// The publication is missing or does not publish the `outbox` table's inserts,
+    /// updates and deletes, or a partition of the table has no replica identity.
     #[error("publication `{publication}` is unusable: {detail}; run `outbox migrate --cdc` again")]
     PublicationUnusable {
         /// The publication's name.

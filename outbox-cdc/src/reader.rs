@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::StoredMessage;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 
-use crate::decode::{Message, OutboxColumns, decode};
+use crate::decode::{Message, OutboxColumns, Tuple, decode};
 use crate::{CdcError, Result};
 
 /// The transaction being read from the stream.
@@ -20,6 +20,99 @@ pub(crate) struct Open {
     messages: Vec<StoredMessage>,
     /// Rows that cannot be read: id, why. They become DEAD.
     unreadable: Vec<(i64, String)>,
+}
+
+impl Open {
+    /// Adds an inserted row: a message, or an unreadable row (id, why). A row inserted
+    /// as SENT or DEAD is no message (the polling relay and the backfill skip it too).
+    fn insert<V: AsRef<[u8]>>(
+        &mut self,
+        columns: &OutboxColumns,
+        values: &[Option<V>],
+    ) -> Result<()> {
+        if !columns.is_new(values) {
+            return Ok(());
+        }
+        match columns.message(values) {
+            Ok(m) => self.messages.push(m),
+            Err(e) => match columns.id(values) {
+                Some(id) => self.unreadable.push((id, e.to_string())),
+                None => return Err(e),
+            },
+        }
+        Ok(())
+    }
+
+    /// An update: of a row this transaction inserted, its committed version replaces
+    /// the inserted one in its place (or drops it, no longer NEW). A row of an earlier
+    /// transaction (the relay's own parking and DEAD writes, a mass UPDATE) is not
+    /// published again, as the polling relay would not.
+    fn update(&mut self, columns: &OutboxColumns, old: Option<&Tuple<'_>>, new: &Tuple<'_>) {
+        let Some(id) = old
+            .and_then(|o| columns.id(&o.values))
+            .or_else(|| columns.id(&new.values))
+        else {
+            return;
+        };
+        let Some(at) = self.messages.iter().rposition(|m| m.id == id) else {
+            self.update_unreadable(columns, id, new);
+            return;
+        };
+        let filled;
+        let refs: Vec<Option<&[u8]>>;
+        let values: &[Option<&[u8]>] = if new.unchanged.is_empty() {
+            &new.values
+        } else {
+            filled = columns.fill_unchanged(&new.values, &new.unchanged, &self.messages[at]);
+            refs = filled.iter().map(Option::as_deref).collect();
+            &refs
+        };
+        if !columns.is_new(values) {
+            self.messages.remove(at);
+            return;
+        }
+        match columns.message(values) {
+            Ok(m) if m.id == id => self.messages[at] = m,
+            // The key changed: the row committed under its new id.
+            Ok(m) => {
+                self.messages.remove(at);
+                self.messages.push(m);
+            }
+            Err(e) => {
+                self.messages.remove(at);
+                self.unreadable
+                    .push((columns.id(values).unwrap_or(id), e.to_string()));
+            }
+        }
+    }
+
+    /// An update of row `id` if this transaction inserted it unreadable: read again
+    /// when the update sends it whole; else (some values unchanged, not in hand) it
+    /// stays unreadable, unless no longer NEW.
+    fn update_unreadable(&mut self, columns: &OutboxColumns, id: i64, new: &Tuple<'_>) {
+        if !self.unreadable.iter().any(|u| u.0 == id) {
+            return;
+        }
+        if new.unchanged.is_empty() {
+            self.unreadable.retain(|u| u.0 != id);
+            // Unreadable with no id: recorded under the old one.
+            if let Err(e) = self.insert(columns, &new.values) {
+                self.unreadable.push((id, e.to_string()));
+            }
+        } else if !columns.is_new(&new.values) {
+            self.unreadable.retain(|u| u.0 != id);
+        }
+    }
+
+    /// A delete: a row this transaction inserted never committed.
+    fn delete(&mut self, columns: &OutboxColumns, old: &Tuple<'_>) {
+        if let Some(id) = columns.id(&old.values) {
+            if let Some(at) = self.messages.iter().rposition(|m| m.id == id) {
+                self.messages.remove(at);
+            }
+            self.unreadable.retain(|u| u.0 != id);
+        }
+    }
 }
 
 /// Complete commits read and not yet confirmed, their messages in one run in commit
@@ -181,29 +274,41 @@ impl Reader {
                 self.relations.insert(rel.id, columns);
             }
             Message::Insert { relation, values } => {
-                let Some(columns) = self.relations.get(&relation) else {
-                    return Err(CdcError::Decode(format!(
-                        "an Insert into relation {relation} before its Relation message"
-                    )));
-                };
-                let Some(columns) = columns else {
-                    return Ok(());
-                };
-                let open = self
-                    .open
-                    .as_mut()
-                    .ok_or_else(|| CdcError::Decode("an Insert outside a transaction".into()))?;
-                match columns.message(&values) {
-                    Ok(m) => open.messages.push(m),
-                    Err(e) => match columns.id(&values) {
-                        Some(id) => open.unreadable.push((id, e.to_string())),
-                        None => return Err(e),
-                    },
+                if let Some((columns, open)) = self.target(relation, "an Insert")? {
+                    open.insert(columns, &values)?;
+                }
+            }
+            Message::Update { relation, old, new } => {
+                if let Some((columns, open)) = self.target(relation, "an Update")? {
+                    open.update(columns, old.as_ref(), &new);
+                }
+            }
+            Message::Delete { relation, old } => {
+                if let Some((columns, open)) = self.target(relation, "a Delete")? {
+                    open.delete(columns, &old);
                 }
             }
             Message::Other(_) => {}
         }
         Ok(())
+    }
+
+    /// The outbox columns of `relation` and the open transaction, for a row message
+    /// (`what`); `None` for another table.
+    fn target(&mut self, relation: u32, what: &str) -> Result<Option<(&OutboxColumns, &mut Open)>> {
+        let Some(columns) = self.relations.get(&relation) else {
+            return Err(CdcError::Decode(format!(
+                "{what} of relation {relation} before its Relation message"
+            )));
+        };
+        let Some(columns) = columns else {
+            return Ok(None);
+        };
+        let open = self
+            .open
+            .as_mut()
+            .ok_or_else(|| CdcError::Decode(format!("{what} outside a transaction")))?;
+        Ok(Some((columns, open)))
     }
 }
 

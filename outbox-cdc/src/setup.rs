@@ -66,7 +66,8 @@ fn under_setup_lock<T>(
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SetupReport {
-    /// The publication was created (or changed to publish the outbox's inserts).
+    /// The publication was created (or changed to publish the outbox's inserts, updates
+    /// and deletes).
     pub publication_created: bool,
     /// The slot was created now.
     pub slot_created: bool,
@@ -179,7 +180,10 @@ fn setup_locked(conn: &mut PgConnection, config: &CdcConfig) -> Result<SetupRepo
             conn,
             "SELECT (relkind = 'p')::text AS v FROM pg_class WHERE oid = to_regclass('outbox')",
         )? == "true",
-        publication_created: ensure_publication(conn, &config.publication)?,
+        // Before the publication publishes updates and deletes: from then on, a
+        // partition without one refuses them.
+        publication_created: ensure_replica_identity(conn)?
+            | ensure_publication(conn, &config.publication)?,
         ..SetupReport::default()
     };
     if let Some(mode) = cdc_mode(conn)? {
@@ -207,6 +211,54 @@ fn setup_locked(conn: &mut PgConnection, config: &CdcConfig) -> Result<SetupRepo
     Ok(report)
 }
 
+/// The outbox's partitions without a replica identity (no primary key, none set), and
+/// each one's unique index on `id`, if it has one. Once the publication publishes
+/// updates and deletes, PostgreSQL refuses them on such a partition; it does not carry
+/// the parent's replica identity to partitions (`outbox partitions maintain` sets it on
+/// those it creates).
+fn partitions_without_replica_identity(
+    conn: &mut PgConnection,
+) -> Result<Vec<(String, Option<String>)>> {
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        part: String,
+        #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+        idx: Option<String>,
+    }
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT c.oid::regclass::text AS part,            (SELECT i.indexrelid::regclass::text FROM pg_index i             WHERE i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL             AND i.indimmediate AND i.indnatts = 1 AND i.indkey[0] =               (SELECT attnum FROM pg_attribute WHERE attrelid = c.oid AND attname = 'id')             LIMIT 1) AS idx          FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid          WHERE h.inhparent = to_regclass('outbox') AND (c.relreplident = 'n' OR            (c.relreplident = 'd' AND NOT EXISTS              (SELECT 1 FROM pg_index p WHERE p.indrelid = c.oid AND p.indisprimary)))",
+    )
+    .load(conn)?;
+    Ok(rows.into_iter().map(|r| (r.part, r.idx)).collect())
+}
+
+/// Gives each outbox partition without a replica identity its unique index on `id` as
+/// one (partitions made by versions before issue 35). Whether it changed any.
+fn ensure_replica_identity(conn: &mut PgConnection) -> Result<bool> {
+    let missing = partitions_without_replica_identity(conn)?;
+    for (part, idx) in &missing {
+        let Some(idx) = idx else {
+            return Err(no_replica_identity(part));
+        };
+        conn.batch_execute(&format!(
+            "ALTER TABLE {part} REPLICA IDENTITY USING INDEX {idx}"
+        ))?;
+    }
+    Ok(!missing.is_empty())
+}
+
+fn no_replica_identity(part: &str) -> CdcError {
+    CdcError::PublicationUnusable {
+        publication: "outbox".into(),
+        detail: format!(
+            "partition {part} of `outbox` has no replica identity (no primary key, no \
+             unique index on id): updates and deletes of it would fail once published; \
+             run `outbox migrate --cdc` (which sets one) or give it one"
+        ),
+    }
+}
+
 /// The highest id of the outbox, read after the slot was created: every row that
 /// committed before the slot's consistent point has an id up to it (see
 /// [`setup`]'s backfill).
@@ -223,7 +275,29 @@ fn max_id(conn: &mut PgConnection) -> Result<i64> {
     )
 }
 
-/// Creates the publication, or makes an existing one publish the outbox's inserts.
+/// What a publication must publish of the `outbox` table, as SQL over
+/// `pg_publication p` and `pg_publication_tables t`: its inserts, and its updates and
+/// deletes (a row updated or deleted by the transaction that inserted it is published
+/// as committed, issue 35), with `status` among its columns from PostgreSQL 15 on.
+fn publishes_enough(version: i32) -> &'static str {
+    if version >= 150_000 {
+        "p.pubinsert AND p.pubupdate AND p.pubdelete \
+         AND (t.attnames IS NULL OR 'status' = ANY (t.attnames))"
+    } else {
+        "p.pubinsert AND p.pubupdate AND p.pubdelete"
+    }
+}
+
+fn server_version(conn: &mut PgConnection) -> Result<i32> {
+    Ok(
+        text(conn, "SELECT current_setting('server_version_num') AS v")?
+            .parse()
+            .unwrap_or(0),
+    )
+}
+
+/// Creates the publication, or makes an existing one publish the outbox's inserts,
+/// updates and deletes (one made by an earlier version published inserts only).
 /// Whether it changed anything.
 fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
     let exists = text(
@@ -232,26 +306,26 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
             "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = '{name}')::text AS v"
         ),
     )? == "true";
+    let version = server_version(conn)?;
     let covers = text(
         conn,
         &format!(
             "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
-             ON t.pubname = p.pubname WHERE p.pubname = '{name}' AND p.pubinsert \
+             ON t.pubname = p.pubname WHERE p.pubname = '{name}' AND {} \
              AND p.pubviaroot AND t.schemaname = (SELECT relnamespace::regnamespace::text \
-             FROM pg_class WHERE oid = to_regclass('outbox')) AND t.tablename = 'outbox')::text AS v"
+             FROM pg_class WHERE oid = to_regclass('outbox')) AND t.tablename = 'outbox')::text AS v",
+            publishes_enough(version)
         ),
     )? == "true";
     if covers {
         return Ok(false);
     }
     // From PostgreSQL 15 on, only the columns the relay reads (`decode.rs`): the WAL
-    // sender then converts and sends nothing else of each row (the status, the retry
-    // and send times, the last error).
-    let version: i32 = text(conn, "SELECT current_setting('server_version_num') AS v")?
-        .parse()
-        .unwrap_or(0);
+    // sender then converts and sends nothing else of each row (the retry and send
+    // times, the last error). They include the primary key, as a column list must when
+    // updates and deletes are published.
     let columns = if version >= 150_000 {
-        format!(" ({})", crate::decode::NEEDED.join(", "))
+        format!(" ({})", crate::decode::PUBLISHED.join(", "))
     } else {
         String::new()
     };
@@ -259,7 +333,8 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
         "{}{columns}",
         text(conn, "SELECT to_regclass('outbox')::text AS v")?
     );
-    let options = "publish = 'insert', publish_via_partition_root = true";
+    // Not truncates: a TRUNCATE of the outbox is no message (see docs/cdc.md).
+    let options = "publish = 'insert, update, delete', publish_via_partition_root = true";
     conn.batch_execute(&if exists {
         format!(
             // The options first: a column list on a partitioned table needs
@@ -409,20 +484,37 @@ pub(crate) fn slot_state(conn: &mut PgConnection, slot: &str) -> Result<SlotStat
 pub fn check(conn: &mut PgConnection) -> Result<(CdcMode, SlotState)> {
     check_server(conn)?;
     let mode = cdc_mode(conn)?.ok_or(CdcError::NotSetUp)?;
-    let covers = text(
-        conn,
-        &format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
-             ON t.pubname = p.pubname WHERE p.pubname = '{}' AND p.pubinsert \
-             AND t.tablename = 'outbox')::text AS v",
-            mode.publication.replace('\'', "''")
-        ),
-    )? == "true";
-    if !covers {
+    let publication = mode.publication.replace('\'', "''");
+    let covers = |conn: &mut PgConnection, what: &str| -> Result<bool> {
+        Ok(text(
+            conn,
+            &format!(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
+                 ON t.pubname = p.pubname WHERE p.pubname = '{publication}' AND {what} \
+                 AND t.tablename = 'outbox')::text AS v"
+            ),
+        )? == "true")
+    };
+    if !covers(conn, "p.pubinsert")? {
         return Err(CdcError::PublicationUnusable {
             publication: mode.publication,
             detail: "it does not publish the inserts of the `outbox` table".into(),
         });
+    }
+    let version = server_version(conn)?;
+    if !covers(conn, publishes_enough(version))? {
+        // Made by an earlier version: a row its transaction updated or deleted before
+        // committing would be published as first inserted (issue 35).
+        return Err(CdcError::PublicationUnusable {
+            publication: mode.publication,
+            detail: "it does not publish the updates and deletes of the `outbox` table \
+                     (and its `status` column), as those made by earlier versions did not: \
+                     run `outbox migrate --cdc` once to alter it"
+                .into(),
+        });
+    }
+    if let Some((part, _)) = partitions_without_replica_identity(conn)?.first() {
+        return Err(no_replica_identity(part));
     }
     let slot = slot_state(conn, &mode.slot)?;
     Ok((mode, slot))

@@ -200,6 +200,11 @@ struct Table {
     unique: &'static [(&'static str, &'static str)],
     /// Has NEW and DEAD rows, which keep a partition past its retention.
     has_status: bool,
+    /// The unique index (suffix) each partition's replica identity uses: a table with
+    /// none cannot be updated or deleted from while a publication publishes its updates
+    /// and deletes, as the CDC relay's does (outbox-cdc, issue 35); PostgreSQL does not
+    /// carry a parent's replica identity to its partitions.
+    replica_identity: Option<&'static str>,
 }
 
 const TABLES: [Table; 2] = [
@@ -207,11 +212,13 @@ const TABLES: [Table; 2] = [
         name: "outbox",
         unique: &[("id", "id"), ("msg_id", "msg_id")],
         has_status: true,
+        replica_identity: Some("id"),
     },
     Table {
         name: "consumed_msg",
         unique: &[("key", "consumer_group, msg_id")],
         has_status: false,
+        replica_identity: None,
     },
 ];
 
@@ -510,6 +517,9 @@ fn create_partition(
     );
     for (suffix, columns) in table.unique {
         sql += &format!(" CREATE UNIQUE INDEX {name}_{suffix} ON {name} ({columns});");
+    }
+    if let Some(suffix) = table.replica_identity {
+        sql += &format!(" ALTER TABLE {name} REPLICA IDENTITY USING INDEX {name}_{suffix};");
     }
     sql += &format!(
         " ALTER TABLE {t} ATTACH PARTITION {name} FOR VALUES FROM ({}) TO ({});",

@@ -1,0 +1,285 @@
+//! The CDC relay publishes each transaction's outbox rows as committed (issue 35): a row
+//! inserted and then deleted in the same transaction is never published, one inserted
+//! and then updated is published as updated (as the polling relay reads it), one
+//! inserted as SENT or DEAD is skipped; updates and deletes of rows of earlier
+//! transactions (the relay's own writes, purges, mass updates) publish nothing and stall
+//! nothing. Both layouts; a private PostgreSQL with `wal_level = logical`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use diesel::connection::SimpleConnection as _;
+use outbox_tests::{eventually_within, redis_url};
+
+/// Each entry on `stream` as (msg_id, payload, headers), in stream order.
+fn entries(stream: &str) -> Vec<(String, String, String)> {
+    let client = redis::Client::open(redis_url()).expect("redis");
+    let mut c = client.get_connection().expect("redis connection");
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query(&mut c)
+        .expect("XRANGE");
+    reply
+        .ids
+        .iter()
+        .map(|e| {
+            let field = |f: &str| e.get::<String>(f).unwrap_or_default();
+            (field("msg_id"), field("payload"), field("headers"))
+        })
+        .collect()
+}
+
+/// Commits one marker row of key `z` and waits for it: whatever committed before it
+/// was read by then.
+async fn through_marker(db: &Db, name: &str, n: u32) -> Vec<String> {
+    insert_each(db, "z", n..n + 1);
+    wait_for_all(name, &[msg_id("z", n)])
+}
+
+/// Insert then delete, insert then update (payload and headers, and a toasted payload
+/// left unchanged by an update of the headers), insert then mark SENT, insert as SENT
+/// or DEAD: each transaction's rows as committed.
+async fn folded(partitioned: bool) {
+    let db = Db::start(partitioned);
+    db.setup(&fast());
+    let (publisher, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher, fast());
+    let mut c = db.conn();
+    c.batch_execute(
+        "BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) VALUES \
+           ('a:1', 'cdc.test', 'Ping', 'a', '{\"n\": 1}'), \
+           ('a:2', 'cdc.test', 'Ping', 'a', '{\"n\": 2}'), \
+           ('a:3', 'cdc.test', 'Ping', 'a', '{\"n\": 3}'); \
+         DELETE FROM outbox WHERE msg_id = 'a:1'; \
+         UPDATE outbox SET payload = '{\"n\": 20}', headers = '{\"h\": \"v\"}' WHERE msg_id = 'a:2'; \
+         UPDATE outbox SET payload = '{\"n\": 21}' WHERE msg_id = 'a:2'; \
+         COMMIT",
+    )
+    .unwrap();
+    // A payload stored out of line (TOAST), unchanged by the update of the headers:
+    // pgoutput sends it as 'unchanged'.
+    c.batch_execute(
+        "BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           SELECT 'big:1', 'cdc.test', 'Ping', 'big', \
+                  json_build_object('s', string_agg(md5(i::text || random()::text), ''))::jsonb \
+           FROM generate_series(1, 2000) i; \
+         UPDATE outbox SET headers = '{\"after\": \"update\"}' WHERE msg_id = 'big:1'; \
+         COMMIT",
+    )
+    .unwrap();
+    c.batch_execute(
+        "BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           VALUES ('b:1', 'cdc.test', 'Ping', 'b', '{}'); \
+         UPDATE outbox SET status = 1, sent_at = now() WHERE msg_id = 'b:1'; \
+         COMMIT; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, status) VALUES \
+           ('c:1', 'cdc.test', 'Ping', 'c', '{}', 1), ('c:2', 'cdc.test', 'Ping', 'c', '{}', 2); \
+         BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           VALUES ('d:1', 'cdc.test', 'Ping', 'd', '{}'); \
+         DELETE FROM outbox WHERE msg_id = 'd:1'; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           VALUES ('d:1', 'cdc.test', 'Ping', 'd', '{\"again\": true}'); \
+         COMMIT; \
+         BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload, headers) \
+           VALUES ('h:1', 'cdc.test', 'Ping', 'h', '{}', '[\"not an object\"]'); \
+         UPDATE outbox SET headers = '{}' WHERE msg_id = 'h:1'; \
+         COMMIT",
+    )
+    .unwrap();
+    through_marker(&db, &name, 1).await;
+    let got = entries(&name);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+
+    let ids: Vec<&str> = got.iter().map(|e| e.0.as_str()).collect();
+    // h:1 was unreadable as inserted (headers not an object) and is readable as
+    // committed: published, not DEAD.
+    assert_eq!(ids, ["a:2", "a:3", "big:1", "d:1", "h:1", "z:1"]);
+    let by_id: HashMap<&str, &(String, String, String)> =
+        got.iter().map(|e| (e.0.as_str(), e)).collect();
+    assert_eq!(by_id["a:2"].1, r#"{"n": 21}"#, "the committed payload");
+    assert!(by_id["a:2"].2.contains(r#""h":"v""#), "{:?}", by_id["a:2"]);
+    assert_eq!(by_id["a:3"].1, r#"{"n": 3}"#);
+    assert_eq!(by_id["d:1"].1, r#"{"again": true}"#);
+    let big = &by_id["big:1"];
+    let stored =
+        db.scalar("SELECT length(payload::text)::bigint AS v FROM outbox WHERE msg_id = 'big:1'");
+    assert!(
+        stored > 60_000,
+        "the payload must be large enough to be toasted"
+    );
+    assert_eq!(big.1.len() as i64, stored, "the toasted payload, whole");
+    assert!(big.2.contains("update"), "the committed headers: {big:?}");
+    // The polling relay's rule: only NEW rows are messages.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE status = 0"),
+        6
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_transaction_is_published_as_committed_unpartitioned() {
+    folded(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_transaction_is_published_as_committed_partitioned() {
+    folded(true).await;
+}
+
+/// Updates and deletes of rows committed earlier: the relay's own parking and DEAD
+/// writes, a hand edit, a purge, a mass UPDATE to SENT like `switch_to_polling`'s:
+/// nothing is published again, nothing stalls, the slot is confirmed past them.
+async fn earlier_rows(partitioned: bool) {
+    let db = Db::start(partitioned);
+    db.setup(&fast());
+    let (inner, name) = publisher();
+    // e:0 is refused once (parked, its retry written), f:0 always (DEAD).
+    let publisher = std::sync::Arc::new(Refusing::new(inner, &[("e:0", 1), ("f:0", u32::MAX)]));
+    let retry = outbox_core::RetryPolicy::default()
+        .with_max_attempts(2)
+        .with_base_delay(Duration::from_millis(200))
+        .with_jitter(0.0);
+    let (stop, task) = spawn_relay(&db, publisher.clone(), fast().with_retry(retry));
+    insert_each(&db, "e", 0..5);
+    insert_each(&db, "f", 0..1);
+    let first: Vec<String> = (0..5).map(|n| msg_id("e", n)).collect();
+    wait_for_all(&name, &first);
+    eventually_within("f:0 to be DEAD", Duration::from_secs(30), || {
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE status = 2") == 1
+    })
+    .await;
+    insert_each(&db, "g", 0..2000);
+    let g: Vec<String> = (0..2000).map(|n| msg_id("g", n)).collect();
+    wait_for_all(&name, &g);
+    db.conn()
+        .batch_execute(
+            "UPDATE outbox SET payload = '{\"edited\": 1}' WHERE msg_id = 'e:1'; \
+             DELETE FROM outbox WHERE msg_id = 'e:2'; \
+             UPDATE outbox SET status = 1, sent_at = now() WHERE status = 0; \
+             DELETE FROM outbox WHERE msg_id LIKE 'g:1%'",
+        )
+        .unwrap();
+    outbox_cdc::purge_relayed(&mut db.conn(), Duration::ZERO, 100).unwrap();
+    let started = std::time::Instant::now();
+    through_marker(&db, &name, 1).await;
+    let through = started.elapsed();
+    let end = db.scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS v");
+    eventually_within(
+        "the slot confirmed past it all",
+        Duration::from_secs(20),
+        || {
+            db.scalar(
+                "SELECT coalesce(pg_wal_lsn_diff(confirmed_flush_lsn, '0/0'), 0)::bigint AS v \
+             FROM pg_replication_slots",
+            ) >= end
+        },
+    )
+    .await;
+    let got = stream(&name);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+    eprintln!("marker through after the updates and deletes of 2006 rows in {through:?}");
+    let mut expected = first.clone();
+    expected.extend(g);
+    expected.push(msg_id("z", 1));
+    let mut sorted = got.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), got.len(), "a message was published twice");
+    expected.sort();
+    assert_eq!(sorted, expected, "each message once, nothing republished");
+    assert_eq!(got.last(), Some(&msg_id("z", 1)));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn updates_and_deletes_of_earlier_rows_publish_nothing_unpartitioned() {
+    earlier_rows(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn updates_and_deletes_of_earlier_rows_publish_nothing_partitioned() {
+    earlier_rows(true).await;
+}
+
+/// A publication made by an earlier `outbox migrate --cdc` publishes inserts only, and
+/// partitions made by an earlier `outbox partitions maintain` have no replica identity:
+/// the relay's start check refuses both, naming the fix, and setup mends them (before
+/// the publication publishes deletes, which such a partition would refuse).
+async fn upgrade(partitioned: bool) {
+    let db = Db::start(partitioned);
+    db.setup(&fast());
+    let mode = outbox_cdc::cdc_mode(&mut db.conn()).unwrap().unwrap();
+    let mut c = db.conn();
+    c.batch_execute(&format!(
+        "ALTER PUBLICATION {} SET (publish = 'insert')",
+        mode.publication
+    ))
+    .unwrap();
+    let err = outbox_cdc::check(&mut db.conn()).unwrap_err().to_string();
+    assert!(
+        err.contains("updates and deletes") && err.contains("migrate --cdc"),
+        "{err}"
+    );
+    if partitioned {
+        c.batch_execute(
+            "DO $$ DECLARE p regclass; BEGIN \
+               FOR p IN SELECT inhrelid::regclass FROM pg_inherits \
+                        WHERE inhparent = 'outbox'::regclass LOOP \
+                 EXECUTE format('ALTER TABLE %s REPLICA IDENTITY DEFAULT', p); \
+               END LOOP; END $$",
+        )
+        .unwrap();
+        c.batch_execute(&format!(
+            "ALTER PUBLICATION {} SET (publish = 'insert, update, delete')",
+            mode.publication
+        ))
+        .unwrap();
+        let err = outbox_cdc::check(&mut db.conn()).unwrap_err().to_string();
+        assert!(err.contains("replica identity"), "{err}");
+        c.batch_execute(&format!(
+            "ALTER PUBLICATION {} SET (publish = 'insert')",
+            mode.publication
+        ))
+        .unwrap();
+    }
+    let report = db.setup(&fast());
+    assert!(report.publication_created, "setup altered the publication");
+    outbox_cdc::check(&mut db.conn()).expect("the altered publication passes");
+    assert!(!db.setup(&fast()).publication_created, "idempotent");
+    // Updates and deletes work on every partition, and the relay publishes as committed.
+    let (publisher, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher, fast());
+    c.batch_execute(
+        "BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) VALUES \
+           ('u:1', 'cdc.test', 'Ping', 'u', '{}'), ('u:2', 'cdc.test', 'Ping', 'u', '{}'); \
+         DELETE FROM outbox WHERE msg_id = 'u:1'; \
+         COMMIT",
+    )
+    .unwrap();
+    let got = through_marker(&db, &name, 1).await;
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+    assert_eq!(got, [msg_id("u", 2), msg_id("z", 1)]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_earlier_setup_is_refused_then_mended_unpartitioned() {
+    upgrade(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_earlier_setup_is_refused_then_mended_partitioned() {
+    upgrade(true).await;
+}
