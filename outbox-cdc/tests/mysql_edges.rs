@@ -5,17 +5,17 @@
 //! databases, a lost privilege and a dropped dump. Each against a private MariaDB with
 //! the binlog.
 
-use std::collections::HashSet;
+mod common;
+
 use std::time::Duration;
 
+use common::{TOPIC, fast, firsts, publisher, publisher_for, stream, wait_for_all};
 use mysql_async::Conn;
 use mysql_async::prelude::Queryable as _;
 use outbox_cdc::mysql::{self as binlog, MysqlCdcRelay};
 use outbox_cdc::{CdcConfig, CdcError};
-use outbox_redis::{PublisherConfig, RedisPublisher};
-use outbox_tests::{ScratchMariadb, Stoppable, redis_url, spawn_until, unique_prefix};
-
-const TOPIC: &str = "cdc.edges";
+use outbox_redis::RedisPublisher;
+use outbox_tests::{ScratchMariadb, Stoppable, redis_url, spawn_until};
 
 /// A private MariaDB (the binlog as the relay needs it, plus `extra`) with the outbox
 /// migrated in `test` and CDC mode set up.
@@ -89,22 +89,6 @@ fn ids(key: &str, range: std::ops::Range<u32>) -> Vec<String> {
     range.map(|n| format!("{key}:{n}")).collect()
 }
 
-fn publisher() -> (RedisPublisher, String) {
-    let prefix = unique_prefix("cdcedge");
-    (publisher_for_prefix(&prefix), format!("{prefix}{TOPIC}"))
-}
-
-fn publisher_for_prefix(prefix: &str) -> RedisPublisher {
-    RedisPublisher::new(redis_url())
-        .expect("redis url")
-        .with_config(PublisherConfig::default().with_stream_prefix(prefix.to_owned()))
-        .expect("publisher config")
-}
-
-fn publisher_for(name: &str) -> RedisPublisher {
-    publisher_for_prefix(name.strip_suffix(TOPIC).expect("a stream of TOPIC"))
-}
-
 /// The stream's entries: (msg_id, payload), in stream order.
 fn entries(stream: &str) -> Vec<(String, String)> {
     let client = redis::Client::open(redis_url()).expect("redis");
@@ -125,52 +109,6 @@ fn entries(stream: &str) -> Vec<(String, String)> {
             )
         })
         .collect()
-}
-
-fn stream(name: &str) -> Vec<String> {
-    entries(name).into_iter().map(|(id, _)| id).collect()
-}
-
-/// Waits until `name` holds every msg_id of `want` (up to 30 s); the stream.
-async fn wait_for_all(name: &str, want: &[String]) -> Vec<String> {
-    let want_set: HashSet<&String> = want.iter().collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let got = stream(name);
-        let have: HashSet<&String> = got.iter().collect();
-        if want_set.is_subset(&have) {
-            return got;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "missing on the stream after 30 s: {:?}",
-            want_set.difference(&have).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The first occurrence of each msg_id, in stream order.
-fn firsts(got: &[String]) -> Vec<String> {
-    let mut seen = HashSet::new();
-    got.iter()
-        .filter(|m| seen.insert(m.as_str()))
-        .cloned()
-        .collect()
-}
-
-fn fast() -> CdcConfig {
-    CdcConfig::default()
-        .with_status_interval(Duration::from_millis(200))
-        .with_takeover_after(Duration::from_secs(3))
-        .with_standby_poll(Duration::from_millis(200))
-        .with_retry_poll(Duration::from_millis(100))
-        .with_lag_interval(Duration::from_millis(200))
-        .with_outage_backoff(
-            outbox_core::OutageBackoff::default()
-                .with_min(Duration::from_millis(50))
-                .with_max(Duration::from_millis(500)),
-        )
 }
 
 type Relay = Stoppable<outbox_cdc::Result<()>>;
@@ -216,7 +154,7 @@ async fn kill(db: &Db, filter: &str) {
 /// before it was read.
 async fn fence(db: &Db, name: &str) -> Vec<String> {
     insert(&mut db.conn().await, "fence", 0).await;
-    wait_for_all(name, &ids("fence", 0..1)).await
+    wait_for_all(name, &ids("fence", 0..1))
 }
 
 /// The stream without the fence.
@@ -277,7 +215,7 @@ async fn a_replaced_row_is_published_with_what_was_committed() {
     c.query_drop(insert_sql(&[row("r", 1, "{\"v\": 1}")]))
         .await
         .unwrap();
-    wait_for_all(&name, &ids("r", 1..2)).await;
+    wait_for_all(&name, &ids("r", 1..2));
     // REPLACE of a relayed message: a new row (a new id, status NEW) which the polling
     // relay would publish; InnoDB logs it as an UPDATE of the old row.
     c.query_drop(format!(
@@ -363,7 +301,7 @@ async fn a_purge_or_truncate_while_the_relay_runs_loses_nothing_after_it() {
     for n in 0..3 {
         insert(&mut c, "t", n).await;
     }
-    wait_for_all(&name, &ids("t", 0..3)).await;
+    wait_for_all(&name, &ids("t", 0..3));
     c.query_drop("DELETE FROM outbox WHERE msg_key = 't'")
         .await
         .unwrap();
@@ -373,7 +311,7 @@ async fn a_purge_or_truncate_while_the_relay_runs_loses_nothing_after_it() {
     for n in 4..7 {
         insert(&mut c, "t", n).await;
     }
-    wait_for_all(&name, &ids("t", 0..7)).await;
+    wait_for_all(&name, &ids("t", 0..7));
     stop(relay).await;
     // And after a restart, from the stored position.
     for n in 7..9 {
@@ -403,11 +341,9 @@ async fn a_row_near_max_allowed_packet_is_published() {
     .await
     .expect("the row fits the packet");
     insert(&mut c, "big", 2).await;
-    let got = tokio::time::timeout(
-        Duration::from_secs(30),
-        wait_for_all(&name, &ids("big", 1..3)),
-    )
-    .await;
+    let want = ids("big", 1..3);
+    let stream = name.clone();
+    let got = tokio::task::spawn_blocking(move || wait_for_all(&stream, &want)).await;
     if got.is_err() || relay.1.is_finished() {
         let ended = relay.1.await;
         panic!("the big row was not published; the relay: {ended:?}");
@@ -604,14 +540,14 @@ async fn a_dropped_dump_resumes_and_a_lost_privilege_stops_the_relay_with_its_na
     let relay = spawn_relay_at(&url, p);
     let mut c = db.conn().await;
     insert(&mut c, "d", 0).await;
-    wait_for_all(&name, &ids("d", 0..1)).await;
+    wait_for_all(&name, &ids("d", 0..1));
     // The dump's session ends (a network cut, a server-side kill): the relay reads
     // again from its position.
     kill(&db, "COMMAND LIKE 'Binlog Dump%'").await;
     for n in 1..4 {
         insert(&mut c, "d", n).await;
     }
-    wait_for_all(&name, &ids("d", 0..4)).await;
+    wait_for_all(&name, &ids("d", 0..4));
     // The grant revoked and the sessions cut: the relay stops with the privilege named,
     // instead of retrying in silence.
     for host in ["localhost", "127.0.0.1"] {
@@ -778,7 +714,7 @@ async fn a_server_restart_mid_stream_loses_nothing_and_keeps_the_order() {
     for n in 0..3 {
         insert(&mut c, "r", n).await;
     }
-    wait_for_all(&name, &ids("r", 0..3)).await;
+    wait_for_all(&name, &ids("r", 0..3));
     // Committed just before the shutdown: maybe read, maybe not.
     for n in 3..6 {
         insert(&mut c, "r", n).await;
