@@ -4,65 +4,13 @@
 
 mod fixtures;
 
-use std::net::TcpListener;
-
 use diesel::{Connection as _, PgConnection};
+use fixtures::cdc::{cdc_relay, emit, free_addr, get, status};
 use fixtures::process::Background;
 use fixtures::relay::Streams;
-use fixtures::{Ping, outbox, redis_url};
-use outbox_diesel::Emit as _;
+use fixtures::{outbox, redis_url};
 use outbox_tests::ScratchPostgres;
 use predicates::str::contains;
-
-fn emit(url: &str, ns: impl IntoIterator<Item = u32>) {
-    let mut c = PgConnection::establish(url).expect("connect");
-    let events: Vec<Ping> = ns.into_iter().map(|n| Ping { n }).collect();
-    c.transaction(|c| {
-        c.emit_all(events)?;
-        Ok::<_, diesel::result::Error>(())
-    })
-    .expect("emit");
-}
-
-fn status(url: &str) -> serde_json::Value {
-    let out = outbox()
-        .args(["--database-url", url, "status", "--json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    serde_json::from_slice(&out).expect("status prints JSON")
-}
-
-fn free_addr() -> std::net::SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-}
-
-fn cdc_relay(url: &str, streams: &Streams, admin: std::net::SocketAddr) -> Background {
-    let admin = admin.to_string();
-    Background::spawn(
-        &[
-            "--database-url",
-            url,
-            "relay",
-            "--cdc",
-            "--broker",
-            &redis_url(),
-            "--stream-prefix",
-            &streams.prefix,
-            "--admin-addr",
-            &admin,
-        ],
-        "info",
-    )
-}
-
-fn get(addr: std::net::SocketAddr, path: &str) -> String {
-    outbox_tests::http_get(addr, path, std::time::Duration::from_secs(30)).text
-}
 
 #[test]
 fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
@@ -73,7 +21,7 @@ fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
         .args(["--database-url", &url, "migrate"])
         .assert()
         .success();
-    emit(&url, 1..=3);
+    emit::<PgConnection>(&url, 1..=3);
     outbox()
         .args(["--database-url", &url, "migrate", "--cdc"])
         .assert()
@@ -103,10 +51,10 @@ fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
     assert!(s["due"].is_null(), "no NEW-row backlog in CDC mode: {s}");
 
     let admin = free_addr();
-    let mut relay = cdc_relay(&url, &streams, admin);
+    let mut relay = cdc_relay(&url, &streams, admin, &[]);
     streams.wait_for(3, &mut relay);
-    emit(&url, 4..=6);
-    emit(&url, [7]);
+    emit::<PgConnection>(&url, 4..=6);
+    emit::<PgConnection>(&url, [7]);
     let published = streams.wait_for(7, &mut relay);
     let expected: Vec<String> = (1..=7).map(|n| format!("{n}:Ping")).collect();
     assert_eq!(published, expected, "every message once, in commit order");
@@ -158,7 +106,7 @@ fn a_lost_slot_is_reported_with_its_recovery_and_recovered() {
         &mut c,
     )
     .expect("drop the slot");
-    emit(&url, 1..=2);
+    emit::<PgConnection>(&url, 1..=2);
 
     let s = status(&url);
     assert_eq!(s["cdc"]["lost"], true, "{s}");
@@ -173,7 +121,7 @@ fn a_lost_slot_is_reported_with_its_recovery_and_recovered() {
     assert!(text.contains("--recover-slot"), "{text}");
 
     let streams = Streams::new();
-    let mut refused = cdc_relay(&url, &streams, free_addr());
+    let mut refused = cdc_relay(&url, &streams, free_addr(), &[]);
     let exit = refused.wait();
     assert!(!exit.success(), "a relay on a lost slot must stop");
     assert!(
@@ -186,7 +134,7 @@ fn a_lost_slot_is_reported_with_its_recovery_and_recovered() {
         .args(["--database-url", &url, "migrate", "--cdc", "--recover-slot"])
         .assert()
         .success();
-    let mut relay = cdc_relay(&url, &streams, free_addr());
+    let mut relay = cdc_relay(&url, &streams, free_addr(), &[]);
     let published = streams.wait_for(2, &mut relay);
     assert_eq!(published, ["1:Ping", "2:Ping"]);
     assert_eq!(status(&url)["cdc"]["lost"], false);
@@ -219,26 +167,26 @@ fn switching_to_cdc_and_back_loses_nothing() {
         .args(["--database-url", &url, "migrate"])
         .assert()
         .success();
-    emit(&url, 1..=2);
+    emit::<PgConnection>(&url, 1..=2);
     let mut relay = polling(&streams);
     streams.wait_for(2, &mut relay);
     relay.signal("TERM");
     assert!(relay.wait().success(), "log:\n{}", relay.log());
 
     // Polling -> CDC: 3 committed while no relay runs, before the slot (backfill), 4 after.
-    emit(&url, [3]);
+    emit::<PgConnection>(&url, [3]);
     outbox()
         .args(["--database-url", &url, "migrate", "--cdc"])
         .assert()
         .success();
-    emit(&url, [4]);
-    let mut relay = cdc_relay(&url, &streams, free_addr());
+    emit::<PgConnection>(&url, [4]);
+    let mut relay = cdc_relay(&url, &streams, free_addr(), &[]);
     streams.wait_for(4, &mut relay);
     relay.signal("TERM");
     assert!(relay.wait().success(), "log:\n{}", relay.log());
 
     // CDC -> polling: 5 committed after the CDC relay stopped.
-    emit(&url, [5]);
+    emit::<PgConnection>(&url, [5]);
     outbox()
         .args(["--database-url", &url, "migrate", "--to-polling"])
         .assert()

@@ -7,66 +7,14 @@ mod fixtures;
 #[cfg(feature = "serve")]
 mod serve_support;
 
-use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
-use diesel::{Connection as _, MysqlConnection};
-use fixtures::process::Background;
+use diesel::MysqlConnection;
+use fixtures::cdc::{cdc_relay, emit, free_addr, get, status};
 use fixtures::relay::Streams;
-use fixtures::{Ping, TestDb, outbox, redis_url};
-use outbox_diesel::Emit as _;
+use fixtures::{TestDb, outbox};
 use outbox_tests::ScratchMariadb;
 use predicates::str::contains;
-
-/// Emits `ns` in one transaction.
-fn emit(url: &str, ns: impl IntoIterator<Item = u32>) {
-    let mut c = MysqlConnection::establish(url).expect("connect");
-    let events: Vec<Ping> = ns.into_iter().map(|n| Ping { n }).collect();
-    c.transaction(|c| {
-        c.emit_all(events)?;
-        Ok::<_, diesel::result::Error>(())
-    })
-    .expect("emit");
-}
-
-fn status(url: &str) -> serde_json::Value {
-    let out = outbox()
-        .args(["--database-url", url, "status", "--json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    serde_json::from_slice(&out).expect("status prints JSON")
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-}
-
-fn cdc_relay(url: &str, streams: &Streams, admin: SocketAddr, extra: &[&str]) -> Background {
-    let (admin, redis) = (admin.to_string(), redis_url());
-    let mut args = vec![
-        "--database-url",
-        url,
-        "relay",
-        "--cdc",
-        "--broker",
-        &redis,
-        "--stream-prefix",
-        &streams.prefix,
-        "--admin-addr",
-        &admin,
-    ];
-    args.extend_from_slice(extra);
-    Background::spawn(&args, "info")
-}
-
-fn get(addr: SocketAddr, path: &str) -> String {
-    outbox_tests::http_get(addr, path, Duration::from_secs(30)).text
-}
 
 /// `status --json` once `done` holds of its `cdc`, within a minute (the relay reports
 /// every 10 s).
@@ -103,7 +51,7 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     let server = ScratchMariadb::start();
     let url = migrated(&server);
     // Committed before CDC mode: published by the backfill.
-    emit(&url, 1..=3);
+    emit::<MysqlConnection>(&url, 1..=3);
     outbox()
         .args(["--database-url", &url, "migrate", "--cdc"])
         .assert()
@@ -128,8 +76,8 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     let admin = free_addr();
     let mut relay = cdc_relay(&url, &streams, admin, &[]);
     streams.wait_for(3, &mut relay);
-    emit(&url, 4..=6);
-    emit(&url, [7]);
+    emit::<MysqlConnection>(&url, 4..=6);
+    emit::<MysqlConnection>(&url, [7]);
     let published = streams.wait_for(7, &mut relay);
     let expected: Vec<String> = (1..=7).map(|n| format!("{n}:Ping")).collect();
     assert_eq!(published, expected, "every message once, in commit order");
@@ -178,7 +126,7 @@ fn binlog_cdc_relay_publishes_in_commit_order_and_status_reports_the_position() 
     assert_eq!(streams.msg_ids().len(), 7, "nothing published twice");
 
     // Stopped: the commits since are the backlog, and they age while nobody reports.
-    emit(&url, [8]);
+    emit::<MysqlConnection>(&url, [8]);
     let s = status(&url);
     assert_eq!(s["cdc"]["lag_transactions"], 1, "{s}");
     assert!(s["cdc"]["holder_pid"].is_null(), "{s}");
@@ -240,8 +188,8 @@ fn relay_migrate_sets_the_binlog_relay_up_and_recover_slot_moves_the_position() 
     // --migrate: the outbox tables and CDC mode, then the binlog from there.
     let mut relay = cdc_relay(&url, &streams, admin, &["--migrate"]);
     relay.wait_for_log("binlog CDC relay holds the lock", 1);
-    emit(&url, 1..=2);
-    emit(&url, [3]);
+    emit::<MysqlConnection>(&url, 1..=2);
+    emit::<MysqlConnection>(&url, [3]);
     assert_eq!(
         streams.wait_for(3, &mut relay),
         ["1:Ping", "2:Ping", "3:Ping"],
@@ -251,7 +199,7 @@ fn relay_migrate_sets_the_binlog_relay_up_and_recover_slot_moves_the_position() 
 
     // After a purge the binlog no longer holds the stored position: --recover-slot
     // moves it to the binlog's now, and what committed since is the backfill.
-    emit(&url, [4]);
+    emit::<MysqlConnection>(&url, [4]);
     server.exec("FLUSH BINARY LOGS");
     let logs = server.exec("SHOW BINARY LOGS");
     let newest = logs
