@@ -83,10 +83,12 @@ where
             .get_or_create_consumer(&lane.durable, config)
             .await
             .map_err(|e| match e.kind() {
-                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => refused(
-                    format!("create consumer {} on {stream_name}", lane.durable),
-                    &js,
-                ),
+                async_nats::jetstream::stream::ConsumerErrorKind::JetStream(js) => {
+                    consumer_refused(
+                        format!("create consumer {} on {stream_name}", lane.durable),
+                        &js,
+                    )
+                }
                 _ => unavailable(&e),
             })?;
         let found = &consumer.cached_info().config;
@@ -98,6 +100,19 @@ where
             None => Ok(consumer),
         }
     }
+}
+
+/// The server's answer to a consumer's creation, as [`refused`] reads a stream
+/// request's, with one more outage: the stream not found although the caller has just
+/// found or created it. On a cluster a stream created a moment ago, or one whose leader
+/// is being elected, may not yet be known to the node asked, and that passes (a
+/// consumer started on a three-node cluster exited on it in CI's chaos run). Should the
+/// stream really be gone, the set-up's next try creates it again.
+fn consumer_refused(what: String, e: &async_nats::jetstream::Error) -> Error {
+    if e.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND {
+        return Error::Unavailable(format!("{what}: {e} (not yet known to this node)"));
+    }
+    refused(what, e)
 }
 
 /// The messages a durable consumer of the unordered mode may have in hand at once,
@@ -201,5 +216,26 @@ mod tests {
         assert_eq!(lanes.len(), 1);
         assert_eq!(&*lanes[0].durable, "billing");
         assert_eq!(lanes[0].ordered_subject, None);
+    }
+
+    fn answer(code: u64, text: &str) -> async_nats::jetstream::Error {
+        serde_json::from_value(serde_json::json!({
+            "code": 404, "err_code": code, "description": text
+        }))
+        .expect("a JetStream error")
+    }
+
+    #[test]
+    fn a_stream_not_yet_known_to_the_node_is_an_outage_other_refusals_are_not() {
+        let e = consumer_refused(
+            "create consumer g".into(),
+            &answer(10059, "stream not found"),
+        );
+        assert!(e.is_outage(), "{e:?}");
+        let e = consumer_refused(
+            "create consumer g".into(),
+            &answer(10013, "consumer name already in use"),
+        );
+        assert!(!e.is_outage(), "{e:?}");
     }
 }
