@@ -228,22 +228,6 @@ pub(crate) const NEEDED: [&str; 10] = [
     "created_at",
 ];
 
-/// The columns the publication lists (PostgreSQL 15 on): those a message needs, and
-/// `status`, to skip rows inserted or updated as SENT or DEAD as the polling relay does.
-pub(crate) const PUBLISHED: [&str; 11] = [
-    "id",
-    "msg_id",
-    "topic",
-    "event_type",
-    "msg_key",
-    "schema_version",
-    "payload",
-    "headers",
-    "retries",
-    "created_at",
-    "status",
-];
-
 /// Indexes into [`NEEDED`].
 const ID: usize = 0;
 const MSG_ID: usize = 1;

@@ -325,7 +325,9 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
     // times, the last error). They include the primary key, as a column list must when
     // updates and deletes are published.
     let columns = if version >= 150_000 {
-        format!(" ({})", crate::decode::PUBLISHED.join(", "))
+        // Those a message needs, and `status`, to skip rows inserted or updated as
+        // SENT or DEAD as the polling relay does.
+        format!(" ({}, status)", crate::decode::NEEDED.join(", "))
     } else {
         String::new()
     };
