@@ -12,27 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use diesel::connection::SimpleConnection as _;
-use outbox_tests::{eventually_within, redis_url};
-
-/// Each entry on `stream` as (msg_id, payload, headers), in stream order.
-fn entries(stream: &str) -> Vec<(String, String, String)> {
-    let client = redis::Client::open(redis_url()).expect("redis");
-    let mut c = client.get_connection().expect("redis connection");
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(stream)
-        .arg("-")
-        .arg("+")
-        .query(&mut c)
-        .expect("XRANGE");
-    reply
-        .ids
-        .iter()
-        .map(|e| {
-            let field = |f: &str| e.get::<String>(f).unwrap_or_default();
-            (field("msg_id"), field("payload"), field("headers"))
-        })
-        .collect()
-}
+use outbox_tests::eventually_within;
 
 /// Commits one marker row of key `z` and waits for it: whatever committed before it
 /// was read by then.

@@ -15,7 +15,7 @@ use mysql_async::prelude::Queryable as _;
 use outbox_cdc::mysql::{self as binlog, MysqlCdcRelay};
 use outbox_cdc::{CdcConfig, CdcError};
 use outbox_redis::RedisPublisher;
-use outbox_tests::{ScratchMariadb, Stoppable, redis_url, spawn_until};
+use outbox_tests::{ScratchMariadb, Stoppable, spawn_until};
 
 /// A private MariaDB (the binlog as the relay needs it, plus `extra`) with the outbox
 /// migrated in `test` and CDC mode set up.
@@ -91,23 +91,9 @@ fn ids(key: &str, range: std::ops::Range<u32>) -> Vec<String> {
 
 /// The stream's entries: (msg_id, payload), in stream order.
 fn entries(stream: &str) -> Vec<(String, String)> {
-    let client = redis::Client::open(redis_url()).expect("redis");
-    let mut c = client.get_connection().expect("redis connection");
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(stream)
-        .arg("-")
-        .arg("+")
-        .query(&mut c)
-        .expect("XRANGE");
-    reply
-        .ids
-        .iter()
-        .map(|e| {
-            (
-                e.get::<String>("msg_id").expect("msg_id field"),
-                e.get::<String>("payload").unwrap_or_default(),
-            )
-        })
+    common::entries(stream)
+        .into_iter()
+        .map(|(id, payload, _)| (id, payload))
         .collect()
 }
 

@@ -121,21 +121,30 @@ pub fn publisher_for(name: &str) -> RedisPublisher {
         .expect("publisher config")
 }
 
-/// The msg_ids on `stream`, in stream order.
-pub fn stream(stream: &str) -> Vec<String> {
+/// Each entry on `stream` as (msg_id, payload, headers), in stream order.
+pub fn entries(stream: &str) -> Vec<(String, String, String)> {
     let client = redis::Client::open(redis_url()).expect("redis");
     let mut c = client.get_connection().expect("redis connection");
-    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
         .arg(stream)
         .arg("-")
         .arg("+")
         .query(&mut c)
         .expect("XRANGE");
-    entries
+    reply
         .ids
         .iter()
-        .map(|e| e.get::<String>("msg_id").expect("msg_id field"))
+        .map(|e| {
+            let field = |f: &str| e.get::<String>(f).unwrap_or_default();
+            let msg_id = e.get::<String>("msg_id").expect("msg_id field");
+            (msg_id, field("payload"), field("headers"))
+        })
         .collect()
+}
+
+/// The msg_ids on `stream`, in stream order.
+pub fn stream(stream: &str) -> Vec<String> {
+    entries(stream).into_iter().map(|(id, ..)| id).collect()
 }
 
 /// Waits until `stream` holds every msg_id of `expected` (up to 60 s); the stream.
