@@ -102,9 +102,13 @@ async fn text(client: &Client, css: &str) -> String {
         .expect("text")
 }
 
+/// Clicks `css`, waiting for it: a click before it may have started a navigation that
+/// has not finished, and `find` does not wait (a confirmation page not yet loaded failed
+/// CI with `NoSuchElement`).
 async fn click(client: &Client, css: &str) {
     client
-        .find(Locator::Css(css))
+        .wait()
+        .for_element(Locator::Css(css))
         .await
         .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
         .click()
@@ -125,6 +129,18 @@ async fn log_in(client: &Client, token: &str) {
     click(client, "#login-button").await;
 }
 
+/// Types the token into the confirmation page's field, once that page is there.
+async fn type_token(client: &Client) {
+    client
+        .wait()
+        .for_element(Locator::Css("#token"))
+        .await
+        .expect("token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("type the token");
+}
+
 /// On the confirmation page: checks what it lists, types the token and confirms.
 async fn confirm(client: &Client, items: &[&str]) -> String {
     let listed = text(client, "#confirm-items").await;
@@ -134,13 +150,7 @@ async fn confirm(client: &Client, items: &[&str]) -> String {
             "{item} not in the confirmation: {listed}"
         );
     }
-    client
-        .find(Locator::Css("#token"))
-        .await
-        .expect("token field")
-        .send_keys(TOKEN)
-        .await
-        .expect("type the token");
+    type_token(client).await;
     click(client, "#confirm-button").await;
     text(client, "#done").await
 }
@@ -308,13 +318,7 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
         "{why}"
     );
     click(&client, "button[value=\"redrive\"]").await;
-    client
-        .find(Locator::Css("#token"))
-        .await
-        .expect("token field")
-        .send_keys(TOKEN)
-        .await
-        .expect("type the token");
+    type_token(&client).await;
     click(&client, "#confirm-button").await;
     let refused = text(&client, "#error").await;
     assert!(
