@@ -54,6 +54,12 @@ pub struct CdcConfig {
     /// How often the relay refreshes its lag gauges, its report in `outbox_cdc` and the
     /// relayed watermark (default 10 s).
     pub lag_interval: Duration,
+    /// Most memory one transaction's outbox rows may take while the relay reads it
+    /// (default 32 MiB). A larger transaction is held as its row ids alone and its rows
+    /// are read back from the table, `batch_size` at a time, when it is published: one
+    /// huge commit (a bulk import emitting a million events) cannot exhaust the relay's
+    /// memory, and the rows read are the committed ones.
+    pub transaction_memory: usize,
 }
 
 impl Default for CdcConfig {
@@ -69,6 +75,7 @@ impl Default for CdcConfig {
             standby_poll: Duration::from_secs(1),
             retry_poll: Duration::from_secs(1),
             lag_interval: Duration::from_secs(10),
+            transaction_memory: 32 << 20,
         }
     }
 }
@@ -105,6 +112,8 @@ setter! {
     with_retry_poll: retry_poll: Duration,
     /// Sets [`lag_interval`](Self::lag_interval).
     with_lag_interval: lag_interval: Duration,
+    /// Sets [`transaction_memory`](Self::transaction_memory).
+    with_transaction_memory: transaction_memory: usize,
 }
 
 impl CdcConfig {

@@ -20,27 +20,74 @@ pub(crate) struct Open {
     messages: Vec<StoredMessage>,
     /// Rows that cannot be read: id, why. They become DEAD.
     unreadable: Vec<(i64, String)>,
+    /// About how much memory `messages` take.
+    bytes: usize,
+    /// Once the transaction outgrew [`CdcConfig::transaction_memory`]: the ids of its
+    /// rows in insert order (those of `messages` and `unreadable` moved here), read back
+    /// from the table when it is published.
+    ///
+    /// [`CdcConfig::transaction_memory`]: crate::CdcConfig::transaction_memory
+    spilled: Option<Vec<i64>>,
 }
 
 impl Open {
+    fn new(commit_time: DateTime<Utc>) -> Self {
+        Self {
+            commit_time,
+            messages: Vec::new(),
+            unreadable: Vec::new(),
+            bytes: 0,
+            spilled: None,
+        }
+    }
+
     /// Adds an inserted row: a message, or an unreadable row (id, why). A row inserted
     /// as SENT or DEAD is no message (the polling relay and the backfill skip it too).
+    /// Past `memory` bytes, the transaction is spilled: only ids are kept.
     fn insert<V: AsRef<[u8]>>(
         &mut self,
         columns: &OutboxColumns,
         values: &[Option<V>],
+        memory: usize,
     ) -> Result<()> {
         if !columns.is_new(values) {
             return Ok(());
         }
+        if let Some(ids) = &mut self.spilled {
+            let id = columns
+                .id(values)
+                .ok_or_else(|| CdcError::Decode("an inserted outbox row without its id".into()))?;
+            ids.push(id);
+            return Ok(());
+        }
         match columns.message(values) {
-            Ok(m) => self.messages.push(m),
+            Ok(m) => {
+                self.bytes += size_of(&m);
+                self.messages.push(m);
+                if self.bytes > memory {
+                    self.spill();
+                }
+            }
             Err(e) => match columns.id(values) {
                 Some(id) => self.unreadable.push((id, e.to_string())),
                 None => return Err(e),
             },
         }
         Ok(())
+    }
+
+    /// Keeps only the ids: the rows are read back from the table when published.
+    fn spill(&mut self) {
+        let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
+        ids.extend(self.unreadable.drain(..).map(|u| u.0));
+        self.messages = Vec::new();
+        self.bytes = 0;
+        tracing::info!(
+            rows = ids.len(),
+            "a transaction outgrew the relay's transaction_memory: its rows are read back from the table when published"
+        );
+        metrics::counter!("outbox_cdc_spilled_transactions_total").increment(1);
+        self.spilled = Some(ids);
     }
 
     /// An update: of a row this transaction inserted, its committed version replaces
@@ -54,6 +101,17 @@ impl Open {
         else {
             return;
         };
+        if let Some(ids) = &mut self.spilled {
+            // The committed version is what the table gives back; only a row of this
+            // transaction that moved to a new id needs noting (the scan is rare).
+            if let Some(moved) = columns.id(&new.values).filter(|&n| n != id)
+                && ids.contains(&id)
+                && !ids.contains(&moved)
+            {
+                ids.push(moved);
+            }
+            return;
+        }
         let Some(at) = self.messages.iter().rposition(|m| m.id == id) else {
             self.update_unreadable(columns, id, new);
             return;
@@ -96,7 +154,7 @@ impl Open {
         if new.unchanged.is_empty() {
             self.unreadable.retain(|u| u.0 != id);
             // Unreadable with no id: recorded under the old one.
-            if let Err(e) = self.insert(columns, &new.values) {
+            if let Err(e) = self.insert(columns, &new.values, usize::MAX) {
                 self.unreadable.push((id, e.to_string()));
             }
         } else if !columns.is_new(&new.values) {
@@ -104,7 +162,8 @@ impl Open {
         }
     }
 
-    /// A delete: a row this transaction inserted never committed.
+    /// A delete: a row this transaction inserted never committed (a spilled
+    /// transaction's is not found when read back).
     fn delete(&mut self, columns: &OutboxColumns, old: &Tuple<'_>) {
         if let Some(id) = columns.id(&old.values) {
             if let Some(at) = self.messages.iter().rposition(|m| m.id == id) {
@@ -113,6 +172,19 @@ impl Open {
             self.unreadable.retain(|u| u.0 != id);
         }
     }
+}
+
+/// About how much memory message `m` takes: its strings and a fixed part.
+fn size_of(m: &StoredMessage) -> usize {
+    let e = &m.envelope;
+    let headers: usize = e.headers.iter().map(|(k, v)| k.len() + v.len() + 64).sum();
+    std::mem::size_of::<StoredMessage>()
+        + e.msg_id.as_str().len()
+        + e.topic.len()
+        + e.event_type.len()
+        + e.key.len()
+        + e.payload.len()
+        + headers
 }
 
 /// Complete commits read and not yet confirmed, their messages in one run in commit
@@ -129,6 +201,13 @@ pub(crate) struct InHand {
     pub(crate) end_lsn: Lsn,
     /// When the first commit in hand committed.
     pub(crate) oldest: Option<DateTime<Utc>>,
+    /// The ids of a spilled commit (see [`Open::spilled`]), the last in hand: published
+    /// after `messages`, read back from the table a batch at a time.
+    pub(crate) spilled: Vec<i64>,
+    /// How many of `spilled` were published.
+    pub(crate) spilled_done: usize,
+    /// Whether `messages` were published (the spilled rows may still be being).
+    pub(crate) messages_done: bool,
 }
 
 impl InHand {
@@ -137,9 +216,14 @@ impl InHand {
             commit_time,
             mut messages,
             mut unreadable,
+            spilled,
+            ..
         } = open;
         self.messages.append(&mut messages);
         self.unreadable.append(&mut unreadable);
+        if let Some(ids) = spilled {
+            self.spilled = ids;
+        }
         self.commits += 1;
         self.end_lsn = end_lsn;
         self.oldest.get_or_insert(commit_time);
@@ -149,12 +233,31 @@ impl InHand {
         self.commits == 0
     }
 
+    /// Whether no more commits go in: `limit` messages, or a spilled commit.
+    fn is_full(&self, limit: usize) -> bool {
+        self.messages.len() >= limit || !self.spilled.is_empty()
+    }
+
+    /// Whether every message in hand was published.
+    pub(crate) fn is_published(&self) -> bool {
+        self.messages_done && self.spilled_done >= self.spilled.len()
+    }
+
+    /// The next ids of the spilled commit to publish, up to `limit`.
+    pub(crate) fn next_spilled(&self, limit: usize) -> &[i64] {
+        let rest = &self.spilled[self.spilled_done.min(self.spilled.len())..];
+        &rest[..rest.len().min(limit)]
+    }
+
     /// Empties it, keeping the allocation.
     pub(crate) fn clear(&mut self) {
         self.messages.clear();
         self.unreadable.clear();
         self.commits = 0;
         self.oldest = None;
+        self.spilled = Vec::new();
+        self.spilled_done = 0;
+        self.messages_done = false;
     }
 }
 
@@ -165,6 +268,8 @@ pub(crate) struct Reader {
     pub(crate) open: Option<Open>,
     /// A keepalive's position, confirmable once nothing is in hand.
     pub(crate) idle_ack: Option<Lsn>,
+    /// [`CdcConfig::transaction_memory`](crate::CdcConfig::transaction_memory).
+    memory: usize,
 }
 
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
@@ -175,19 +280,20 @@ fn pg_time(micros: i64) -> DateTime<Utc> {
 }
 
 impl Reader {
-    pub(crate) fn new(client: ReplicationClient) -> Self {
+    pub(crate) fn new(client: ReplicationClient, memory: usize) -> Self {
         Self {
             client,
             relations: HashMap::new(),
             open: None,
             idle_ack: None,
+            memory,
         }
     }
 
     /// Takes the events already received, without waiting, until `into` holds `limit`
     /// messages.
     pub(crate) fn read_ready(&mut self, into: &mut InHand, limit: usize) -> Result<()> {
-        while into.messages.len() < limit {
+        while !into.is_full(limit) {
             let ev = {
                 let recv = self.client.recv();
                 let mut recv = pin!(recv);
@@ -235,11 +341,7 @@ impl Reader {
             ReplicationEvent::Begin {
                 commit_time_micros, ..
             } => {
-                self.open = Some(Open {
-                    commit_time: pg_time(commit_time_micros),
-                    messages: Vec::new(),
-                    unreadable: Vec::new(),
-                });
+                self.open = Some(Open::new(pg_time(commit_time_micros)));
             }
             ReplicationEvent::XLogData { data, .. } => self.row(&data)?,
             ReplicationEvent::Commit { end_lsn, .. } => {
@@ -274,8 +376,9 @@ impl Reader {
                 self.relations.insert(rel.id, columns);
             }
             Message::Insert { relation, values } => {
+                let memory = self.memory;
                 if let Some((columns, open)) = self.target(relation, "an Insert")? {
-                    open.insert(columns, &values)?;
+                    open.insert(columns, &values, memory)?;
                 }
             }
             Message::Update { relation, old, new } => {

@@ -62,8 +62,8 @@ impl<'a, P: Publisher> Session<'a, P> {
         confirmed: Lsn,
     ) -> Self {
         Self {
+            reader: Reader::new(client, d.config.transaction_memory),
             d,
-            reader: Reader::new(client),
             walsender,
             slot,
             ready: InHand::default(),
@@ -323,19 +323,26 @@ impl<'a, P: Publisher> Session<'a, P> {
         Ok(ours)
     }
 
-    /// Publishes the complete commits in hand and confirms the last one; reads the next
-    /// commits meanwhile (into `ahead`, then in hand). The publish's outcome, and the
-    /// reading's: a stream that failed ends the session, whatever the publish did.
+    /// Publishes the complete commits in hand (a spilled one a batch per step, so that
+    /// the chores and the holder check run between) and, once all of them are, confirms
+    /// the last one; reads the next commits meanwhile (into `ahead`, then in hand). The
+    /// publish's outcome, and the reading's: a stream that failed ends the session,
+    /// whatever the publish did.
     async fn publish_ready(&mut self) -> (Result<()>, Result<()>) {
-        let publish = self.d.deliver(&self.ready.messages, &mut self.blocked);
-        let (published, read) = self
-            .reader
-            .read_while(publish, &mut self.ahead, self.d.config.batch_size)
-            .await;
-        if published.is_ok() {
-            return (self.confirm_ready().await, read);
+        let Self {
+            d,
+            reader,
+            ready,
+            ahead,
+            blocked,
+            ..
+        } = self;
+        let publish = deliver_part(d, ready, blocked);
+        let (published, read) = reader.read_while(publish, ahead, d.config.batch_size).await;
+        match published {
+            Ok(()) if self.ready.is_published() => (self.confirm_ready().await, read),
+            other => (other, read),
         }
-        (published, read)
     }
 
     /// The commits in hand were published: their unreadable rows recorded, the last
@@ -458,6 +465,52 @@ impl<'a, P: Publisher> Session<'a, P> {
             )
         });
     }
+}
+
+/// Publishes the next part of the commits in hand: their messages, else the next batch
+/// of a spilled commit's rows, read back from the table as committed. What an outage
+/// interrupted is published again; what it did not, not.
+async fn deliver_part<P: Publisher>(
+    d: &Deliverer<'_, P>,
+    hand: &mut InHand,
+    blocked: &mut HashSet<String>,
+) -> Result<()> {
+    if !hand.messages_done {
+        d.deliver(&hand.messages, blocked).await?;
+        hand.messages_done = true;
+        return Ok(());
+    }
+    let ids = hand.next_spilled(d.config.batch_size).to_vec();
+    let n = ids.len();
+    let rows = db(d.pool, move |c| committed_rows(c, &ids)).await?;
+    let (messages, unreadable) = split_rows(rows);
+    d.deliver(&messages, blocked).await?;
+    if !unreadable.is_empty() {
+        let writes = Writes {
+            dead: unreadable,
+            ..Writes::default()
+        };
+        db(d.pool, move |c| writes.apply(c)).await?;
+    }
+    hand.spilled_done += n;
+    Ok(())
+}
+
+/// The rows of `ids` still NEW and not parked, in the order of `ids`: a spilled
+/// commit's messages as committed (a row it deleted is not found, one it updated is
+/// read updated).
+fn committed_rows(c: &mut diesel::PgConnection, ids: &[i64]) -> Result<Vec<PgMessageRow>> {
+    let mut rows: Vec<PgMessageRow> = diesel::sql_query(format!(
+        "SELECT {columns} FROM outbox o WHERE o.id = ANY($1) AND o.status = 0 \
+         AND NOT EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id)",
+        columns = PgMessageRow::COLUMNS
+    ))
+    .bind::<diesel::sql_types::Array<BigInt>, _>(ids)
+    .load(c)?;
+    let at: std::collections::HashMap<i64, usize> =
+        ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    rows.sort_by_key(|r| at.get(&r.id()).copied());
+    Ok(rows)
 }
 
 /// Partition upkeep, as the polling relay does it: the partitions ahead made and the

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use diesel::connection::SimpleConnection as _;
+use outbox_cdc::CdcConfig;
 use outbox_tests::eventually_within;
 
 /// Commits one marker row of key `z` and waits for it: whatever committed before it
@@ -24,11 +25,13 @@ async fn through_marker(db: &Db, name: &str, n: u32) -> Vec<String> {
 /// Insert then delete, insert then update (payload and headers, and a toasted payload
 /// left unchanged by an update of the headers), insert then mark SENT, insert as SENT
 /// or DEAD: each transaction's rows as committed.
-async fn folded(partitioned: bool) {
+/// `config`'s `transaction_memory` decides which transactions are held whole and which
+/// are spilled (read back from the table).
+async fn folded(partitioned: bool, config: CdcConfig) {
     let db = Db::start(partitioned);
-    db.setup(&fast());
+    db.setup(&config);
     let (publisher, name) = publisher();
-    let (stop, task) = spawn_relay(&db, publisher, fast());
+    let (stop, task) = spawn_relay(&db, publisher, config);
     let mut c = db.conn();
     c.batch_execute(
         "BEGIN; \
@@ -109,12 +112,79 @@ async fn folded(partitioned: bool) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_transaction_is_published_as_committed_unpartitioned() {
-    folded(false).await;
+    folded(false, fast()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_transaction_is_published_as_committed_partitioned() {
-    folded(true).await;
+    folded(true, fast()).await;
+}
+
+/// Every transaction spilled (each outgrows one byte): its rows read back from the table
+/// are the committed ones, the same as when held whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_spilled_transaction_is_published_as_committed_unpartitioned() {
+    folded(false, fast().with_transaction_memory(1)).await;
+}
+
+/// Only the transaction with the toasted payload outgrows 16 KiB: spilled commits and
+/// commits held whole, published in commit order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_spilled_transaction_among_others_partitioned() {
+    folded(true, fast().with_transaction_memory(16 << 10)).await;
+}
+
+/// One transaction of 3,000 messages over a 64 KiB `transaction_memory`, between small
+/// commits, published in batches of 100: every message once, in commit order; its first
+/// message, which the broker refuses once, is parked, and so are the later ones of its
+/// key, 30 batches on: published again in order after the others.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_larger_than_transaction_memory_is_read_back_in_batches() {
+    let db = Db::start(false);
+    let config = fast()
+        .with_transaction_memory(64 << 10)
+        .with_batch_size(100);
+    db.setup(&config);
+    let (inner, name) = publisher();
+    let publisher = std::sync::Arc::new(Refusing::new(inner, &[("r:0", 1)]));
+    let (stop, task) = spawn_relay(&db, publisher, config);
+    insert_each(&db, "a", 0..3);
+    let mut c = db.conn();
+    c.batch_execute(
+        "BEGIN; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           VALUES ('r:0', 'cdc.test', 'Ping', 'r', '{}'); \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+           SELECT 'k' || (i % 7) || ':' || i, 'cdc.test', 'Ping', 'k' || (i % 7), \
+                  json_build_object('n', i, 'pad', repeat('x', 100))::jsonb \
+           FROM generate_series(0, 2999) i; \
+         INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) VALUES \
+           ('r:1', 'cdc.test', 'Ping', 'r', '{}'), ('r:2', 'cdc.test', 'Ping', 'r', '{}'); \
+         COMMIT",
+    )
+    .unwrap();
+    insert_each(&db, "b", 0..3);
+    let mut expected: Vec<String> = (0..3).map(|n| msg_id("a", n)).collect();
+    expected.push(msg_id("r", 0));
+    expected.extend((0..3000).map(|i| format!("k{}:{i}", i % 7)));
+    expected.extend((1..3).map(|n| msg_id("r", n)));
+    expected.extend((0..3).map(|n| msg_id("b", n)));
+    let got = wait_for_all(&name, &expected);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+
+    assert_eq!(got.len(), expected.len(), "each message once");
+    // Commit order, except r (parked behind its refused first message, published
+    // again in order after the others).
+    let others: Vec<&String> = got.iter().filter(|m| !m.starts_with("r:")).collect();
+    let want: Vec<&String> = expected.iter().filter(|m| !m.starts_with("r:")).collect();
+    assert_eq!(others, want);
+    let r: Vec<&str> = got
+        .iter()
+        .filter(|m| m.starts_with("r:"))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(r, ["r:0", "r:1", "r:2"]);
 }
 
 /// Updates and deletes of rows committed earlier: the relay's own parking and DEAD
