@@ -81,12 +81,7 @@ impl Open {
         let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
         ids.extend(self.unreadable.drain(..).map(|u| u.0));
         self.messages = Vec::new();
-        self.bytes = 0;
-        tracing::info!(
-            rows = ids.len(),
-            "a transaction outgrew the relay's transaction_memory: its rows are read back from the table when published"
-        );
-        metrics::counter!("outbox_cdc_spilled_transactions_total").increment(1);
+        spilled(ids.len());
         self.spilled = Some(ids);
     }
 
@@ -174,8 +169,23 @@ impl Open {
     }
 }
 
+/// Says that a transaction of `rows` rows so far was spilled (both relays).
+pub(crate) fn spilled(rows: usize) {
+    tracing::info!(
+        rows,
+        "a transaction outgrew the relay's transaction_memory: its rows are read back from the table when published"
+    );
+    metrics::counter!("outbox_cdc_spilled_transactions_total").increment(1);
+}
+
+/// In the order of `ids`: rows read back by id (a database returns them in its own).
+pub(crate) fn in_order_of<T>(ids: &[i64], rows: &mut [T], id: impl Fn(&T) -> i64) {
+    let at: HashMap<i64, usize> = ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    rows.sort_by_key(|r| at.get(&id(r)).copied());
+}
+
 /// About how much memory message `m` takes: its strings and a fixed part.
-fn size_of(m: &StoredMessage) -> usize {
+pub(crate) fn size_of(m: &StoredMessage) -> usize {
     let e = &m.envelope;
     let headers: usize = e.headers.iter().map(|(k, v)| k.len() + v.len() + 64).sum();
     std::mem::size_of::<StoredMessage>()

@@ -507,9 +507,7 @@ fn committed_rows(c: &mut diesel::PgConnection, ids: &[i64]) -> Result<Vec<PgMes
     ))
     .bind::<diesel::sql_types::Array<BigInt>, _>(ids)
     .load(c)?;
-    let at: std::collections::HashMap<i64, usize> =
-        ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    rows.sort_by_key(|r| at.get(&r.id()).copied());
+    crate::reader::in_order_of(ids, &mut rows, PgMessageRow::id);
     Ok(rows)
 }
 

@@ -32,6 +32,14 @@ pub(crate) struct Commit {
     pub(crate) messages: Vec<StoredMessage>,
     /// Rows that cannot be read: id, why. They become DEAD.
     pub(crate) unreadable: Vec<(i64, String)>,
+    /// About how much memory `messages` take.
+    pub(crate) bytes: usize,
+    /// Once the transaction outgrew [`CdcConfig::transaction_memory`]: the ids of its
+    /// rows in insert order (those of `messages` and `unreadable` moved here), read back
+    /// from the table when it is published.
+    ///
+    /// [`CdcConfig::transaction_memory`]: crate::CdcConfig::transaction_memory
+    pub(crate) spilled: Option<Vec<i64>>,
 }
 
 /// The transaction being read: its GTID and what it inserted so far.
@@ -51,16 +59,20 @@ pub(crate) struct Binlog {
     /// Where the dump started (for the error of a purged position).
     from: GtidPosition,
     open: Option<Open>,
+    /// [`CdcConfig::transaction_memory`](crate::CdcConfig::transaction_memory).
+    memory: usize,
 }
 
 impl Binlog {
     /// Starts a dump as replica `server_id` right after `from`, with a heartbeat event
-    /// every `heartbeat` while the binlog is idle.
+    /// every `heartbeat` while the binlog is idle; a transaction past `memory` bytes is
+    /// spilled.
     pub(crate) async fn open(
         opts: &Opts,
         server_id: u32,
         from: &GtidPosition,
         heartbeat: Duration,
+        memory: usize,
     ) -> Result<Self> {
         let replication = |e: mysql_async::Error| CdcError::Replication(Box::new(e));
         let mut conn = Conn::new(opts.clone()).await.map_err(replication)?;
@@ -90,6 +102,7 @@ impl Binlog {
             position: from.clone(),
             from: from.clone(),
             open: None,
+            memory,
         })
     }
 
@@ -100,9 +113,11 @@ impl Binlog {
     }
 
     /// Reads the events already received, without waiting, until `ready` holds `limit`
-    /// messages.
+    /// messages or a spilled commit (published alone, read back from the table).
     pub(crate) fn read_ready(&mut self, ready: &mut Vec<Commit>, limit: usize) -> Result<()> {
-        while ready.iter().map(|c| c.messages.len()).sum::<usize>() < limit {
+        while ready.iter().map(|c| c.messages.len()).sum::<usize>() < limit
+            && ready.last().is_none_or(|c| c.spilled.is_none())
+        {
             let Some(ev) = self.stream.next().now_or_never() else {
                 break;
             };
@@ -146,6 +161,8 @@ impl Binlog {
                         .unwrap_or_default(),
                     messages: Vec::new(),
                     unreadable: Vec::new(),
+                    bytes: 0,
+                    spilled: None,
                 },
             });
             return Ok(());
@@ -192,14 +209,12 @@ impl Binlog {
     /// position stays before it, so the relay stops here until switched to polling.
     fn refuse_unended(&self) -> Result<()> {
         match &self.open {
-            Some(o) if !o.commit.messages.is_empty() || !o.commit.unreadable.is_empty() => {
-                Err(CdcError::Decode(format!(
-                    "transaction {}-{}-{} wrote the outbox and ended without a COMMIT the \
+            Some(o) if o.commit.wrote_outbox() => Err(CdcError::Decode(format!(
+                "transaction {}-{}-{} wrote the outbox and ended without a COMMIT the \
                      binlog relay can follow (an XA transaction?): it is not supported; its \
                      rows stay in the table: switch to polling to relay them",
-                    o.gtid.domain, o.server, o.gtid.seq
-                )))
-            }
+                o.gtid.domain, o.server, o.gtid.seq
+            ))),
             _ => Ok(()),
         }
     }
@@ -263,7 +278,7 @@ impl Binlog {
             ev.header().event_type(),
             Ok(EventType::DELETE_ROWS_EVENT | EventType::DELETE_ROWS_EVENT_V1)
         );
-        if deletes && open.commit.messages.is_empty() && open.commit.unreadable.is_empty() {
+        if deletes && !open.commit.wrote_outbox() {
             // A purge: none of the rows is one this transaction inserted.
             return Ok(());
         }
@@ -282,6 +297,7 @@ impl Binlog {
                 &gtid,
                 before_layout.zip(before.as_ref()),
                 after_layout.zip(after.as_ref()),
+                self.memory,
             )?;
         }
         Ok(())

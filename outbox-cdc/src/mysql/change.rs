@@ -87,8 +87,15 @@ pub(crate) type Side<'a> = Option<(&'a Layout, &'a Image)>;
 
 impl Commit {
     /// Applies one row change (`before` None: an insert; `after` None: a delete) of
-    /// transaction `gtid` to what it inserted.
-    pub(crate) fn apply(&mut self, gtid: &str, before: Side<'_>, after: Side<'_>) -> Result<()> {
+    /// transaction `gtid` to what it inserted; past `memory` bytes of messages, the
+    /// transaction is spilled (see [`Commit::spilled`]).
+    pub(crate) fn apply(
+        &mut self,
+        gtid: &str,
+        before: Side<'_>,
+        after: Side<'_>,
+        memory: usize,
+    ) -> Result<()> {
         let old_id = before.and_then(|(l, b)| l.id(b));
         let ours = old_id.is_some_and(|id| self.inserted(id));
         let Some((layout, after)) = after.filter(|(l, a)| l.is_new(a)) else {
@@ -103,13 +110,15 @@ impl Commit {
         let new_id = layout.id(after).or(old_id);
         match old_id {
             // An insert, or a REPLACE logged as an UPDATE to a new id: a new row.
-            None if before.is_none() => self.add(gtid, layout, after),
+            None if before.is_none() => self.add(gtid, layout, after, memory),
             Some(old) if new_id != Some(old) => {
                 if ours {
                     self.forget(old);
                 }
-                self.add(gtid, layout, after)
+                self.add(gtid, layout, after, memory)
             }
+            // Spilled: the committed version is what the table gives back.
+            Some(_) if self.spilled.is_some() => Ok(()),
             // Changed in place: the committed version of a row inserted here, in its
             // place. A row of an earlier transaction (the relay's own writes among
             // them) is not published again, as the polling relay would not.
@@ -118,17 +127,47 @@ impl Commit {
         }
     }
 
-    /// Adds the inserted row `image`: a message, or an unreadable row (id, why).
-    fn add(&mut self, gtid: &str, layout: &Layout, image: &Image) -> Result<()> {
+    /// Adds the inserted row `image`: a message, or an unreadable row (id, why); only
+    /// its id once spilled.
+    fn add(&mut self, gtid: &str, layout: &Layout, image: &Image, memory: usize) -> Result<()> {
+        if let Some(ids) = &mut self.spilled {
+            let id = layout.id(image).ok_or_else(|| {
+                CdcError::Decode(format!(
+                    "transaction {gtid} logged an outbox row without its id"
+                ))
+            })?;
+            ids.push(id);
+            return Ok(());
+        }
         let columns = layout.full(gtid)?;
         match columns.message(image) {
-            Ok(m) => self.messages.push(m),
+            Ok(m) => {
+                self.bytes += crate::reader::size_of(&m);
+                self.messages.push(m);
+                if self.bytes > memory {
+                    self.spill();
+                }
+            }
             Err(e) => match columns.id(image) {
                 Some(id) => self.unreadable.push((id, e.to_string())),
                 None => return Err(e),
             },
         }
         Ok(())
+    }
+
+    /// Keeps only the ids: the rows are read back from the table when published.
+    fn spill(&mut self) {
+        let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
+        ids.extend(self.unreadable.drain(..).map(|u| u.0));
+        self.messages = Vec::new();
+        crate::reader::spilled(ids.len());
+        self.spilled = Some(ids);
+    }
+
+    /// Whether it wrote any outbox row (a message, an unreadable or a spilled row).
+    pub(crate) fn wrote_outbox(&self) -> bool {
+        !self.messages.is_empty() || !self.unreadable.is_empty() || self.spilled.is_some()
     }
 
     /// Replaces the row `id` this transaction inserted by `image`, in its place.
@@ -152,15 +191,20 @@ impl Commit {
         Ok(())
     }
 
-    /// Whether this transaction inserted row `id` (read or unreadable).
+    /// Whether this transaction inserted row `id` (read, unreadable or spilled).
     fn inserted(&self, id: i64) -> bool {
-        self.messages.iter().rev().any(|m| m.id == id) || self.unreadable.iter().any(|u| u.0 == id)
+        self.messages.iter().rev().any(|m| m.id == id)
+            || self.unreadable.iter().any(|u| u.0 == id)
+            || self.spilled.as_ref().is_some_and(|ids| ids.contains(&id))
     }
 
     /// Drops row `id` from what this transaction inserted.
     fn forget(&mut self, id: i64) {
         self.messages.retain(|m| m.id != id);
         self.unreadable.retain(|u| u.0 != id);
+        if let Some(ids) = &mut self.spilled {
+            ids.retain(|&i| i != id);
+        }
     }
 }
 

@@ -107,6 +107,27 @@ pub(crate) async fn due_heads(pool: &Pool, limit: usize) -> Result<Rows> {
     split_rows(rows)
 }
 
+/// The rows of `ids` still NEW and not parked, in the order of `ids`: a spilled commit's
+/// messages as committed (a row it deleted is not found, one it updated is read
+/// updated).
+pub(crate) async fn committed_rows(pool: &Pool, ids: &[i64]) -> Result<Rows> {
+    if ids.is_empty() {
+        return Ok(Rows::default());
+    }
+    let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    let mut conn = pool.get_conn().await.map_err(CdcError::db)?;
+    let rows: Vec<mysql_async::Row> = conn
+        .query(format!(
+            "SELECT {SELECT_COLUMNS} FROM outbox o WHERE o.id IN ({list}) AND o.status = 0 \
+             AND NOT EXISTS (SELECT 1 FROM outbox_cdc_parked p WHERE p.id = o.id)"
+        ))
+        .await
+        .map_err(CdcError::db)?;
+    let (mut messages, unreadable) = split_rows(rows)?;
+    crate::reader::in_order_of(ids, &mut messages, |m| m.id);
+    Ok((messages, unreadable))
+}
+
 /// The next backfill batch (NEW rows in the range not parked, in id order) and the last
 /// id read; `None` when the range is done (its start then moved to its end).
 pub(crate) async fn backfill_batch(pool: &Pool, limit: usize) -> Result<Option<(Rows, i64)>> {

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
 use mysql_async::prelude::Queryable as _;
 use mysql_async::{Conn, Opts, Pool};
 use outbox_core::{Publisher, StoredMessage};
@@ -144,6 +145,8 @@ impl<P: Publisher> MysqlCdcRelay<P> {
             lock,
             binlog: None,
             ready: Vec::new(),
+            messages_done: false,
+            spilled_done: 0,
             stored: position,
             blocked: HashSet::new(),
             verified_at: Instant::now(),
@@ -234,6 +237,11 @@ struct Session<'r, P> {
     lock: Conn,
     binlog: Option<Binlog>,
     ready: Vec<Commit>,
+    /// Whether the messages of `ready` were published (a spilled commit, the last, may
+    /// still be being, a batch per step).
+    messages_done: bool,
+    /// How many rows of the spilled commit were published.
+    spilled_done: usize,
     /// The position stored in `outbox_cdc`.
     stored: GtidPosition,
     blocked: HashSet<String>,
@@ -269,6 +277,7 @@ impl<P: Publisher> Session<'_, P> {
                 self.relay.server_id,
                 &self.stored,
                 config.status_interval,
+                config.transaction_memory,
             )
             .await?,
         );
@@ -331,12 +340,11 @@ impl<P: Publisher> Session<'_, P> {
                 () = tokio::time::sleep_until(deadline.into()) => return Ok(None),
             }
             binlog.read_ready(&mut self.ready, limit)?;
+        } else if stop.wait().now_or_never().is_some() {
+            // A spilled commit published a batch per step: the shutdown is heard between.
+            return Ok(Some(Ended::Stopped));
         }
-        if self
-            .ready
-            .iter()
-            .all(|c| c.messages.is_empty() && c.unreadable.is_empty())
-        {
+        if self.ready.iter().all(|c| !c.wrote_outbox()) {
             // Nothing of the outbox: the position is stored with the next report.
             self.ready.clear();
             return Ok(None);
@@ -361,16 +369,26 @@ impl<P: Publisher> Session<'_, P> {
         }
     }
 
-    /// Publishes the commits in hand and stores the position after the last; `false`
-    /// if the lock was found taken over when storing (nothing stored).
+    /// Publishes the commits in hand (a spilled one a batch per call) and, once all of
+    /// them are, stores the position after the last; `false` if the lock was found
+    /// taken over (nothing stored).
     async fn publish_ready(&mut self) -> Result<bool> {
-        let messages: Vec<StoredMessage> = self
-            .ready
-            .iter()
-            .flat_map(|c| c.messages.iter().cloned())
-            .collect();
-        if !self.deliver_holding(&messages).await? {
-            return Ok(false);
+        if !self.messages_done {
+            let messages: Vec<StoredMessage> = self
+                .ready
+                .iter()
+                .flat_map(|c| c.messages.iter().cloned())
+                .collect();
+            if !self.deliver_holding(&messages).await? {
+                return Ok(false);
+            }
+            self.messages_done = true;
+        }
+        let spilled = self.ready.last().and_then(|c| c.spilled.as_deref());
+        if let Some(ids) = spilled.filter(|ids| self.spilled_done < ids.len()) {
+            let end = ids.len().min(self.spilled_done + self.d.config.batch_size);
+            let batch = ids[self.spilled_done..end].to_vec();
+            return self.deliver_spilled(&batch).await;
         }
         let dead: Vec<(i64, String)> = self
             .ready
@@ -392,7 +410,27 @@ impl<P: Publisher> Session<'_, P> {
             None => true,
         };
         self.ready.clear();
+        self.messages_done = false;
+        self.spilled_done = 0;
         Ok(stored)
+    }
+
+    /// Publishes the rows `ids` of the spilled commit in hand, read back from the table
+    /// as committed; `false` if the lock was lost.
+    async fn deliver_spilled(&mut self, ids: &[i64]) -> Result<bool> {
+        let (messages, unreadable) = park::committed_rows(self.d.pool, ids).await?;
+        if !self.deliver_holding(&messages).await? {
+            return Ok(false);
+        }
+        if !unreadable.is_empty() {
+            let writes = Writes {
+                dead: unreadable,
+                ..Writes::default()
+            };
+            park::apply(self.d.pool, writes).await?;
+        }
+        self.spilled_done += ids.len();
+        Ok(true)
     }
 
     /// Stores `position` in `outbox_cdc`, on the lock's session and only while it holds
