@@ -195,6 +195,60 @@ async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
     );
 }
 
+/// A transaction open across the expiry of its row's partition (its `created_at` is the
+/// transaction's start, so the row lands in a partition that expires while the
+/// transaction is still open, below rows already published): retention keeps that
+/// partition, maintenance run by hand meanwhile neither drops it nor hangs on it, and
+/// the row is published once committed. The watermark's step 2 waits for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_open_across_its_partitions_expiry_is_published() {
+    let db = Db::start(false);
+    let policy = outbox_diesel::PartitionPolicy::default()
+        .with_interval(Duration::from_secs(1))
+        .with_premake(30)
+        .with_retention(Duration::ZERO);
+    outbox_diesel::migrate_partitioned(&mut db.conn(), &policy).unwrap();
+    outbox_diesel::maintain_partitions(&mut db.conn()).unwrap();
+    db.setup(&fast());
+    let (_, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher_for(&name), fast());
+    let mut late = db.conn();
+    late.batch_execute("BEGIN").unwrap();
+    insert(&mut late, "late", 0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    insert_each(&db, "p", 0..5);
+    wait_for_all(&name, &ids(0..5));
+    tokio::time::sleep(Duration::from_millis(2100)).await; // late's partition expired
+    let report = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking({
+            let mut c = db.conn();
+            move || outbox_diesel::maintain_partitions(&mut c)
+        }),
+    )
+    .await
+    .expect("maintenance does not wait for the open transaction")
+    .unwrap()
+    .unwrap();
+    assert!(
+        report
+            .kept
+            .iter()
+            .any(|(_, why)| why.contains("a transaction open since")),
+        "{report:?}"
+    );
+    late.batch_execute("COMMIT").unwrap();
+    let got = wait_for_all(&name, &[msg_id("late", 0)]);
+    assert!(got.contains(&msg_id("late", 0)), "{report:?}");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM outbox WHERE msg_id = 'late:0'"),
+        1,
+        "its partition was kept: {report:?}"
+    );
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn purge_relayed_deletes_published_rows_only() {
     let db = Db::start(false);
