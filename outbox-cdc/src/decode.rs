@@ -1,9 +1,9 @@
 //! pgoutput's row messages (protocol version 1): `Relation`, which describes a table's
-//! columns, and `Insert`, `Update` and `Delete`, rows in text format (an update or
-//! delete of a row its transaction inserted changes what that transaction commits:
-//! issue 35). pgwire-replication hands us `Begin` and `Commit` itself and every other
-//! message as raw bytes; the others (`Truncate`, `Type`, `Origin`) do not reach us (the
-//! publication does not publish truncates), or carry nothing the relay needs.
+//! columns, `Insert`, `Update` and `Delete`, rows in text format, and `Truncate` (an
+//! update, delete or truncate of a row its transaction inserted changes what that
+//! transaction commits: issue 35). pgwire-replication hands us `Begin` and `Commit`
+//! itself and every other message as raw bytes; the others (`Type`, `Origin`) carry
+//! nothing the relay needs.
 //!
 //! See <https://www.postgresql.org/docs/current/protocol-logicalrep-message-formats.html>.
 
@@ -35,6 +35,9 @@ pub(crate) enum Message<'a> {
     /// A deleted row of relation `relation`: its key (the replica identity, the primary
     /// key: the other columns are NULL).
     Delete { relation: u32, old: Tuple<'a> },
+    /// A `TRUNCATE` of these relations (of a partitioned table, the root alone: the
+    /// publication publishes through it, and a partition truncated alone is not sent).
+    Truncate { relations: Vec<u32> },
     /// Anything else: ignored.
     Other(u8),
 }
@@ -137,6 +140,14 @@ pub(crate) fn decode(data: &[u8]) -> Result<Message<'_>> {
                 }),
                 other => Err(bad_tag("Delete", other)),
             }
+        }
+        b'T' => {
+            let n = r.u32("Truncate relation count")?;
+            let _options = r.u8("Truncate options")?;
+            let relations = (0..n)
+                .map(|_| r.u32("Truncate relation"))
+                .collect::<Result<_>>()?;
+            Ok(Message::Truncate { relations })
         }
         other => Ok(Message::Other(other)),
     }
@@ -694,6 +705,26 @@ mod tests {
         assert_eq!(
             timestamp("2024-05-01 12:00:00+05:30"),
             chrono("2024-05-01 12:00:00+05:30")
+        );
+    }
+
+    #[test]
+    fn a_truncate_names_its_relations_and_a_short_one_is_an_error() {
+        let mut bytes = vec![b'T'];
+        bytes.extend_from_slice(&2u32.to_be_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(&7u32.to_be_bytes());
+        bytes.extend_from_slice(&9u32.to_be_bytes());
+        assert_eq!(
+            decode(&bytes).unwrap(),
+            Message::Truncate {
+                relations: vec![7, 9]
+            }
+        );
+        let err = decode(&bytes[..bytes.len() - 2]).unwrap_err();
+        assert!(
+            err.to_string().contains("truncated in Truncate relation"),
+            "{err}"
         );
     }
 }

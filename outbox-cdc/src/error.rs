@@ -84,7 +84,7 @@ pub enum CdcError {
         reason: String,
     },
     /// The publication is missing or does not publish the `outbox` table's inserts,
-    /// updates and deletes, or a partition of the table has no replica identity.
+    /// updates, deletes and truncates, or a partition of the table has no replica identity.
     #[error("publication `{publication}` is unusable: {detail}; run `outbox migrate --cdc` again")]
     PublicationUnusable {
         /// The publication's name.

@@ -26,10 +26,11 @@
 //! - **Maturity and fit.** pg_walstream does more (full decoding, snapshots, its own
 //!   retry) at a larger surface; at the time of writing its 0.10 does not even resolve
 //!   against this workspace's registry (it needs `webpki-roots` 1.0.11). The decoding
-//!   pgwire-replication leaves to us is pgoutput's `Relation`, `Insert`, `Update` and
-//!   `Delete` messages in text format (`src/decode.rs`, unit-tested): the publication
-//!   carries inserts, and updates and deletes so that a row changed or deleted by the
-//!   transaction that inserted it is published as committed (issue 35).
+//!   pgwire-replication leaves to us is pgoutput's `Relation`, `Insert`, `Update`,
+//!   `Delete` and `Truncate` messages in text format (`src/decode.rs`, unit-tested): the
+//!   publication carries inserts, and updates, deletes and truncates so that a row
+//!   changed, deleted or truncated by the transaction that inserted it is published as
+//!   committed (issue 35).
 //!
 //! The version is pinned (`=0.5.0`): what a 0.x transport confirms, and when, is the
 //! contract, so an upgrade is a reviewed change.

@@ -65,7 +65,7 @@ impl Open {
                 self.bytes += size_of(&m);
                 self.messages.push(m);
                 if self.bytes > memory {
-                    self.spill();
+                    self.spill("it outgrew the relay's transaction_memory");
                 }
             }
             Err(e) => match columns.id(values) {
@@ -76,12 +76,16 @@ impl Open {
         Ok(())
     }
 
-    /// Keeps only the ids: the rows are read back from the table when published.
-    fn spill(&mut self) {
+    /// Keeps only the ids (`why`): the rows are read back from the table when
+    /// published.
+    fn spill(&mut self, why: &str) {
+        if self.spilled.is_some() {
+            return;
+        }
         let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
         ids.extend(self.unreadable.drain(..).map(|u| u.0));
         self.messages = Vec::new();
-        spilled(ids.len());
+        spilled(ids.len(), why);
         self.spilled = Some(ids);
     }
 
@@ -169,11 +173,11 @@ impl Open {
     }
 }
 
-/// Says that a transaction of `rows` rows so far was spilled (both relays).
-pub(crate) fn spilled(rows: usize) {
+/// Says that a transaction of `rows` rows so far was spilled, and why (both relays).
+pub(crate) fn spilled(rows: usize, why: &str) {
     tracing::info!(
         rows,
-        "a transaction outgrew the relay's transaction_memory: its rows are read back from the table when published"
+        "a transaction's rows are read back from the table when published: {why}"
     );
     metrics::counter!("outbox_cdc_spilled_transactions_total").increment(1);
 }
@@ -399,6 +403,15 @@ impl Reader {
             Message::Delete { relation, old } => {
                 if let Some((columns, open)) = self.target(relation, "a Delete")? {
                     open.delete(columns, &old);
+                }
+            }
+            Message::Truncate { relations } => {
+                for relation in relations {
+                    if let Some((_, open)) = self.target(relation, "a Truncate")? {
+                        // Its rows inserted so far are gone: what the table holds at
+                        // the commit is read back.
+                        open.spill("a TRUNCATE");
+                    }
                 }
             }
             Message::Other(_) => {}

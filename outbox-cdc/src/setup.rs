@@ -276,15 +276,16 @@ fn max_id(conn: &mut PgConnection) -> Result<i64> {
 }
 
 /// What a publication must publish of the `outbox` table, as SQL over
-/// `pg_publication p` and `pg_publication_tables t`: its inserts, and its updates and
-/// deletes (a row updated or deleted by the transaction that inserted it is published
-/// as committed, issue 35), with `status` among its columns from PostgreSQL 15 on.
+/// `pg_publication p` and `pg_publication_tables t`: its inserts, and its updates,
+/// deletes and truncates (a row updated, deleted or truncated by the transaction that
+/// inserted it is published as committed, issue 35), with `status` among its columns
+/// from PostgreSQL 15 on.
 fn publishes_enough(version: i32) -> &'static str {
     if version >= 150_000 {
-        "p.pubinsert AND p.pubupdate AND p.pubdelete \
+        "p.pubinsert AND p.pubupdate AND p.pubdelete AND p.pubtruncate \
          AND (t.attnames IS NULL OR 'status' = ANY (t.attnames))"
     } else {
-        "p.pubinsert AND p.pubupdate AND p.pubdelete"
+        "p.pubinsert AND p.pubupdate AND p.pubdelete AND p.pubtruncate"
     }
 }
 
@@ -297,7 +298,7 @@ fn server_version(conn: &mut PgConnection) -> Result<i32> {
 }
 
 /// Creates the publication, or makes an existing one publish the outbox's inserts,
-/// updates and deletes (one made by an earlier version published inserts only).
+/// updates, deletes and truncates (those made by earlier versions published less).
 /// Whether it changed anything.
 fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
     let exists = text(
@@ -335,8 +336,7 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
         "{}{columns}",
         text(conn, "SELECT to_regclass('outbox')::text AS v")?
     );
-    // Not truncates: a TRUNCATE of the outbox is no message (see docs/cdc.md).
-    let options = "publish = 'insert, update, delete', publish_via_partition_root = true";
+    let options = "publish = 'insert, update, delete, truncate', publish_via_partition_root = true";
     conn.batch_execute(&if exists {
         format!(
             // The options first: a column list on a partitioned table needs
@@ -505,13 +505,13 @@ pub fn check(conn: &mut PgConnection) -> Result<(CdcMode, SlotState)> {
     }
     let version = server_version(conn)?;
     if !covers(conn, publishes_enough(version))? {
-        // Made by an earlier version: a row its transaction updated or deleted before
-        // committing would be published as first inserted (issue 35).
+        // Made by an earlier version: a row its transaction updated, deleted or
+        // truncated before committing would be published as first inserted (issue 35).
         return Err(CdcError::PublicationUnusable {
             publication: mode.publication,
-            detail: "it does not publish the updates and deletes of the `outbox` table \
-                     (and its `status` column), as those made by earlier versions did not: \
-                     run `outbox migrate --cdc` once to alter it"
+            detail: "it does not publish the updates, deletes and truncates of the \
+                     `outbox` table (and its `status` column), as those made by earlier \
+                     versions did not: run `outbox migrate --cdc` once to alter it"
                 .into(),
         });
     }

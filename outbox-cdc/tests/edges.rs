@@ -1,5 +1,5 @@
 //! The CDC relay publishes each transaction's outbox rows as committed (issue 35): a row
-//! inserted and then deleted in the same transaction is never published, one inserted
+//! inserted and then deleted (or truncated) in the same transaction is never published, one inserted
 //! and then updated is published as updated (as the polling relay reads it), one
 //! inserted as SENT or DEAD is skipped; updates and deletes of rows of earlier
 //! transactions (the relay's own writes, purges, mass updates) publish nothing and stall
@@ -118,6 +118,42 @@ async fn each_transaction_is_published_as_committed_unpartitioned() {
 #[tokio::test(flavor = "multi_thread")]
 async fn each_transaction_is_published_as_committed_partitioned() {
     folded(true, fast()).await;
+}
+
+/// A `TRUNCATE outbox` in the transaction that inserted rows: those rows never commit,
+/// and are not published; the rows it inserts after the truncate are.
+async fn truncated(partitioned: bool) {
+    let db = Db::start(partitioned);
+    db.setup(&fast());
+    let (publisher, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher, fast());
+    insert_each(&db, "a", 1..2);
+    wait_for_all(&name, &[msg_id("a", 1)]);
+    db.conn()
+        .batch_execute(
+            "BEGIN; \
+             INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) VALUES \
+               ('t:1', 'cdc.test', 'Ping', 't', '{}'), ('t:2', 'cdc.test', 'Ping', 't', '{}'); \
+             TRUNCATE outbox; \
+             INSERT INTO outbox (msg_id, topic, event_type, msg_key, payload) \
+               VALUES ('t:3', 'cdc.test', 'Ping', 't', '{}'); \
+             COMMIT",
+        )
+        .unwrap();
+    let got = through_marker(&db, &name, 1).await;
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+    assert_eq!(got, [msg_id("a", 1), msg_id("t", 3), msg_id("z", 1)]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_truncated_by_their_own_transaction_are_not_published_unpartitioned() {
+    truncated(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_truncated_by_their_own_transaction_are_not_published_partitioned() {
+    truncated(true).await;
 }
 
 /// Every transaction spilled (each outgrows one byte): its rows read back from the table
@@ -278,7 +314,7 @@ async fn upgrade(partitioned: bool) {
     .unwrap();
     let err = outbox_cdc::check(&mut db.conn()).unwrap_err().to_string();
     assert!(
-        err.contains("updates and deletes") && err.contains("migrate --cdc"),
+        err.contains("updates, deletes and truncates") && err.contains("migrate --cdc"),
         "{err}"
     );
     if partitioned {
@@ -291,7 +327,7 @@ async fn upgrade(partitioned: bool) {
         )
         .unwrap();
         c.batch_execute(&format!(
-            "ALTER PUBLICATION {} SET (publish = 'insert, update, delete')",
+            "ALTER PUBLICATION {} SET (publish = 'insert, update, delete, truncate')",
             mode.publication
         ))
         .unwrap();

@@ -161,7 +161,7 @@ impl Commit {
         let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
         ids.extend(self.unreadable.drain(..).map(|u| u.0));
         self.messages = Vec::new();
-        crate::reader::spilled(ids.len());
+        crate::reader::spilled(ids.len(), "it outgrew the relay's transaction_memory");
         self.spilled = Some(ids);
     }
 
