@@ -170,10 +170,35 @@ async fn a_spilled_transaction_among_others_partitioned() {
     folded(true, fast().with_transaction_memory(16 << 10)).await;
 }
 
+/// A publisher whose call carrying `trigger` fails once as an outage (Redis down),
+/// before publishing anything of it.
+struct DownOnce<P> {
+    inner: P,
+    trigger: &'static str,
+    fired: std::sync::atomic::AtomicBool,
+}
+
+impl<P: outbox_core::Publisher> outbox_core::Publisher for DownOnce<P> {
+    async fn publish(
+        &self,
+        batch: &[outbox_core::StoredMessage],
+    ) -> Result<outbox_core::PublishOutcomes, outbox_core::Error> {
+        if batch
+            .iter()
+            .any(|m| m.envelope.msg_id.as_str() == self.trigger)
+            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(outbox_core::Error::broker_unavailable("down for the test"));
+        }
+        self.inner.publish(batch).await
+    }
+}
+
 /// One transaction of 3,000 messages over a 64 KiB `transaction_memory`, between small
 /// commits, published in batches of 100: every message once, in commit order; its first
 /// message, which the broker refuses once, is parked, and so are the later ones of its
-/// key, 30 batches on: published again in order after the others.
+/// key, 30 batches on: published again in order after the others. An outage in the
+/// middle resumes at the batch it failed: nothing before it is published again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_larger_than_transaction_memory_is_read_back_in_batches() {
     let db = Db::start(false);
@@ -182,8 +207,12 @@ async fn a_transaction_larger_than_transaction_memory_is_read_back_in_batches() 
         .with_batch_size(100);
     db.setup(&config);
     let (inner, name) = publisher();
-    let publisher = std::sync::Arc::new(Refusing::new(inner, &[("r:0", 1)]));
-    let (stop, task) = spawn_relay(&db, publisher, config);
+    let publisher = std::sync::Arc::new(DownOnce {
+        inner: Refusing::new(inner, &[("r:0", 1)]),
+        trigger: "k3:1501",
+        fired: false.into(),
+    });
+    let (stop, task) = spawn_relay(&db, publisher.clone(), config);
     insert_each(&db, "a", 0..3);
     let mut c = db.conn();
     c.batch_execute(
@@ -209,6 +238,7 @@ async fn a_transaction_larger_than_transaction_memory_is_read_back_in_batches() 
     stop.send(()).unwrap();
     task.await.unwrap().expect("relay ends cleanly");
 
+    assert!(publisher.fired.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(got.len(), expected.len(), "each message once");
     // Commit order, except r (parked behind its refused first message, published
     // again in order after the others).
