@@ -170,30 +170,6 @@ async fn a_spilled_transaction_among_others_partitioned() {
     folded(true, fast().with_transaction_memory(16 << 10)).await;
 }
 
-/// A publisher whose call carrying `trigger` fails once as an outage (Redis down),
-/// before publishing anything of it.
-struct DownOnce<P> {
-    inner: P,
-    trigger: &'static str,
-    fired: std::sync::atomic::AtomicBool,
-}
-
-impl<P: outbox_core::Publisher> outbox_core::Publisher for DownOnce<P> {
-    async fn publish(
-        &self,
-        batch: &[outbox_core::StoredMessage],
-    ) -> Result<outbox_core::PublishOutcomes, outbox_core::Error> {
-        if batch
-            .iter()
-            .any(|m| m.envelope.msg_id.as_str() == self.trigger)
-            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
-        {
-            return Err(outbox_core::Error::broker_unavailable("down for the test"));
-        }
-        self.inner.publish(batch).await
-    }
-}
-
 /// One transaction of 3,000 messages over a 64 KiB `transaction_memory`, between small
 /// commits, published in batches of 100: every message once, in commit order; its first
 /// message, which the broker refuses once, is parked, and so are the later ones of its

@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TOPIC, fast, firsts, publisher, publisher_for, stream, wait_for_all};
+use common::{DownOnce, TOPIC, fast, firsts, publisher, publisher_for, stream, wait_for_all};
 use mysql_async::Conn;
 use mysql_async::prelude::Queryable as _;
 use outbox_cdc::mysql::{self as binlog, MysqlCdcRelay};
@@ -103,7 +103,11 @@ fn spawn_relay_at(url: &str, p: RedisPublisher) -> Relay {
     spawn_relay_with(url, p, fast())
 }
 
-fn spawn_relay_with(url: &str, p: RedisPublisher, config: CdcConfig) -> Relay {
+fn spawn_relay_with<P: outbox_core::Publisher + Send + Sync + 'static>(
+    url: &str,
+    p: P,
+    config: CdcConfig,
+) -> Relay {
     let relay = MysqlCdcRelay::new(url, p)
         .expect("relay")
         .with_config(config)
@@ -361,19 +365,26 @@ async fn a_row_near_max_allowed_packet_is_published() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_rows_in_one_commit_are_published_in_order() {
-    ten_thousand_rows(fast()).await;
+    ten_thousand_rows(fast(), None).await;
 }
 
-/// Over a 64 KiB `transaction_memory`: read back from the table 500 at a time.
+/// Over a 64 KiB `transaction_memory`: read back from the table 500 at a time; an
+/// outage in the middle resumes at the batch it failed, nothing published twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_rows_spilled_are_published_in_order_each_once() {
-    ten_thousand_rows(fast().with_transaction_memory(64 << 10)).await;
+    ten_thousand_rows(fast().with_transaction_memory(64 << 10), Some("bulk:5001")).await;
 }
 
-async fn ten_thousand_rows(config: CdcConfig) {
+/// 10,000 rows in one commit; the publish call carrying `outage`, if any, fails once.
+async fn ten_thousand_rows(config: CdcConfig, outage: Option<&'static str>) {
     let db = Db::start().await;
-    let (p, name) = publisher();
-    let relay = spawn_relay_with(&db.url, p, config);
+    let (inner, name) = publisher();
+    let p = std::sync::Arc::new(DownOnce {
+        inner,
+        trigger: outage.unwrap_or_default(),
+        fired: false.into(),
+    });
+    let relay = spawn_relay_with(&db.url, p.clone(), config);
     let mut c = db.conn().await;
     c.query_drop("BEGIN").await.unwrap();
     c.query_drop(format!(
@@ -386,6 +397,10 @@ async fn ten_thousand_rows(config: CdcConfig) {
     c.query_drop("COMMIT").await.unwrap();
     let got = without_fence(&fence(&db, &name).await);
     assert_eq!(got, ids("bulk", 0..10_000), "each once, in order");
+    assert_eq!(
+        p.fired.load(std::sync::atomic::Ordering::SeqCst),
+        outage.is_some()
+    );
     stop(relay).await;
 }
 

@@ -272,3 +272,24 @@ pub async fn assert_refused_in_cdc_mode(polling: Stoppable<Result<(), Error>>, r
     let chain = outbox_core::error_chain(&refused).to_string();
     assert!(chain.contains(relay), "{refused}");
 }
+
+/// A publisher whose call carrying `trigger` fails once as an outage (Redis down),
+/// before publishing anything of it.
+pub struct DownOnce<P> {
+    pub inner: P,
+    pub trigger: &'static str,
+    pub fired: std::sync::atomic::AtomicBool,
+}
+
+impl<P: Publisher> Publisher for DownOnce<P> {
+    async fn publish(&self, batch: &[StoredMessage]) -> Result<PublishOutcomes, Error> {
+        if batch
+            .iter()
+            .any(|m| m.envelope.msg_id.as_str() == self.trigger)
+            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(Error::broker_unavailable("down for the test"));
+        }
+        self.inner.publish(batch).await
+    }
+}
