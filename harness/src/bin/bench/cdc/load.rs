@@ -96,12 +96,40 @@ pub(super) async fn emit_side_by_side(
         f.values = values;
         figures.push(f);
     };
+    // The target asks for the emit "with each relay keeping up": the events emitted
+    // over the time until the last of them was published. A relay that leaves a
+    // backlog behind the emit (the polling relay claims 500 at a time and catches up
+    // after) takes less CPU from the emitters during the window, which the emit's own
+    // rate rewards; its backlog is work done later, not saved.
+    let secs = duration.as_secs_f64();
+    let kept_up: Vec<Vec<f64>> = (0..2)
+        .map(|i| {
+            rates[i]
+                .iter()
+                .zip(&behind[i])
+                .map(|(r, b)| r * secs / (secs + b.max(0.0)))
+                .collect()
+        })
+        .collect();
     push(
         Figure::ratio(
             "cdc",
-            format!("emit at {CONNECTIONS} connections"),
-            "beside the CDC relay / beside the polling relay",
+            format!("emit at {CONNECTIONS} connections, each relay keeping up"),
+            "CDC / polling, events emitted over the time until the last was published",
             Target::AtLeast(1.0),
+        ),
+        kept_up[1]
+            .iter()
+            .zip(&kept_up[0])
+            .map(|(c, p)| c / p)
+            .collect(),
+    );
+    push(
+        Figure::ratio(
+            "cdc",
+            format!("emit at {CONNECTIONS} connections, the emit's window alone"),
+            "beside the CDC relay / beside the polling relay",
+            Target::None,
         ),
         rates[1].iter().zip(&rates[0]).map(|(c, p)| c / p).collect(),
     );
