@@ -161,6 +161,15 @@ impl Open {
         }
     }
 
+    /// A `TRUNCATE` of the outbox: the rows this transaction inserted so far are gone,
+    /// so what the table holds at its commit is read back (rows it inserts after the
+    /// truncate are kept). A truncate before any insert (a purge) changes nothing.
+    fn truncate(&mut self) {
+        if !self.messages.is_empty() || !self.unreadable.is_empty() {
+            self.spill("a TRUNCATE");
+        }
+    }
+
     /// A delete: a row this transaction inserted never committed (a spilled
     /// transaction's is not found when read back).
     fn delete(&mut self, columns: &OutboxColumns, old: &Tuple<'_>) {
@@ -408,9 +417,7 @@ impl Reader {
             Message::Truncate { relations } => {
                 for relation in relations {
                     if let Some((_, open)) = self.target(relation, "a Truncate")? {
-                        // Its rows inserted so far are gone: what the table holds at
-                        // the commit is read back.
-                        open.spill("a TRUNCATE");
+                        open.truncate();
                     }
                 }
             }
