@@ -79,14 +79,9 @@ impl Open {
     /// Keeps only the ids (`why`): the rows are read back from the table when
     /// published.
     fn spill(&mut self, why: &str) {
-        if self.spilled.is_some() {
-            return;
+        if self.spilled.is_none() {
+            self.spilled = Some(spill(&mut self.messages, &mut self.unreadable, why));
         }
-        let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
-        ids.extend(self.unreadable.drain(..).map(|u| u.0));
-        self.messages = Vec::new();
-        spilled(ids.len(), why);
-        self.spilled = Some(ids);
     }
 
     /// An update: of a row this transaction inserted, its committed version replaces
@@ -182,13 +177,22 @@ impl Open {
     }
 }
 
-/// Says that a transaction of `rows` rows so far was spilled, and why (both relays).
-pub(crate) fn spilled(rows: usize, why: &str) {
+/// Spills a transaction's rows read so far (both relays): their ids, in insert order
+/// (the unreadable ones after), the messages' memory freed; says so, and why.
+pub(crate) fn spill(
+    messages: &mut Vec<StoredMessage>,
+    unreadable: &mut Vec<(i64, String)>,
+    why: &str,
+) -> Vec<i64> {
+    let mut ids: Vec<i64> = messages.drain(..).map(|m| m.id).collect();
+    ids.extend(unreadable.drain(..).map(|u| u.0));
+    *messages = Vec::new();
     tracing::info!(
-        rows,
+        rows = ids.len(),
         "a transaction's rows are read back from the table when published: {why}"
     );
     metrics::counter!("outbox_cdc_spilled_transactions_total").increment(1);
+    ids
 }
 
 /// In the order of `ids`: rows read back by id (a database returns them in its own).

@@ -97,7 +97,9 @@ impl Commit {
         memory: usize,
     ) -> Result<()> {
         let old_id = before.and_then(|(l, b)| l.id(b));
-        let ours = old_id.is_some_and(|id| self.inserted(id));
+        // Spilled, the rows are read back as committed: what it changed of its own
+        // rows needs no folding (and no scan of its ids per row event).
+        let ours = self.spilled.is_none() && old_id.is_some_and(|id| self.inserted(id));
         let Some((layout, after)) = after.filter(|(l, a)| l.is_new(a)) else {
             // Deleted, or no longer NEW: if this transaction inserted it, it never
             // committed as a message.
@@ -158,11 +160,11 @@ impl Commit {
 
     /// Keeps only the ids: the rows are read back from the table when published.
     fn spill(&mut self) {
-        let mut ids: Vec<i64> = self.messages.drain(..).map(|m| m.id).collect();
-        ids.extend(self.unreadable.drain(..).map(|u| u.0));
-        self.messages = Vec::new();
-        crate::reader::spilled(ids.len(), "it outgrew the relay's transaction_memory");
-        self.spilled = Some(ids);
+        self.spilled = Some(crate::reader::spill(
+            &mut self.messages,
+            &mut self.unreadable,
+            "it outgrew the relay's transaction_memory",
+        ));
     }
 
     /// Whether it wrote any outbox row (a message, an unreadable or a spilled row).
@@ -191,20 +193,15 @@ impl Commit {
         Ok(())
     }
 
-    /// Whether this transaction inserted row `id` (read, unreadable or spilled).
+    /// Whether this transaction inserted row `id` (read or unreadable).
     fn inserted(&self, id: i64) -> bool {
-        self.messages.iter().rev().any(|m| m.id == id)
-            || self.unreadable.iter().any(|u| u.0 == id)
-            || self.spilled.as_ref().is_some_and(|ids| ids.contains(&id))
+        self.messages.iter().rev().any(|m| m.id == id) || self.unreadable.iter().any(|u| u.0 == id)
     }
 
     /// Drops row `id` from what this transaction inserted.
     fn forget(&mut self, id: i64) {
         self.messages.retain(|m| m.id != id);
         self.unreadable.retain(|u| u.0 != id);
-        if let Some(ids) = &mut self.spilled {
-            ids.retain(|&i| i != id);
-        }
     }
 }
 
