@@ -55,6 +55,18 @@ impl<P: Publisher, S: FailureWrites> Deliverer<'_, P, S> {
         Ok(())
     }
 
+    /// Marks the `unreadable` rows (id, why) DEAD with the reason, if any.
+    pub(crate) async fn bury(&self, unreadable: Vec<(i64, String)>) -> Result<()> {
+        if unreadable.is_empty() {
+            return Ok(());
+        }
+        let writes = Writes {
+            dead: unreadable,
+            ..Writes::default()
+        };
+        self.pool.write(writes).await
+    }
+
     /// One publish call. A refused message blocks its key for the later messages of
     /// `messages`' successors (a later message of its key in this very call was sent with
     /// it, as the polling relay would: counted in `outbox_relay_key_order_broken_total`).

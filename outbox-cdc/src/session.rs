@@ -348,13 +348,7 @@ impl<'a, P: Publisher> Session<'a, P> {
     /// The commits in hand were published: their unreadable rows recorded, the last
     /// one confirmed, and the commits read ahead in hand.
     async fn confirm_ready(&mut self) -> Result<()> {
-        if !self.ready.unreadable.is_empty() {
-            let writes = Writes {
-                dead: self.ready.unreadable.clone(),
-                ..Writes::default()
-            };
-            db(self.d.pool, move |c| writes.apply(c)).await?;
-        }
+        self.d.bury(self.ready.unreadable.clone()).await?;
         self.confirm(self.confirmed.max(self.ready.end_lsn));
         self.ready.clear();
         std::mem::swap(&mut self.ready, &mut self.ahead);
@@ -485,13 +479,7 @@ async fn deliver_part<P: Publisher>(
     let rows = db(d.pool, move |c| committed_rows(c, &ids)).await?;
     let (messages, unreadable) = split_rows(rows);
     d.deliver(&messages, blocked).await?;
-    if !unreadable.is_empty() {
-        let writes = Writes {
-            dead: unreadable,
-            ..Writes::default()
-        };
-        db(d.pool, move |c| writes.apply(c)).await?;
-    }
+    d.bury(unreadable).await?;
     hand.spilled_done += n;
     Ok(())
 }

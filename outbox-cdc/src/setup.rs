@@ -66,8 +66,9 @@ fn under_setup_lock<T>(
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SetupReport {
-    /// The publication was created (or changed to publish the outbox's inserts, updates
-    /// and deletes).
+    /// The publication was created, or changed to publish what the relay reads (the
+    /// outbox's inserts, updates, deletes and truncates), or a partition's replica
+    /// identity was set.
     pub publication_created: bool,
     /// The slot was created now.
     pub slot_created: bool,
@@ -289,6 +290,20 @@ fn publishes_enough(version: i32) -> &'static str {
     }
 }
 
+/// Whether publication `name` publishes the `outbox` table with `what` (SQL over
+/// `pg_publication p` and `pg_publication_tables t`) true.
+fn publication_covers(conn: &mut PgConnection, name: &str, what: &str) -> Result<bool> {
+    Ok(text(
+        conn,
+        &format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
+             ON t.pubname = p.pubname WHERE p.pubname = '{}' AND {what} \
+             AND t.tablename = 'outbox')::text AS v",
+            name.replace('\'', "''")
+        ),
+    )? == "true")
+}
+
 fn server_version(conn: &mut PgConnection) -> Result<i32> {
     Ok(
         text(conn, "SELECT current_setting('server_version_num') AS v")?
@@ -308,16 +323,15 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
         ),
     )? == "true";
     let version = server_version(conn)?;
-    let covers = text(
+    let covers = publication_covers(
         conn,
+        name,
         &format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
-             ON t.pubname = p.pubname WHERE p.pubname = '{name}' AND {} \
-             AND p.pubviaroot AND t.schemaname = (SELECT relnamespace::regnamespace::text \
-             FROM pg_class WHERE oid = to_regclass('outbox')) AND t.tablename = 'outbox')::text AS v",
+            "{} AND p.pubviaroot AND t.schemaname = (SELECT relnamespace::regnamespace::text \
+             FROM pg_class WHERE oid = to_regclass('outbox'))",
             publishes_enough(version)
         ),
-    )? == "true";
+    )?;
     if covers {
         return Ok(false);
     }
@@ -486,25 +500,14 @@ pub(crate) fn slot_state(conn: &mut PgConnection, slot: &str) -> Result<SlotStat
 pub fn check(conn: &mut PgConnection) -> Result<(CdcMode, SlotState)> {
     check_server(conn)?;
     let mode = cdc_mode(conn)?.ok_or(CdcError::NotSetUp)?;
-    let publication = mode.publication.replace('\'', "''");
-    let covers = |conn: &mut PgConnection, what: &str| -> Result<bool> {
-        Ok(text(
-            conn,
-            &format!(
-                "SELECT EXISTS (SELECT 1 FROM pg_publication p JOIN pg_publication_tables t \
-                 ON t.pubname = p.pubname WHERE p.pubname = '{publication}' AND {what} \
-                 AND t.tablename = 'outbox')::text AS v"
-            ),
-        )? == "true")
-    };
-    if !covers(conn, "p.pubinsert")? {
+    if !publication_covers(conn, &mode.publication, "p.pubinsert")? {
         return Err(CdcError::PublicationUnusable {
             publication: mode.publication,
             detail: "it does not publish the inserts of the `outbox` table".into(),
         });
     }
     let version = server_version(conn)?;
-    if !covers(conn, publishes_enough(version))? {
+    if !publication_covers(conn, &mode.publication, publishes_enough(version))? {
         // Made by an earlier version: a row its transaction updated, deleted or
         // truncated before committing would be published as first inserted (issue 35).
         return Err(CdcError::PublicationUnusable {

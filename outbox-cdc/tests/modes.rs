@@ -147,8 +147,9 @@ async fn an_invalidated_slot_is_a_clear_error_and_recovers_without_loss() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
+/// A private cluster with the partitioned layout, a partition a second that expires at
+/// once, set up for CDC.
+fn partitioned_by_the_second() -> Db {
     let db = Db::start(false);
     let policy = outbox_diesel::PartitionPolicy::default()
         .with_interval(Duration::from_secs(1))
@@ -157,6 +158,12 @@ async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
     outbox_diesel::migrate_partitioned(&mut db.conn(), &policy).unwrap();
     outbox_diesel::maintain_partitions(&mut db.conn()).unwrap();
     db.setup(&fast());
+    db
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
+    let db = partitioned_by_the_second();
     let (inner, name) = publisher();
     let publisher = std::sync::Arc::new(Refusing::new(inner, &[("r:0", u32::MAX)]));
     let retry = outbox_core::RetryPolicy::default().with_max_attempts(1000);
@@ -202,14 +209,7 @@ async fn retention_drops_relayed_partitions_and_keeps_parked_rows() {
 /// the row is published once committed. The watermark's step 2 waits for it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_open_across_its_partitions_expiry_is_published() {
-    let db = Db::start(false);
-    let policy = outbox_diesel::PartitionPolicy::default()
-        .with_interval(Duration::from_secs(1))
-        .with_premake(30)
-        .with_retention(Duration::ZERO);
-    outbox_diesel::migrate_partitioned(&mut db.conn(), &policy).unwrap();
-    outbox_diesel::maintain_partitions(&mut db.conn()).unwrap();
-    db.setup(&fast());
+    let db = partitioned_by_the_second();
     let (_, name) = publisher();
     let (stop, task) = spawn_relay(&db, publisher_for(&name), fast());
     let mut late = db.conn();

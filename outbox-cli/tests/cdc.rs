@@ -5,7 +5,9 @@
 mod fixtures;
 
 use diesel::{Connection as _, PgConnection};
-use fixtures::cdc::{BULK_ROWS, cdc_relay, emit, free_addr, get, relayed_within_memory, status};
+use fixtures::cdc::{
+    BULK_ROWS, cdc_relay, emit, free_addr, get, migrate_cdc, relayed_within_memory, status,
+};
 use fixtures::process::Background;
 use fixtures::relay::Streams;
 use fixtures::{outbox, redis_url};
@@ -95,10 +97,7 @@ fn cdc_relay_publishes_in_commit_order_and_status_reports_the_slot() {
 fn a_lost_slot_is_reported_with_its_recovery_and_recovered() {
     let pg = ScratchPostgres::start_logical();
     let url = pg.url();
-    outbox()
-        .args(["--database-url", &url, "migrate", "--cdc"])
-        .assert()
-        .success();
+    migrate_cdc(&url);
     // What max_slot_wal_keep_size does, as far as the relay can tell: the slot is gone.
     let mut c = PgConnection::establish(&url).expect("connect");
     diesel::RunQueryDsl::execute(
@@ -175,10 +174,7 @@ fn switching_to_cdc_and_back_loses_nothing() {
 
     // Polling -> CDC: 3 committed while no relay runs, before the slot (backfill), 4 after.
     emit::<PgConnection>(&url, [3]);
-    outbox()
-        .args(["--database-url", &url, "migrate", "--cdc"])
-        .assert()
-        .success();
+    migrate_cdc(&url);
     emit::<PgConnection>(&url, [4]);
     let mut relay = cdc_relay(&url, &streams, free_addr(), &[]);
     streams.wait_for(4, &mut relay);
@@ -223,10 +219,7 @@ fn switching_to_cdc_and_back_loses_nothing() {
 fn a_transaction_larger_than_memory_is_relayed_within_bounded_memory() {
     let pg = ScratchPostgres::start_logical();
     let url = pg.url();
-    outbox()
-        .args(["--database-url", &url, "migrate", "--cdc"])
-        .assert()
-        .success();
+    migrate_cdc(&url);
     relayed_within_memory::<PgConnection>(
         &url,
         &format!(

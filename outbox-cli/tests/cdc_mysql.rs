@@ -10,7 +10,9 @@ mod serve_support;
 use std::time::{Duration, Instant};
 
 use diesel::MysqlConnection;
-use fixtures::cdc::{BULK_ROWS, cdc_relay, emit, free_addr, get, relayed_within_memory, status};
+use fixtures::cdc::{
+    BULK_ROWS, cdc_relay, emit, free_addr, get, migrate_cdc, relayed_within_memory, status,
+};
 use fixtures::relay::Streams;
 use fixtures::{TestDb, outbox};
 use outbox_tests::ScratchMariadb;
@@ -286,10 +288,7 @@ fn cdc_on_a_mariadb_without_the_binlog_is_refused_with_the_setting_to_change() {
 fn a_transaction_larger_than_memory_is_relayed_within_bounded_memory() {
     let server = ScratchMariadb::start();
     let url = migrated(&server);
-    outbox()
-        .args(["--database-url", &url, "migrate", "--cdc"])
-        .assert()
-        .success();
+    migrate_cdc(&url);
     relayed_within_memory::<MysqlConnection>(
         &url,
         &format!(

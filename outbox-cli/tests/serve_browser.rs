@@ -116,29 +116,22 @@ async fn click(client: &Client, css: &str) {
         .unwrap_or_else(|e| panic!("click `{css}`: {e}"));
 }
 
-/// On the login form the server answers with: types `token` and logs in.
-async fn log_in(client: &Client, token: &str) {
+/// Types `keys` into the field `css`, once it is there (after a navigation).
+async fn type_into(client: &Client, css: &str, keys: &str) {
     client
         .wait()
-        .for_element(Locator::Css("#login-token"))
+        .for_element(Locator::Css(css))
         .await
-        .expect("the login form")
-        .send_keys(token)
+        .unwrap_or_else(|e| panic!("no `{css}`: {e}"))
+        .send_keys(keys)
         .await
-        .expect("type the token");
-    click(client, "#login-button").await;
+        .unwrap_or_else(|e| panic!("type into `{css}`: {e}"));
 }
 
-/// Types the token into the confirmation page's field, once that page is there.
-async fn type_token(client: &Client) {
-    client
-        .wait()
-        .for_element(Locator::Css("#token"))
-        .await
-        .expect("token field")
-        .send_keys(TOKEN)
-        .await
-        .expect("type the token");
+/// On the login form the server answers with: types `token` and logs in.
+async fn log_in(client: &Client, token: &str) {
+    type_into(client, "#login-token", token).await;
+    click(client, "#login-button").await;
 }
 
 /// On the confirmation page: checks what it lists, types the token and confirms.
@@ -150,7 +143,7 @@ async fn confirm(client: &Client, items: &[&str]) -> String {
             "{item} not in the confirmation: {listed}"
         );
     }
-    type_token(client).await;
+    type_into(client, "#token", TOKEN).await;
     click(client, "#confirm-button").await;
     text(client, "#done").await
 }
@@ -318,7 +311,7 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
         "{why}"
     );
     click(&client, "button[value=\"redrive\"]").await;
-    type_token(&client).await;
+    type_into(&client, "#token", TOKEN).await;
     click(&client, "#confirm-button").await;
     let refused = text(&client, "#error").await;
     assert!(
@@ -344,13 +337,7 @@ async fn an_unreadable_dead_letter_bad_input_and_a_rebound_host_in_a_browser() {
         .goto(&format!("{base}/dead"))
         .await
         .expect("dead letters");
-    client
-        .find(Locator::Css("input[name=\"older_than\"]"))
-        .await
-        .expect("older_than field")
-        .send_keys("banana")
-        .await
-        .expect("type");
+    type_into(&client, "input[name=\"older_than\"]", "banana").await;
     click(&client, "form.filters button").await;
     assert!(
         text(&client, "#error")

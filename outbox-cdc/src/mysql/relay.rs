@@ -14,7 +14,6 @@ use super::binlog::{Binlog, Commit};
 use super::watermark::Watermark;
 use super::{GtidPosition, park, setup};
 use crate::deliver::Deliverer;
-use crate::park::Writes;
 use crate::relay::{Stop, after_hold};
 use crate::session::Ended;
 use crate::{CdcConfig, CdcError, Result};
@@ -395,13 +394,7 @@ impl<P: Publisher> Session<'_, P> {
             .iter()
             .flat_map(|c| c.unreadable.iter().cloned())
             .collect();
-        if !dead.is_empty() {
-            let writes = Writes {
-                dead,
-                ..Writes::default()
-            };
-            park::apply(self.d.pool, writes).await?;
-        }
+        self.d.bury(dead).await?;
         let stored = match self.ready.last() {
             Some(last) => {
                 let after = last.after.clone();
@@ -422,13 +415,7 @@ impl<P: Publisher> Session<'_, P> {
         if !self.deliver_holding(&messages).await? {
             return Ok(false);
         }
-        if !unreadable.is_empty() {
-            let writes = Writes {
-                dead: unreadable,
-                ..Writes::default()
-            };
-            park::apply(self.d.pool, writes).await?;
-        }
+        self.d.bury(unreadable).await?;
         self.spilled_done += ids.len();
         Ok(true)
     }
@@ -557,11 +544,7 @@ impl<P: Publisher> Session<'_, P> {
                     Err(e) => return Err(e),
                 }
             }
-            let writes = Writes {
-                dead: unreadable,
-                ..Writes::default()
-            };
-            park::apply(self.d.pool, writes).await?;
+            self.d.bury(unreadable).await?;
             park::backfilled(self.d.pool, last).await?;
             metrics::gauge!("outbox_cdc_backfilled_through").set(last as f64);
         }
