@@ -10,6 +10,13 @@ use crate::{CdcError, Result};
 /// `sslmode` takes libpq's values: `disable` (the default), `prefer`, `require`,
 /// `verify-ca`, `verify-full`; `sslrootcert=<path>` names the CA file for the verifying
 /// modes (without it, the Mozilla roots). Other parameters are ignored.
+///
+/// A Unix-domain socket is chosen as libpq chooses it, so that the replication
+/// connection goes where the SQL pool's connections go: a host that is a directory
+/// (`?host=/var/run/postgresql`, or `postgres://%2Fvar%2Frun%2Fpostgresql/app`), or no
+/// host at all (`postgres:///app`: the socket in `/var/run/postgresql` or `/tmp`,
+/// whichever has one for the port, else `localhost`). TLS does not apply to a socket
+/// (libpq ignores `sslmode` there too).
 #[derive(Clone, PartialEq, Eq)]
 pub struct ReplicationTarget {
     host: String,
@@ -37,7 +44,7 @@ impl ReplicationTarget {
     /// Parses `database_url` (see [`ReplicationTarget`]).
     pub fn from_url(database_url: &str) -> Result<Self> {
         let bad = |why: &str| CdcError::Url(why.to_owned());
-        let url = url::Url::parse(database_url).map_err(|e| bad(&e.to_string()))?;
+        let (url, host_given) = parse(database_url).map_err(|e| bad(&e.to_string()))?;
         if !matches!(url.scheme(), "postgres" | "postgresql") {
             return Err(bad("the scheme must be postgres:// or postgresql://"));
         }
@@ -47,7 +54,11 @@ impl ReplicationTarget {
                 .map(|(_, v)| v.into_owned())
                 .unwrap_or_default()
         };
-        let host = url.host_str().unwrap_or("localhost").to_owned();
+        let mut host = url
+            .host_str()
+            .filter(|h| host_given && !h.is_empty())
+            .map(decode);
+        let mut port = url.port();
         let user = match url.username() {
             "" => "postgres".to_owned(),
             u => decode(u),
@@ -72,8 +83,20 @@ impl ReplicationTarget {
                     }
                 }
                 "sslrootcert" => root = Some(std::path::PathBuf::from(&*v)),
+                "host" if !v.is_empty() => host = Some(v.into_owned()),
+                "port" => {
+                    port = Some(
+                        v.parse()
+                            .map_err(|_| bad(&format!("the port `{v}` is not a port number")))?,
+                    )
+                }
                 _ => {}
             }
+        }
+        let port = port.unwrap_or(5432);
+        let host = host.unwrap_or_else(|| default_host(port));
+        if host.starts_with('/') {
+            mode = SslMode::Disable;
         }
         let tls = match mode {
             SslMode::Disable => TlsConfig::disabled(),
@@ -87,7 +110,7 @@ impl ReplicationTarget {
         };
         Ok(Self {
             host,
-            port: url.port().unwrap_or(5432),
+            port,
             user,
             password,
             database,
@@ -110,6 +133,40 @@ impl ReplicationTarget {
         // The decoder reads created_at in this form (see decode.rs).
         .with_options("-c datestyle=ISO -c timezone=UTC")
     }
+}
+
+/// `database_url` parsed, and whether it names a host: libpq takes `user@/db` and
+/// `user:pw@:5433/db` (no host, often with `?host=`), which the URL standard refuses, so
+/// they are read with a stand-in host.
+fn parse(database_url: &str) -> std::result::Result<(url::Url, bool), url::ParseError> {
+    match url::Url::parse(database_url) {
+        Err(url::ParseError::EmptyHost) => {
+            let (scheme, rest) = database_url.split_once("://").unwrap_or(("", database_url));
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            let (authority, tail) = rest.split_at(end);
+            let at = authority.rfind('@').map_or(0, |i| i + 1);
+            let (user, port) = authority.split_at(at);
+            Ok((
+                url::Url::parse(&format!("{scheme}://{user}localhost{port}{tail}"))?,
+                false,
+            ))
+        }
+        parsed => Ok((parsed?, true)),
+    }
+}
+
+/// libpq's choice for a URL without a host: the server's socket in the directories
+/// PostgreSQL's packages put it in, else `localhost`.
+fn default_host(port: u16) -> String {
+    ["/var/run/postgresql", "/tmp"]
+        .into_iter()
+        .find(|dir| {
+            std::path::Path::new(dir)
+                .join(format!(".s.PGSQL.{port}"))
+                .exists()
+        })
+        .unwrap_or("localhost")
+        .to_owned()
 }
 
 #[cfg(test)]
@@ -142,5 +199,32 @@ mod tests {
         assert!(ReplicationTarget::from_url("mysql://x/y").is_err());
         assert!(ReplicationTarget::from_url("postgres://x/y?sslmode=sometimes").is_err());
         assert!(ReplicationTarget::from_url("not a url").is_err());
+        assert!(ReplicationTarget::from_url("postgres://x/y?port=fifty").is_err());
+    }
+
+    #[test]
+    fn a_socket_directory_is_taken_from_the_url_as_libpq_takes_it() {
+        let t = ReplicationTarget::from_url(
+            "postgres://app@/shop?host=/run/pg&port=5433&sslmode=require",
+        )
+        .unwrap();
+        assert_eq!((t.host.as_str(), t.port), ("/run/pg", 5433));
+        // libpq ignores sslmode on a socket: no TLS asked of it.
+        assert_eq!(t.tls.mode, SslMode::Disable);
+        assert!(t.config("s", "p").is_unix_socket());
+        let t = ReplicationTarget::from_url("postgres://app:pw@:5433/shop?host=/run/pg").unwrap();
+        assert_eq!(
+            (
+                t.host.as_str(),
+                t.port,
+                t.user.as_str(),
+                t.password.as_str()
+            ),
+            ("/run/pg", 5433, "app", "pw")
+        );
+        let t = ReplicationTarget::from_url("postgres://%2Frun%2Fpg/shop").unwrap();
+        assert_eq!(t.host, "/run/pg");
+        let t = ReplicationTarget::from_url("postgres://db.example/shop?host=db2.example").unwrap();
+        assert_eq!(t.host, "db2.example");
     }
 }

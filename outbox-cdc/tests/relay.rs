@@ -480,3 +480,37 @@ async fn the_stream_does_not_wait_for_the_database_work_beside_it() {
     stop.send(()).unwrap();
     task.await.unwrap().expect("relay ends cleanly");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_socket_url_relays_through_the_unix_socket() {
+    let db = Db::start(false);
+    db.setup(&fast());
+    // The relay's replication connection and its pool both through the socket, as libpq
+    // reads the URL: `?host=<directory>`.
+    let url = db.server.socket_url();
+    let pool = diesel::r2d2::Pool::builder()
+        .max_size(4)
+        .build(diesel::r2d2::ConnectionManager::<diesel::PgConnection>::new(&url))
+        .expect("pool");
+    let (publisher, name) = publisher();
+    let relay = outbox_cdc::CdcRelay::new(&url, pool, publisher)
+        .expect("relay")
+        .with_config(fast())
+        .expect("config");
+    let app = relay.application_name().to_owned();
+    let (stop, task) = spawn_until(move |stop| async move { relay.run_until(stop).await });
+    insert_each(&db, "k", 0..20);
+    let all: Vec<String> = (0..20).map(|n| msg_id("k", n)).collect();
+    assert_eq!(wait_for_all(&name, &all), all);
+    // A WAL sender serving a socket has no client address.
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM pg_stat_replication \
+             WHERE application_name = '{app}' AND client_addr IS NULL"
+        )),
+        1,
+        "the replication connection is the socket's"
+    );
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+}

@@ -126,6 +126,17 @@ impl ScratchPostgres {
         self.url_with_password(Self::PASSWORD)
     }
 
+    /// The same server through its Unix-domain socket, in libpq's form:
+    /// `postgres://postgres:<right password>@/postgres?host=<socket directory>&port=<port>`.
+    pub fn socket_url(&self) -> String {
+        format!(
+            "postgres://postgres:{}@/postgres?host={}&port={}",
+            Self::PASSWORD,
+            self.dir.display(),
+            self.port
+        )
+    }
+
     /// The server's port.
     pub fn port(&self) -> u16 {
         self.port
