@@ -1,8 +1,9 @@
 //! The CDC relay (`outbox-cdc`) beside the polling relay, in the same run on the same
 //! private PostgreSQL cluster (`wal_level = logical`; the shared server runs `replica`):
 //! backlog drain, the broker's own limit (the same entries published from memory), the
-//! commit → XADD latency at a steady rate, the rows each relay updates (dead tuples) and
-//! the database's CPU time per relayed message (with the walsender's share); the CDC
+//! log's own limit (the same backlog streamed to a client that only counts, `cdc/log.rs`),
+//! the commit → XADD latency at a steady rate, the rows each relay updates (dead tuples)
+//! and the database's CPU time per relayed message (with the walsender's share); the CDC
 //! drain with a REPEATABLE READ transaction held open, and the emit rate of eight
 //! connections beside each relay (`cdc/load.rs`).
 //!
@@ -27,6 +28,7 @@ use crate::stats::{Figure, Target};
 use crate::{BoxError, Service, Sizes, order, progress};
 
 mod load;
+mod log;
 
 /// How long after a relay stopped its sessions' counts and CPU are in the statistics
 /// (a session reports at its end).
@@ -87,6 +89,7 @@ async fn measure(
     println!("cdc: {n} rows over 1000 keys, polling (per-key) and CDC relays into Redis");
     let mut runs: [Vec<Drain>; 2] = [Vec::new(), Vec::new()];
     let mut broker = Vec::new();
+    let mut alone = Vec::new();
     let mut held = Vec::new();
     for round in 0..sizes.rounds {
         for i in order(round, 2) {
@@ -100,6 +103,7 @@ async fn measure(
                 let after = Counters::take(polling_stats(polling)?, postmaster);
                 before.drain(&after, rate, n)
             } else {
+                log::mark(&mut cdc.conn.lock().unwrap())?;
                 cdc.fill(n, 1000)?;
                 let (d, batches) = cdc.drain(n, postmaster).await?;
                 let batches = cdc.messages(batches)?;
@@ -107,6 +111,13 @@ async fn measure(
                 progress(
                     "the same entries published from memory",
                     broker[broker.len() - 1],
+                    "msg/s",
+                );
+                alone.push(log::read_alone(&cdc.url, &CdcConfig::default().publication, n).await?);
+                log::release(&mut cdc.conn.lock().unwrap())?;
+                progress(
+                    "the same backlog's log read alone (counted)",
+                    alone[alone.len() - 1],
                     "msg/s",
                 );
                 d
@@ -140,7 +151,7 @@ async fn measure(
         }
         held.push(pair[1] / pair[0]);
     }
-    drains(&runs, &broker, figures);
+    drains(&runs, &broker, &alone, figures);
     let mut f = Figure::ratio(
         "cdc",
         "CDC drain with a snapshot held",
@@ -154,7 +165,7 @@ async fn measure(
 }
 
 /// The drain figures.
-fn drains(runs: &[Vec<Drain>; 2], broker: &[f64], figures: &mut Vec<Figure>) {
+fn drains(runs: &[Vec<Drain>; 2], broker: &[f64], alone: &[f64], figures: &mut Vec<Figure>) {
     let [poll, cdc] = runs;
     let mut push = |f: Figure, values: Vec<f64>| {
         let mut f = f;
@@ -180,6 +191,26 @@ fn drains(runs: &[Vec<Drain>; 2], broker: &[f64], figures: &mut Vec<Figure>) {
             Target::AtLeast(0.7),
         ),
         ratio(cdc, broker),
+    );
+    // Why the figure above stops where it does: the log's own rate on this machine, and
+    // what the relay keeps of it.
+    push(
+        Figure::ratio(
+            "cdc",
+            "the log read alone against the broker",
+            "the backlog streamed to a client that only counts / the same entries published from memory",
+            Target::None,
+        ),
+        alone.iter().zip(broker).map(|(a, b)| a / b).collect(),
+    );
+    push(
+        Figure::ratio(
+            "cdc",
+            "CDC drain against the log read alone",
+            "CDC relay / the backlog streamed to a client that only counts",
+            Target::None,
+        ),
+        ratio(cdc, alone),
     );
     for (name, d) in [("polling relay (per-key)", poll), ("CDC relay", cdc)] {
         push(
@@ -227,6 +258,10 @@ fn drains(runs: &[Vec<Drain>; 2], broker: &[f64], figures: &mut Vec<Figure>) {
             Target::None,
         ),
         broker.to_vec(),
+    );
+    push(
+        Figure::absolute("cdc", "the log read alone", "msg/s", Target::None),
+        alone.to_vec(),
     );
     let cpu: Vec<f64> = cdc
         .iter()
