@@ -132,26 +132,38 @@ impl CdcConfig {
     }
 
     /// Checks every field: names of 1 to 63 lowercase letters, digits and underscores
-    /// (slot names allow no more), `batch_size` at least 1, `takeover_after` at least
-    /// three `status_interval`s, the nested policies.
+    /// that start with a letter or `_` (slot names allow no more), `batch_size` from 1 to
+    /// [`MAX_BATCH_SIZE`], each interval above zero and at most [`MAX_INTERVAL`] (a zero
+    /// would spin against the database, a century would overflow the clock),
+    /// `takeover_after` at least three `status_interval`s, the nested policies.
     pub fn validate(&self) -> Result<(), InvalidConfig> {
         for (field, name) in [("slot", &self.slot), ("publication", &self.publication)] {
-            let ok = (1..=63).contains(&name.len())
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-            if !ok {
+            if !is_name(name) {
                 return Err(InvalidConfig::new(
                     field,
-                    "must be 1 to 63 characters of a-z, 0-9 and _",
+                    "must be 1 to 63 characters of a-z, 0-9 and _, not starting with a digit",
                 ));
             }
         }
-        if self.batch_size == 0 {
-            return Err(InvalidConfig::new("batch_size", "must be at least 1"));
+        if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
+            return Err(InvalidConfig::new(
+                "batch_size",
+                format!("must be from 1 to {MAX_BATCH_SIZE}"),
+            ));
         }
-        if self.status_interval.is_zero() {
-            return Err(InvalidConfig::new("status_interval", "must be above zero"));
+        for (field, interval) in [
+            ("status_interval", self.status_interval),
+            ("takeover_after", self.takeover_after),
+            ("standby_poll", self.standby_poll),
+            ("retry_poll", self.retry_poll),
+            ("lag_interval", self.lag_interval),
+        ] {
+            if interval.is_zero() || interval > MAX_INTERVAL {
+                return Err(InvalidConfig::new(
+                    field,
+                    format!("must be above zero and at most {MAX_INTERVAL:?}"),
+                ));
+            }
         }
         if self.takeover_after < self.status_interval * 3 {
             return Err(InvalidConfig::new(
@@ -164,6 +176,24 @@ impl CdcConfig {
             .validate()
             .map_err(|e| e.in_field("outage_backoff"))
     }
+}
+
+/// The largest [`CdcConfig::batch_size`]: a publish call's pipeline and the relay's
+/// read-ahead are sized by it.
+pub const MAX_BATCH_SIZE: usize = 100_000;
+
+/// The longest interval [`CdcConfig`] takes (a day).
+pub const MAX_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Whether `name` is a slot or publication name the relay puts in SQL as it is: 1 to 63
+/// of `a-z`, `0-9` and `_`, not starting with a digit. Names read back from the
+/// database are checked again before they are used.
+pub(crate) fn is_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
 #[cfg(test)]
@@ -183,5 +213,55 @@ mod tests {
             .with_takeover_after(Duration::from_secs(2))
             .validate();
         assert_eq!(bad.unwrap_err().field(), "takeover_after");
+        let bad = CdcConfig::default().with_publication("9p").validate();
+        assert_eq!(bad.unwrap_err().field(), "publication");
+    }
+
+    #[test]
+    fn sizes_and_intervals_that_would_spin_or_overflow_are_refused() {
+        for (bad, field) in [
+            (
+                CdcConfig::default().with_batch_size(usize::MAX),
+                "batch_size",
+            ),
+            (
+                CdcConfig::default().with_status_interval(Duration::MAX),
+                "status_interval",
+            ),
+            (
+                CdcConfig::default().with_takeover_after(Duration::MAX),
+                "takeover_after",
+            ),
+            (
+                CdcConfig::default().with_standby_poll(Duration::ZERO),
+                "standby_poll",
+            ),
+            (
+                CdcConfig::default().with_retry_poll(Duration::ZERO),
+                "retry_poll",
+            ),
+            (
+                CdcConfig::default().with_retry_poll(Duration::MAX),
+                "retry_poll",
+            ),
+            (
+                CdcConfig::default().with_lag_interval(Duration::ZERO),
+                "lag_interval",
+            ),
+            (
+                CdcConfig::default().with_lag_interval(Duration::MAX),
+                "lag_interval",
+            ),
+        ] {
+            assert_eq!(bad.validate().unwrap_err().field(), field);
+        }
+        let largest = CdcConfig::default()
+            .with_batch_size(MAX_BATCH_SIZE)
+            .with_status_interval(MAX_INTERVAL / 3)
+            .with_takeover_after(MAX_INTERVAL)
+            .with_standby_poll(MAX_INTERVAL)
+            .with_retry_poll(MAX_INTERVAL)
+            .with_lag_interval(MAX_INTERVAL);
+        assert!(largest.validate().is_ok());
     }
 }

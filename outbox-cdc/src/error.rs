@@ -55,7 +55,7 @@ pub enum CdcError {
     /// failover to a standby). The messages committed since its position are not lost
     /// (rows stay NEW): see "Recovering a lost slot" in the crate documentation.
     #[error(
-        "replication slot `{slot}` does not exist: run `outbox migrate --cdc` again to recreate it and backfill what it missed"
+        "replication slot `{slot}` does not exist: recreate it with `outbox_cdc::recover_lost_slot` (`outbox migrate --cdc --recover-slot`), which backfills the messages it missed"
     )]
     SlotMissing {
         /// The slot's name.
@@ -75,7 +75,7 @@ pub enum CdcError {
     /// again. No message is lost (rows stay NEW): see "Recovering a lost slot" in the
     /// crate documentation.
     #[error(
-        "replication slot `{slot}` was invalidated ({reason}): recreate it with `outbox_cdc::recover_lost_slot` (`outbox migrate --cdc --recreate-slot`), which backfills the messages it missed"
+        "replication slot `{slot}` was invalidated ({reason}): recreate it with `outbox_cdc::recover_lost_slot` (`outbox migrate --cdc --recover-slot`), which backfills the messages it missed"
     )]
     SlotInvalidated {
         /// The slot's name.

@@ -53,7 +53,7 @@ mod store;
 mod target;
 mod watermark;
 
-pub use config::{CdcConfig, DEFAULT_SLOT};
+pub use config::{CdcConfig, DEFAULT_SLOT, MAX_BATCH_SIZE, MAX_INTERVAL};
 pub use error::{CdcError, Result};
 pub use relay::CdcRelay;
 pub use setup::{

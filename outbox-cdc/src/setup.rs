@@ -137,7 +137,24 @@ pub fn cdc_mode(conn: &mut PgConnection) -> Result<Option<CdcMode>> {
          FROM outbox_cdc",
     )
     .load(conn)?;
-    Ok(rows.into_iter().next().map(|r| CdcMode {
+    let Some(r) = rows.into_iter().next() else {
+        return Ok(None);
+    };
+    // Both go into SQL as they are (setup, recovery, the switch back): a name nobody's
+    // config could have written is refused, not run.
+    for (field, name) in [
+        ("outbox_cdc.slot_name", &r.slot_name),
+        ("outbox_cdc.publication", &r.publication),
+    ] {
+        if !crate::config::is_name(name) {
+            return Err(outbox_core::InvalidConfig::new(
+                field,
+                format!("`{name}` is no slot or publication name this relay makes"),
+            )
+            .into());
+        }
+    }
+    Ok(Some(CdcMode {
         slot: r.slot_name,
         publication: r.publication,
         since: r.since,
@@ -355,10 +372,10 @@ fn ensure_publication(conn: &mut PgConnection, name: &str) -> Result<bool> {
         format!(
             // The options first: a column list on a partitioned table needs
             // publish_via_partition_root.
-            "ALTER PUBLICATION {name} SET ({options}); ALTER PUBLICATION {name} SET TABLE {table}"
+            "ALTER PUBLICATION \"{name}\" SET ({options}); ALTER PUBLICATION \"{name}\" SET TABLE {table}"
         )
     } else {
-        format!("CREATE PUBLICATION {name} FOR TABLE {table} WITH ({options})")
+        format!("CREATE PUBLICATION \"{name}\" FOR TABLE {table} WITH ({options})")
     })?;
     Ok(true)
 }
@@ -643,7 +660,10 @@ fn switch_locked(conn: &mut PgConnection) -> Result<SwitchReport> {
         .execute(c)? as u64;
         let parked = diesel::sql_query("DELETE FROM outbox_cdc_parked").execute(c)? as u64;
         diesel::sql_query("DELETE FROM outbox_cdc").execute(c)?;
-        c.batch_execute(&format!("DROP PUBLICATION IF EXISTS {}", mode.publication))?;
+        c.batch_execute(&format!(
+            "DROP PUBLICATION IF EXISTS \"{}\"",
+            mode.publication
+        ))?;
         Ok::<_, CdcError>(SwitchReport {
             marked_sent,
             relayed_through: mode.relayed_through,
@@ -716,7 +736,9 @@ pub fn lag(conn: &mut PgConnection) -> Result<Lag> {
     )
     .get_result(conn)?;
     let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
-    let reporting = r.silent_ms.is_some_and(|s| s <= 3 * r.report_every_ms);
+    let reporting = r
+        .silent_ms
+        .is_some_and(|s| s <= r.report_every_ms.saturating_mul(3));
     let behind = r.bytes.is_some_and(|b| b > 0);
     let oldest = match (r.unconfirmed_ms, reporting) {
         (Some(age), true) => Some(ms(age)),
@@ -756,18 +778,26 @@ pub fn redrive(conn: &mut PgConnection, ids: Option<&[i64]>) -> Result<u64> {
     Ok(changed as u64)
 }
 
+/// Retentions are capped at 1000 years, as `outbox_diesel::purge_sent`'s: nothing
+/// stored is older, and a longer interval leaves the timestamps' range (PostgreSQL
+/// refuses the cut; on MariaDB it would be NULL and match nothing, silently).
+pub(crate) const MAX_RETENTION: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
 /// Retention of the unpartitioned layout in CDC mode (what `outbox purge` must call
 /// then): deletes up to `limit` rows the CDC relay published (NEW, up to the relayed
 /// watermark, not parked, not in the backfill still to do) that were emitted more than
 /// `older_than` ago, oldest first, and SENT rows as old (published before CDC mode).
 /// DEAD rows stay. Returns how many rows were deleted; call it until it returns less than
-/// `limit`. On the partitioned layout dropping partitions does this without deletes
-/// ([`outbox_diesel::maintain_partitions`]).
+/// `limit` (at least 1). On the partitioned layout dropping partitions does this without
+/// deletes ([`outbox_diesel::maintain_partitions`]).
 pub fn purge_relayed(conn: &mut PgConnection, older_than: Duration, limit: u32) -> Result<u64> {
+    if limit == 0 {
+        return Err(outbox_core::InvalidConfig::new("limit", "must be at least 1").into());
+    }
     let Some(mode) = cdc_mode(conn)? else {
         return Err(CdcError::NotSetUp);
     };
-    let secs = i64::try_from(older_than.as_secs()).unwrap_or(i64::MAX);
+    let secs = i64::try_from(older_than.min(MAX_RETENTION).as_secs()).unwrap_or(i64::MAX);
     Ok(diesel::sql_query(
         "DELETE FROM outbox WHERE id IN (SELECT o.id FROM outbox o \
          WHERE o.created_at < now() - make_interval(secs => $1) \

@@ -9,7 +9,9 @@ use crate::{CdcError, Result};
 ///
 /// `sslmode` takes libpq's values: `disable` (the default), `prefer`, `require`,
 /// `verify-ca`, `verify-full`; `sslrootcert=<path>` names the CA file for the verifying
-/// modes (without it, the Mozilla roots). Other parameters are ignored.
+/// modes (without it, the Mozilla roots). `user`, `password`, `dbname`, `host` and
+/// `port` in the query override the URL's parts, as in libpq. Other parameters are
+/// ignored.
 ///
 /// A Unix-domain socket is chosen as libpq chooses it, so that the replication
 /// connection goes where the SQL pool's connections go: a host that is a directory
@@ -48,26 +50,26 @@ impl ReplicationTarget {
         if !matches!(url.scheme(), "postgres" | "postgresql") {
             return Err(bad("the scheme must be postgres:// or postgresql://"));
         }
+        // Percent-decoding only, as libpq reads a URL (`+` stays a plus).
         let decode = |s: &str| {
-            url::form_urlencoded::parse(format!("v={s}").as_bytes())
-                .next()
-                .map(|(_, v)| v.into_owned())
-                .unwrap_or_default()
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
         };
-        let mut host = url
-            .host_str()
-            .filter(|h| host_given && !h.is_empty())
-            .map(decode);
+        let mut host = match url.host() {
+            // Without its brackets, as a socket address takes it.
+            Some(url::Host::Ipv6(address)) => Some(address.to_string()),
+            _ => url
+                .host_str()
+                .filter(|h| host_given && !h.is_empty())
+                .map(decode),
+        };
         let mut port = url.port();
-        let user = match url.username() {
-            "" => "postgres".to_owned(),
-            u => decode(u),
-        };
-        let password = url.password().map(decode).unwrap_or_default();
-        let database = match url.path().trim_start_matches('/') {
-            "" => user.clone(),
-            db => decode(db),
-        };
+        let mut user = Some(url.username()).filter(|u| !u.is_empty()).map(decode);
+        let mut password = url.password().map(decode);
+        let mut database = Some(url.path().trim_start_matches('/'))
+            .filter(|d| !d.is_empty())
+            .map(decode);
         let mut mode = SslMode::Disable;
         let mut root = None;
         for (k, v) in url.query_pairs() {
@@ -84,6 +86,9 @@ impl ReplicationTarget {
                 }
                 "sslrootcert" => root = Some(std::path::PathBuf::from(&*v)),
                 "host" if !v.is_empty() => host = Some(v.into_owned()),
+                "user" => user = Some(v.into_owned()),
+                "password" => password = Some(v.into_owned()),
+                "dbname" => database = Some(v.into_owned()),
                 "port" => {
                     port = Some(
                         v.parse()
@@ -93,6 +98,9 @@ impl ReplicationTarget {
                 _ => {}
             }
         }
+        let user = user.unwrap_or_else(|| "postgres".to_owned());
+        let database = database.unwrap_or_else(|| user.clone());
+        let password = password.unwrap_or_default();
         let port = port.unwrap_or(5432);
         let host = host.unwrap_or_else(|| default_host(port));
         if host.starts_with('/') {
@@ -221,6 +229,25 @@ mod tests {
                 t.password.as_str()
             ),
             ("/run/pg", 5433, "app", "pw")
+        );
+        let t = ReplicationTarget::from_url("postgres://a+b:p+w%40@[::1]:6000/my+db").unwrap();
+        assert_eq!(
+            (
+                t.host.as_str(),
+                t.port,
+                t.user.as_str(),
+                t.password.as_str(),
+                t.database.as_str()
+            ),
+            ("::1", 6000, "a+b", "p+w@", "my+db")
+        );
+        let t = ReplicationTarget::from_url(
+            "postgres://h/shop?user=relay&password=s%26cret&dbname=orders",
+        )
+        .unwrap();
+        assert_eq!(
+            (t.user.as_str(), t.password.as_str(), t.database.as_str()),
+            ("relay", "s&cret", "orders")
         );
         let t = ReplicationTarget::from_url("postgres://%2Frun%2Fpg/shop").unwrap();
         assert_eq!(t.host, "/run/pg");

@@ -514,3 +514,39 @@ async fn a_socket_url_relays_through_the_unix_socket() {
     stop.send(()).unwrap();
     task.await.unwrap().expect("relay ends cleanly");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn names_go_into_sql_quoted_and_a_tampered_record_is_refused() {
+    let db = Db::start(false);
+    // A reserved word is a name PostgreSQL takes only quoted.
+    let config = fast().with_publication("select");
+    db.setup(&config);
+    let (publisher, name) = publisher();
+    let (stop, task) = spawn_relay(&db, publisher, config);
+    insert_each(&db, "k", 0..3);
+    let all: Vec<String> = (0..3).map(|n| msg_id("k", n)).collect();
+    assert_eq!(wait_for_all(&name, &all), all);
+    stop.send(()).unwrap();
+    task.await.unwrap().expect("relay ends cleanly");
+
+    // Purging in batches of none would never end: refused.
+    assert!(matches!(
+        outbox_cdc::purge_relayed(&mut db.conn(), Duration::from_secs(1), 0),
+        Err(outbox_cdc::CdcError::Config(_))
+    ));
+
+    // A recorded name no config could have written is refused before any SQL runs it.
+    db.conn()
+        .batch_execute("UPDATE outbox_cdc SET publication = 'x; DROP TABLE outbox'")
+        .unwrap();
+    let err = outbox_cdc::switch_to_polling(&mut db.conn()).unwrap_err();
+    assert!(
+        matches!(&err, outbox_cdc::CdcError::Config(e) if e.field() == "outbox_cdc.publication"),
+        "{err}"
+    );
+    assert_eq!(
+        db.scalar("SELECT (to_regclass('outbox') IS NOT NULL)::int::bigint AS v"),
+        1,
+        "the outbox table is still there"
+    );
+}

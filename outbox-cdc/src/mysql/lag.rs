@@ -78,7 +78,7 @@ pub async fn lag(conn: &mut Conn) -> Result<BinlogLag> {
         row.ok_or(CdcError::NotSetUp)?;
     // The write of the stored position is logged after it: not a transaction to relay.
     let transactions_behind = position.behind(&server_position).saturating_sub(1);
-    let reporting = silent_ms.is_some_and(|s| s <= 3 * every_ms);
+    let reporting = silent_ms.is_some_and(|s| s <= every_ms.saturating_mul(3));
     let position_lost = purged_through(conn)
         .await
         .is_some_and(|purged| !position.covers(&purged));

@@ -11,11 +11,6 @@ use mysql_async::prelude::Queryable as _;
 use super::setup::cdc_mode;
 use crate::{CdcError, Result};
 
-/// Retentions are capped at 1000 years, as `outbox_diesel::purge_sent`'s: nothing
-/// stored is older, and a longer interval leaves `DATETIME`'s range (the cut would be
-/// NULL and match nothing, silently).
-const MAX_RETENTION: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
-
 /// The rows a purge may delete, as a condition on `outbox o`: emitted before the cut
 /// (`?`, microseconds ago), and either SENT (published before CDC mode, or by the retry
 /// round) or NEW and known to be published: up to the relayed watermark, not in the
@@ -47,7 +42,8 @@ pub async fn purge_relayed(conn: &mut Conn, older_than: Duration, limit: u32) ->
         return Err(outbox_core::InvalidConfig::new("limit", "must be at least 1").into());
     }
     cdc_mode(conn).await?.ok_or(CdcError::NotSetUp)?;
-    let micros = i64::try_from(older_than.min(MAX_RETENTION).as_micros()).unwrap_or(i64::MAX);
+    let micros =
+        i64::try_from(older_than.min(crate::setup::MAX_RETENTION).as_micros()).unwrap_or(i64::MAX);
     let ids: Vec<i64> = conn
         .exec(
             format!("SELECT o.id FROM outbox o WHERE {PURGEABLE} ORDER BY o.id LIMIT ?"),
