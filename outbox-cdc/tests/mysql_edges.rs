@@ -765,3 +765,20 @@ async fn a_server_restart_mid_stream_loses_nothing_and_keeps_the_order() {
     assert_eq!(firsts(&without_fence(&got)), ids("r", 0..9));
     stop(relay).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_spelling_the_database_in_other_case_still_relays_under_lower_case_names() {
+    // lower_case_table_names = 1 (a server configured as on Windows or macOS): the
+    // URL's `TEST` is the database `test`, which the binlog names in lower case.
+    let db = Db::start_with(&["--lower-case-table-names=1"]).await;
+    let url = db.url.replace("/test", "/TEST");
+    let (p, name) = publisher();
+    let relay = spawn_relay_at(&url, p);
+    let mut c = db.conn().await;
+    for n in 0..3 {
+        insert(&mut c, "u", n).await;
+    }
+    let got = fence(&db, &name).await;
+    assert_eq!(without_fence(&got), ids("u", 0..3), "every row, once");
+    stop(relay).await;
+}

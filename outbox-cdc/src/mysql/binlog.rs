@@ -88,7 +88,15 @@ impl Binlog {
         conn.query_drop(format!("SET @master_heartbeat_period = {nanos}"))
             .await
             .map_err(replication)?;
-        let database = opts.db_name().unwrap_or_default().to_owned();
+        // The server's spelling of the URL's database, which the binlog's table maps
+        // carry: under lower_case_table_names = 1 a URL's `Shop` is `shop` there, and a
+        // comparison with the URL's spelling would pass every row by.
+        let database: Option<String> = conn
+            .query_first("SELECT DATABASE()")
+            .await
+            .map_err(replication)?
+            .flatten();
+        let database = database.unwrap_or_else(|| opts.db_name().unwrap_or_default().to_owned());
         let request = BinlogStreamRequest::new(server_id)
             .with_filename(b"")
             .with_pos(4);
