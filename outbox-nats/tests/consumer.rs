@@ -591,3 +591,59 @@ async fn a_durable_consumer_with_another_ack_wait_is_refused() {
     );
     assert!(!other.health().running);
 }
+
+/// Sleeps before it adds the points: a handler slower than the pull's wait.
+#[derive(Clone, Default)]
+struct SlowPoints {
+    calls: Arc<AtomicU32>,
+}
+
+impl Handler<PointsEarned> for SlowPoints {
+    type Conn = MemoryTx<Ledger>;
+    fn handle(
+        &self,
+        e: PointsEarned,
+        tx: &mut Self::Conn,
+        _: &Delivery,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(60));
+        *tx.data().entry(e.who).or_default() += e.points;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_slower_to_handle_than_its_wait_is_finished_not_dropped() {
+    let f = Fixture::new().await;
+    let events: Vec<PointsEarned> = (0..60)
+        .map(|i| earned(&format!("s{i}"), "sam", 1))
+        .collect();
+    f.publish(&events).await;
+    let db = MemoryDb::new(Ledger::new());
+    let handler = SlowPoints::default();
+    // One pull of 60, one at a time: 3.6 s of handling against a 0.2 s wait.
+    let consumer = Consumer::builder(f.client.clone(), unique("g").as_str())
+        .handle::<PointsEarned, _>(handler.clone())
+        .idempotency(db.clone())
+        .with_config(f.config().with_max_in_flight(1).with_max_deliveries(1))
+        .build()
+        .unwrap();
+    let running = spawn(&consumer);
+    outbox_tests::eventually_within("all 60 applied", Duration::from_secs(20), || {
+        consumer.stats().consumed == 60
+    })
+    .await;
+    assert_eq!(db.read(|l| l["sam"]), 60);
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        60,
+        "each handled once"
+    );
+    assert_eq!(
+        consumer.stats().dead_lettered,
+        0,
+        "nothing dead-lettered unrun"
+    );
+    stop(running).await;
+}

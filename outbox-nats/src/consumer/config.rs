@@ -195,7 +195,9 @@ impl ConsumerConfig {
     }
 
     /// Checks every field: counts above zero, `nak_delay <= nak_max_delay`, an
-    /// `ack_wait` of at least a second, the naming and the stream settings.
+    /// `ack_wait` of at least a second, every duration at most a day (as the Redis
+    /// consumer's: a century would overflow the clock where a wait is added to it), the
+    /// outage backoff, the naming and the stream settings.
     pub fn validate(&self) -> Result<(), InvalidConfig> {
         self.naming.validate()?;
         self.streams.validate()?;
@@ -220,6 +222,20 @@ impl ConsumerConfig {
                 "must be at least one second",
             ));
         }
+        const DAY: Duration = Duration::from_secs(24 * 3600);
+        for (field, duration) in [
+            ("fetch_wait", self.fetch_wait),
+            ("ack_wait", self.ack_wait),
+            ("nak_max_delay", self.nak_max_delay),
+            ("shutdown_timeout", self.shutdown_timeout),
+        ] {
+            if duration > DAY {
+                return Err(InvalidConfig::new(field, "must be at most a day"));
+            }
+        }
+        self.outage_backoff
+            .validate()
+            .map_err(|e| e.in_field("outage_backoff"))?;
         if self.nak_delay > self.nak_max_delay {
             return Err(InvalidConfig::new(
                 "nak_delay",
@@ -257,5 +273,37 @@ mod tests {
         let c = ConsumerConfig::default().with_max_deliveries(0);
         assert_eq!(c.validate().unwrap_err().field(), "max_deliveries");
         assert!(ConsumerConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn durations_past_a_day_and_a_backwards_backoff_are_refused() {
+        for (c, field) in [
+            (
+                ConsumerConfig::default().with_fetch_wait(Duration::MAX),
+                "fetch_wait",
+            ),
+            (
+                ConsumerConfig::default().with_ack_wait(Duration::MAX),
+                "ack_wait",
+            ),
+            (
+                ConsumerConfig::default().with_shutdown_timeout(Duration::MAX),
+                "shutdown_timeout",
+            ),
+            (
+                ConsumerConfig::default().with_nak_delays(Duration::MAX, Duration::MAX),
+                "nak_max_delay",
+            ),
+            (
+                ConsumerConfig::default().with_outage_backoff(
+                    OutageBackoff::default()
+                        .with_min(Duration::from_secs(9))
+                        .with_max(Duration::from_secs(1)),
+                ),
+                "outage_backoff.min",
+            ),
+        ] {
+            assert_eq!(c.validate().unwrap_err().field(), field);
+        }
     }
 }

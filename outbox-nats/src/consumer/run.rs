@@ -200,16 +200,27 @@ where
             .messages()
             .await
             .map_err(|e| e.to_string())?;
-        // A pull the server does not end (the connection dropped) is cut off here; the
-        // messages already taken are still finished.
+        // A pull the server does not end (the connection dropped) is cut off: each wait
+        // for its next message is bounded. What the server already sent is finished,
+        // however long the handlers take: a deadline on the whole pull left the rest of
+        // a slow pull unacknowledged, and their redeliveries counted toward the limit.
         let cut_off = AtomicBool::new(false);
-        let deadline = async {
-            tokio::time::sleep(config.fetch_wait + Duration::from_secs(2)).await;
-            cut_off.store(true, Ordering::Relaxed);
-        };
+        let silence = config.fetch_wait.saturating_add(Duration::from_secs(2));
+        let messages = futures_util::stream::unfold(messages, |mut messages| {
+            let cut_off = &cut_off;
+            async move {
+                match tokio::time::timeout(silence, messages.next()).await {
+                    Ok(next) => next.map(|m| (m, messages)),
+                    Err(_) => {
+                        cut_off.store(true, Ordering::Relaxed);
+                        None
+                    }
+                }
+            }
+        });
         let outage = AtomicBool::new(false);
         let failed = std::sync::Mutex::new(None::<String>);
-        let jobs = messages.take_until(deadline).filter_map(|m| {
+        let jobs = messages.filter_map(|m| {
             let job = match m {
                 Ok(msg) => Job::new(msg, topic),
                 Err(e) => {
