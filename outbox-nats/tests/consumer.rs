@@ -647,3 +647,80 @@ async fn a_pull_slower_to_handle_than_its_wait_is_finished_not_dropped() {
     );
     stop(running).await;
 }
+
+/// The in-memory inbox, down (an outage) until `up_at`; shared by the processes of a
+/// group.
+#[derive(Clone)]
+struct DownUntil {
+    db: MemoryDb<Ledger>,
+    up_at: std::time::Instant,
+}
+
+impl outbox_core::Inbox for DownUntil {
+    type Conn = MemoryTx<Ledger>;
+
+    fn process<F>(
+        &self,
+        group: &str,
+        msg_id: &outbox_core::MsgId,
+        handle: F,
+    ) -> outbox_core::Result<outbox_core::Processed>
+    where
+        F: FnOnce(&mut MemoryTx<Ledger>) -> Result<(), HandlerError>,
+    {
+        if std::time::Instant::now() < self.up_at {
+            return Err(outbox_core::Error::store("connection refused"));
+        }
+        outbox_core::Inbox::process(&self.db, group, msg_id, handle)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_spends_no_delivery_with_two_processes_of_the_group() {
+    let f = Fixture::new().await;
+    let events: Vec<PointsEarned> = (0..10)
+        .map(|i| earned(&format!("o{i}"), "oli", 1))
+        .collect();
+    f.publish(&events).await;
+    let db = MemoryDb::new(Ledger::new());
+    // Down for 4 s: many outage backoffs, and longer than the limit of 2 deliveries
+    // would allow if each try were a delivery.
+    let inbox = DownUntil {
+        db: db.clone(),
+        up_at: std::time::Instant::now() + Duration::from_secs(4),
+    };
+    let group = unique("g");
+    let handler = AddPoints::default();
+    let config = f.config().with_max_deliveries(2).with_outage_backoff(
+        outbox_core::OutageBackoff::default()
+            .with_min(Duration::from_millis(100))
+            .with_max(Duration::from_millis(400)),
+    );
+    let process = || {
+        Consumer::builder(f.client.clone(), group.as_str())
+            .handle::<PointsEarned, _>(handler.clone())
+            .idempotency(inbox.clone())
+            .with_config(config.clone())
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (process(), process());
+    let (run_a, run_b) = (spawn(&a), spawn(&b));
+    outbox_tests::eventually_within("all 10 applied", Duration::from_secs(30), || {
+        a.stats().consumed + b.stats().consumed == 10
+    })
+    .await;
+    assert_eq!(db.read(|l| l["oli"]), 10);
+    assert_eq!(
+        a.stats().dead_lettered + b.stats().dead_lettered,
+        0,
+        "nothing dead-lettered unrun"
+    );
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        10,
+        "each handled once"
+    );
+    stop(run_a).await;
+    stop(run_b).await;
+}

@@ -178,7 +178,6 @@ impl<C: 'static, I: ConsumerStore<Conn = C>> ConsumerBuilder<C, I> {
                 config: self.config,
                 counters: Default::default(),
                 health: Default::default(),
-                outages: Default::default(),
             }),
         })
     }

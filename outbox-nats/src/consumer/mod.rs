@@ -14,8 +14,7 @@
 //! The idempotency store ([`ConsumerStore`], [`AsyncStore`]) and where the work runs
 //! ([`Executor`]) are outbox-core's, shared with outbox-redis.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_nats::jetstream;
 use outbox_core::__private::consumer::Executor;
@@ -123,10 +122,6 @@ pub(crate) struct Inner<I, C> {
     config: ConsumerConfig,
     counters: Counters,
     health: HealthState,
-    /// Deliveries of a message (by stream and sequence) that met an outage of the
-    /// store: not counted against the delivery limit. Entries leave when their message
-    /// is acknowledged or dead-lettered.
-    outages: Mutex<HashMap<(Arc<str>, u64), u64>>,
 }
 
 impl<I, C> Consumer<I, C>

@@ -1,20 +1,18 @@
 //! A message or a batch through the store, then its ack, nak or dead letter.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::PublishMessage;
 use outbox_core::__private::consumer::StoreRun;
 use outbox_core::{ConsumerStore, Delivery, Envelope, Processed, error_chain};
+use tokio::sync::watch;
 
 use super::Consumer;
 use super::health::Count;
 use super::screen::{Job, Screened};
 use crate::dead_letters::dead_letter_headers;
-
-/// The most messages whose outage deliveries a consumer remembers.
-const MAX_OUTAGE_ENTRIES: usize = 100_000;
 
 /// How the work on one message ended, for the reader's backoff.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,25 +23,59 @@ pub(crate) enum Outcome {
     Outage,
 }
 
+/// One try at a message: its outcome, or the store could not decide it yet.
+enum Step {
+    Done(Outcome),
+    /// A store outage (`true`) or a conflict: the message is held and run again.
+    Again {
+        outage: bool,
+    },
+}
+
 impl<I, C> Consumer<I, C>
 where
     I: ConsumerStore<Conn = C>,
     C: 'static,
 {
-    /// One message in its own transaction (single mode).
-    pub(crate) async fn process(&self, job: Job) -> Outcome {
-        let delivery = match self.screen(&job) {
+    /// One message in its own transaction (single mode). A store outage or a conflict
+    /// holds it in hand and runs it again (see [`hold`](Self::hold)); `stop` ends the
+    /// wait.
+    pub(crate) async fn process(&self, job: Job, stop: &watch::Receiver<bool>) -> Outcome {
+        let mut outages = 0;
+        loop {
+            let outage = match self.try_once(&job).await {
+                Step::Done(outcome) => return outcome,
+                Step::Again { outage } => outage,
+            };
+            let delay = if outage {
+                outages += 1;
+                self.outage_delay(outages)
+            } else {
+                self.inner.config.nak_delay
+            };
+            if !self.hold(&job, delay, stop).await {
+                return Outcome::Outage;
+            }
+        }
+    }
+
+    async fn try_once(&self, job: &Job) -> Step {
+        let delivery = match self.screen(job) {
             Screened::Acknowledge(count) => {
                 self.count(count, 1);
-                return self.ack(&job).await;
+                return Step::Done(self.ack(job).await);
             }
-            Screened::DeadLetter(reason) => return self.dead_letter(&job, &reason).await,
-            Screened::OverLimit(envelope) => return self.over_limit(&job, &envelope).await,
+            Screened::DeadLetter(reason) => {
+                return Step::Done(self.dead_letter(job, &reason).await);
+            }
+            Screened::OverLimit(envelope) => return self.over_limit(job, &envelope).await,
             Screened::Deliver(delivery) => delivery,
         };
         let prepared = match self.inner.dispatcher.prepare(&delivery.envelope) {
             Ok(prepared) => prepared,
-            Err(e) => return self.dead_letter(&job, &error_chain(&e).to_string()).await,
+            Err(e) => {
+                return Step::Done(self.dead_letter(job, &error_chain(&e).to_string()).await);
+            }
         };
         let inner = Arc::clone(&self.inner);
         let run = self
@@ -51,25 +83,50 @@ where
             .executor
             .run(async move { inner.inbox.run_one(&inner.group, prepared, &delivery).await })
             .await;
-        self.settle(&job, run).await
+        self.settle(job, run).await
+    }
+
+    /// Keeps `job` in hand for `delay`, telling the server it is in progress (its
+    /// `ack_wait` starts again) so that it is not delivered again meanwhile: a
+    /// redelivery, to this process or another, would count against the limit, and the
+    /// store being down is not the message's fault. False, after a nak, when the run is
+    /// stopped: the message's next delivery then counts.
+    async fn hold(&self, job: &Job, delay: Duration, stop: &watch::Receiver<bool>) -> bool {
+        let mut stop = stop.clone();
+        let beat = self.inner.config.ack_wait / 3;
+        let until = Instant::now() + delay;
+        loop {
+            if *stop.borrow() {
+                self.nak(job, None).await;
+                return false;
+            }
+            if let Err(e) = job.msg.ack_with(AckKind::Progress).await {
+                tracing::debug!(entry_id = %job.entry_id(), error = %e, "cannot tell the server the message is in progress");
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(left.min(beat)) => {}
+                _ = stop.changed() => {}
+            }
+        }
     }
 
     /// The end of a message's store run.
-    async fn settle(&self, job: &Job, run: StoreRun<Processed>) -> Outcome {
-        match run {
+    async fn settle(&self, job: &Job, run: StoreRun<Processed>) -> Step {
+        Step::Done(match run {
             StoreRun::Done(processed) => self.applied(job, processed).await,
-            StoreRun::Failed(e) if e.is_outage() => self.store_outage(job, &e).await,
-            // A conflict (deadlock, serialization failure): again soon, uncounted.
-            StoreRun::Failed(e) if e.is_transient() => {
-                self.uncount(job);
-                self.nak(job, Some(self.inner.config.nak_delay)).await
-            }
+            StoreRun::Failed(e) if e.is_outage() => return self.store_outage(job, &e),
+            // A conflict (deadlock, serialization failure): again soon.
+            StoreRun::Failed(e) if e.is_transient() => return Step::Again { outage: false },
             StoreRun::Failed(e) if e.is_poison() => {
                 self.dead_letter(job, &error_chain(&e).to_string()).await
             }
             StoreRun::Failed(e) => self.failed(job, &error_chain(&e).to_string()).await,
             StoreRun::Crashed(crash) => self.failed(job, &crash).await,
-        }
+        })
     }
 
     async fn applied(&self, job: &Job, processed: Processed) -> Outcome {
@@ -84,28 +141,13 @@ where
         self.ack(job).await
     }
 
-    /// The store could not be reached: the delivery is not counted, and the message
-    /// comes back after the outage backoff.
-    async fn store_outage(&self, job: &Job, e: &outbox_core::Error) -> Outcome {
+    /// The store could not be reached: noted, and the message held and run again.
+    fn store_outage(&self, job: &Job, e: &outbox_core::Error) -> Step {
         self.count(Count::Failure, 1);
         let reason = error_chain(e).to_string();
-        let outages = self.inner.health.store_failed(&reason);
-        tracing::warn!(entry_id = %job.entry_id(), %reason, "idempotency store unavailable; the message will be retried");
-        self.uncount(job);
-        let delay = self.outage_delay(outages);
-        self.nak(job, Some(delay)).await;
-        Outcome::Outage
-    }
-
-    /// Notes a delivery of `job` that does not count against the limit.
-    fn uncount(&self, job: &Job) {
-        let mut outages = self.inner.outages.lock().unwrap_or_else(|p| p.into_inner());
-        // Bounded: entries of messages another process finished never leave otherwise.
-        // Forgetting them only lets those messages count outages as deliveries.
-        if outages.len() >= MAX_OUTAGE_ENTRIES {
-            outages.clear();
-        }
-        *outages.entry(job.key()).or_default() += 1;
+        self.inner.health.store_failed(&reason);
+        tracing::warn!(entry_id = %job.entry_id(), %reason, "idempotency store unavailable; the message is held and tried again");
+        Step::Again { outage: true }
     }
 
     /// The outage backoff after `n` failures in a row.
@@ -120,7 +162,7 @@ where
     async fn failed(&self, job: &Job, reason: &str) -> Outcome {
         self.count(Count::Failure, 1);
         self.inner.health.store_answered();
-        let delivered = self.counted_deliveries(job);
+        let delivered = job.delivered.max(1);
         if delivered >= self.inner.config.max_deliveries {
             tracing::warn!(entry_id = %job.entry_id(), %reason, "handler failed on its last delivery");
             return self.dead_letter(job, reason).await;
@@ -133,12 +175,11 @@ where
     /// Delivered past the limit without an outcome (its consumers crashed or stalled
     /// past `ack_wait` each time): dead-lettered without running its handler, unless
     /// the inbox shows it was applied and only its ack was lost.
-    async fn over_limit(&self, job: &Job, envelope: &Envelope) -> Outcome {
+    async fn over_limit(&self, job: &Job, envelope: &Envelope) -> Step {
         let inner = &self.inner;
         let reason = format!(
             "delivery limit exceeded: delivered {} times (limit {}) without being processed",
-            self.counted_deliveries(job),
-            inner.config.max_deliveries
+            job.delivered, inner.config.max_deliveries
         );
         // Where the store's work runs: a blocking inbox must not hold a runtime thread.
         let (store, msg_id, refusal) = (Arc::clone(inner), envelope.msg_id.clone(), reason.clone());
@@ -150,21 +191,19 @@ where
                     .await
             })
             .await;
-        match asked {
+        Step::Done(match asked {
             StoreRun::Done(Processed::Duplicate) => self.applied(job, Processed::Duplicate).await,
-            StoreRun::Failed(e) if e.is_outage() => self.store_outage(job, &e).await,
-            StoreRun::Failed(e) if e.is_transient() => {
-                self.nak(job, Some(inner.config.nak_delay)).await
-            }
+            StoreRun::Failed(e) if e.is_outage() => return self.store_outage(job, &e),
+            StoreRun::Failed(e) if e.is_transient() => return Step::Again { outage: false },
             _ => self.dead_letter(job, &reason).await,
-        }
+        })
     }
 
     /// Copies the message to the dead-letter stream with `reason`, then acknowledges
     /// it. Should the copy fail, the message stays pending and comes back.
     pub(crate) async fn dead_letter(&self, job: &Job, reason: &str) -> Outcome {
         let inner = &self.inner;
-        let headers = dead_letter_headers(job, &inner.group, reason, self.counted_deliveries(job));
+        let headers = dead_letter_headers(job, &inner.group, reason, job.delivered);
         let subject = inner
             .config
             .naming
@@ -190,11 +229,6 @@ where
 
     /// Acknowledges the message: it is done for this group.
     pub(crate) async fn ack(&self, job: &Job) -> Outcome {
-        self.inner
-            .outages
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&job.key());
         self.reply(job, AckKind::Ack).await
     }
 
@@ -218,79 +252,114 @@ where
     }
 
     /// A batch of messages in one transaction (batch mode); those that need no store
-    /// run are settled first, one by one.
-    pub(crate) async fn process_batch(&self, jobs: Vec<Job>) -> Outcome {
+    /// run are settled first, one by one. A store outage holds the batch in hand and
+    /// runs it again; a message the store could not decide in the batch goes on alone.
+    pub(crate) async fn process_batch(
+        &self,
+        jobs: Vec<Job>,
+        stop: &watch::Receiver<bool>,
+    ) -> Outcome {
         let mut outage = false;
         let mut through: Vec<(Job, Delivery)> = Vec::with_capacity(jobs.len());
         for job in jobs {
-            let outcome = match self.screen(&job) {
+            let step = match self.screen(&job) {
                 Screened::Deliver(delivery) => {
                     through.push((job, delivery));
                     continue;
                 }
                 Screened::Acknowledge(count) => {
                     self.count(count, 1);
-                    self.ack(&job).await
+                    Step::Done(self.ack(&job).await)
                 }
-                Screened::DeadLetter(reason) => self.dead_letter(&job, &reason).await,
+                Screened::DeadLetter(reason) => Step::Done(self.dead_letter(&job, &reason).await),
                 Screened::OverLimit(envelope) => self.over_limit(&job, &envelope).await,
             };
-            outage |= outcome == Outcome::Outage;
+            outage |= self.finish(job, step, stop).await == Outcome::Outage;
         }
         if through.is_empty() {
-            return if outage {
-                Outcome::Outage
-            } else {
-                Outcome::Done
-            };
+            return Outcome::of(outage);
         }
-        let (jobs, deliveries): (Vec<Job>, Vec<Delivery>) = through.into_iter().unzip();
-        let inner = Arc::clone(&self.inner);
-        let run = self
-            .inner
-            .executor
-            .run(async move {
-                let run = inner
-                    .inbox
-                    .run_batch(&inner.dispatcher, &inner.group, &deliveries)
+        let (jobs, mut deliveries): (Vec<Job>, Vec<Delivery>) = through.into_iter().unzip();
+        let mut outages = 0;
+        let outcomes = loop {
+            let inner = Arc::clone(&self.inner);
+            let (run, back) = self
+                .inner
+                .executor
+                .run(async move {
+                    let run = inner
+                        .inbox
+                        .run_batch(&inner.dispatcher, &inner.group, &deliveries)
+                        .await;
+                    (run, deliveries)
+                })
+                .await;
+            deliveries = back;
+            match run {
+                StoreRun::Done(outcomes) if outcomes.len() == jobs.len() => break outcomes,
+                StoreRun::Failed(e) if e.is_outage() => {
+                    outages += 1;
+                    for job in &jobs {
+                        self.store_outage(job, &e);
+                    }
+                    let delay = self.outage_delay(outages);
+                    let held = futures_util::future::join_all(
+                        jobs.iter().map(|job| self.hold(job, delay, stop)),
+                    )
                     .await;
-                (run, deliveries)
-            })
-            .await;
-        let outcomes = match run {
-            (StoreRun::Done(outcomes), _) if outcomes.len() == jobs.len() => outcomes,
-            (StoreRun::Failed(e), _) if e.is_outage() => {
-                for job in &jobs {
-                    self.store_outage(job, &e).await;
+                    if !held.into_iter().all(|h| h) {
+                        return Outcome::Outage;
+                    }
                 }
-                return Outcome::Outage;
+                // The batch as a whole failed (a conflict, a crash): each alone, so that
+                // one message's fault costs only its own delivery.
+                _ => return self.one_by_one(jobs, outage, stop).await,
             }
-            // The batch as a whole failed (a conflict, a crash): each alone, so that
-            // one message's fault costs only its own delivery.
-            _ => return self.one_by_one(jobs, outage).await,
         };
-        for (job, outcome) in jobs.iter().zip(outcomes) {
+        for (job, outcome) in jobs.into_iter().zip(outcomes) {
             let run = match outcome {
                 Ok(processed) => StoreRun::Done(processed),
                 Err(e) => StoreRun::Failed(e),
             };
-            outage |= self.settle(job, run).await == Outcome::Outage;
+            let step = self.settle(&job, run).await;
+            outage |= self.finish(job, step, stop).await == Outcome::Outage;
         }
-        if outage {
-            Outcome::Outage
-        } else {
-            Outcome::Done
-        }
+        Outcome::of(outage)
     }
 
-    async fn one_by_one(&self, jobs: Vec<Job>, mut outage: bool) -> Outcome {
-        for job in jobs {
-            outage |= self.process(job).await == Outcome::Outage;
-        }
-        if outage {
-            Outcome::Outage
+    /// `step`'s outcome; a message the store could not decide yet is held, then goes on
+    /// alone.
+    async fn finish(&self, job: Job, step: Step, stop: &watch::Receiver<bool>) -> Outcome {
+        let outage = match step {
+            Step::Done(outcome) => return outcome,
+            Step::Again { outage } => outage,
+        };
+        let delay = if outage {
+            self.outage_delay(1)
         } else {
-            Outcome::Done
+            self.inner.config.nak_delay
+        };
+        if !self.hold(&job, delay, stop).await {
+            return Outcome::Outage;
         }
+        self.process(job, stop).await
+    }
+
+    async fn one_by_one(
+        &self,
+        jobs: Vec<Job>,
+        mut outage: bool,
+        stop: &watch::Receiver<bool>,
+    ) -> Outcome {
+        for job in jobs {
+            outage |= self.process(job, stop).await == Outcome::Outage;
+        }
+        Outcome::of(outage)
+    }
+}
+
+impl Outcome {
+    fn of(outage: bool) -> Self {
+        if outage { Self::Outage } else { Self::Done }
     }
 }

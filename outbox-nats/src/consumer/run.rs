@@ -161,7 +161,7 @@ where
                     }
                 }
             }
-            let outage = match self.pull(topic, &consumer).await {
+            let outage = match self.pull(topic, &consumer, &stop).await {
                 Ok(outage) => {
                     failures = 0;
                     health.answered();
@@ -187,7 +187,12 @@ where
     /// One pull: its messages applied as they arrive, concurrently in single mode, a
     /// batch of those ready at a time in batch mode. Returns whether one met an outage;
     /// `Err` when the pull itself failed.
-    async fn pull(&self, topic: &Topic, consumer: &PullConsumer) -> Result<bool, String> {
+    async fn pull(
+        &self,
+        topic: &Topic,
+        consumer: &PullConsumer,
+        stop: &watch::Receiver<bool>,
+    ) -> Result<bool, String> {
         let config = &self.inner.config;
         if self.inner.client.connection_state() != State::Connected {
             // A pull sent now would wait in the client's buffer: nothing to read.
@@ -233,7 +238,7 @@ where
         match config.batch_size {
             None => {
                 jobs.for_each_concurrent(config.max_in_flight, |job| async {
-                    if self.process(job).await == Outcome::Outage {
+                    if self.process(job, stop).await == Outcome::Outage {
                         outage.store(true, Ordering::Relaxed);
                     }
                 })
@@ -242,7 +247,7 @@ where
             Some(n) => {
                 let mut batches = std::pin::pin!(jobs.ready_chunks(n));
                 while let Some(batch) = batches.next().await {
-                    if self.process_batch(batch).await == Outcome::Outage {
+                    if self.process_batch(batch, stop).await == Outcome::Outage {
                         outage.store(true, Ordering::Relaxed);
                     }
                 }

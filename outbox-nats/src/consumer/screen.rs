@@ -1,7 +1,5 @@
 //! The checks every message meets before the store, in every mode.
 
-use std::sync::Arc;
-
 use async_nats::jetstream;
 use outbox_core::{ConsumerStore, Delivery, Envelope};
 
@@ -36,11 +34,6 @@ impl Job {
         })
     }
 
-    /// The key of its outage count: stream and sequence.
-    pub(crate) fn key(&self) -> (Arc<str>, u64) {
-        (Arc::clone(&self.topic.stream), self.seq)
-    }
-
     /// `<stream>:<sequence>`, the [`Delivery::entry_id`].
     pub(crate) fn entry_id(&self) -> String {
         format!("{}:{}", self.topic.stream, self.seq)
@@ -64,14 +57,6 @@ where
     I: ConsumerStore<Conn = C>,
     C: 'static,
 {
-    /// Deliveries of `job` that count against the limit: the server's count less those
-    /// that met an outage of the store.
-    pub(crate) fn counted_deliveries(&self, job: &Job) -> u64 {
-        let outages = self.inner.outages.lock().unwrap_or_else(|p| p.into_inner());
-        let met = outages.get(&job.key()).copied().unwrap_or(0);
-        job.delivered.saturating_sub(met).max(1)
-    }
-
     /// The checks before the store: a redrive for another group, the message's
     /// headers, the delivery limit, a handler for its type.
     pub(crate) fn screen(&self, job: &Job) -> Screened {
@@ -86,7 +71,7 @@ where
             Ok(envelope) => envelope,
             Err(e) => return Screened::DeadLetter(e.to_string()),
         };
-        let delivered = self.counted_deliveries(job);
+        let delivered = job.delivered.max(1);
         if delivered > inner.config.max_deliveries {
             return Screened::OverLimit(envelope);
         }
