@@ -100,6 +100,8 @@ where
                 self.nak(job, None).await;
                 return false;
             }
+            // A deliberate wait: the consumer is live (not ready: the store failed).
+            self.inner.health.round();
             if let Err(e) = job.msg.ack_with(AckKind::Progress).await {
                 tracing::debug!(entry_id = %job.entry_id(), error = %e, "cannot tell the server the message is in progress");
             }

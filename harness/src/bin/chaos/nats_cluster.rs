@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::BoxError;
 use crate::broker::BrokerServer;
-use crate::nats_server::{NatsServer, free_port};
+use crate::nats_server::{NatsServer, free_port, sent_between};
 
 pub(crate) struct NatsCluster {
     nodes: Vec<NatsServer>,
@@ -160,12 +160,7 @@ impl BrokerServer for NatsCluster {
         };
         let first = snapshot()?;
         std::thread::sleep(window);
-        let second = snapshot()?;
-        Ok(second
-            .into_iter()
-            .filter(|(name, n)| first.get(name).is_some_and(|before| n > before))
-            .map(|(name, _)| name)
-            .collect())
+        Ok(sent_between(&first, snapshot()?))
     }
     fn len(&self, stream: &str) -> Result<u64, BoxError> {
         self.running().len(stream)

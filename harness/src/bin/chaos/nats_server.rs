@@ -208,12 +208,7 @@ impl NatsServer {
     pub(crate) fn readers(&self, window: Duration) -> Result<HashSet<String>, BoxError> {
         let first = self.connz()?;
         std::thread::sleep(window);
-        let second = self.connz()?;
-        Ok(second
-            .into_iter()
-            .filter(|(name, n)| first.get(name).is_some_and(|before| n > before))
-            .map(|(name, _)| name)
-            .collect())
+        Ok(sent_between(&first, self.connz()?))
     }
 
     /// Named connections and the messages each has sent (`in_msgs`).
@@ -236,6 +231,20 @@ impl NatsServer {
             .filter_map(|c| Some((c["name"].as_str()?.to_owned(), c["in_msgs"].as_u64()?)))
             .collect())
     }
+}
+
+/// The connections of `second` that sent messages since `first`: those whose count
+/// grew, and those that connected in between (a consumer reconnecting after the
+/// window's first look, as after a broker outage that ends the run) and sent any.
+pub(crate) fn sent_between(
+    first: &HashMap<String, u64>,
+    second: HashMap<String, u64>,
+) -> HashSet<String> {
+    second
+        .into_iter()
+        .filter(|(name, n)| *n > first.get(name).copied().unwrap_or(0))
+        .map(|(name, _)| name)
+        .collect()
 }
 
 /// A loopback port that was free a moment ago.
