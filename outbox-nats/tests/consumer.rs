@@ -724,3 +724,39 @@ async fn a_store_outage_spends_no_delivery_with_two_processes_of_the_group() {
     stop(run_a).await;
     stop(run_b).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_near_the_streams_size_limit_is_still_dead_lettered() {
+    let f = Fixture::new().await;
+    // Topic streams take at most 1,000 bytes; the dead letter adds its headers and
+    // reason to a message that fit.
+    let streams = outbox_nats::StreamSettings::default().with_max_message_size(1000);
+    let publisher = NatsPublisher::new(
+        f.client.clone(),
+        PublisherConfig::default()
+            .with_naming(f.naming.clone())
+            .with_streams(streams.clone()),
+    )
+    .unwrap();
+    let big = earned("poison-big", &"w".repeat(600), 1);
+    let batch = [StoredMessage {
+        id: 1,
+        retries: 0,
+        envelope: Envelope::from_event(&big, 1 << 20).unwrap(),
+    }];
+    let outcomes = publisher.publish(&batch).await.unwrap();
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    let db = MemoryDb::new(Ledger::new());
+    let consumer = Consumer::builder(f.client.clone(), unique("g").as_str())
+        .handle::<PointsEarned, _>(AddPoints::default())
+        .idempotency(db.clone())
+        .with_config(f.config().with_max_deliveries(2).with_streams(streams))
+        .build()
+        .unwrap();
+    let running = spawn(&consumer);
+    outbox_tests::eventually_within("dead-lettered", Duration::from_secs(20), || {
+        consumer.stats().dead_lettered == 1
+    })
+    .await;
+    stop(running).await;
+}

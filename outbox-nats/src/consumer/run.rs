@@ -99,7 +99,11 @@ where
     async fn try_set_up(&self) -> Result<Vec<(Lane, PullConsumer)>> {
         let inner = &self.inner;
         let naming = &inner.config.naming;
-        let dead = inner.config.streams.clone().with_max_age(Duration::ZERO);
+        // Dead letters are kept until redriven, and take the topics' largest messages
+        // with the dead letter's headers added: no size limit of their own (a message
+        // that fit its topic's limit and not this one would be redelivered forever).
+        let mut dead = inner.config.streams.clone().with_max_age(Duration::ZERO);
+        dead.max_message_size = None;
         ensure_stream(
             &inner.js,
             &naming.dead_letter_stream(),
