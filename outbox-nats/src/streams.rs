@@ -117,6 +117,28 @@ impl StreamSettings {
                 "must be above zero: without it a message published again is stored twice",
             ));
         }
+        // JetStream takes durations as i64 nanoseconds (about 292 years): a longer one
+        // would wrap, to a negative or a short one.
+        const LONGEST: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+        for (field, d) in [
+            ("duplicate_window", self.duplicate_window),
+            ("max_age", self.max_age),
+        ] {
+            if d > LONGEST {
+                return Err(InvalidConfig::new(field, "must be at most 100 years"));
+            }
+        }
+        // JetStream keeps the limit as an i32: a larger one would be cut to i32::MAX,
+        // and the stream found would never match the settings.
+        if self
+            .max_message_size
+            .is_some_and(|n| i32::try_from(n).is_err() || n == 0)
+        {
+            return Err(InvalidConfig::new(
+                "max_message_size",
+                format!("must be from 1 to {} bytes", i32::MAX),
+            ));
+        }
         if !self.max_age.is_zero() && self.duplicate_window > self.max_age {
             return Err(InvalidConfig::new(
                 "duplicate_window",
@@ -311,5 +333,31 @@ fn facts(config: &Config) -> StreamFacts {
         max_message_size: usize::try_from(config.max_message_size)
             .ok()
             .filter(|&n| n > 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_jetstream_cannot_hold_are_refused() {
+        let ok = StreamSettings::default();
+        assert!(ok.validate().is_ok());
+        let field = |s: StreamSettings| s.validate().unwrap_err().field().to_owned();
+        assert_eq!(field(ok.clone().with_max_age(Duration::MAX)), "max_age");
+        assert_eq!(
+            field(
+                ok.clone()
+                    .with_max_age(Duration::ZERO)
+                    .with_duplicate_window(Duration::MAX)
+            ),
+            "duplicate_window"
+        );
+        assert_eq!(
+            field(ok.clone().with_max_message_size(u32::MAX)),
+            "max_message_size"
+        );
+        assert_eq!(field(ok.with_max_message_size(0)), "max_message_size");
     }
 }
