@@ -28,11 +28,12 @@ struct PointsEarned {
 type Ledger = BTreeMap<String, i64>;
 
 /// Adds points; fails the first `fail_first` calls for each message whose id starts
-/// with `bad`, and always for ids starting with `poison`.
+/// with `bad`, and always for ids starting with `poison`; takes `slow` for each.
 #[derive(Clone, Default)]
 struct AddPoints {
     calls: Arc<AtomicU32>,
     fail_first: u32,
+    slow: Duration,
 }
 
 impl Handler<PointsEarned> for AddPoints {
@@ -44,6 +45,7 @@ impl Handler<PointsEarned> for AddPoints {
         d: &Delivery,
     ) -> Result<(), HandlerError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(self.slow);
         if e.id.starts_with("poison") {
             return Err(HandlerError::msg(format!(
                 "cannot award {} points",
@@ -592,27 +594,6 @@ async fn a_durable_consumer_with_another_ack_wait_is_refused() {
     assert!(!other.health().running);
 }
 
-/// Sleeps before it adds the points: a handler slower than the pull's wait.
-#[derive(Clone, Default)]
-struct SlowPoints {
-    calls: Arc<AtomicU32>,
-}
-
-impl Handler<PointsEarned> for SlowPoints {
-    type Conn = MemoryTx<Ledger>;
-    fn handle(
-        &self,
-        e: PointsEarned,
-        tx: &mut Self::Conn,
-        _: &Delivery,
-    ) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(60));
-        *tx.data().entry(e.who).or_default() += e.points;
-        Ok(())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_slower_to_handle_than_its_wait_is_finished_not_dropped() {
     let f = Fixture::new().await;
@@ -621,7 +602,10 @@ async fn a_pull_slower_to_handle_than_its_wait_is_finished_not_dropped() {
         .collect();
     f.publish(&events).await;
     let db = MemoryDb::new(Ledger::new());
-    let handler = SlowPoints::default();
+    let handler = AddPoints {
+        slow: Duration::from_millis(60),
+        ..AddPoints::default()
+    };
     // One pull of 60, one at a time: 3.6 s of handling against a 0.2 s wait.
     let consumer = Consumer::builder(f.client.clone(), unique("g").as_str())
         .handle::<PointsEarned, _>(handler.clone())
