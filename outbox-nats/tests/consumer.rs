@@ -661,6 +661,15 @@ impl outbox_core::Inbox for DownUntil {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_spends_no_delivery_with_two_processes_of_the_group() {
+    store_outage_with_two_processes(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_spends_no_delivery_with_two_processes_in_batch_mode() {
+    store_outage_with_two_processes(Some(4)).await;
+}
+
+async fn store_outage_with_two_processes(batch: Option<usize>) {
     let f = Fixture::new().await;
     let events: Vec<PointsEarned> = (0..10)
         .map(|i| earned(&format!("o{i}"), "oli", 1))
@@ -675,11 +684,14 @@ async fn a_store_outage_spends_no_delivery_with_two_processes_of_the_group() {
     };
     let group = unique("g");
     let handler = AddPoints::default();
-    let config = f.config().with_max_deliveries(2).with_outage_backoff(
+    let mut config = f.config().with_max_deliveries(2).with_outage_backoff(
         outbox_core::OutageBackoff::default()
             .with_min(Duration::from_millis(100))
             .with_max(Duration::from_millis(400)),
     );
+    if let Some(n) = batch {
+        config = config.with_batch_size(n);
+    }
     let process = || {
         Consumer::builder(f.client.clone(), group.as_str())
             .handle::<PointsEarned, _>(handler.clone())

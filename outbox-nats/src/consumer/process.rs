@@ -23,6 +23,20 @@ pub(crate) enum Outcome {
     Outage,
 }
 
+/// Conflicts (deadlocks, serialization failures) a message meets in hand before the
+/// next one counts as a delivery: the store's `Transient` errors are bounded.
+const CONFLICTS_IN_HAND: u32 = 5;
+
+/// How a batch's store run ended.
+enum BatchRun {
+    /// Each message's outcome.
+    Decided(Vec<outbox_core::Result<Processed>>),
+    /// The batch as a whole failed (a conflict, a crash).
+    Failed,
+    /// The run was stopped while the store was down: every message naked.
+    Stopped,
+}
+
 /// One try at a message: its outcome, or the store could not decide it yet.
 enum Step {
     Done(Outcome),
@@ -40,10 +54,10 @@ where
     /// One message in its own transaction (single mode). A store outage or a conflict
     /// holds it in hand and runs it again (see [`hold`](Self::hold)); `stop` ends the
     /// wait.
-    pub(crate) async fn process(&self, job: Job, stop: &watch::Receiver<bool>) -> Outcome {
-        let mut outages = 0;
+    pub(crate) async fn process(&self, job: &Job, stop: &watch::Receiver<bool>) -> Outcome {
+        let (mut outages, mut conflicts) = (0, 0);
         loop {
-            let outage = match self.try_once(&job).await {
+            let outage = match self.try_once(job).await {
                 Step::Done(outcome) => return outcome,
                 Step::Again { outage } => outage,
             };
@@ -51,9 +65,14 @@ where
                 outages += 1;
                 self.outage_delay(outages)
             } else {
+                conflicts += 1;
+                if conflicts > CONFLICTS_IN_HAND {
+                    // Conflicting again and again: a delivery it is, counted.
+                    return self.nak(job, Some(self.inner.config.nak_delay)).await;
+                }
                 self.inner.config.nak_delay
             };
-            if !self.hold(&job, delay, stop).await {
+            if !self.hold(job, delay, stop).await {
                 return Outcome::Outage;
             }
         }
@@ -255,13 +274,14 @@ where
 
     /// A batch of messages in one transaction (batch mode); those that need no store
     /// run are settled first, one by one. A store outage holds the batch in hand and
-    /// runs it again; a message the store could not decide in the batch goes on alone.
+    /// runs it again; the messages the store could not decide in the batch go on alone.
     pub(crate) async fn process_batch(
         &self,
         jobs: Vec<Job>,
         stop: &watch::Receiver<bool>,
     ) -> Outcome {
         let mut outage = false;
+        let mut again = Vec::new();
         let mut through: Vec<(Job, Delivery)> = Vec::with_capacity(jobs.len());
         for job in jobs {
             let step = match self.screen(&job) {
@@ -276,14 +296,48 @@ where
                 Screened::DeadLetter(reason) => Step::Done(self.dead_letter(&job, &reason).await),
                 Screened::OverLimit(envelope) => self.over_limit(&job, &envelope).await,
             };
-            outage |= self.finish(job, step, stop).await == Outcome::Outage;
+            match step {
+                Step::Done(outcome) => outage |= outcome == Outcome::Outage,
+                Step::Again { .. } => again.push(job),
+            }
         }
-        if through.is_empty() {
-            return Outcome::of(outage);
+        let (jobs, deliveries): (Vec<Job>, Vec<Delivery>) = through.into_iter().unzip();
+        let outcomes = match self.run_batch(&jobs, deliveries, stop).await {
+            BatchRun::Decided(outcomes) => outcomes,
+            BatchRun::Stopped => return Outcome::Outage,
+            // The batch as a whole failed (a conflict, a crash): each alone, so that
+            // one message's fault costs only its own delivery.
+            BatchRun::Failed => {
+                again.extend(jobs);
+                return Outcome::of(self.alone(again, stop).await == Outcome::Outage || outage);
+            }
+        };
+        for (job, outcome) in jobs.into_iter().zip(outcomes) {
+            let run = match outcome {
+                Ok(processed) => StoreRun::Done(processed),
+                Err(e) => StoreRun::Failed(e),
+            };
+            match self.settle(&job, run).await {
+                Step::Done(o) => outage |= o == Outcome::Outage,
+                Step::Again { .. } => again.push(job),
+            }
         }
-        let (jobs, mut deliveries): (Vec<Job>, Vec<Delivery>) = through.into_iter().unzip();
+        Outcome::of(self.alone(again, stop).await == Outcome::Outage || outage)
+    }
+
+    /// `deliveries` (of `jobs`) through the store in one transaction, held in hand and
+    /// run again while the store is down.
+    async fn run_batch(
+        &self,
+        jobs: &[Job],
+        mut deliveries: Vec<Delivery>,
+        stop: &watch::Receiver<bool>,
+    ) -> BatchRun {
+        if jobs.is_empty() {
+            return BatchRun::Decided(Vec::new());
+        }
         let mut outages = 0;
-        let outcomes = loop {
+        loop {
             let inner = Arc::clone(&self.inner);
             let (run, back) = self
                 .inner
@@ -298,10 +352,12 @@ where
                 .await;
             deliveries = back;
             match run {
-                StoreRun::Done(outcomes) if outcomes.len() == jobs.len() => break outcomes,
+                StoreRun::Done(outcomes) if outcomes.len() == jobs.len() => {
+                    return BatchRun::Decided(outcomes);
+                }
                 StoreRun::Failed(e) if e.is_outage() => {
                     outages += 1;
-                    for job in &jobs {
+                    for job in jobs {
                         self.store_outage(job, &e);
                     }
                     let delay = self.outage_delay(outages);
@@ -309,54 +365,42 @@ where
                         jobs.iter().map(|job| self.hold(job, delay, stop)),
                     )
                     .await;
-                    if !held.into_iter().all(|h| h) {
-                        return Outcome::Outage;
+                    if held.iter().any(|h| !h) {
+                        // Stopped: those still held are handed back too.
+                        for (job, _) in jobs.iter().zip(&held).filter(|(_, h)| **h) {
+                            self.nak(job, None).await;
+                        }
+                        return BatchRun::Stopped;
                     }
                 }
-                // The batch as a whole failed (a conflict, a crash): each alone, so that
-                // one message's fault costs only its own delivery.
-                _ => return self.one_by_one(jobs, outage, stop).await,
+                _ => return BatchRun::Failed,
             }
-        };
-        for (job, outcome) in jobs.into_iter().zip(outcomes) {
-            let run = match outcome {
-                Ok(processed) => StoreRun::Done(processed),
-                Err(e) => StoreRun::Failed(e),
-            };
-            let step = self.settle(&job, run).await;
-            outage |= self.finish(job, step, stop).await == Outcome::Outage;
+        }
+    }
+
+    /// Each of `jobs` alone (see [`process`](Self::process)), one after another; those
+    /// waiting their turn are kept in progress meanwhile, so that a held one does not
+    /// let the server deliver the others again.
+    async fn alone(&self, jobs: Vec<Job>, stop: &watch::Receiver<bool>) -> Outcome {
+        let mut outage = false;
+        for (i, job) in jobs.iter().enumerate() {
+            let waiting = &jobs[i + 1..];
+            tokio::select! {
+                outcome = self.process(job, stop) => outage |= outcome == Outcome::Outage,
+                () = self.keep_in_progress(waiting) => {}
+            }
         }
         Outcome::of(outage)
     }
 
-    /// `step`'s outcome; a message the store could not decide yet is held, then goes on
-    /// alone.
-    async fn finish(&self, job: Job, step: Step, stop: &watch::Receiver<bool>) -> Outcome {
-        let outage = match step {
-            Step::Done(outcome) => return outcome,
-            Step::Again { outage } => outage,
-        };
-        let delay = if outage {
-            self.outage_delay(1)
-        } else {
-            self.inner.config.nak_delay
-        };
-        if !self.hold(&job, delay, stop).await {
-            return Outcome::Outage;
+    /// Tells the server every `ack_wait / 3` that `jobs` are in progress; never ends.
+    async fn keep_in_progress(&self, jobs: &[Job]) {
+        loop {
+            tokio::time::sleep(self.inner.config.ack_wait / 3).await;
+            for job in jobs {
+                let _ = job.msg.ack_with(AckKind::Progress).await;
+            }
         }
-        self.process(job, stop).await
-    }
-
-    async fn one_by_one(
-        &self,
-        jobs: Vec<Job>,
-        mut outage: bool,
-        stop: &watch::Receiver<bool>,
-    ) -> Outcome {
-        for job in jobs {
-            outage |= self.process(job, stop).await == Outcome::Outage;
-        }
-        Outcome::of(outage)
     }
 }
 

@@ -241,8 +241,9 @@ where
         });
         match config.batch_size {
             None => {
-                jobs.for_each_concurrent(config.max_in_flight, |job| async {
-                    if self.process(job, stop).await == Outcome::Outage {
+                let outage = &outage;
+                jobs.for_each_concurrent(config.max_in_flight, |job| async move {
+                    if self.process(&job, stop).await == Outcome::Outage {
                         outage.store(true, Ordering::Relaxed);
                     }
                 })
