@@ -23,9 +23,12 @@ pub(crate) enum Outcome {
     Outage,
 }
 
-/// Conflicts (deadlocks, serialization failures) a message meets in hand before the
-/// next one counts as a delivery: the store's `Transient` errors are bounded.
-const CONFLICTS_IN_HAND: u32 = 5;
+/// Conflicts (deadlocks, serialization failures) a message is run again after in hand,
+/// a short pause apart; the next one naks it. Holding it longer would stall the reader
+/// behind a conflict another consumer keeps renewing.
+const CONFLICTS_IN_HAND: u32 = 2;
+/// The pause before a conflicting message runs again, times the conflicts so far.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(20);
 
 /// How a batch's store run ended.
 enum BatchRun {
@@ -67,10 +70,12 @@ where
             } else {
                 conflicts += 1;
                 if conflicts > CONFLICTS_IN_HAND {
-                    // Conflicting again and again: a delivery it is, counted.
+                    // Still conflicting: back to the server, as Redis leaves it pending,
+                    // so that the reader moves on; the redelivery counts.
                     return self.nak(job, Some(self.inner.config.nak_delay)).await;
                 }
-                self.inner.config.nak_delay
+                // Usually over once the other transaction ended.
+                CONFLICT_PAUSE * conflicts
             };
             if !self.hold(job, delay, stop).await {
                 return Outcome::Outage;
