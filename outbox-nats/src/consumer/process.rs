@@ -126,9 +126,7 @@ where
             }
             // A deliberate wait: the consumer is live (not ready: the store failed).
             self.inner.health.round();
-            if let Err(e) = job.msg.ack_with(AckKind::Progress).await {
-                tracing::debug!(entry_id = %job.entry_id(), error = %e, "cannot tell the server the message is in progress");
-            }
+            self.in_progress(job).await;
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return true;
@@ -188,7 +186,7 @@ where
     async fn failed(&self, job: &Job, reason: &str) -> Outcome {
         self.count(Count::Failure, 1);
         self.inner.health.store_answered();
-        let delivered = job.delivered.max(1);
+        let delivered = job.delivered;
         if delivered >= self.inner.config.max_deliveries {
             tracing::warn!(entry_id = %job.entry_id(), %reason, "handler failed on its last delivery");
             return self.dead_letter(job, reason).await;
@@ -307,25 +305,23 @@ where
             }
         }
         let (jobs, deliveries): (Vec<Job>, Vec<Delivery>) = through.into_iter().unzip();
-        let outcomes = match self.run_batch(&jobs, deliveries, stop).await {
-            BatchRun::Decided(outcomes) => outcomes,
-            BatchRun::Stopped => return Outcome::Outage,
+        match self.run_batch(&jobs, deliveries, stop).await {
+            BatchRun::Decided(outcomes) => {
+                for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                    let run = match outcome {
+                        Ok(processed) => StoreRun::Done(processed),
+                        Err(e) => StoreRun::Failed(e),
+                    };
+                    match self.settle(&job, run).await {
+                        Step::Done(o) => outage |= o == Outcome::Outage,
+                        Step::Again { .. } => again.push(job),
+                    }
+                }
+            }
             // The batch as a whole failed (a conflict, a crash): each alone, so that
             // one message's fault costs only its own delivery.
-            BatchRun::Failed => {
-                again.extend(jobs);
-                return Outcome::of(self.alone(again, stop).await == Outcome::Outage || outage);
-            }
-        };
-        for (job, outcome) in jobs.into_iter().zip(outcomes) {
-            let run = match outcome {
-                Ok(processed) => StoreRun::Done(processed),
-                Err(e) => StoreRun::Failed(e),
-            };
-            match self.settle(&job, run).await {
-                Step::Done(o) => outage |= o == Outcome::Outage,
-                Step::Again { .. } => again.push(job),
-            }
+            BatchRun::Failed => again.extend(jobs),
+            BatchRun::Stopped => return Outcome::Outage,
         }
         Outcome::of(self.alone(again, stop).await == Outcome::Outage || outage)
     }
@@ -403,8 +399,16 @@ where
         loop {
             tokio::time::sleep(self.inner.config.ack_wait / 3).await;
             for job in jobs {
-                let _ = job.msg.ack_with(AckKind::Progress).await;
+                self.in_progress(job).await;
             }
+        }
+    }
+
+    /// Tells the server `job` is in progress: its `ack_wait` starts again. A lost word
+    /// only lets the server deliver it again, which the inbox absorbs.
+    async fn in_progress(&self, job: &Job) {
+        if let Err(e) = job.msg.ack_with(AckKind::Progress).await {
+            tracing::debug!(entry_id = %job.entry_id(), error = %e, "cannot tell the server the message is in progress");
         }
     }
 }

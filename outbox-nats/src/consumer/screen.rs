@@ -13,7 +13,7 @@ pub(crate) struct Job {
     pub(crate) topic: Topic,
     /// Its sequence in the stream.
     pub(crate) seq: u64,
-    /// Deliveries so far, this one included, as the server counts them.
+    /// Deliveries so far, this one included, as the server counts them (at least 1).
     pub(crate) delivered: u64,
 }
 
@@ -24,7 +24,7 @@ impl Job {
         let info = msg.info().ok()?;
         let (seq, delivered) = (
             info.stream_sequence,
-            u64::try_from(info.delivered).unwrap_or(1),
+            u64::try_from(info.delivered).unwrap_or(1).max(1),
         );
         Some(Self {
             msg,
@@ -71,7 +71,7 @@ where
             Ok(envelope) => envelope,
             Err(e) => return Screened::DeadLetter(e.to_string()),
         };
-        let delivered = job.delivered.max(1);
+        let delivered = job.delivered;
         if delivered > inner.config.max_deliveries {
             return Screened::OverLimit(envelope);
         }
