@@ -297,6 +297,16 @@ pub(crate) async fn ensure_stream(
                 // Another publisher created it meanwhile: check it.
                 CreateStreamErrorKind::JetStream(js_err)
                     if js_err.error_code() == ErrorCode::STREAM_NAME_EXIST => {}
+                // Not found, yet its subjects are taken: a server just started may still
+                // be restoring it (seen after a restart). Asked again after a backoff;
+                // an overlap with another stream stays in the health's last error.
+                CreateStreamErrorKind::JetStream(js_err)
+                    if js_err.error_code() == ErrorCode::STREAM_SUBJECT_OVERLAP =>
+                {
+                    return Err(Error::Unavailable(format!(
+                        "create stream {name}: {js_err}"
+                    )));
+                }
                 CreateStreamErrorKind::JetStream(js_err) => {
                     return Err(refused(format!("create stream {name}"), &js_err));
                 }
